@@ -1,0 +1,624 @@
+"""The typed cycle config: the single source of every knob of a MASS cycle.
+
+A `CycleConfig` describes one cycle L(k) → L(k+1). It is loaded from a preset shipped in the package (`paper`,
+`cycle2`, `demo`) or a YAML/JSON file, then `--set a.b=c` overrides and the `MASS_METADATA_URL` /
+`MASS_ARTIFACT_URL` environment variables are applied, and finally every rule is checked. A bad config raises
+`ConfigError` carrying one line per problem (field and rule); nothing is written before validation passes.
+
+The `paper` and `cycle2` presets hold exactly the constants of the reference release (MASS_SPEC §2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+PRESET_NAMES = ("paper", "cycle2", "demo")
+# Presets that must reproduce the reference release's batch geometry (3 windows per optimizer step).
+PAPER_PRESETS = frozenset({"paper", "cycle2"})
+METADATA_URL_ENV = "MASS_METADATA_URL"
+ARTIFACT_URL_ENV = "MASS_ARTIFACT_URL"
+OPENROUTER_ENDPOINT = "https://openrouter.ai/api/v1"
+
+
+def _number(value: Any) -> Any:
+    """Accept ints and floats for float knobs, but never bools or strings (YAML 'yes' is not 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"must be a number (got {value!r})")
+    return float(value)
+
+
+StrictFloat = Annotated[float, BeforeValidator(_number)]
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+TaskId = Annotated[StrictInt, Field(gt=0)]
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class ConfigError(ValueError):
+    """A config that breaks one or more rules; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class _Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are not coerced across types."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelsConfig(_Section):
+    """Model identities of the cycle. Relative locations are keys in the artifact store; `s3://…` or absolute paths
+    are used as they are."""
+
+    served_name: str = Field(min_length=1, description="Name the inference server serves the current model under.")
+    parent_bf16: str = Field(min_length=1, description="BF16 parent: training base and tokenizer.")
+    fp8_reference: str | None = Field(
+        default=None, description="Official FP8 checkpoint whose layout the FP8 export mirrors; none = default rule."
+    )
+    next_bf16: str = Field(min_length=1, description="Where the merged BF16 model of the next generation goes.")
+    next_fp8: str = Field(min_length=1, description="Where the block-FP8 model of the next generation goes.")
+
+
+class SamplingConfig(_Section):
+    """Sampling of episodes and in-loop judge/optimizer calls on a local server (MASS_SPEC §3.2, §4)."""
+
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 0.6
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.95
+    top_k: Annotated[StrictInt, Field(ge=-1)] = 20
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0)] = 1.0
+    enable_thinking: StrictBool = True
+
+
+class ServerConfig(_Section):
+    """How the inference server is launched (vLLM in production, `transformers serve` locally)."""
+
+    port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8001
+    max_num_seqs: PositiveInt = 4
+    gpu_memory_utilization: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.9
+    tool_call_parser: str = "qwen3_coder"
+    reasoning_parser: str = "qwen3"
+    gpus: PositiveInt = 1
+    readiness_timeout_s: PositiveInt = 1800
+
+
+class InferenceConfig(_Section):
+    """The OpenAI-compatible endpoint the current model is served on, and the token budgets of every call."""
+
+    backend: Literal["vllm", "openai-compatible", "openrouter"] = "vllm"
+    endpoint: str = "http://127.0.0.1:8001/v1"
+    api_key_env: str = Field(
+        default="VLLM_API_KEY", description="NAME of the environment variable holding the key (never the key)."
+    )
+    context_window_tokens: PositiveInt = 262144
+    episode_max_output_tokens: PositiveInt = 32768
+    max_output_tokens: PositiveInt = 49152
+    context_safety_tokens: PositiveInt = 8192
+    reasoning_effort: Literal["low", "medium", "high"] = "medium"
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_concurrent_requests: PositiveInt = Field(
+        default=4, description="Capacity of the endpoint: episodes and judge calls in flight at once."
+    )
+    request_timeout_s: PositiveInt = 3600
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _budgets_and_endpoint(self) -> InferenceConfig:
+        problems = []
+        largest = max(self.episode_max_output_tokens, self.max_output_tokens)
+        if largest + self.context_safety_tokens >= self.context_window_tokens:
+            problems.append(
+                f"max_output_tokens: max(episode_max_output_tokens, max_output_tokens) + context_safety_tokens = "
+                f"{largest + self.context_safety_tokens} must be below context_window_tokens "
+                f"({self.context_window_tokens})"
+            )
+        endpoint_problem = _endpoint_problem(self.endpoint, self.backend)
+        if endpoint_problem:
+            problems.append(f"endpoint: {endpoint_problem}")
+        if not _IDENTIFIER.match(self.api_key_env):
+            problems.append("api_key_env: must be an environment variable name, not a key")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class TasksConfig(_Section):
+    """Which tasks play which part. `catalogue` = 'builtin' or a directory/URI holding a MASS-format task set."""
+
+    catalogue: str = "builtin"
+    train_candidates: list[TaskId]
+    train: list[TaskId]
+    test: list[TaskId]
+    excluded: list[TaskId] = []
+
+    @model_validator(mode="after")
+    def _splits(self) -> TasksConfig:
+        problems = []
+        for name in ("train_candidates", "train", "test", "excluded"):
+            ids = getattr(self, name)
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            if dupes:
+                problems.append(f"{name}: lists {dupes} more than once")
+        train, test, excluded = set(self.train), set(self.test), set(self.excluded)
+        for a, b, left, right in (
+            ("train", "test", train, test),
+            ("train", "excluded", train, excluded),
+            ("test", "excluded", test, excluded),
+        ):
+            if left & right:
+                problems.append(f"{b}: overlaps {a} on {sorted(left & right)}")
+        if train | excluded != set(self.train_candidates):
+            problems.append(
+                f"train_candidates: train ∪ excluded {sorted(train | excluded)} must equal train_candidates "
+                f"{sorted(self.train_candidates)}"
+            )
+        if not self.train:
+            problems.append("train: must name at least one task")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def for_split(self, split: Literal["train", "test", "all"]) -> list[int]:
+        """Default task set of the search/rollout stages (MASS_SPEC §1): all = train candidates + test."""
+        if split == "train":
+            return list(self.train_candidates)
+        if split == "test":
+            return list(self.test)
+        return list(self.train_candidates) + list(self.test)
+
+
+class SearchConfig(_Section):
+    """RHI workflow search (MASS_SPEC §3)."""
+
+    iterations: PositiveInt = 11
+    seed_base: NonNegativeInt = 450000
+    judge_invalid_retries: NonNegativeInt = Field(
+        default=2, description="Extra judge calls when the output is not a valid verdict; then recorded as invalid/tie."
+    )
+    swap_consistent: StrictBool = Field(default=False, description="Judge both orders; disagreement = tie (not paper).")
+    reject_numeric_caps: StrictBool = False
+    max_design_chars: PositiveInt | None = None
+    results_json_max_chars: PositiveInt = 24000
+    results_json_total_max_chars: PositiveInt = 120000
+
+
+class CollectionConfig(_Section):
+    """Teacher collection under the retained workflow (MASS_SPEC §1 collect/select)."""
+
+    candidates: PositiveInt = 18
+    train_ranks: PositiveInt = 15
+    validation_rank: PositiveInt = 16
+    seed_base: NonNegativeInt = 710000
+    require_beats_reference: StrictBool = Field(
+        default=True, description="Skip tasks whose retained workflow never beat the reference (paper behaviour)."
+    )
+
+    @model_validator(mode="after")
+    def _ranks(self) -> CollectionConfig:
+        problems = []
+        if self.validation_rank != self.train_ranks + 1:
+            problems.append(
+                f"validation_rank: {self.validation_rank} must equal train_ranks + 1 ({self.train_ranks + 1})"
+            )
+        if self.candidates < self.validation_rank:
+            problems.append(f"candidates: {self.candidates} must be ≥ validation_rank ({self.validation_rank})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class RankingConfig(_Section):
+    """Within-task self-ranking: ring tournament + Bradley–Terry (MASS_SPEC §6)."""
+
+    opponents_per_episode: PositiveInt = 6
+    seed: NonNegativeInt = 1234
+    bootstrap_samples: NonNegativeInt = 1000
+
+    @model_validator(mode="after")
+    def _even(self) -> RankingConfig:
+        if self.opponents_per_episode < 2 or self.opponents_per_episode % 2:
+            raise ValueError(f"opponents_per_episode: {self.opponents_per_episode} must be even and ≥ 2")
+        return self
+
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TrainingConfig(_Section):
+    """LoRA SFT on DeepSpeed ZeRO-3 (MASS_SPEC §7, §8). `replicas` = data-parallel ranks; each optimizer step
+    averages `replicas × grad_accum` windows."""
+
+    window: PositiveInt = 49152
+    context_overlap: NonNegativeInt = 8192
+    steps: PositiveInt = 1624
+    lr: Annotated[StrictFloat, Field(gt=0.0, lt=1.0)] = 3e-5
+    warmup_steps: NonNegativeInt = 5
+    min_lr_ratio: Probability = 0.1
+    lora_r: PositiveInt = 64
+    lora_alpha: PositiveInt = 128
+    lora_dropout: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = 0.05
+    lora_target_modules: list[str] = list(DEFAULT_LORA_TARGETS)
+    save_every: PositiveInt = 50
+    val_every: PositiveInt = 150
+    replicas: PositiveInt = 3
+    gpus_per_rank: PositiveInt = Field(
+        default=2,
+        description="The reference's GPUs per pipeline-parallel replica; ZeRO-3 shards instead, so mass-ops runs one "
+        "rank per GPU and uses this only to report the reference topology.",
+    )
+    grad_accum: PositiveInt = 1
+    ce_chunk: PositiveInt = 512
+    seed: NonNegativeInt = 1234
+    sampler: Literal["task_role"] = "task_role"
+    p_orch: Probability = 1 / 3
+    val_at_start: StrictBool = True
+    autocast_bf16: StrictBool = True
+    gradient_checkpointing: StrictBool = True
+    zero_stage: Literal[3] = 3
+    windows_per_step: PositiveInt | None = Field(
+        default=None, description="When set, replicas × grad_accum must equal it (the paper presets fix 3)."
+    )
+    nnodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = 8
+    max_header_frac: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.9
+
+    @model_validator(mode="after")
+    def _geometry(self) -> TrainingConfig:
+        problems = []
+        if self.context_overlap >= self.window:
+            problems.append(f"context_overlap: {self.context_overlap} must be below window ({self.window})")
+        if self.warmup_steps >= self.steps:
+            problems.append(f"warmup_steps: {self.warmup_steps} must be below steps ({self.steps})")
+        if self.windows_per_step is not None and self.replicas * self.grad_accum != self.windows_per_step:
+            problems.append(
+                f"windows_per_step: replicas × grad_accum = {self.replicas * self.grad_accum} must equal "
+                f"windows_per_step ({self.windows_per_step})"
+            )
+        if not self.lora_target_modules:
+            problems.append("lora_target_modules: must name at least one module")
+        bad = [m for m in self.lora_target_modules if not _IDENTIFIER.match(m)]
+        if bad:
+            problems.append(f"lora_target_modules: {bad} are not module names")
+        if self.val_every > self.steps:
+            problems.append(f"val_every: {self.val_every} must not exceed steps ({self.steps})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def effective_windows_per_step(self) -> int:
+        """Windows averaged by one optimizer step: data-parallel ranks × accumulation."""
+        return self.replicas * self.grad_accum
+
+
+class ExportConfig(_Section):
+    """Merge to BF16 and block-wise FP8 (MASS_SPEC §9)."""
+
+    fp8_block_size: Literal[128] = 128
+    formats: list[Literal["bf16", "fp8"]] = ["bf16", "fp8"]
+
+
+class ExternalJudgeConfig(_Section):
+    """One external judge used for reporting only (never for selection)."""
+
+    name: str = Field(min_length=1)
+    provider: Literal["openai-compatible", "anthropic"]
+    model: str = Field(min_length=1)
+    base_url: str | None = None
+    api_key_env: str
+    reasoning_effort: str | None = None
+    max_tokens: PositiveInt = 32768
+
+    @model_validator(mode="after")
+    def _key_env(self) -> ExternalJudgeConfig:
+        if not _IDENTIFIER.match(self.api_key_env):
+            raise ValueError("api_key_env: must be an environment variable name, not a key")
+        if self.base_url is not None and not _is_http_url(self.base_url):
+            raise ValueError(f"base_url: {self.base_url!r} must be an http(s) URL without credentials")
+        return self
+
+
+class EvaluationConfig(_Section):
+    """Rollouts, external pairwise judging and the nightly regression check (MASS_SPEC §10)."""
+
+    rollout_count: PositiveInt = 10
+    rollout_seed_base: NonNegativeInt = 910000
+    tasks: list[TaskId] | None = Field(
+        default=None, description="Rollout pool; none = the 8 SFT tasks + the test tasks (the paper's 11-task pool)."
+    )
+    judge_seeds: list[NonNegativeInt] = [42, 43, 44]
+    judges: list[ExternalJudgeConfig] = []
+    swap_consistent: StrictBool = False
+    regression_threshold: Probability = 0.05
+
+
+class StorageConfig(_Section):
+    """Where records and artifacts live. Overridden by MASS_METADATA_URL / MASS_ARTIFACT_URL."""
+
+    metadata_url: str = "sqlite:///runs/mass-ops.db"
+    artifact_url: str = "runs/artifacts"
+
+    @model_validator(mode="after")
+    def _urls(self) -> StorageConfig:
+        problems = []
+        meta = self.metadata_url
+        if not (meta.startswith("sqlite:///") or re.match(r"^postgresql(\+[a-z0-9]+)?://[^/]+/[^/?#]+", meta)):
+            problems.append("metadata_url: must be sqlite:///PATH or postgresql://HOST/DB")
+        art = self.artifact_url
+        if art.startswith("s3://"):
+            if not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\s]*)?$", art):
+                problems.append("artifact_url: s3://BUCKET/PREFIX has an invalid bucket name")
+        elif "://" in art and not art.startswith("file://"):
+            problems.append("artifact_url: must be s3://BUCKET/PREFIX, file://PATH or a folder path")
+        elif not art.strip():
+            problems.append("artifact_url: must not be empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class KubernetesConfig(_Section):
+    """Settings of the Kubernetes compute backend (production profile)."""
+
+    namespace: str = "mass-ops"
+    image_episode: str = "ghcr.io/mass-ops/episode:0.1.0"
+    image_trainer: str = "ghcr.io/mass-ops/trainer:0.1.0"
+    image_inference: str = "ghcr.io/mass-ops/inference:0.1.0"
+    gpu_resource: str = "nvidia.com/gpu"
+    node_selector: dict[str, str] = {}
+    gpu_node_selector: dict[str, str] = {}
+    gpu_tolerations: list[dict[str, str]] = []
+    model_cache_pvc: str = "mass-ops-model-cache"
+    episode_cpu: str = "4"
+    episode_memory: str = "16Gi"
+    startup_timeout_s: PositiveInt = 1800
+    training_priority_class: str = "mass-ops-training"
+
+    @model_validator(mode="after")
+    def _names(self) -> KubernetesConfig:
+        if not _K8S_NAME.match(self.namespace):
+            raise ValueError(f"namespace: {self.namespace!r} is not a valid Kubernetes name")
+        return self
+
+
+class ComputeConfig(_Section):
+    """Where commands run: local processes (embedded default) or Kubernetes."""
+
+    backend: Literal["local", "kubernetes"] = "local"
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+
+
+class RuntimeConfig(_Section):
+    """Limits of one episode (MASS_SPEC §4; the wall-clock limit is beyond the reference)."""
+
+    http_response_timeout_ms: PositiveInt = 1800000
+    shell_timeout_ms: PositiveInt = 600000
+    stream_idle_timeout_ms: PositiveInt = 600000
+    episode_wall_clock_s: PositiveInt = 6 * 3600
+    max_infra_attempts: PositiveInt = Field(default=3, description="Attempts per episode when infrastructure fails.")
+    thread_limit: PositiveInt = 2
+    episode_cuda_visible_devices: str = ""
+
+
+class CycleConfig(_Section):
+    """One MASS cycle L(generation) → L(generation + 1)."""
+
+    name: str | None = Field(default=None, description="Cycle name; default '<preset>-L<generation>'.")
+    preset: str = "custom"
+    generation: NonNegativeInt
+    models: ModelsConfig
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    tasks: TasksConfig
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    collection: CollectionConfig = Field(default_factory=CollectionConfig)
+    ranking: RankingConfig = Field(default_factory=RankingConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> CycleConfig:
+        problems = []
+        if self.preset in PAPER_PRESETS and self.training.windows_per_step != 3:
+            problems.append("training.windows_per_step: the paper presets average exactly 3 windows per step")
+        if self.name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", self.name):
+            problems.append("name: must be 1-63 letters, digits, '.', '_' or '-'")
+        pool = self.evaluation.tasks or []
+        known = set(self.tasks.train_candidates) | set(self.tasks.test)
+        stray = sorted(set(pool) - known)
+        if stray:
+            problems.append(f"evaluation.tasks: {stray} are neither train candidates nor test tasks")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def cycle_name(self) -> str:
+        """The cycle's name in the metadata store."""
+        return self.name or f"{self.preset}-L{self.generation}"
+
+    @property
+    def is_remote_backend(self) -> bool:
+        """OpenRouter serves a model we cannot train or export (MASS_SPEC §1)."""
+        return self.inference.backend == "openrouter"
+
+    def rollout_tasks(self) -> list[int]:
+        """The evaluation pool: configured, else the SFT tasks plus the test tasks."""
+        return list(self.evaluation.tasks) if self.evaluation.tasks else list(self.tasks.train) + list(self.tasks.test)
+
+    def config_hash(self) -> str:
+        """SHA-256 of the canonical config without `storage` (where records live is not what the cycle is)."""
+        payload = self.model_dump(mode="json", exclude={"storage"})
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _is_http_url(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.username is None
+
+
+def _endpoint_problem(endpoint: str, backend: str) -> str | None:
+    """The endpoint rule of MASS_SPEC §1, widened to any http(s) URL since vLLM runs in-cluster."""
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError as exc:
+        return f"endpoint {endpoint!r} is not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"endpoint {endpoint!r} must be an http(s) URL"
+    if parts.username or parts.password:
+        return "endpoint must not carry credentials"
+    if parts.query or parts.fragment:
+        return "endpoint must not carry a query or fragment"
+    if backend == "openrouter" and endpoint.rstrip("/") != OPENROUTER_ENDPOINT:
+        return f"the openrouter backend needs endpoint {OPENROUTER_ENDPOINT}"
+    if backend != "openrouter" and port is None and parts.scheme == "http" and parts.hostname in _LOOPBACK:
+        return "a loopback endpoint needs an explicit port"
+    return None
+
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def preset_path(name: str) -> Path:
+    """Path of a shipped preset file."""
+    return PRESETS_DIR / f"{name}.yaml"
+
+
+def read_config_source(source: str | Path) -> dict[str, Any]:
+    """Read a preset name or a YAML/JSON file into a plain mapping (no validation yet)."""
+    text_source = str(source)
+    path = preset_path(text_source) if text_source in PRESET_NAMES else Path(text_source)
+    if not path.is_file():
+        raise ConfigError([f"config: {text_source}: no such preset or file (presets: {', '.join(PRESET_NAMES)})"])
+    try:
+        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError([f"config: {path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"config: {path}: the top level must be a mapping"])
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides; values are parsed as YAML scalars/lists (`3`, `true`, `[51, 53]`, `null`)."""
+    result = json.loads(json.dumps(data))
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"--set {item!r}: expected KEY.PATH=VALUE")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = result
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append(f"--set {item!r}: {part} is not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return result
+
+
+def apply_environment(data: dict[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """MASS_METADATA_URL and MASS_ARTIFACT_URL override the storage URLs of any config."""
+    env = os.environ if environ is None else environ
+    result = dict(data)
+    storage = dict(result.get("storage") or {})
+    if env.get(METADATA_URL_ENV):
+        storage["metadata_url"] = env[METADATA_URL_ENV]
+    if env.get(ARTIFACT_URL_ENV):
+        storage["artifact_url"] = env[ARTIFACT_URL_ENV]
+    if storage:
+        result["storage"] = storage
+    return result
+
+
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """One line per problem: `config: <dotted field>: <rule>`."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in err and "(got " not in msg and not isinstance(err["input"], dict | list):
+            msg = f"{msg} (got {err['input']!r})"
+        for part in msg.split("; "):
+            # Model-level rules name their field as "field: rule"; fold it into the location.
+            field, sep, rule = part.partition(": ")
+            if sep and re.fullmatch(r"[a-z_][a-z0-9_.]*", field):
+                where = field if loc == "(top level)" else f"{loc}.{field}"
+                lines.append(f"config: {where}: {rule}")
+            else:
+                lines.append(f"config: {loc}: {part}")
+    return lines
+
+
+def validate_config(data: Mapping[str, Any]) -> CycleConfig:
+    """Validate a mapping into a frozen `CycleConfig`, or raise `ConfigError` listing every problem."""
+    try:
+        return CycleConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_config(
+    source: str | Path,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> CycleConfig:
+    """Preset name or file → overrides → environment → validated config."""
+    data = read_config_source(source)
+    data = apply_overrides(data, overrides)
+    data = apply_environment(data, environ)
+    return validate_config(data)
+
+
+def config_json_schema() -> dict[str, Any]:
+    """JSON Schema of the cycle config (drives the Airflow trigger form)."""
+    return CycleConfig.model_json_schema()

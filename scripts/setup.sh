@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv and installs mass-ops with every extra the tests and the demo need. Idempotent: a second run only
+# checks. torch is installed first at the pinned version so that nothing else can pull a different build, and
+# DeepSpeed is built against it without build isolation (its sdist imports torch at build time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+stamp=.venv/.mass-ops-installed
+want=$(cat pyproject.toml plugins/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+$VPY -m pip install --quiet --upgrade pip setuptools wheel
+$VPY -m pip install --quiet "torch==2.13.0"
+$VPY -m pip install --quiet -e ".[train,airflow,report,dev]"
+if [ -f plugins/pyproject.toml ]; then
+  $VPY -m pip install --quiet -e plugins/
+fi
+echo "$want" > "$stamp"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The README's test command: sets up what it needs, then runs the whole suite. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# Postgres must answer on 127.0.0.1:5432 (the machine's own server); start it if it was stopped.
+if ! .venv/bin/python -c "import psycopg2; psycopg2.connect(host='127.0.0.1', user='postgres', dbname='postgres').close()" 2>/dev/null; then
+  if command -v pg_ctlcluster >/dev/null 2>&1; then
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start || true
+  fi
+fi
+exec .venv/bin/python -m pytest "$@"
