@@ -1,0 +1,120 @@
+"""`mass-ops …`: a thin shell over the stage functions (Typer + Rich).
+
+Every command that takes a config accepts `--config PRESET|FILE` and repeatable `--set a.b=c`. A bad config or bad
+input prints one line per problem on stderr and exits with status 2; nothing is written before validation passes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
+app.add_typer(config_app, name="config")
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOption = Annotated[str, typer.Option("--config", "-c", help="Preset (paper, cycle2, demo) or YAML/JSON file.")]
+SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a key: a.b=c (repeatable).")]
+
+
+class InputError(ValueError):
+    """Bad user input detected by a command; its message is one line."""
+
+
+def fail(lines: list[str] | str, code: int = 2) -> typer.Exit:
+    """Print problems on stderr, one per line, and return the Exit to raise."""
+    for line in [lines] if isinstance(lines, str) else lines:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def resolve_config(config: str, overrides: list[str] | None) -> CycleConfig:
+    """Load and validate a config, turning `ConfigError` into exit 2."""
+    try:
+        return load_config(config, overrides or ())
+    except ConfigError as exc:
+        raise fail(exc.problems) from None
+
+
+@config_app.command("show")
+def config_show(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Print the validated config as JSON."""
+    cfg = resolve_config(config, set_)
+    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+
+
+@config_app.command("validate")
+def config_validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Validate a config; prints its cycle name and hash."""
+    cfg = resolve_config(config, set_)
+    console.print(f"ok: cycle {cfg.cycle_name} config {cfg.config_hash()}")
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON Schema of the cycle config."""
+    sys.stdout.write(json.dumps(config_json_schema(), indent=2) + "\n")
+
+
+@app.command()
+def plan(
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Print the validated config, the stage graph with planned counts, the training command and resources."""
+    from mass_ops.plan import build_plan
+    from mass_ops.train.launch import training_command_for
+
+    cfg = resolve_config(config, set_)
+    cycle_plan = build_plan(cfg, training_command_for(cfg))
+    if as_json:
+        sys.stdout.write(json.dumps({"config": cfg.model_dump(mode="json"), "plan": cycle_plan.as_dict()}) + "\n")
+        return
+    gen = cfg.generation
+    console.rule(f"cycle {cycle_plan.cycle}: L{gen} -> RHI -> teacher collection -> SFT -> L{gen + 1}")
+    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    table = Table(title="Stage graph and planned counts")
+    table.add_column("#", justify="right")
+    table.add_column("stage")
+    table.add_column("planned")
+    for i, stage in enumerate(cycle_plan.stages, 1):
+        counts = ", ".join(f"{k}={v}" for k, v in stage.counts.items())
+        table.add_row(str(i), stage.stage, counts + (" (upper bound)" if stage.upper_bound else ""))
+    console.print(table)
+    totals = Table(title="Totals")
+    totals.add_column("what")
+    totals.add_column("count", justify="right")
+    for key, value in cycle_plan.totals.items():
+        totals.add_row(key, str(value))
+    console.print(totals)
+    console.print(f"effective batch: {cycle_plan.windows_per_step} windows per optimizer step")
+    console.print("training command:", style="bold")
+    console.print(" ".join(cycle_plan.training_command), markup=False, highlight=False, soft_wrap=True)
+    r = cycle_plan.resources
+    console.print(
+        f"resources: inference {r.inference_gpus} GPU (capacity {r.inference_capacity} concurrent requests); "
+        f"episodes {r.episode_concurrency} pods at once; training {r.training_nodes} node(s) × "
+        f"{r.training_ranks // r.training_nodes} rank(s) = {r.training_gpus} GPU(s) "
+        f"(reference topology: {r.reference_training_gpus} GPUs); export 1 CPU job",
+        markup=False,
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

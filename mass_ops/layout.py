@@ -1,0 +1,126 @@
+"""Names and artifact keys of every record of a cycle, in one place.
+
+Artifact keys are relative to the configured artifact store (`s3://bucket/prefix` or a folder), so the same layout
+serves both profiles, e.g. `cycles/<cycle>/episodes/<episode>/workspace.tar.gz`. Condition names follow the
+reference release (MASS_SPEC §1) so that rendered datasets and compatibility exports match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
+
+# Files an episode publishes; the episode row stores their URIs under these names.
+EPISODE_FILES = {
+    "workspace": "workspace.tar.gz",
+    "api_log": "api_requests.jsonl.gz",
+    "stream": "stream.jsonl",
+    "stderr": "stderr.log",
+    "status": "status.json",
+    "prompt": "prompt.txt",
+    "settings": "settings.json",
+}
+
+
+def bare_condition(task_id: int) -> str:
+    """Condition of a bare-task episode (RHI reference, evaluation rollout)."""
+    return f"t{task_id}_bare"
+
+
+def version_condition(task_id: int, version: int) -> str:
+    """Condition of an RHI episode of workflow version k."""
+    return f"t{task_id}_v{version}"
+
+
+def teacher_condition(task_id: int, generation: int) -> str:
+    """Condition of a teacher-collection episode of generation g."""
+    return f"t{task_id}_L{generation}"
+
+
+def episode_name(condition: str, seed: int) -> str:
+    """Human-readable episode name used by the reference release: `{condition}_s{seed}`."""
+    return f"{condition}_s{seed}"
+
+
+@dataclass(frozen=True)
+class EpisodeUnit:
+    """The deterministic identity of one episode attempt (ARCHITECTURE: units of work)."""
+
+    cycle: str
+    task_id: int
+    kind: EpisodeKind
+    seed: int
+    version: int | None = None
+    candidate: int | None = None
+    attempt: int = 1
+
+    @property
+    def slug(self) -> str:
+        """Stable, path-safe identity without the attempt: the same unit across retries."""
+        parts = [self.kind, f"t{self.task_id}"]
+        if self.version is not None:
+            parts.append(f"v{self.version}")
+        if self.candidate is not None:
+            parts.append(f"c{self.candidate}")
+        parts.append(f"s{self.seed}")
+        return "-".join(parts)
+
+    @property
+    def key(self) -> str:
+        """Unique key of this attempt within the metadata store."""
+        return f"{self.cycle}/{self.slug}/a{self.attempt}"
+
+    def artifact_prefix(self) -> str:
+        """Artifact folder of this attempt."""
+        return f"{cycle_prefix(self.cycle)}/episodes/{self.slug}/a{self.attempt}"
+
+    def artifact_key(self, name: str) -> str:
+        """Key of one of the episode's files (see EPISODE_FILES)."""
+        return f"{self.artifact_prefix()}/{EPISODE_FILES[name]}"
+
+
+def cycle_prefix(cycle: str) -> str:
+    """Root of a cycle's artifacts."""
+    return f"cycles/{cycle}"
+
+
+def llm_call_prefix(cycle: str, call_key: str) -> str:
+    """Folder holding one LLM call's prompt and result (call keys use '/' to group by task and ledger)."""
+    return f"{cycle_prefix(cycle)}/calls/{call_key}"
+
+
+def workflow_version_key(cycle: str, task_id: int, version: int) -> str:
+    """Full prompt of RHI version k of task q."""
+    return f"{cycle_prefix(cycle)}/search/task{task_id}/versions/v{version}.txt"
+
+
+def teacher_prompt_key(cycle: str, task_id: int) -> str:
+    """Teacher prompt of task q (retained version + teacher directive)."""
+    return f"{cycle_prefix(cycle)}/collection/task{task_id}/teacher_prompt.txt"
+
+
+def dataset_key(cycle: str, split: str, shard: int) -> str:
+    """One JSONL shard of the rendered windows of a split."""
+    return f"{cycle_prefix(cycle)}/datasets/{split}/windows-{shard:05d}.jsonl.gz"
+
+
+def dataset_stats_key(cycle: str, split: str) -> str:
+    """Render statistics of a split."""
+    return f"{cycle_prefix(cycle)}/datasets/{split}/stats.json"
+
+
+def training_prefix(cycle: str) -> str:
+    """Training outputs of a cycle (logs, checkpoints)."""
+    return f"{cycle_prefix(cycle)}/training"
+
+
+def model_prefix(location: str) -> str:
+    """Artifact folder of a model given its configured location (relative keys are used as they are)."""
+    return location.rstrip("/")
+
+
+def report_prefix(cycle: str) -> str:
+    """Report of a cycle (Markdown, HTML, figures)."""
+    return f"{cycle_prefix(cycle)}/report"

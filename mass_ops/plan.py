@@ -1,0 +1,197 @@
+"""The planned shape of a cycle: stage graph, unit counts, training launch and resource plan.
+
+Counts are upper bounds where the outcome decides (collection only runs for tasks whose retained workflow beats the
+reference; arbitration calls only happen when two versions beat it). Window counts are unknown until render.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from mass_ops.config import CycleConfig
+
+STAGES: tuple[str, ...] = (
+    "validate_config",
+    "inference_up",
+    "search",
+    "collect",
+    "rank",
+    "select",
+    "inference_down",
+    "render",
+    "train",
+    "select_checkpoint",
+    "export",
+    "register",
+    "evaluate",
+    "report",
+)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Planned work of one stage: a line per count, `upper_bound` when outcomes can only shrink it."""
+
+    stage: str
+    counts: dict[str, int | str]
+    upper_bound: bool = False
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """What each kind of job asks of the cluster (or the laptop)."""
+
+    inference_gpus: int
+    inference_capacity: int
+    episode_concurrency: int
+    training_nodes: int
+    training_ranks: int
+    training_gpus: int
+    reference_training_gpus: int
+
+
+@dataclass(frozen=True)
+class CyclePlan:
+    """Everything `mass-ops plan` reports."""
+
+    cycle: str
+    generation: int
+    stages: list[StagePlan]
+    training_command: list[str]
+    windows_per_step: int
+    resources: ResourcePlan
+    totals: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """Plain data for JSON output."""
+        return asdict(self)
+
+
+def ranking_pairs_per_task(config: CycleConfig, task_id: int) -> int:
+    """Unique comparisons of one task's tournament, from the real schedule of `mass_ops.ranking`."""
+    from mass_ops.ranking import schedule_seed, tournament_pairs
+
+    names = [f"c{i:03d}" for i in range(config.collection.candidates)]
+    seed = schedule_seed(config.ranking.seed, task_id)
+    return len(tournament_pairs(names, opponents=config.ranking.opponents_per_episode, seed=seed))
+
+
+def count_validations(steps: int, val_every: int, at_start: bool) -> int:
+    """Validation passes: step 0 (optional), every `val_every`, and the final step."""
+    points = set(range(val_every, steps + 1, val_every)) | {steps}
+    if at_start:
+        points.add(0)
+    return len(points)
+
+
+def count_checkpoints(steps: int, save_every: int) -> int:
+    """Saved checkpoints: every `save_every` steps plus the final step."""
+    return len(set(range(save_every, steps + 1, save_every)) | {steps})
+
+
+def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
+    """Compute the plan of one cycle from its config."""
+    tasks = config.tasks
+    search_tasks = list(tasks.train_candidates)
+    versions = config.search.iterations + 1
+    rhi_episodes = len(search_tasks) * (1 + versions)
+    baseline_judgements = len(search_tasks) * versions
+    arbitration_max = len(search_tasks) * config.search.iterations
+    proposals = len(search_tasks) * config.search.iterations
+
+    collect_tasks = list(tasks.train)
+    collection_episodes = len(collect_tasks) * config.collection.candidates
+    comparisons_per_task = {q: ranking_pairs_per_task(config, q) for q in collect_tasks}
+    ranking_calls = sum(comparisons_per_task.values())
+    train_traj = len(collect_tasks) * config.collection.train_ranks
+    val_traj = len(collect_tasks)
+
+    t = config.training
+    windows_per_step = t.effective_windows_per_step
+    rollout_tasks = config.rollout_tasks()
+    rollouts = len(rollout_tasks) * config.evaluation.rollout_count
+    pairs = rollouts
+    external = pairs * len(config.evaluation.judges) * len(config.evaluation.judge_seeds)
+
+    per_task = sorted(set(comparisons_per_task.values()))
+    stages = [
+        StagePlan("validate_config", {"config_hash": config.config_hash()[:16]}),
+        StagePlan("inference_up", {"served_name": config.models.served_name, "backend": config.inference.backend}),
+        StagePlan(
+            "search",
+            {
+                "tasks": len(search_tasks),
+                "versions_per_task": versions,
+                "episodes": rhi_episodes,
+                "baseline_judge_calls": baseline_judgements,
+                "arbitration_calls_max": arbitration_max,
+                "optimizer_calls": proposals,
+            },
+        ),
+        StagePlan(
+            "collect",
+            {"tasks": len(collect_tasks), "candidates": config.collection.candidates, "episodes": collection_episodes},
+            upper_bound=True,
+        ),
+        StagePlan(
+            "rank",
+            {
+                "comparisons_per_task": per_task[0] if len(per_task) == 1 else "/".join(map(str, per_task)),
+                "self_judge_calls": ranking_calls,
+            },
+            upper_bound=True,
+        ),
+        StagePlan("select", {"train_trajectories": train_traj, "val_trajectories": val_traj}, upper_bound=True),
+        StagePlan("inference_down", {}),
+        StagePlan("render", {"window": t.window, "context_overlap": t.context_overlap, "windows": "after render"}),
+        StagePlan(
+            "train",
+            {
+                "steps": t.steps,
+                "windows_per_step": windows_per_step,
+                "windows_drawn": t.steps * windows_per_step,
+                "validations": count_validations(t.steps, t.val_every, t.val_at_start),
+                "checkpoints": count_checkpoints(t.steps, t.save_every),
+            },
+        ),
+        StagePlan("select_checkpoint", {"criterion": "minimum validation loss, step 0 excluded"}),
+        StagePlan("export", {"formats": "+".join(config.export.formats), "fp8_block": config.export.fp8_block_size}),
+        StagePlan("register", {"generation": config.generation + 1}),
+        StagePlan(
+            "evaluate",
+            {
+                "rollout_tasks": len(rollout_tasks),
+                "rollouts_per_generation": rollouts,
+                "pairs": pairs,
+                "external_judgements": external,
+                "self_judge_calls": pairs,
+            },
+        ),
+        StagePlan("report", {}),
+    ]
+    resources = ResourcePlan(
+        inference_gpus=config.inference.server.gpus,
+        inference_capacity=config.inference.max_concurrent_requests,
+        episode_concurrency=config.inference.max_concurrent_requests,
+        training_nodes=t.nnodes,
+        training_ranks=t.replicas,
+        training_gpus=t.replicas,
+        reference_training_gpus=t.replicas * t.gpus_per_rank,
+    )
+    totals = {
+        "rhi_episodes": rhi_episodes,
+        "collection_episodes": collection_episodes,
+        "comparisons_per_ranked_task": max(per_task) if per_task else 0,
+        "train_trajectories": train_traj,
+        "val_trajectories": val_traj,
+        "episodes_total": rhi_episodes + collection_episodes + 2 * rollouts,
+    }
+    return CyclePlan(
+        cycle=config.cycle_name,
+        generation=config.generation,
+        stages=stages,
+        training_command=training_command,
+        windows_per_step=windows_per_step,
+        resources=resources,
+        totals=totals,
+    )

@@ -1,0 +1,57 @@
+"""Every seed formula of a MASS cycle, in one place (MASS_SPEC §1, §3, §6, §10).
+
+Seeds make a rerun reproduce the reference run: an episode's seed goes to qwen-code's sampling params, a judge or
+optimizer call's seed to the chat request. A retried attempt keeps its unit's seed.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def reference_episode_seed(search_seed_base: int, task_id: int) -> int:
+    """RHI reference (bare-task) episode of task q: seed_base + q."""
+    return search_seed_base + task_id
+
+
+def version_episode_seed(search_seed_base: int, task_id: int, version: int) -> int:
+    """RHI episode of workflow version k of task q: seed_base + q + 1000·k."""
+    return search_seed_base + task_id + 1000 * version
+
+
+def search_call_seed(search_seed_base: int, task_id: int) -> int:
+    """Optimizer and in-loop judge calls of task q all use seed_base + q."""
+    return search_seed_base + task_id
+
+
+def collection_seed(collection_seed_base: int, task_id: int, candidate: int) -> int:
+    """Teacher candidate i of task q: seed_base + 100·q + i."""
+    return collection_seed_base + 100 * task_id + candidate
+
+
+def schedule_seed(ranking_seed: int, task_id: int) -> int:
+    """Seed of task q's tournament schedule: ranking.seed + q."""
+    return ranking_seed + task_id
+
+
+def match_seed(ranking_seed: int, task_id: int, match_index: int) -> int:
+    """Seed of the i-th self-judge match of task q: ranking.seed + 1000·q + i."""
+    return ranking_seed + 1000 * task_id + match_index
+
+
+def rollout_seed(rollout_seed_base: int, task_id: int, replicate: int) -> int:
+    """Evaluation rollout i of task q: 910000 + 100·q + i in the paper preset."""
+    return rollout_seed_base + 100 * task_id + replicate
+
+
+def presentation_swapped(judge_seed: int) -> bool:
+    """Whether an external judge sees the pair swapped: random.Random(seed).choice([False, True])."""
+    return random.Random(judge_seed).choice([False, True])
+
+
+BENCHMARK_INDEX = {"tb2": 0, "sab": 1, "ds": 2, "mlr": 3}
+
+
+def benchmark_seed(benchmark: str, trial: int, task_index: int) -> int:
+    """Benchmark episode seed, shared across generations for paired comparison: 3,100,000 + b·10,000 + t·1,000 + i."""
+    return 3_100_000 + BENCHMARK_INDEX[benchmark] * 10_000 + trial * 1_000 + task_index
