@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,6 +20,8 @@ from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_c
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
 app.add_typer(config_app, name="config")
+tasks_app = typer.Typer(no_args_is_help=True, help="The task catalogue: list shipped tasks, import MASS-format ones.")
+app.add_typer(tasks_app, name="tasks")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -109,6 +112,51 @@ def plan(
         f"(reference topology: {r.reference_training_gpus} GPUs); export 1 CPU job",
         markup=False,
     )
+
+
+@tasks_app.command("list")
+def tasks_list(
+    catalogue: Annotated[str, typer.Option(help="'builtin' or a MASS-format task directory.")] = "builtin",
+) -> None:
+    """List the tasks of a catalogue with their domain and split."""
+    from mass_ops.tasks.catalogue import load_catalogue
+
+    try:
+        cat = load_catalogue(None if catalogue == "builtin" else catalogue)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    table = Table(title=f"Tasks ({cat.source})")
+    for column in ("id", "domain", "split", "sft", "agents", "bare bytes"):
+        table.add_column(column)
+    for task in cat:
+        split = task.split + (" (excluded)" if task.excluded else "")
+        table.add_row(
+            str(task.id),
+            task.domain,
+            split,
+            "yes" if task.in_sft else "no",
+            str(len(task.initial_agents)),
+            str(len(task.bare_prompt.encode())),
+        )
+    console.print(table)
+
+
+@tasks_app.command("import")
+def tasks_import(
+    src: Annotated[Path, typer.Argument(help="MASS-format task directory (bare/, initial/, splits.json, ...).")],
+    dest: Annotated[
+        Path | None, typer.Option(help="Where to store the validated copy; default catalogues/<name>.")
+    ] = None,
+) -> None:
+    """Validate a MASS-format task directory and copy it atomically; point `tasks.catalogue` at the copy."""
+    from mass_ops.tasks.importer import import_task_dir
+
+    target = dest or Path("catalogues") / src.resolve().name
+    try:
+        cat = import_task_dir(src, target)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    console.print(f"imported {len(cat)} tasks into {target}; use --set tasks.catalogue={target}", markup=False)
 
 
 def main() -> None:
