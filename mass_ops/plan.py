@@ -69,7 +69,8 @@ class CyclePlan:
 
 def ranking_pairs_per_task(config: CycleConfig, task_id: int) -> int:
     """Unique comparisons of one task's tournament, from the real schedule of `mass_ops.ranking`."""
-    from mass_ops.ranking import schedule_seed, tournament_pairs
+    from mass_ops.ranking import tournament_pairs
+    from mass_ops.seeds import schedule_seed
 
     names = [f"c{i:03d}" for i in range(config.collection.candidates)]
     seed = schedule_seed(config.ranking.seed, task_id)
