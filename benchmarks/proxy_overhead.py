@@ -1,0 +1,163 @@
+"""Logging-proxy overhead: SSE relay throughput and added latency per small request, proxy vs direct.
+
+Upstream (a fast SSE/JSON server started by this script), proxy (`python -m mass_ops.runtime.proxy`, logging to a
+temp file with raw SSE kept, as in episodes) and client each run in their own process, so the proxy's parsing and
+logging compete with nothing but the machine. Targets (shared/ARCHITECTURE.md): throughput ratio >= 0.5, added
+latency < 5 ms.
+
+    .venv/bin/python benchmarks/proxy_overhead.py [--events 20000] [--repeats 5] [--requests 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _event(i: int) -> bytes:
+    """One chat.completion.chunk event of realistic size (~250 bytes)."""
+    chunk = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "bench-model",
+        "choices": [
+            {"index": 0, "delta": {"content": f"token {i:06d} of the benchmark stream "}, "finish_reason": None}
+        ],
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+async def _serve_upstream(port_file: Path) -> None:
+    events = [_event(i) for i in range(1000)]
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        count = int(request.query.get("events", "1000"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        batch = 32  # a model server flushes a few events per write under load
+        for start in range(0, count, batch):
+            await response.write(b"".join(events[i % len(events)] for i in range(start, min(start + batch, count))))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/stream", stream)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port_file.write_text(str(runner.addresses[0][1]))
+    await asyncio.Event().wait()
+
+
+def _start(argv: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], int]:
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return process, int(port_file.read_text())
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"{argv[1:4]} did not start")
+
+
+async def _throughput(bases: list[str], events: int, repeats: int) -> list[float]:
+    """Best-of-`repeats` received bytes/s per base; bases alternate so machine load drifts hit both alike."""
+    best = [0.0] * len(bases)
+    async with aiohttp.ClientSession() as client:
+        for _ in range(repeats):
+            for i, base in enumerate(bases):
+                started, received = time.perf_counter(), 0
+                async with client.get(f"{base}/v1/stream", params={"events": str(events)}) as response:
+                    async for chunk in response.content.iter_any():
+                        received += len(chunk)
+                best[i] = max(best[i], received / (time.perf_counter() - started))
+    return best
+
+
+async def _latencies(bases: list[str], requests: int) -> list[list[float]]:
+    """Seconds per small GET for each base, requests interleaved across bases (keep-alive connections)."""
+    samples: list[list[float]] = [[] for _ in bases]
+    async with aiohttp.ClientSession() as client:
+        for _ in range(20):  # warm the connections and code paths
+            for base in bases:
+                async with client.get(f"{base}/v1/models") as response:
+                    await response.read()
+        for _ in range(requests):
+            for i, base in enumerate(bases):
+                started = time.perf_counter()
+                async with client.get(f"{base}/v1/models") as response:
+                    await response.read()
+                samples[i].append(time.perf_counter() - started)
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=20000, help="SSE events per throughput stream")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=400, help="small requests per latency sample")
+    parser.add_argument("--serve-upstream", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_upstream:
+        asyncio.run(_serve_upstream(args.serve_upstream))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="proxy-bench-") as tmp:
+        work = Path(tmp)
+        upstream, upstream_port = _start([sys.executable, __file__, "--serve-upstream", str(work / "up")], work / "up")
+        direct = f"http://127.0.0.1:{upstream_port}"
+        proxy_argv = [sys.executable, "-m", "mass_ops.runtime.proxy", "--listen", "0", "--upstream", direct]
+        proxy, proxy_port = _start(
+            [*proxy_argv, "--log", str(work / "api.jsonl"), "--port-file", str(work / "px")], work / "px"
+        )
+        proxied = f"http://127.0.0.1:{proxy_port}"
+        try:
+            direct_bps, proxied_bps = asyncio.run(_throughput([direct, proxied], args.events, args.repeats))
+            direct_lat, proxied_lat = asyncio.run(_latencies([direct, proxied], args.requests))
+        finally:
+            for process in (proxy, upstream):
+                process.terminate()
+                process.wait(timeout=10)
+        log_lines = len((work / "api.jsonl").read_text().splitlines())
+
+    ratio = proxied_bps / direct_bps
+    d_med, p_med = statistics.median(direct_lat), statistics.median(proxied_lat)
+    d_p95 = statistics.quantiles(direct_lat, n=20)[-1]
+    p_p95 = statistics.quantiles(proxied_lat, n=20)[-1]
+    added_ms = (p_med - d_med) * 1000
+    print(f"SSE relay throughput ({args.events} events/stream, best of {args.repeats}, interleaved):")
+    print(f"  direct   {direct_bps / 1e6:8.2f} MB/s")
+    print(f"  proxied  {proxied_bps / 1e6:8.2f} MB/s")
+    print(f"  ratio    {ratio:8.2f}  (target >= 0.5) {'OK' if ratio >= 0.5 else 'BELOW TARGET'}")
+    print(f"Small-request latency ({args.requests} sequential GET /v1/models per path, interleaved, keep-alive):")
+    print(f"  direct   median {d_med * 1000:6.2f} ms  p95 {d_p95 * 1000:6.2f} ms")
+    print(f"  proxied  median {p_med * 1000:6.2f} ms  p95 {p_p95 * 1000:6.2f} ms")
+    print(f"  added    {added_ms:6.2f} ms per request (target < 5 ms) {'OK' if added_ms < 5 else 'ABOVE TARGET'}")
+    print(f"  latency ratio proxied/direct {p_med / d_med:.2f}; proxy log records written: {log_lines}")
+    # Three processes share the CPUs here; on an oversubscribed machine the extra hop costs more than the proxy's code.
+    print(f"Load average (1 min) {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()

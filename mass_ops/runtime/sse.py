@@ -1,0 +1,241 @@
+"""Reassembly of OpenAI-compatible chat-completion SSE streams into one `chat.completion.reassembled` object.
+
+The logging proxy feeds the bytes of a streamed response to `SSEAssembler` as they pass and asks for the result once
+the client has the whole stream, so parsing never slows the relay; the result is stored next to the raw stream.
+Contract of the result (MASS_SPEC §4):
+
+    {"object": "chat.completion.reassembled", "id", "model", "created",
+     "choices": [{"index", "message": {"role", "content", "reasoning_content", "reasoning_details", "tool_calls"},
+                  "finish_reason", "stop_reason"}],
+     "usage", "error", "n_chunks", "n_bad_chunks", "done"}
+
+`content` / `reasoning_content` are the joined deltas (reasoning from `reasoning_content` or `reasoning`), None when
+the stream carried none; `tool_calls` are merged by index (`function.arguments` fragments joined in arrival order),
+None when absent; `usage` is the last chunk's non-null usage; `error` is the first chunk-level error; `n_bad_chunks`
+counts `data:` payloads that are not JSON objects. `done` (our addition) says whether `data: [DONE]` arrived, so a
+stream cut mid-way is visible without re-reading the raw text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+REASSEMBLED_OBJECT = "chat.completion.reassembled"
+DONE_SENTINEL = "[DONE]"
+
+
+@dataclass
+class _ToolCallAccumulator:
+    index: int
+    id: str | None = None
+    type: str | None = None
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+    def merge(self, fragment: dict[str, Any]) -> None:
+        if fragment.get("id") and not self.id:
+            self.id = fragment["id"]
+        if fragment.get("type") and not self.type:
+            self.type = fragment["type"]
+        function = fragment.get("function") or {}
+        name = function.get("name")
+        # Servers send the name once; a few repeat it on every fragment, and a rare few stream it in pieces.
+        if name and name != self.name:
+            self.name = name if not self.name else self.name + name
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            self.arguments.append(arguments)
+        elif arguments is not None:
+            # Non-string arguments (already-parsed objects) are kept as their JSON text.
+            self.arguments.append(json.dumps(arguments, ensure_ascii=False))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": self.type or "function",
+            "function": {"name": self.name, "arguments": "".join(self.arguments)},
+        }
+
+
+@dataclass
+class _ChoiceAccumulator:
+    index: int
+    role: str | None = None
+    content: list[str] | None = None
+    reasoning: list[str] | None = None
+    reasoning_details: list[Any] | None = None
+    tool_calls: dict[int, _ToolCallAccumulator] = field(default_factory=dict)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+    def merge(self, choice: dict[str, Any]) -> None:
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            # Some servers put a whole `message` in the last chunk; treat it like a delta.
+            delta = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        if delta.get("role") and not self.role:
+            self.role = delta["role"]
+        if isinstance(delta.get("content"), str):
+            if self.content is None:
+                self.content = []
+            self.content.append(delta["content"])
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(delta.get(key), str):
+                if self.reasoning is None:
+                    self.reasoning = []
+                self.reasoning.append(delta[key])
+        details = delta.get("reasoning_details")
+        if isinstance(details, list):
+            if self.reasoning_details is None:
+                self.reasoning_details = []
+            self.reasoning_details.extend(details)
+        for position, fragment in enumerate(delta.get("tool_calls") or []):
+            if not isinstance(fragment, dict):
+                continue
+            index = fragment.get("index", position)
+            accumulator = self.tool_calls.setdefault(index, _ToolCallAccumulator(index=index))
+            accumulator.merge(fragment)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        if choice.get("stop_reason") is not None:
+            self.stop_reason = choice["stop_reason"]
+
+    def as_dict(self) -> dict[str, Any]:
+        tool_calls = [self.tool_calls[i].as_dict() for i in sorted(self.tool_calls)] or None
+        return {
+            "index": self.index,
+            "message": {
+                "role": self.role or "assistant",
+                "content": "".join(self.content) if self.content is not None else None,
+                "reasoning_content": "".join(self.reasoning) if self.reasoning is not None else None,
+                "reasoning_details": self.reasoning_details,
+                "tool_calls": tool_calls,
+            },
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+
+
+class SSEAssembler:
+    """Incremental SSE parser: `feed()` bytes in any split, `result()` once the stream is over.
+
+    `feed()` only appends to a buffer, so a relay can call it per network read at wire speed; `parse_pending()`
+    decodes every complete line fed so far (call it whenever progressive state is wanted) and `result()` finishes:
+    it also takes a trailing event that lacks its blank line. Lines are split on bytes before decoding, so multi-byte
+    UTF-8 characters cut across reads stay intact. `raw` keeps every byte fed, for logs that store the stream as is.
+    """
+
+    def __init__(self) -> None:
+        self.raw = bytearray()
+        self._offset = 0  # bytes of `raw` already parsed
+        self._skip_lf = False
+        self._data_lines: list[str] = []
+        self._id: str | None = None
+        self._model: str | None = None
+        self._created: int | None = None
+        self._choices: dict[int, _ChoiceAccumulator] = {}
+        self._usage: Any = None
+        self._error: Any = None
+        self._result: dict[str, Any] | None = None
+        self.n_chunks = 0
+        self.n_bad_chunks = 0
+        self.done = False
+
+    def feed(self, data: bytes) -> None:
+        """Append the next bytes of the stream (no parsing here)."""
+        if self._result is not None:
+            raise RuntimeError("SSEAssembler.feed() called after result()")
+        self.raw += data
+
+    def parse_pending(self) -> None:
+        """Parse every complete line fed so far; a partial last line waits for more bytes."""
+        end = max(self.raw.rfind(b"\n"), self.raw.rfind(b"\r")) + 1
+        if end > self._offset:
+            self._parse(bytes(self.raw[self._offset : end]))
+            self._offset = end
+
+    def result(self) -> dict[str, Any]:
+        """The `chat.completion.reassembled` object of the whole stream; no `feed()` after this."""
+        if self._result is not None:
+            return self._result
+        self.parse_pending()
+        if self._offset < len(self.raw):
+            self._parse(bytes(self.raw[self._offset :]))
+            self._offset = len(self.raw)
+        self._dispatch()
+        self._result = {
+            "object": REASSEMBLED_OBJECT,
+            "id": self._id,
+            "model": self._model,
+            "created": self._created,
+            "choices": [self._choices[i].as_dict() for i in sorted(self._choices)],
+            "usage": self._usage,
+            "error": self._error,
+            "n_chunks": self.n_chunks,
+            "n_bad_chunks": self.n_bad_chunks,
+            "done": self.done,
+        }
+        return self._result
+
+    def _parse(self, data: bytes) -> None:
+        if self._skip_lf and data.startswith(b"\n"):
+            data = data[1:]  # second half of a CRLF whose CR ended the previous parse
+        self._skip_lf = data.endswith(b"\r")
+        for line in data.splitlines():
+            self._line(line.decode("utf-8", errors="replace"))
+
+    def _line(self, line: str) -> None:
+        if line == "":
+            self._dispatch()
+        elif line.startswith(":"):
+            return  # SSE comment / keep-alive
+        elif line.startswith("data:"):
+            value = line[5:]
+            self._data_lines.append(value[1:] if value.startswith(" ") else value)
+        # `event:`, `id:`, `retry:` fields carry nothing the reassembly needs.
+
+    def _dispatch(self) -> None:
+        if not self._data_lines:
+            return
+        payload = "\n".join(self._data_lines)
+        self._data_lines = []
+        if payload.strip() == DONE_SENTINEL:
+            self.done = True
+            return
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            self.n_bad_chunks += 1
+            return
+        if not isinstance(chunk, dict):
+            self.n_bad_chunks += 1
+            return
+        self.n_chunks += 1
+        self._merge(chunk)
+
+    def _merge(self, chunk: dict[str, Any]) -> None:
+        if self._id is None and chunk.get("id"):
+            self._id = chunk["id"]
+        if self._model is None and chunk.get("model"):
+            self._model = chunk["model"]
+        if self._created is None and chunk.get("created") is not None:
+            self._created = chunk["created"]
+        if chunk.get("usage") is not None:
+            self._usage = chunk["usage"]
+        if chunk.get("error") is not None and self._error is None:
+            self._error = chunk["error"]
+        for position, choice in enumerate(chunk.get("choices") or []):
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", position)
+            self._choices.setdefault(index, _ChoiceAccumulator(index=index)).merge(choice)
+
+
+def assemble_sse(raw: str | bytes) -> dict[str, Any]:
+    """Reassemble a complete SSE stream (text or bytes) into a `chat.completion.reassembled` object."""
+    assembler = SSEAssembler()
+    assembler.feed(raw.encode("utf-8") if isinstance(raw, str) else raw)
+    return assembler.result()

@@ -1,0 +1,668 @@
+"""Artifact store: immutable blobs by key, on S3 or in a local folder, behind one interface.
+
+Contract shared by every backend:
+
+- A key is a relative POSIX path such as ``cycles/c1/episodes/e3/status.json`` (rules: `validate_key`). The store
+  maps it to a URI under its root: ``s3://bucket/prefix/<key>`` or ``file:///root/<key>``.
+- Every put returns an `ArtifactInfo` whose SHA-256 is computed from the bytes as they stream in and is recorded
+  with the artifact. Reads verify it when they reach the end of the data (`ArtifactIntegrityError` otherwise).
+- Publishing is atomic: an artifact becomes visible (`exists`, `list`, `get_*`) only when complete. A failed or
+  interrupted put leaves the previous version or nothing, never part of the new one.
+- `put_dir` stores a folder as a deterministic ``tar.gz`` (the same tree always gives the same SHA-256); `get_dir`
+  extracts it atomically and refuses any member or link that would land outside the destination.
+
+`open_artifact_store(url)` turns ``storage.artifact_url`` into a store.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import posixpath
+import secrets
+import shutil
+import tarfile
+import tempfile
+import unicodedata
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+from urllib.parse import unquote, urlsplit
+
+logger = logging.getLogger(__name__)
+
+CHUNK_SIZE = 1024 * 1024
+MAX_KEY_BYTES = 1024  # S3's limit on the length of an object key
+MAX_SEGMENT_BYTES = 255  # NAME_MAX of the usual local filesystems
+# Top-level names the local backend keeps for itself; refused on every backend so a key works on both.
+RESERVED_TOP_LEVEL = frozenset({".partial", ".meta"})
+
+
+class ArtifactError(Exception):
+    """Base class of every artifact store failure."""
+
+
+class ArtifactKeyError(ArtifactError, ValueError):
+    """A key or prefix breaks the key rules, or cannot be stored under this backend's layout."""
+
+
+class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
+    """No artifact is stored under the key."""
+
+
+class ArtifactIntegrityError(ArtifactError):
+    """Stored bytes do not match their recorded SHA-256 or size."""
+
+
+class ArtifactFormatError(ArtifactError, ValueError):
+    """Content is not what the call expects: invalid JSON, not a tar.gz, a value that JSON cannot hold."""
+
+
+class UnsafeArchiveError(ArtifactFormatError):
+    """A tarball has a member or link that would land outside the extraction folder, or a device/FIFO member."""
+
+
+class ArtifactSourceError(ArtifactError, ValueError):
+    """The local input of a put (file, folder, stream) is missing, of the wrong kind, or changed while read."""
+
+
+class ArtifactStoreConfigError(ArtifactError, ValueError):
+    """The store URL or a store setting is invalid."""
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    """A stored artifact: its URI, key within the store, SHA-256 (hex) and size of the stored bytes."""
+
+    uri: str
+    key: str
+    sha256: str
+    size: int
+
+
+class ReadableStream(Protocol):
+    """Anything with a binary ``read(size)``: an open file, a socket file, a response body."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+# --- keys -------------------------------------------------------------------------------------------------------
+
+
+def key_problem(path: object) -> str | None:
+    """Why `path` is not a usable key or prefix body, or None when it is."""
+    if not isinstance(path, str):
+        return f"must be a string, not {type(path).__name__}"
+    if not path:
+        return "is empty"
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode text (lone surrogate)"
+    if "\\" in path:
+        return "contains a backslash; keys separate folders with '/'"
+    control = next((char for char in path if unicodedata.category(char) == "Cc"), None)
+    if control is not None:
+        return f"contains the control character {control!r}"
+    if path.startswith("/"):
+        return "is absolute; keys are relative to the store root"
+    if len(encoded) > MAX_KEY_BYTES:
+        return f"is {len(encoded)} bytes long in UTF-8; the limit is {MAX_KEY_BYTES}"
+    for segment in path.split("/"):
+        if segment == "":
+            return "has an empty path segment ('//' or a trailing '/')"
+        if segment in (".", ".."):
+            return f"has a {segment!r} segment"
+        if len(segment.encode("utf-8")) > MAX_SEGMENT_BYTES:
+            return f"has a segment longer than {MAX_SEGMENT_BYTES} bytes"
+    return None
+
+
+def validate_key(key: object) -> str:
+    """Return `key` if it is a valid artifact key, else raise `ArtifactKeyError` saying why."""
+    problem = key_problem(key)
+    if problem is None and isinstance(key, str) and key.split("/", 1)[0] in RESERVED_TOP_LEVEL:
+        problem = f"starts with a reserved name ({', '.join(sorted(RESERVED_TOP_LEVEL))})"
+    if problem is not None or not isinstance(key, str):
+        raise ArtifactKeyError(f"invalid artifact key {key!r}: {problem}")
+    return key
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return `prefix` if it is a valid listing prefix ("" or a key start, optionally ending in '/')."""
+    if prefix == "":
+        return ""
+    body = prefix[:-1] if isinstance(prefix, str) and prefix.endswith("/") else prefix
+    problem = key_problem(body)
+    if problem is not None or not isinstance(prefix, str):
+        raise ArtifactKeyError(f"invalid artifact prefix {prefix!r}: {problem}")
+    return prefix
+
+
+# --- bytes, hashing and JSON ------------------------------------------------------------------------------------
+
+
+def canonical_json(value: Any) -> bytes:
+    """UTF-8 JSON with sorted keys and no insignificant whitespace: equal values give equal bytes.
+
+    Raises TypeError or ValueError (NaN, infinity, unserialisable objects) from `json.dumps`.
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
+
+
+def copy_and_hash(source: ReadableStream, target: BinaryIO | None = None) -> tuple[str, int]:
+    """Stream `source` to its end (into `target` when given); return (SHA-256 hex, byte count)."""
+    digest = hashlib.sha256()
+    size = 0
+    while True:
+        chunk = source.read(CHUNK_SIZE)
+        if not chunk:
+            break
+        if not isinstance(chunk, bytes | bytearray | memoryview):
+            raise ArtifactSourceError(
+                f"artifact sources must be binary streams; read() returned {type(chunk).__name__}"
+            )
+        digest.update(chunk)
+        if target is not None:
+            target.write(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def copy_stream(source: ReadableStream, target: BinaryIO) -> None:
+    """Copy `source` to `target` in large chunks until EOF."""
+    while chunk := source.read(CHUNK_SIZE):
+        target.write(chunk)
+
+
+def file_sha256(path: Path) -> tuple[str, int]:
+    """SHA-256 hex and size of a local file, read in chunks."""
+    with path.open("rb") as handle:
+        return copy_and_hash(handle)
+
+
+class _HashingWriter:
+    """Write-through wrapper that hashes everything written (the tarball builder writes into it)."""
+
+    def __init__(self, target: BinaryIO) -> None:
+        self._target = target
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        self._target.write(view)
+        self._digest.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+
+class VerifiedStream(io.RawIOBase):
+    """Raw read stream over stored bytes that checks size and SHA-256 when the end of the data is reached.
+
+    `expected_sha256` may be None (no record to check against); the digest is still computed and available as
+    `sha256` once the stream is exhausted. A consumer that stops early gets no check.
+    """
+
+    def __init__(self, source: Any, *, uri: str, expected_sha256: str | None, expected_size: int | None) -> None:
+        super().__init__()
+        self._source = source
+        self._uri = uri
+        self._expected_sha256 = expected_sha256
+        self._expected_size = expected_size
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self._finished = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._source.read(len(view))
+        count = len(data)
+        if count == 0:
+            self._finish()
+            return 0
+        view[:count] = data
+        self._digest.update(data)
+        self._size += count
+        if self._expected_size is not None and self._size > self._expected_size:
+            raise ArtifactIntegrityError(f"{self._uri} is longer than its recorded {self._expected_size} bytes")
+        return count
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if self._expected_size is not None and self._size != self._expected_size:
+            raise ArtifactIntegrityError(
+                f"{self._uri} ended after {self._size} of its recorded {self._expected_size} bytes"
+            )
+        if self._expected_sha256 is not None and self._digest.hexdigest() != self._expected_sha256:
+            raise ArtifactIntegrityError(
+                f"{self._uri} does not match its recorded SHA-256 {self._expected_sha256} "
+                f"(read {self._digest.hexdigest()})"
+            )
+
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of everything read; only meaningful once the stream is exhausted."""
+        return self._digest.hexdigest()
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._source.close()
+            finally:
+                super().close()
+
+
+# --- local files written atomically -----------------------------------------------------------------------------
+
+
+def create_temp_file(directory: Path, prefix: str) -> tuple[int, Path]:
+    """Create a new empty file with a random name in `directory`; return (open write fd, path).
+
+    Unlike `tempfile.mkstemp` the mode follows the umask (0o666 & ~umask), so a published file gets the same
+    permissions as one written in place.
+    """
+    while True:
+        path = directory / f"{prefix}{secrets.token_hex(8)}.partial"
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside `directory` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- deterministic tarballs -------------------------------------------------------------------------------------
+
+
+def _walk_sorted(root: Path, relative: str = "") -> Iterator[str]:
+    """Relative POSIX paths under `root`, parents before children, names in sorted order; symlinks not followed."""
+    with os.scandir(root / relative if relative else root) as scan:
+        entries = sorted(scan, key=lambda entry: entry.name)
+    for entry in entries:
+        path = f"{relative}/{entry.name}" if relative else entry.name
+        yield path
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk_sorted(root, path)
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def write_tarball(directory: Path, target: Any, *, skip_escaping_links: bool = False) -> None:
+    """Write `directory` as a deterministic tar.gz into the binary file-like `target`.
+
+    Entries are sorted; mtimes are 0, owners 0/0 without names, modes normalised (folders 0755, files 0644 or 0755
+    when executable), and the gzip header carries no name or time, so the same tree gives the same bytes (with the
+    same zlib). Symlinks are kept as links; one pointing outside the folder raises `ArtifactSourceError` unless
+    `skip_escaping_links` leaves it out. Sockets, FIFOs and devices are left out with a warning.
+    """
+    if not directory.is_dir():
+        raise ArtifactSourceError(f"cannot archive {directory}: not a folder")
+    real_root = os.path.realpath(directory)
+    with (
+        gzip.GzipFile(filename="", mode="wb", fileobj=target, mtime=0, compresslevel=6) as compressed,
+        tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for relative in _walk_sorted(directory):
+            full = directory / relative
+            member = tar.gettarinfo(str(full), arcname=relative)
+            if member is None or not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+                logger.warning("archive of %s leaves out %r: not a file, folder or link", directory, relative)
+                continue
+            if member.issym():
+                link = member.linkname
+                escapes = os.path.isabs(link) or not _is_within(os.path.realpath(full), real_root)
+                if escapes and skip_escaping_links:
+                    logger.warning(
+                        "archive of %s leaves out link %r -> %r: it points outside", directory, relative, link
+                    )
+                    continue
+                if escapes:
+                    raise ArtifactSourceError(
+                        f"cannot archive {directory}: link {relative!r} points outside the folder ({link!r}); "
+                        "pass skip_escaping_links=True to leave such links out"
+                    )
+            member.mtime = 0
+            member.uid = member.gid = 0
+            member.uname = member.gname = ""
+            if member.isdir():
+                member.mode = 0o755
+            elif member.issym():
+                member.mode = 0o777
+            else:
+                member.mode = 0o755 if member.mode & 0o111 else 0o644
+            if member.isreg():
+                with full.open("rb") as content:
+                    tar.addfile(member, content)
+            else:
+                tar.addfile(member)
+
+
+def _member_parts(name: str) -> list[str]:
+    return [part for part in name.split("/") if part not in ("", ".")]
+
+
+def _check_members(members: list[tarfile.TarInfo], uri: str) -> None:
+    """Refuse members that could write or point outside the extraction folder (before anything is written)."""
+    kinds: dict[str, tarfile.TarInfo] = {}
+    for member in members:
+        name = member.name
+        parts = _member_parts(name)
+
+        def refuse(reason: str, name: str = name) -> UnsafeArchiveError:
+            return UnsafeArchiveError(f"refusing to extract {uri}: member {name!r} {reason}")
+
+        if name.startswith("/"):
+            raise refuse("has an absolute path")
+        if ".." in parts:
+            raise refuse("has a '..' path segment")
+        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            raise refuse("is a device or FIFO")
+        if not parts:
+            if member.isdir():
+                continue  # the "./" entry of the archive root
+            raise refuse("has an empty path")
+        normalised = "/".join(parts)
+        if normalised in kinds:
+            raise refuse("appears twice")
+        for depth in range(1, len(parts)):
+            parent = kinds.get("/".join(parts[:depth]))
+            if parent is not None and not parent.isdir():
+                raise refuse("lies under a link or file, so writing it could follow a link")
+        if member.issym():
+            if not member.linkname or member.linkname.startswith("/"):
+                raise refuse(f"is a link to an absolute path {member.linkname!r}")
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(normalised), member.linkname))
+            if target == ".." or target.startswith("../"):
+                raise refuse(f"is a link pointing outside ({member.linkname!r})")
+        if member.islnk():
+            source = kinds.get("/".join(_member_parts(member.linkname)))
+            if source is None or not source.isreg():
+                raise refuse(f"is a hard link to {member.linkname!r}, which is not an earlier file of the archive")
+        kinds[normalised] = member
+
+
+def extract_tarball(archive: Path, destination: Path, *, uri: str) -> None:
+    """Extract the tar.gz `archive` into the new folder `destination`, refusing unsafe members.
+
+    Three layers: every member is checked before anything is written (`_check_members`); extraction uses the
+    standard library's ``data`` filter; afterwards every extracted link must resolve inside `destination` (this
+    catches chains of in-archive links that only escape once combined). The caller extracts into a scratch folder
+    and discards it on error.
+    """
+    try:
+        with tarfile.open(archive, mode="r:gz") as tar:
+            members = tar.getmembers()
+            _check_members(members, uri)
+            tar.extractall(destination, members=members, filter="data")
+    except tarfile.FilterError as exc:
+        raise UnsafeArchiveError(f"refusing to extract {uri}: {exc}") from exc
+    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise ArtifactFormatError(f"{uri} is not a valid tar.gz archive: {exc}") from exc
+    real_root = os.path.realpath(destination)
+    for dirpath, dirnames, filenames in os.walk(destination):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) and not _is_within(os.path.realpath(path), real_root):
+                relative = os.path.relpath(path, destination)
+                raise UnsafeArchiveError(f"refusing to extract {uri}: link {relative!r} resolves outside the folder")
+
+
+# --- the interface ----------------------------------------------------------------------------------------------
+
+
+class ArtifactStore(ABC):
+    """Put and get artifacts by key; see the module docstring for the contract.
+
+    Backends implement the read side (`_open_verified`, `exists`, `list`, `info`, `delete`) and `_publish`, which
+    makes a fully written staging file visible under a key in one atomic step. Every put stages its bytes first
+    (hashing them on the way), so all puts share one atomicity argument.
+    """
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """URL of the store root (``s3://bucket/prefix`` or ``file:///path``); never carries credentials."""
+
+    @abstractmethod
+    def uri(self, key: str) -> str:
+        """URI of the artifact stored under `key`."""
+
+    @abstractmethod
+    def _open_verified(self, key: str) -> VerifiedStream:
+        """Open the artifact's bytes with its recorded SHA-256/size; `ArtifactNotFoundError` if absent."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether a complete artifact is stored under `key`."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys that start with `prefix` (a plain string prefix, as on S3); partial uploads never show."""
+
+    @abstractmethod
+    def info(self, key: str) -> ArtifactInfo:
+        """URI, SHA-256 and size of a stored artifact (the hash is recomputed if no valid record exists)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the artifact; deleting a missing key is not an error."""
+
+    @abstractmethod
+    def _publish(self, key: str, staged: Path, sha256: str, size: int) -> ArtifactInfo:
+        """Make the complete file `staged` visible under `key` atomically. May move or consume `staged`."""
+
+    def _staging_dir(self) -> Path | None:
+        """Where puts build their bytes before publishing; None means the system temp folder."""
+        return None
+
+    @contextmanager
+    def _staging_file(self) -> Iterator[Path]:
+        directory = self._staging_dir() or Path(tempfile.gettempdir())
+        fd, path = create_temp_file(directory, "put-")
+        os.close(fd)
+        try:
+            yield path
+        finally:
+            path.unlink(missing_ok=True)
+
+    # --- writing ---
+
+    def put_stream(self, key: str, stream: ReadableStream) -> ArtifactInfo:
+        """Store everything `stream` yields until EOF. If reading fails midway, nothing becomes visible."""
+        key = validate_key(key)
+        with self._staging_file() as staged:
+            with staged.open("wb") as out:
+                sha256, size = copy_and_hash(stream, out)
+            return self._publish(key, staged, sha256, size)
+
+    def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> ArtifactInfo:
+        """Store `data` under `key`."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ArtifactSourceError(
+                f"put_bytes of {key!r} needs bytes, got {type(data).__name__}; use put_json or encode the text"
+            )
+        return self.put_stream(key, io.BytesIO(data))
+
+    def put_json(self, key: str, value: Any) -> ArtifactInfo:
+        """Store `value` as canonical JSON (sorted keys, compact, UTF-8)."""
+        key = validate_key(key)
+        try:
+            data = canonical_json(value)
+        except (TypeError, ValueError) as exc:
+            raise ArtifactFormatError(f"cannot store {key!r} as JSON: {exc}") from exc
+        return self.put_bytes(key, data)
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> ArtifactInfo:
+        """Store the content of the local file `path`, streamed (multipart on S3 above the threshold)."""
+        key = validate_key(key)
+        source = require_source_file(path, key)
+        with source.open("rb") as handle:
+            return self.put_stream(key, handle)
+
+    def put_dir(
+        self, key: str, directory: str | os.PathLike[str], *, skip_escaping_links: bool = False
+    ) -> ArtifactInfo:
+        """Store the folder `directory` as a deterministic tar.gz (see `write_tarball`)."""
+        key = validate_key(key)
+        with self._staging_file() as staged:
+            with staged.open("wb") as out:
+                writer = _HashingWriter(out)
+                write_tarball(Path(directory), writer, skip_escaping_links=skip_escaping_links)
+            return self._publish(key, staged, writer.sha256, writer.size)
+
+    # --- reading ---
+
+    def open_read(self, key: str) -> BinaryIO:
+        """Open the artifact for streaming reads (use as a context manager). Reading to the end verifies SHA-256."""
+        return io.BufferedReader(self._open_verified(key), buffer_size=CHUNK_SIZE)
+
+    def get_bytes(self, key: str) -> bytes:
+        """The artifact's bytes, verified against the recorded SHA-256."""
+        buffer = io.BytesIO()
+        with self._open_verified(key) as stream:
+            copy_stream(stream, buffer)
+        return buffer.getvalue()
+
+    def get_json(self, key: str) -> Any:
+        """The artifact parsed as JSON; `ArtifactFormatError` naming the URI if it is not JSON."""
+        data = self.get_bytes(key)
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ArtifactFormatError(f"{self.uri(key)} is not valid JSON: {exc}") from exc
+
+    def get_file(self, key: str, dest: str | os.PathLike[str]) -> ArtifactInfo:
+        """Download to `dest` atomically (temp file beside it, then rename); `dest` is untouched on any failure."""
+        target = Path(dest)
+        with self._open_verified(key) as stream:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp = create_temp_file(target.parent, f".{target.name}.")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    copy_stream(stream, out)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(temp, target)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+            return ArtifactInfo(uri=self.uri(key), key=key, sha256=stream.sha256, size=stream.size)
+
+    def get_dir(self, key: str, dest_dir: str | os.PathLike[str]) -> ArtifactInfo:
+        """Extract a `put_dir` artifact into `dest_dir`, which must be absent or an empty folder.
+
+        The tree appears at `dest_dir` in one rename once fully extracted and checked; unsafe archives raise
+        `UnsafeArchiveError` and leave nothing behind.
+        """
+        target = Path(dest_dir)
+        if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
+            raise ArtifactSourceError(
+                f"cannot extract {self.uri(key)} into {target}: it exists and is not an empty folder"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
+        try:
+            archive = scratch / "archive.tar.gz"
+            info = self.get_file(key, archive)
+            tree = scratch / "tree"
+            extract_tarball(archive, tree, uri=info.uri)
+            if target.is_dir():
+                target.rmdir()
+            os.rename(tree, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return info
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    __str__ = __repr__
+
+
+def require_source_file(path: str | os.PathLike[str], key: str) -> Path:
+    source = Path(path)
+    if not source.is_file():
+        state = "does not exist" if not source.exists() else "is not a regular file"
+        raise ArtifactSourceError(f"cannot store {source} as {key!r}: it {state}")
+    return source
+
+
+def open_artifact_store(url: str) -> ArtifactStore:
+    """Open the store named by `url`: ``s3://bucket/prefix`` (S3), ``file:///abs/path`` or a plain folder path.
+
+    S3 endpoint and credentials come only from boto3's standard environment/config chain (``AWS_ENDPOINT_URL_S3``,
+    ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, instance roles ...); a URL carrying credentials is refused.
+    A local folder is created if missing.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ArtifactStoreConfigError(
+            "artifact store URL is empty; expected s3://bucket/prefix, file:///absolute/path or a folder path"
+        )
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ArtifactStoreConfigError(f"artifact store URL is malformed: {exc}") from exc
+    scheme = parts.scheme.lower()
+    if scheme == "s3":
+        from mass_ops.store.s3_artifacts import S3ArtifactStore
+
+        return S3ArtifactStore.from_url(url)
+    from mass_ops.store.local_artifacts import LocalArtifactStore
+
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ArtifactStoreConfigError(
+                f"artifact store file URL names host {parts.netloc!r}; only local paths (file:///path) are supported"
+            )
+        if parts.query or parts.fragment:
+            raise ArtifactStoreConfigError("artifact store file URL must not have a query string or fragment")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise ArtifactStoreConfigError(f"artifact store file URL must hold an absolute path, got {path!r}")
+        return LocalArtifactStore(path)
+    if scheme == "":
+        return LocalArtifactStore(url)
+    # Echo only the scheme: the rest of an unknown URL may hold credentials.
+    raise ArtifactStoreConfigError(
+        f"unsupported artifact store URL scheme {scheme!r}; use s3://bucket/prefix, file:///path or a folder path"
+    )

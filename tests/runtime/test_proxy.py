@@ -1,0 +1,382 @@
+"""The logging proxy against real HTTP upstreams: an echo app written here and the policy stand-in server."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from mass_ops.runtime.proxy import LoggingProxy
+from tests.policy_server import Fault, FaultRule, PolicyServer, PolicyServerConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SECRET = "sk-never-log-this-0123456789"
+
+
+def _records(log: Path) -> list[dict[str, Any]]:
+    """Log records in request order (they are appended when each exchange's record is ready, not by `seq`)."""
+    records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    return sorted(records, key=lambda record: record["seq"])
+
+
+class EchoUpstream:
+    """An upstream that reports what it received, redirects, streams behind a gate, and counts hits per path."""
+
+    def __init__(self) -> None:
+        self.hits: dict[str, int] = {}
+        self.seen_headers: dict[str, str] = {}  # kept test-side: echoing a key back would put it in the log body
+        self.gate = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_route("*", "/echo", self._echo)
+        app.router.add_get("/redirect", self._redirect)
+        app.router.add_get("/elsewhere", self._echo)
+        app.router.add_get("/gated-stream", self._gated_stream)
+        app.router.add_get("/plain", self._plain)
+        return app
+
+    def _count(self, request: web.Request) -> None:
+        self.hits[request.path] = self.hits.get(request.path, 0) + 1
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        self._count(request)
+        body = await request.read()
+        self.seen_headers = {k.lower(): v for k, v in request.headers.items()}
+        return web.json_response(
+            {
+                "method": request.method,
+                "path_qs": request.path_qs,
+                "body_bytes": len(body),
+                "body_head": body[:64].decode("utf-8", errors="replace"),
+            },
+            headers={"X-Request-Id": "req-42", "X-Upstream-Secret": SECRET},
+        )
+
+    async def _redirect(self, request: web.Request) -> web.Response:
+        self._count(request)
+        raise web.HTTPFound("/elsewhere")
+
+    async def _plain(self, request: web.Request) -> web.Response:
+        return web.Response(text="not json at all", content_type="text/plain")
+
+    async def _gated_stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        first = {"id": "c1", "model": "m", "created": 1, "choices": [{"index": 0, "delta": {"content": "first"}}]}
+        await response.write(f"data: {json.dumps(first)}\n\n".encode())
+        await asyncio.wait_for(self.gate.wait(), timeout=10)  # released only after the client saw "first"
+        last = {"id": "c1", "choices": [{"index": 0, "delta": {"content": " second"}, "finish_reason": "stop"}]}
+        await response.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+        await response.write_eof()
+        return response
+
+
+@asynccontextmanager
+async def _serve(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _with_echo(test: Callable[[EchoUpstream, LoggingProxy, aiohttp.ClientSession], Awaitable[None]], log: Path) -> None:
+    async def scenario() -> None:
+        upstream = EchoUpstream()
+        async with (
+            _serve(upstream.app()) as upstream_url,
+            LoggingProxy(upstream_url, log) as proxy,
+            aiohttp.ClientSession() as client,
+        ):
+            await test(upstream, proxy, client)
+
+    asyncio.run(scenario())
+
+
+def test_forwards_request_with_identity_encoding_and_logs_json(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    seen: dict[str, Any] = {}
+
+    async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        async with client.post(
+            f"{proxy.url}/echo?a=1&b=x%20y",
+            json=body,
+            headers={
+                "Authorization": f"Bearer {SECRET}",
+                "Accept-Encoding": "gzip, br",
+                "Proxy-Authorization": "Basic c2VjcmV0",
+                "X-Custom": "kept",
+            },
+        ) as response:
+            assert response.status == 200
+            seen.update(await response.json())
+            seen["client_request_id"] = response.headers.get("X-Request-Id")
+        seen["headers"] = upstream.seen_headers
+
+    _with_echo(test, log)
+    headers = seen["headers"]
+    assert seen["method"] == "POST" and seen["path_qs"] == "/echo?a=1&b=x%20y"
+    assert headers["accept-encoding"] == "identity"
+    assert headers["authorization"] == f"Bearer {SECRET}"  # forwarded upstream...
+    assert headers["x-custom"] == "kept"
+    assert "proxy-authorization" not in headers
+    assert headers["content-length"] == str(seen["body_bytes"]) and "transfer-encoding" not in headers
+    assert seen["client_request_id"] == "req-42"
+
+    (record,) = _records(log)
+    assert SECRET not in log.read_text(encoding="utf-8")  # ...but never logged, nor any other header value
+    assert record["method"] == "POST" and record["path"] == "/echo" and record["seq"] == 1
+    assert record["request"] == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert record["request_bytes"] == seen["body_bytes"]
+    assert record["status"] == 200 and record["stream"] is False
+    assert record["response"]["path_qs"] == "/echo?a=1&b=x%20y"
+    assert record["response_headers"] == {"content-type": "application/json; charset=utf-8", "x-request-id": "req-42"}
+    assert record["response_bytes"] > 0 and record["duration_s"] >= 0
+    assert record["ts_start_iso"].startswith(time.strftime("%Y", time.gmtime(record["ts_start"])))
+    assert "proxy_error" not in record and "client_disconnected" not in record
+
+
+def test_non_json_bodies_are_logged_raw_and_large_bodies_pass(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    large = b"x" * (12 * 1024**2)
+
+    async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
+        async with client.put(f"{proxy.url}/echo", data=io.BytesIO(large)) as response:
+            assert (await response.json())["body_bytes"] == len(large)
+        async with client.get(f"{proxy.url}/plain") as response:
+            assert await response.text() == "not json at all"
+
+    _with_echo(test, log)
+    put, plain = _records(log)
+    assert put["request_bytes"] == len(large) and put["request_raw"] == large.decode()
+    assert "request" not in put
+    assert plain["request"] is None and plain["response_raw"] == "not json at all" and "response" not in plain
+
+
+def test_redirects_are_relayed_not_followed(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+
+    async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
+        async with client.get(f"{proxy.url}/redirect", allow_redirects=False) as response:
+            assert response.status == 302
+            assert response.headers["Location"] == "/elsewhere"
+        assert upstream.hits == {"/redirect": 1}
+
+    _with_echo(test, log)
+    assert [r["status"] for r in _records(log)] == [302]
+
+
+def test_sse_is_relayed_incrementally(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+
+    async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
+        async with client.get(f"{proxy.url}/gated-stream") as response:
+            # The upstream holds the rest of the stream until the gate opens; a buffering proxy would deadlock here.
+            first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
+            assert b'"first"' in first
+            upstream.gate.set()
+            rest = await response.content.read()
+            assert rest.endswith(b"data: [DONE]\n\n")
+
+    _with_echo(test, log)
+    (record,) = _records(log)
+    assert record["stream"] is True
+    assert record["response"]["choices"][0]["message"]["content"] == "first second"
+    assert record["response"]["done"] is True
+    assert record["sse_raw"].count("data: ") == 3
+
+
+def test_policy_stream_through_proxy_is_byte_identical_and_reassembled(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    body = {
+        "model": "policy-stand-in",
+        "seed": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [
+            {"role": "system", "content": "You are Qwen Code, a CLI agent."},
+            {"role": "user", "content": "I'm currently working in the directory: /work/ws\nDo the task."},
+        ],
+    }
+
+    async def scenario() -> tuple[bytes, bytes]:
+        async with (
+            PolicyServer() as server,
+            LoggingProxy(server.base_url, log) as proxy,
+            aiohttp.ClientSession() as client,
+        ):
+            async with client.post(f"{server.base_url}/v1/chat/completions", json=body) as direct:
+                direct_bytes = await direct.read()
+            async with client.post(f"{proxy.url}/v1/chat/completions", json=body) as proxied:
+                assert proxied.headers["Content-Type"].startswith("text/event-stream")
+                return direct_bytes, await proxied.read()
+
+    direct_bytes, proxied_bytes = asyncio.run(scenario())
+
+    def normalise(raw: bytes) -> bytes:  # the two calls differ only in completion serial and creation time
+        raw = re.sub(rb'"created": \d+', b'"created": 0', raw)
+        return re.sub(rb"(chatcmpl-standin-|call_)\d{6}", rb"\g<1>N", raw)
+
+    assert normalise(direct_bytes) == normalise(proxied_bytes)
+    assert direct_bytes.count(b"data: ") == proxied_bytes.count(b"data: ") > 5
+    (record,) = _records(log)
+    assert record["sse_raw"] == proxied_bytes.decode()
+    message = record["response"]["choices"][0]["message"]
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "write_file"
+    assert json.loads(call["function"]["arguments"])["file_path"] == "/work/ws/research_report.md"
+    assert message["reasoning_content"] and message["content"]
+    assert record["response"]["usage"]["prompt_tokens"] > 0
+    assert record["request"]["seed"] == 3
+
+
+def test_upstream_down_gives_502_and_class_name_only(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+
+    async def scenario() -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {SECRET}"}
+        async with (
+            LoggingProxy(f"http://127.0.0.1:{dead_port}", log) as proxy,
+            aiohttp.ClientSession() as client,
+            client.get(f"{proxy.url}/v1/models", headers=headers) as response,
+        ):
+            return response.status, await response.json()
+
+    status, payload = asyncio.run(scenario())
+    assert status == 502 and payload["error"]["type"] == "proxy_error"
+    (record,) = _records(log)
+    assert record["status"] == 502
+    assert record["proxy_error"] == "ClientConnectorError"
+    assert str(dead_port) not in json.dumps({k: v for k, v in record.items() if k != "path"})
+    assert SECRET not in log.read_text(encoding="utf-8")
+
+
+def test_stream_cut_upstream_is_cut_for_the_client_and_recorded(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    config = PolicyServerConfig(faults=[FaultRule(Fault.STREAM_CUT, after_chunks=2)])
+    body = {"model": "policy-stand-in", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+
+    async def scenario() -> bytes:
+        received = b""
+        async with (
+            PolicyServer(config) as server,
+            LoggingProxy(server.base_url, log) as proxy,
+            aiohttp.ClientSession() as client,
+            client.post(f"{proxy.url}/v1/chat/completions", json=body) as r,
+        ):
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for chunk in r.content.iter_any():
+                    received += chunk
+        return received
+
+    received = asyncio.run(scenario())
+    assert received.count(b"data: ") == 2 and b"[DONE]" not in received
+    (record,) = _records(log)
+    assert record["proxy_error"] == "ClientPayloadError"
+    assert record["response"]["done"] is False and record["response"]["n_chunks"] == 2
+
+
+def test_client_disconnect_mid_stream_is_recorded(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    config = PolicyServerConfig(chunk_delay_s=0.02, chunk_chars=2)
+    body = {"model": "policy-stand-in", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+
+    async def scenario() -> None:
+        async with PolicyServer(config) as server, LoggingProxy(server.base_url, log) as proxy:
+            async with aiohttp.ClientSession() as client:
+                response = await client.post(f"{proxy.url}/v1/chat/completions", json=body)
+                await response.content.readuntil(b"\n\n")
+                response.close()  # drop the connection with most of the stream still to come
+            for _ in range(200):
+                if log.exists() and log.stat().st_size:
+                    break
+                await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    (record,) = _records(log)
+    assert record["client_disconnected"] is True
+    assert record["response"]["done"] is False
+
+
+def test_concurrent_records_are_whole_lines_with_unique_seq(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    body = {"model": "policy-stand-in", "stream": True, "messages": [{"role": "user", "content": "x" * 20000}]}
+
+    async def scenario() -> None:
+        async with (
+            PolicyServer(PolicyServerConfig(chunk_chars=4)) as server,
+            LoggingProxy(server.base_url, log) as proxy,
+            aiohttp.ClientSession() as client,
+        ):
+
+            async def one() -> None:
+                async with client.post(f"{proxy.url}/v1/chat/completions", json=body) as response:
+                    assert (await response.read()).endswith(b"data: [DONE]\n\n")
+
+            await asyncio.gather(*(one() for _ in range(24)))
+
+    asyncio.run(scenario())
+    records = _records(log)  # json.loads on every line: a torn line would fail here
+    assert sorted(r["seq"] for r in records) == list(range(1, 25))
+    assert all(r["response"]["done"] for r in records)
+
+
+def test_command_line_entry_point(tmp_path: Path) -> None:
+    log, port_file = tmp_path / "api.jsonl", tmp_path / "proxy.port"
+
+    async def scenario() -> None:
+        async with PolicyServer(PolicyServerConfig(models=("tiny",))) as server:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "mass_ops.runtime.proxy",
+                "--listen",
+                "0",
+                "--upstream",
+                server.base_url,
+                "--log",
+                str(log),
+                "--port-file",
+                str(port_file),
+                cwd=REPO_ROOT,
+                stdout=subprocess.DEVNULL,
+            )
+            try:
+                for _ in range(200):
+                    if port_file.exists():
+                        break
+                    await asyncio.sleep(0.05)
+                port = int(port_file.read_text())
+                async with aiohttp.ClientSession() as client, client.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                    assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+            finally:
+                process.send_signal(signal.SIGTERM)
+                assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+
+    asyncio.run(scenario())
+    (record,) = _records(log)
+    assert record["path"] == "/v1/models" and record["status"] == 200
+    assert os.stat(log).st_mode & 0o077 == 0  # the log is private to its owner
