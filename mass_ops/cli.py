@@ -20,6 +20,8 @@ from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_c
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
 app.add_typer(config_app, name="config")
+db_app = typer.Typer(no_args_is_help=True, help="The metadata schema: create, upgrade, downgrade.")
+app.add_typer(db_app, name="db")
 tasks_app = typer.Typer(no_args_is_help=True, help="The task catalogue: list shipped tasks, import MASS-format ones.")
 app.add_typer(tasks_app, name="tasks")
 
@@ -77,7 +79,7 @@ def plan(
 ) -> None:
     """Print the validated config, the stage graph with planned counts, the training command and resources."""
     from mass_ops.plan import build_plan
-    from mass_ops.train.launch import training_command_for
+    from mass_ops.training_plan import training_command_for
 
     cfg = resolve_config(config, set_)
     cycle_plan = build_plan(cfg, training_command_for(cfg))
@@ -112,6 +114,56 @@ def plan(
         f"(reference topology: {r.reference_training_gpus} GPUs); export 1 CPU job",
         markup=False,
     )
+
+
+def _metadata_url(config: str | None, overrides: list[str] | None, url: str | None) -> str:
+    if url:
+        return url
+    return resolve_config(config or "demo", overrides).storage.metadata_url
+
+
+UrlOption = Annotated[str | None, typer.Option("--url", help="Metadata URL; default: the config's storage.")]
+OptionalConfig = Annotated[str | None, typer.Option("--config", "-c", help="Preset or file naming the storage.")]
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument()] = "head",
+    config: OptionalConfig = None,
+    set_: SetOption = None,
+    url: UrlOption = None,
+) -> None:
+    """Create the metadata schema or upgrade it to REVISION (default head); Postgres or SQLite."""
+    from mass_ops.store.metadata import mask_url
+    from mass_ops.store.migrations import current, upgrade
+
+    target = _metadata_url(config, set_, url)
+    upgrade(target, revision)
+    console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision; 'base' drops every table.")],
+    config: OptionalConfig = None,
+    set_: SetOption = None,
+    url: UrlOption = None,
+) -> None:
+    """Take the metadata schema down to REVISION."""
+    from mass_ops.store.metadata import mask_url
+    from mass_ops.store.migrations import current, downgrade
+
+    target = _metadata_url(config, set_, url)
+    downgrade(target, revision)
+    console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+
+
+@db_app.command("current")
+def db_current(config: OptionalConfig = None, set_: SetOption = None, url: UrlOption = None) -> None:
+    """Print the schema revision of the metadata database."""
+    from mass_ops.store.migrations import current
+
+    console.print(str(current(_metadata_url(config, set_, url))), markup=False)
 
 
 @tasks_app.command("list")

@@ -303,11 +303,24 @@ class TrainingConfig(_Section):
         bad = [m for m in self.lora_target_modules if not _IDENTIFIER.match(m)]
         if bad:
             problems.append(f"lora_target_modules: {bad} are not module names")
+        if self.replicas % self.nnodes:
+            problems.append(
+                f"nnodes: {self.nnodes} must divide replicas ({self.replicas}): every node runs as many ranks"
+            )
+        elif self.replicas // self.nnodes > self.gpus_per_node:
+            problems.append(
+                f"gpus_per_node: {self.replicas // self.nnodes} ranks per node exceed {self.gpus_per_node} GPUs"
+            )
         if self.val_every > self.steps:
             problems.append(f"val_every: {self.val_every} must not exceed steps ({self.steps})")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Data-parallel ranks (one GPU each) started on every node."""
+        return self.replicas // self.nnodes
 
     @property
     def effective_windows_per_step(self) -> int:

@@ -1,0 +1,64 @@
+"""CLI commands outside the stages: config, db, tasks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from typer.testing import CliRunner
+
+from mass_ops.cli import app
+from mass_ops.store.migrations import current
+from mass_ops.tasks.catalogue import builtin_catalogue_dir
+
+runner = CliRunner()
+
+
+def test_config_schema_is_json_schema():
+    result = runner.invoke(app, ["config", "schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.stdout)
+    assert "training" in schema["properties"]
+
+
+def test_config_validate_names_cycle_and_hash():
+    result = runner.invoke(app, ["config", "validate", "--config", "cycle2"])
+    assert result.exit_code == 0
+    assert "cycle2-L1" in result.stdout
+
+
+def test_unknown_preset_is_one_line_exit_2():
+    result = runner.invoke(app, ["config", "show", "--config", "nonsense"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "no such preset or file" in result.stderr
+
+
+def test_db_upgrade_and_downgrade_on_sqlite(tmp_path):
+    url = f"sqlite:///{tmp_path}/m.db"
+    assert runner.invoke(app, ["db", "upgrade", "--url", url]).exit_code == 0
+    assert current(url) is not None
+    assert runner.invoke(app, ["db", "downgrade", "base", "--url", url]).exit_code == 0
+    assert current(url) is None
+
+
+def test_tasks_import_copies_a_valid_directory_and_refuses_a_broken_one(tmp_path):
+    dest = tmp_path / "imported"
+    result = runner.invoke(app, ["tasks", "import", str(builtin_catalogue_dir()), "--dest", str(dest)])
+    assert result.exit_code == 0, result.output
+    assert (dest / "splits.json").is_file()
+
+    broken = tmp_path / "broken"
+    shutil.copytree(builtin_catalogue_dir(), broken)
+    (broken / "splits.json").write_text("{not json")
+    result = runner.invoke(app, ["tasks", "import", str(broken), "--dest", str(tmp_path / "never")])
+    assert result.exit_code == 2
+    assert "splits.json" in result.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_tasks_list_shows_the_twelve_tasks():
+    result = runner.invoke(app, ["tasks", "list"])
+    assert result.exit_code == 0
+    for task_id in (51, 53, 56, 60, 202, 205, 207, 221, 302, 305, 307, 324):
+        assert str(task_id) in result.stdout

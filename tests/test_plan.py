@@ -1,0 +1,84 @@
+"""`mass-ops plan`: the planned totals of the paper preset, the training command and the resource plan."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from mass_ops.cli import app
+from mass_ops.config import load_config
+from mass_ops.plan import build_plan, count_checkpoints, count_validations
+from mass_ops.training_plan import training_command_for
+
+runner = CliRunner()
+
+
+def _plan_json(*args: str) -> dict:
+    result = runner.invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_paper_plan_reports_the_reference_totals():
+    totals = _plan_json("--config", "paper")["plan"]["totals"]
+    assert totals["rhi_episodes"] == 117  # 9 tasks × (1 reference + 12 versions)
+    assert totals["collection_episodes"] == 144  # 8 × 18
+    assert totals["comparisons_per_ranked_task"] == 54
+    assert totals["train_trajectories"] == 120
+    assert totals["val_trajectories"] == 8
+
+
+def test_paper_plan_counts_judge_and_optimizer_calls():
+    stages = {s["stage"]: s["counts"] for s in _plan_json("--config", "paper")["plan"]["stages"]}
+    assert stages["search"]["baseline_judge_calls"] == 9 * 12
+    assert stages["search"]["optimizer_calls"] == 9 * 11
+    assert stages["rank"]["self_judge_calls"] == 8 * 54
+    assert stages["train"]["windows_per_step"] == 3
+    assert stages["train"]["validations"] == 12  # 0, 150, …, 1500, 1624
+    assert stages["train"]["checkpoints"] == 33  # 50, …, 1600, 1624
+
+
+def test_plan_follows_overrides():
+    totals = _plan_json("--config", "paper", "--set", "search.iterations=3")["plan"]["totals"]
+    assert totals["rhi_episodes"] == 9 * (1 + 4)
+
+
+def test_plan_prints_the_training_command_in_text_mode():
+    result = runner.invoke(app, ["plan", "--config", "paper"])
+    assert result.exit_code == 0, result.output
+    assert "--nproc_per_node=3" in result.output and "mass_ops.train.trainer" in result.output
+    assert "117" in result.output and "144" in result.output
+
+
+def test_multi_node_launch_reads_the_node_rank_from_the_indexed_job():
+    config = load_config(
+        "demo",
+        ["training.replicas=16", "training.nnodes=2", "training.gpus_per_node=8", "training.steps=20"],
+        environ={},
+    )
+    command = training_command_for(config)
+    script = command[-1]
+    assert command[:2] == ["sh", "-c"]
+    assert "--nnodes=2" in script and "--nproc_per_node=8" in script
+    assert "JOB_COMPLETION_INDEX" in script
+    plan = build_plan(config, command)
+    assert plan.resources.training_gpus == 16 and plan.resources.training_nodes == 2
+
+
+def test_counting_helpers():
+    assert count_validations(10, 4, True) == 4  # 0, 4, 8, 10
+    assert count_validations(8, 4, False) == 2
+    assert count_checkpoints(10, 5) == 2
+
+
+def test_bad_config_exits_2_with_one_line_per_problem():
+    result = runner.invoke(
+        app, ["plan", "--config", "paper", "--set", "search.iterations=0", "--set", "ranking.seed=-1"]
+    )
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "config: search.iterations: Input should be greater than 0 (got 0)",
+        "config: ranking.seed: Input should be greater than or equal to 0 (got -1)",
+    ]
