@@ -1,0 +1,162 @@
+"""Engine and session factory of the metadata database (SQLite embedded default, Postgres in production).
+
+`MetadataStore(url)` owns one engine. `read()` and `write()` hand out short-lived sessions that commit (write) or
+roll back (read / on error) when the block ends; objects they load stay usable after the block because sessions
+never expire them on commit.
+
+SQLite is opened in WAL mode with a busy timeout and foreign keys on. Write transactions start with
+``BEGIN IMMEDIATE`` so that concurrent writers queue on the database lock (and the busy timeout) instead of failing
+with "database is locked" when a read snapshot would have to be upgraded to a write lock.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+_BEGIN_OPTION = "mass_ops_sqlite_begin"
+
+
+class MetadataURLError(ValueError):
+    """The metadata URL names no database this store supports."""
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL as text with any password replaced by ``***`` (safe to log)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "<unparseable metadata URL>"
+
+
+def _postgres_driver() -> str:
+    # Core installs ship psycopg2-binary; Airflow images also bring psycopg 3. Prefer 3 when both are present.
+    if importlib.util.find_spec("psycopg") is not None:
+        return "postgresql+psycopg"
+    return "postgresql+psycopg2"
+
+
+def resolve_url(url: str | URL) -> URL:
+    """Parse and normalise a metadata URL: ``postgres://`` alias, default Postgres driver. Raises MetadataURLError."""
+    try:
+        parsed = make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise MetadataURLError(
+            f"metadata URL {mask_url(url)!r} is not a database URL; use sqlite:///PATH or postgresql://HOST/DB"
+        ) from exc
+    backend = parsed.get_backend_name()
+    if backend == "postgres":
+        parsed = parsed.set(drivername="postgresql")
+        backend = "postgresql"
+    if backend not in {"sqlite", "postgresql"}:
+        raise MetadataURLError(
+            f"metadata URL {mask_url(parsed)!r} uses {backend!r}; only sqlite and postgresql are supported"
+        )
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername=_postgres_driver())
+    return parsed
+
+
+class MetadataStore:
+    """Connection to the metadata database.
+
+    :param url: ``sqlite:///PATH`` (parent folder created on demand), ``sqlite://`` (in memory, one shared
+        connection) or ``postgresql://USER@HOST:PORT/DB``.
+    :param pool_size: Postgres connections kept open per process.
+    :param max_overflow: extra Postgres connections allowed under load.
+    :param echo: log every SQL statement (the URL's password is never logged).
+
+    Create the store after forking (one per process): engines and their pools do not survive ``fork``.
+    """
+
+    def __init__(self, url: str | URL, *, pool_size: int = 5, max_overflow: int = 10, echo: bool = False) -> None:
+        self.url = resolve_url(url)
+        self.dialect = self.url.get_backend_name()
+        if self.dialect == "sqlite":
+            self.engine = self._sqlite_engine(echo)
+        else:
+            self.engine = sa.create_engine(
+                self.url,
+                echo=echo,
+                pool_size=pool_size,
+                max_overflow=max_overflow,
+                pool_pre_ping=True,  # connections die with Postgres restarts and idle timeouts of proxies
+                pool_recycle=1800,
+                connect_args={"application_name": "mass-ops"},
+            )
+        # Repository reads are single statements: on Postgres they run in autocommit, which saves the BEGIN and
+        # ROLLBACK round trips of every query (half its latency for small lookups).
+        read_engine = self.engine
+        if self.dialect == "postgresql":
+            read_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._reader = sessionmaker(read_engine, expire_on_commit=False, autoflush=False)
+        self._write_engine = self.engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        self._writer = sessionmaker(self._write_engine, expire_on_commit=False, autoflush=False)
+
+    def __repr__(self) -> str:
+        return f"MetadataStore(url={mask_url(self.url)!r})"
+
+    def _sqlite_engine(self, echo: bool) -> Engine:
+        database = self.url.database
+        in_memory = database in (None, "", ":memory:")
+        kwargs: dict[str, Any] = {"echo": echo}
+        if in_memory:
+            # Every connection to ":memory:" is a new, empty database: share one connection.
+            kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
+        else:
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            kwargs.update(connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        engine = sa.create_engine(self.url, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _configure(dbapi_connection: Any, _record: Any) -> None:
+            # Take transaction control away from the sqlite3 module so BEGIN is ours (see _begin).
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            if not in_memory:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=NORMAL")  # durable with WAL except on power loss, much faster
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(connection: sa.Connection) -> None:
+            mode = connection.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
+            connection.exec_driver_sql(f"BEGIN {mode}")
+
+        return engine
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for queries. Never commits; on Postgres each statement sees the latest committed data (no
+        snapshot spans two statements), on SQLite the block reads one snapshot.
+        """
+        with self._reader() as session:
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A session whose work commits when the block ends, or rolls back if it raises."""
+        with self._writer.begin() as session:
+            yield session
+
+    @contextmanager
+    def transaction(self) -> Iterator[sa.Connection]:
+        """A Core connection in a write transaction, committed when the block ends (rolled back if it raises)."""
+        with self._write_engine.begin() as connection:
+            yield connection
+
+    def dispose(self) -> None:
+        """Close every pooled connection (call before dropping the database or at process exit)."""
+        self.engine.dispose()

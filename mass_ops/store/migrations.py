@@ -1,0 +1,84 @@
+"""Schema migrations of the metadata database, driven through Alembic's API.
+
+The Alembic scripts live in the repository's ``sql/`` folder (found relative to this file); set
+``MASS_MIGRATIONS_DIR`` to use another folder, e.g. in an image that copies ``sql/`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import URL
+
+from mass_ops.store.metadata import MetadataStore
+
+MIGRATIONS_DIR_ENV = "MASS_MIGRATIONS_DIR"
+
+
+class MigrationsNotFoundError(ValueError):
+    """The migrations folder is missing or is not an Alembic script folder."""
+
+
+def migrations_dir() -> Path:
+    """The Alembic script folder: ``$MASS_MIGRATIONS_DIR`` or ``<repo>/sql``."""
+    configured = os.environ.get(MIGRATIONS_DIR_ENV)
+    folder = Path(configured) if configured else Path(__file__).resolve().parents[2] / "sql"
+    if not (folder / "env.py").is_file() or not (folder / "versions").is_dir():
+        source = f"${MIGRATIONS_DIR_ENV}" if configured else "the repository"
+        raise MigrationsNotFoundError(
+            f"migrations folder {folder} (from {source}) has no env.py and versions/; "
+            f"point {MIGRATIONS_DIR_ENV} at the sql/ folder of mass-ops"
+        )
+    return folder
+
+
+def _config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    return config
+
+
+def head_revision() -> str | None:
+    """The newest revision the scripts define."""
+    return ScriptDirectory.from_config(_config()).get_current_head()
+
+
+def _run(url: str | URL, action: str, revision: str) -> None:
+    config = _config()
+    store = MetadataStore(url, pool_size=1, max_overflow=0)
+    try:
+        # One transaction for the whole run (SQLite and Postgres both have transactional DDL): a failing
+        # migration leaves the schema where it was. env.py picks the connection up from the attributes.
+        with store.transaction() as connection:
+            config.attributes["connection"] = connection
+            if action == "upgrade":
+                command.upgrade(config, revision)
+            else:
+                command.downgrade(config, revision)
+    finally:
+        store.dispose()
+
+
+def upgrade(url: str | URL, revision: str = "head") -> None:
+    """Create the schema or bring it up to `revision` (default: the newest). A no-op when already there."""
+    _run(url, "upgrade", revision)
+
+
+def downgrade(url: str | URL, revision: str) -> None:
+    """Take the schema down to `revision`; ``"base"`` drops every table of the store."""
+    _run(url, "downgrade", revision)
+
+
+def current(url: str | URL) -> str | None:
+    """The revision the database is at, or None for a database the migrations never touched."""
+    store = MetadataStore(url, pool_size=1, max_overflow=0)
+    try:
+        with store.engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        store.dispose()
