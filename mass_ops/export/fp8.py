@@ -1,0 +1,464 @@
+"""Block-wise FP8 (e4m3) export of a BF16 checkpoint, in the format vLLM and transformers load as ``quant_method: fp8``.
+
+Each quantized ``<module>.weight`` [out, in] becomes ``weight`` (float8_e4m3fn, same shape) plus
+``weight_scale_inv`` (bf16 unless a reference says otherwise, shape [ceil(out/128), ceil(in/128)]). Despite its name
+``weight_scale_inv`` is the dequantisation multiplier: w ≈ q · scale_inv, broadcast over each 128×128 block.
+
+Per block: amax = max|w| (clamped ≥ 1e-12), scale = amax/448 rounded to the stored scale dtype, then
+q = e4m3(clamp(w/scale, ±448)). Dividing by the *stored* scale keeps dequantisation exact to the quantiser's own
+multiplier. Error bound (derivation): e4m3 keeps 3 mantissa bits, so for |x| ≥ 2^-6 (normal range) round-to-nearest
+errs by at most half a spacing, 2^-4·|x|; below 2^-6 the spacing is 2^-9, so at most 2^-10. A bf16 scale can sit up to
+2^-8 below amax/448, so w/scale may exceed 448 by that factor; clamping it costs ≤ 2^-8·amax, inside the first term for
+those elements. Hence for every element |w − q·scale| ≤ max(2^-4·|w|, 2^-10·scale) (up to fp32 division rounding,
+2^-24 relative), i.e. at most amax/16 in a block.
+
+A partial block (a dimension not a multiple of 128) takes its amax over the elements it really has; the scale grid is
+ceil-divided, the DeepSeek-V3 convention vLLM uses. Which tensors are quantized: with a reference FP8 checkpoint,
+exactly those with ``<name>_scale_inv`` in it (MASS_SPEC §9), in its shard layout; without one, every 2-D linear weight
+of the decoder except embeddings, lm_head, norms, routers, vision and MTP towers — and except weights with a dimension
+not a multiple of the block: transformers derives the block size from the scale grid when it dequantises (a 200-wide
+weight would be read as two 100-wide blocks) and vLLM's fused qkv/gate_up loaders need whole blocks, so those stay
+BF16 and are listed in ``modules_to_not_convert`` for both loaders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mass_ops.export.safetensors_io import (
+    DTYPE_CODES,
+    INDEX_NAME,
+    ExportError,
+    ScratchBuffers,
+    ShardReader,
+    ShardWriter,
+    TensorEntry,
+    TensorSpec,
+    copy_side_files,
+    read_layout,
+    staged_output_dir,
+    write_index,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+AMAX_FLOOR = 1e-12  # an all-zero block still gets a finite, non-zero scale
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+QUANT_INFO_NAME = "quant_info.json"
+MERGE_INFO_NAME = "merge_info.json"
+# Working set per streamed chunk, in elements (fp32: 64 MiB); bounds memory independently of tensor size.
+CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+_FLOAT_CODES = {"BF16", "F16", "F32"}
+# Module path segments that are not decoder linears worth quantizing (embeddings, output head, vision, MTP).
+_KEEP_SEGMENTS = {
+    "embed_tokens",
+    "embeddings",
+    "embed",
+    "wte",
+    "wpe",
+    "lm_head",
+    "visual",
+    "vision_tower",
+    "vision_model",
+    "mtp",
+}
+# MoE routers are 2-D but tiny and precision-critical; official FP8 releases keep them in BF16.
+_ROUTER_NAMES = {"gate", "router", "shared_expert_gate"}
+_NORM = re.compile(r"norm", re.IGNORECASE)
+
+
+def _blocks(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def quantize_blockwise(
+    w: torch.Tensor,
+    *,
+    block: tuple[int, int] = BLOCK,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    scratch: ScratchBuffers | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight to (q float8_e4m3fn [out, in], scale_inv [ceil(out/b0), ceil(in/b1)]).
+
+    ``w`` is not modified. With ``scratch`` the returned ``q`` is a view of a reused buffer (consume it before the
+    next call); without it both results are fresh tensors. Errors on non-finite weights (a NaN would silently poison
+    a whole block's scale).
+    """
+    if w.ndim != 2:
+        raise ExportError(f"block-wise FP8 needs a 2-D weight, got shape {list(w.shape)}")
+    rows, cols = w.shape
+    n_rows, n_cols = _blocks(rows, cols, block)
+    buffers = scratch or ScratchBuffers()
+    padded = (n_rows * block[0], n_cols * block[1])
+    x = buffers.take("fp8.work", padded[0] * padded[1], torch.float32).view(padded)
+    if padded != (rows, cols):
+        x.zero_()  # zero padding never raises a block's amax: partial blocks get the amax of their real elements
+    x[:rows, :cols].copy_(w)
+    tiles = x.view(n_rows, block[0], n_cols, block[1])
+    amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_())
+    if not torch.isfinite(amax).all():
+        raise ExportError("weight contains NaN or infinite values; refusing to quantize it")
+    scale = (amax.clamp_(min=AMAX_FLOOR) / FP8_MAX).to(scale_dtype)
+    # Divide by the scale as stored, so dequantisation multiplies by exactly the number that was divided by.
+    tiles.div_(scale.to(torch.float32)[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    q = buffers.take("fp8.q", x.numel(), FP8_DTYPE).view(padded)
+    q.copy_(x)
+    q = q[:rows, :cols]
+    return (q if scratch is not None else q.contiguous()), scale
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[int, int] = BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """w ≈ q · scale_inv broadcast over blocks (partial edge blocks included), returned in ``dtype``."""
+    rows, cols = q.shape
+    expected = _blocks(rows, cols, block)
+    if tuple(scale_inv.shape) != expected:
+        raise ExportError(
+            f"scale grid {list(scale_inv.shape)} does not fit weight {[rows, cols]} in {list(block)} blocks "
+            f"(expected {list(expected)})"
+        )
+    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], dim=0)[:rows]
+    scale = scale.repeat_interleave(block[1], dim=1)[:, :cols]
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+def _row_chunks(rows: int, cols: int, block_rows: int) -> Iterator[tuple[int, int]]:
+    """Row ranges aligned to whole block rows, each about ``CHUNK_ELEMENTS`` elements."""
+    step = max(block_rows, (CHUNK_ELEMENTS // max(cols, 1)) // block_rows * block_rows)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _stream_quantize(
+    reader: ShardReader,
+    name: str,
+    writer: ShardWriter,
+    scale_writer: ShardWriter,
+    scale_name: str,
+    scale_dtype: torch.dtype,
+    block: tuple[int, int],
+    scratch: ScratchBuffers,
+) -> None:
+    """Quantize one weight in row chunks of whole blocks; only the (small) scale grid is held until the end."""
+    rows, cols = reader.entry(name).shape
+    scales = []
+    for start, stop in _row_chunks(rows, cols, block[0]):
+        raw = scratch.take("fp8.raw", (stop - start) * reader.entry(name).row_bytes, torch.uint8)
+        try:
+            w = reader.read_rows(name, start, stop, into=raw)
+            q, scale = quantize_blockwise(w, block=block, scale_dtype=scale_dtype, scratch=scratch)
+        except ExportError as exc:
+            raise ExportError(f"{reader.path} [{name}]: {exc}") from None
+        writer.write(name, q)
+        scales.append(scale)
+    scale_writer.write(scale_name, torch.cat(scales))
+
+
+def _module_of(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight")
+
+
+def _auto_quantizable(entry: TensorEntry, block: tuple[int, int]) -> bool:
+    """Whether a tensor is a whole-block decoder linear weight (the default selection without a reference)."""
+    if not entry.name.endswith(".weight") or len(entry.shape) != 2 or entry.dtype not in _FLOAT_CODES:
+        return False
+    segments = _module_of(entry.name).split(".")
+    if _KEEP_SEGMENTS.intersection(segments) or segments[-1] in _ROUTER_NAMES or _NORM.search(segments[-1]):
+        return False
+    rows, cols = entry.shape
+    return rows > 0 and cols > 0 and rows % block[0] == 0 and cols % block[1] == 0
+
+
+def fp8_quantization_config(modules_to_not_convert: list[str], block: tuple[int, int] = BLOCK) -> dict[str, object]:
+    """`quantization_config` for config.json: block FP8 as vLLM and transformers (FineGrainedFP8) read it."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        # transformers adds no default skips (not even lm_head) once this list is given, so it must be complete.
+        "modules_to_not_convert": modules_to_not_convert,
+    }
+
+
+@dataclass(frozen=True)
+class Fp8Info:
+    """What an FP8 export did; ``quant_info.json`` holds the same facts."""
+
+    src: str
+    ref: str | None
+    out_dir: str
+    quantized: list[str]
+    copied: list[str]
+    modules_to_not_convert: list[str]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where every output tensor goes and how it is produced."""
+
+    shards: dict[str, list[TensorSpec]]  # output shard file -> tensors it holds
+    quantized: dict[str, tuple[str, torch.dtype]]  # weight name -> (scale tensor name, scale dtype)
+    copied: list[str]
+    block: tuple[int, int]
+    config: dict[str, object] | None  # the reference's config.json, used verbatim when present
+    not_converted: list[str]
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{path}: cannot read JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: expected a JSON object")
+    return data
+
+
+def _block_from_config(config: dict[str, object], where: Path) -> tuple[int, int]:
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("weight_block_size") is None:
+        return BLOCK
+    size = quant["weight_block_size"]
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        raise ExportError(f"{where}: quantization_config.weight_block_size {size!r} is not two positive integers")
+    return size[0], size[1]
+
+
+def _plan_auto(src_entries: dict[str, TensorEntry], src_map: dict[str, str]) -> _Plan:
+    shards: dict[str, list[TensorSpec]] = {}
+    quantized: dict[str, tuple[str, torch.dtype]] = {}
+    copied = []
+    not_converted = {"lm_head"}  # tied heads are absent from the shards but still must stay unconverted
+    for name, entry in src_entries.items():
+        specs = shards.setdefault(src_map[name], [])
+        if _auto_quantizable(entry, BLOCK):
+            scale_name = name + SCALE_SUFFIX
+            quantized[name] = (scale_name, torch.bfloat16)
+            specs.append(TensorSpec(name, DTYPE_CODES[FP8_DTYPE], entry.shape))
+            specs.append(TensorSpec(scale_name, DTYPE_CODES[torch.bfloat16], _blocks(*entry.shape, BLOCK)))
+        else:
+            copied.append(name)
+            specs.append(TensorSpec.like(entry))
+            if name.endswith(".weight") and len(entry.shape) >= 2:
+                not_converted.add(_module_of(name))
+    return _Plan(shards, quantized, sorted(copied), BLOCK, None, sorted(not_converted))
+
+
+def _plan_from_reference(src_entries: dict[str, TensorEntry], reference_dir: Path) -> _Plan:
+    ref_layout = read_layout(reference_dir)
+    ref_entries = ref_layout.entries()
+    ref_config_path = reference_dir / "config.json"
+    ref_config = _read_json(ref_config_path) if ref_config_path.is_file() else None
+    block = _block_from_config(ref_config, ref_config_path) if ref_config else BLOCK
+    quantized: dict[str, tuple[str, torch.dtype]] = {}
+    for scale_name, scale_entry in ref_entries.items():
+        if not scale_name.endswith(SCALE_SUFFIX):
+            continue
+        name = scale_name.removesuffix(SCALE_SUFFIX)
+        src, ref = src_entries.get(name), ref_entries.get(name)
+        if src is None:
+            raise ExportError(f"{reference_dir}: reference quantizes {name}, which the source checkpoint lacks")
+        if ref is None or ref.dtype != DTYPE_CODES[FP8_DTYPE]:
+            raise ExportError(f"{reference_dir}: {scale_name} has no float8_e4m3fn {name} beside it")
+        if ref.shape != src.shape or len(src.shape) != 2:
+            raise ExportError(f"{reference_dir}: {name} is {list(ref.shape)} there but {list(src.shape)} in the source")
+        if scale_entry.shape != _blocks(*src.shape, block):
+            raise ExportError(
+                f"{reference_dir}: {scale_name} grid {list(scale_entry.shape)} is not {list(block)} blocks of {name}"
+            )
+        quantized[name] = (scale_name, scale_entry.torch_dtype)
+    produced = set(src_entries) | {scale for scale, _ in quantized.values()}
+    for name in sorted(set(ref_entries) - produced):
+        raise ExportError(f"{reference_dir}: reference tensor {name} has no counterpart in the source checkpoint")
+    for name in sorted(set(src_entries) - set(ref_entries)):
+        raise ExportError(f"{reference_dir}: source tensor {name} is not in the reference layout")
+    shards: dict[str, list[TensorSpec]] = {}
+    copied = []
+    for name, entry in src_entries.items():
+        if name in quantized:
+            scale_name, scale_dtype = quantized[name]
+            shards.setdefault(ref_layout.weight_map[name], []).append(
+                TensorSpec(name, DTYPE_CODES[FP8_DTYPE], entry.shape)
+            )
+            shards.setdefault(ref_layout.weight_map[scale_name], []).append(
+                TensorSpec(scale_name, DTYPE_CODES[scale_dtype], ref_entries[scale_name].shape)
+            )
+        else:
+            if ref_entries[name].shape != entry.shape:
+                raise ExportError(
+                    f"{reference_dir}: {name} is {list(ref_entries[name].shape)} there, "
+                    f"{list(entry.shape)} in the source"
+                )
+            copied.append(name)
+            shards.setdefault(ref_layout.weight_map[name], []).append(TensorSpec.like(entry))
+    not_converted = sorted(
+        {"lm_head"} | {_module_of(n) for n in copied if n.endswith(".weight") and len(src_entries[n].shape) >= 2}
+    )
+    return _Plan(shards, quantized, sorted(copied), block, ref_config, not_converted)
+
+
+def export_fp8(src_dir: str | Path, out_dir: str | Path, *, reference_dir: str | Path | None = None) -> Fp8Info:
+    """Quantize the BF16 checkpoint in ``src_dir`` to block FP8 in ``out_dir``, shard by shard.
+
+    ``out_dir`` must be absent or empty; it appears only when complete. With ``reference_dir`` (an FP8 checkpoint of
+    the same architecture) the selection, block size, scale dtype, shard layout and config.json follow it.
+    """
+    src_dir = Path(src_dir)
+    ref_dir = Path(reference_dir) if reference_dir is not None else None
+    src_layout = read_layout(src_dir)
+    src_entries = src_layout.entries()
+    plan = _plan_from_reference(src_entries, ref_dir) if ref_dir else _plan_auto(src_entries, src_layout.weight_map)
+
+    src_config_path = src_dir / "config.json"
+    if plan.config is not None:
+        config = plan.config
+        quant = config.get("quantization_config")
+        if not isinstance(quant, dict) or "fp8" not in str(quant.get("quant_method", "")):
+            raise ExportError(f"{ref_dir}/config.json: no fp8 quantization_config; is this an FP8 checkpoint?")
+        src_type = _read_json(src_config_path).get("model_type") if src_config_path.is_file() else None
+        if src_type is not None and src_type != config.get("model_type"):
+            raise ExportError(
+                f"{ref_dir}/config.json: model_type {config.get('model_type')!r} is not the source's {src_type!r}"
+            )
+    elif src_config_path.is_file():
+        config = _read_json(src_config_path)
+        config["quantization_config"] = fp8_quantization_config(plan.not_converted, plan.block)
+    else:
+        raise ExportError(f"{src_dir}: no config.json to carry the quantization_config")
+
+    with staged_output_dir(out_dir) as stage:
+        # Every output shard is planned up front, so all can be open at once and each source shard is read once,
+        # front to back, even when a reference layout scatters a weight and its scale over different files.
+        destination = {spec.name: shard for shard, specs in plan.shards.items() for spec in specs}
+        scratch = ScratchBuffers()
+        with ExitStack() as stack:
+            writers = {
+                shard: stack.enter_context(ShardWriter(stage / shard, specs)) for shard, specs in plan.shards.items()
+            }
+            for src_shard in src_layout.shard_files:
+                with ShardReader(src_dir / src_shard) as reader:
+                    for name in (n for n in reader.entries if src_layout.weight_map.get(n) == src_shard):
+                        writer = writers[destination[name]]
+                        if name in plan.quantized:
+                            scale_name, scale_dtype = plan.quantized[name]
+                            scale_writer = writers[destination[scale_name]]
+                            _stream_quantize(
+                                reader, name, writer, scale_writer, scale_name, scale_dtype, plan.block, scratch
+                            )
+                        else:
+                            writer.copy_from(reader, name)
+        skip = set(src_layout.shard_files) | {INDEX_NAME, "config.json", QUANT_INFO_NAME}
+        copy_side_files(src_dir, stage, skip=skip)
+        if ref_dir is not None:
+            # Tokenizer, chat template, generation config: the reference's, so servers treat it like the official FP8.
+            ref_skip = set(read_layout(ref_dir).shard_files) | {
+                INDEX_NAME,
+                "config.json",
+                QUANT_INFO_NAME,
+                MERGE_INFO_NAME,
+            }
+            for item in ref_dir.iterdir():
+                if item.name not in ref_skip and item.is_file():
+                    (stage / item.name).write_bytes(item.read_bytes())
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        quant_config = config["quantization_config"]
+        total = sum(spec.nbytes for specs in plan.shards.values() for spec in specs)
+        write_index(stage, destination, total)
+        info = Fp8Info(
+            src=str(src_dir.resolve()),
+            ref=str(ref_dir.resolve()) if ref_dir else None,
+            out_dir=str(Path(out_dir).resolve()),
+            quantized=sorted(plan.quantized),
+            copied=plan.copied,
+            modules_to_not_convert=list(quant_config.get("modules_to_not_convert") or []),
+        )
+        record = {"src": info.src, "ref": info.ref, "quantized": info.quantized, "copied": info.copied}
+        (stage / QUANT_INFO_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    return info
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """Stored FP8 vs its BF16 source, and vs a fresh re-quantisation of that source."""
+
+    name: str
+    max_rel_error: float  # max|w − deq| / max|w|
+    mean_rel_error: float  # mean|w − deq| / mean|w|
+    identical_fp8_share: float  # share of FP8 bytes equal to the re-quantisation's
+    identical_scale_share: float  # share of scales equal to the re-quantisation's
+
+
+@dataclass(frozen=True)
+class Fp8Verification:
+    tensors: list[TensorCheck]
+    max_rel_error: float
+    identical_fp8_share: float
+    identical_scale_share: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def verify_fp8(src_dir: str | Path, fp8_dir: str | Path, *, max_tensors: int | None = None) -> Fp8Verification:
+    """Re-quantize the BF16 source of every FP8 weight in ``fp8_dir`` (the first ``max_tensors`` if given) and report
+    dequantisation error and the share of identical FP8 bytes and scales."""
+    src_dir, fp8_dir = Path(src_dir), Path(fp8_dir)
+    src_layout, fp8_layout = read_layout(src_dir), read_layout(fp8_dir)
+    fp8_entries = fp8_layout.entries()
+    config_path = fp8_dir / "config.json"
+    block = _block_from_config(_read_json(config_path), config_path) if config_path.is_file() else BLOCK
+    names = sorted(
+        n for n, e in fp8_entries.items() if e.dtype == DTYPE_CODES[FP8_DTYPE] and n + SCALE_SUFFIX in fp8_entries
+    )
+    if not names:
+        raise ExportError(f"{fp8_dir}: no float8_e4m3fn weight with a {SCALE_SUFFIX} tensor to verify")
+    checks, same_q, same_s, count_q, count_s = [], 0, 0, 0, 0
+    for name in names[:max_tensors]:
+        if name not in src_layout.weight_map:
+            raise ExportError(f"{src_dir}: FP8 weight {name} has no source tensor here")
+        with (
+            ShardReader(src_dir / src_layout.weight_map[name]) as src,
+            ShardReader(fp8_dir / fp8_layout.weight_map[name]) as fp8,
+            ShardReader(fp8_dir / fp8_layout.weight_map[name + SCALE_SUFFIX]) as scales,
+        ):
+            rows, cols = src.entry(name).shape
+            if fp8.entry(name).shape != (rows, cols):
+                raise ExportError(f"{fp8_dir}: {name} is {list(fp8.entry(name).shape)}, source is {[rows, cols]}")
+            scale_all = scales.read(name + SCALE_SUFFIX)
+            max_err = max_w = sum_err = sum_w = 0.0
+            eq_q = eq_s = 0
+            for start, stop in _row_chunks(rows, cols, block[0]):
+                w = src.read_rows(name, start, stop).to(torch.float32)
+                q = fp8.read_rows(name, start, stop)
+                s = scale_all[start // block[0] : math.ceil(stop / block[0])]
+                err = (w - dequantize_blockwise(q, s, block=block)).abs_()
+                max_err, sum_err = max(max_err, err.max().item()), sum_err + err.sum().item()
+                max_w, sum_w = max(max_w, w.abs().max().item()), sum_w + w.abs().sum().item()
+                q_new, s_new = quantize_blockwise(w, block=block, scale_dtype=s.dtype)
+                eq_q += (q_new.view(torch.uint8) == q.view(torch.uint8)).sum().item()
+                eq_s += (s_new == s).sum().item()
+        n_q, n_s = rows * cols, scale_all.numel()
+        checks.append(
+            TensorCheck(
+                name, max_err / max(max_w, AMAX_FLOOR), sum_err / max(sum_w, AMAX_FLOOR), eq_q / n_q, eq_s / n_s
+            )
+        )
+        same_q, same_s, count_q, count_s = same_q + eq_q, same_s + eq_s, count_q + n_q, count_s + n_s
+    return Fp8Verification(
+        tensors=checks,
+        max_rel_error=max(c.max_rel_error for c in checks),
+        identical_fp8_share=same_q / count_q,
+        identical_scale_share=same_s / count_s,
+    )
