@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -29,13 +28,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir  # noqa: F401  (re-exported)
+
 QWEN_CODE_PACKAGE = "@qwen-code/qwen-code"
 QWEN_CODE_VERSION = "0.21.10"
 NODE_MAJOR = 22
-RUNTIME_DIR_ENV = "MASS_RUNTIME_DIR"
 NPM_TIMEOUT_S = 900
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class QwenInstallError(RuntimeError):
@@ -53,12 +51,6 @@ class QwenInstall:
     def argv(self, *args: str) -> list[str]:
         """Command line running qwen-code with this Node (no reliance on PATH or the script's shebang)."""
         return [str(self.node_bin), str(self.qwen_entry), *args]
-
-
-def default_runtime_dir() -> Path:
-    """`$MASS_RUNTIME_DIR` if set, else `<repo>/.runtime`."""
-    configured = os.environ.get(RUNTIME_DIR_ENV)
-    return Path(configured).expanduser().resolve() if configured else _REPO_ROOT / ".runtime"
 
 
 def ensure_qwen_code(runtime_dir: Path | str | None = None, *, version: str = QWEN_CODE_VERSION) -> QwenInstall:

