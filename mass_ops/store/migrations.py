@@ -18,6 +18,7 @@ from sqlalchemy.engine import URL
 from mass_ops.store.metadata import MetadataStore
 
 MIGRATIONS_DIR_ENV = "MASS_MIGRATIONS_DIR"
+_MIGRATION_LOCK_ID = 0x6D6173735F6F7073 & 0x7FFFFFFFFFFFFFFF  # "mass_ops"; any constant shared by all deployers
 
 
 class MigrationsNotFoundError(ValueError):
@@ -55,6 +56,10 @@ def _run(url: str | URL, action: str, revision: str) -> None:
         # One transaction for the whole run (SQLite and Postgres both have transactional DDL): a failing
         # migration leaves the schema where it was. env.py picks the connection up from the attributes.
         with store.transaction() as connection:
+            if store.dialect == "postgresql":
+                # Two deployers upgrading at once would both try to CREATE the same tables; the second now waits
+                # and then finds the schema current. (SQLite: BEGIN IMMEDIATE already serialises them.)
+                connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_ID})")
             config.attributes["connection"] = connection
             if action == "upgrade":
                 command.upgrade(config, revision)

@@ -1,0 +1,42 @@
+"""Evidence bundles and the pairwise judge (MASS_SPEC §5): `evidence` builds what a judge sees of a workspace,
+`prompts` holds personas, rubric, labels and the verdict schema, `pairwise` makes the calls, `workspaces` says
+where a judged workspace comes from."""
+
+from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle, results_json_appendix
+from mass_ops.judge.pairwise import JudgeOutcome, PairwiseCase, PairwiseJudge
+from mass_ops.judge.prompts import (
+    CANDIDATE_A_LABEL,
+    CANDIDATE_B_LABEL,
+    REFERENCE_LABEL,
+    JudgeOutputError,
+    PairwiseVerdict,
+    judge_system_prompt,
+    judge_user_prompt,
+    parse_verdict,
+    version_label,
+)
+from mass_ops.judge.workspaces import ExecutorWorkspace, StoredWorkspace, WorkspaceSource, bundle_workspace
+
+__all__ = [
+    "CANDIDATE_A_LABEL",
+    "CANDIDATE_B_LABEL",
+    "REFERENCE_LABEL",
+    "EvidenceBundle",
+    "EvidenceCaps",
+    "EvidenceError",
+    "ExecutorWorkspace",
+    "JudgeOutcome",
+    "JudgeOutputError",
+    "PairwiseCase",
+    "PairwiseJudge",
+    "PairwiseVerdict",
+    "StoredWorkspace",
+    "WorkspaceSource",
+    "build_bundle",
+    "bundle_workspace",
+    "judge_system_prompt",
+    "judge_user_prompt",
+    "parse_verdict",
+    "results_json_appendix",
+    "version_label",
+]

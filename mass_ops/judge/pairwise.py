@@ -1,0 +1,171 @@
+"""The pairwise judge: one JSON call per pair (or two with swap-consistent judging), bounded retries of unusable
+answers, every attempt in the call ledger (MASS_SPEC §5; ARCHITECTURE: optional swap-consistent judging).
+
+An answer that is not a valid verdict (not JSON, not an object, empty, wrong schema) is retried up to
+`invalid_retries` more times; after that the pair is recorded with the verdict ``invalid``, which every consumer
+counts as a tie. Infrastructure failures are not retried here: they raise, and a rerun makes a new attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mass_ops.judge.evidence import EvidenceBundle
+from mass_ops.judge.prompts import PairwiseVerdict, judge_system_prompt, judge_user_prompt, parse_verdict
+from mass_ops.llm import LLMClient, LLMOutputError, SamplingParams
+from mass_ops.llm_calls import CallAttempt, CallLedger, CallUnit
+from mass_ops.store.models import CallStatus
+
+Verdict = Literal["A", "B", "tie", "invalid"]
+_FLIP = {"A": "B", "B": "A", "tie": "tie"}
+
+
+@dataclass(frozen=True)
+class PairwiseCase:
+    """One pair to judge: A and B evidence of one task, their labels, the call unit and the sampling seed."""
+
+    unit: CallUnit
+    task_id: int
+    task_text: str
+    label_a: str
+    label_b: str
+    bundle_a: EvidenceBundle
+    bundle_b: EvidenceBundle
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class JudgeOutcome:
+    """The verdict of a pair in the A/B orientation of the case; `invalid` counts as a tie."""
+
+    verdict: Verdict
+    rationale: str
+    call_id: int | None
+    usage: dict[str, Any] | None
+    calls: int
+
+    @property
+    def effective(self) -> Literal["A", "B", "tie"]:
+        """The verdict as consumers score it: an invalid verdict is a tie."""
+        return "tie" if self.verdict == "invalid" else self.verdict
+
+
+@dataclass(frozen=True)
+class _OrderResult:
+    verdict: PairwiseVerdict | None
+    reason: str
+    call_id: int | None
+    usage: dict[str, Any]
+    calls: int
+
+
+class PairwiseJudge:
+    """Judges pairs with one model through one client; attempts are recorded by the ledger bound to the client."""
+
+    def __init__(
+        self,
+        client: LLMClient,
+        ledger: CallLedger,
+        sampling: Callable[[int | None], SamplingParams],
+        *,
+        invalid_retries: int = 2,
+        swap_consistent: bool = False,
+    ) -> None:
+        if invalid_retries < 0:
+            raise ValueError(f"invalid_retries must be ≥ 0, got {invalid_retries}")
+        self.client = ledger.bind(client)
+        self.ledger = ledger
+        self.sampling = sampling
+        self.invalid_retries = invalid_retries
+        self.swap_consistent = swap_consistent
+
+    def judge(self, case: PairwiseCase) -> JudgeOutcome:
+        """The verdict of `case`, reusing any finished attempt already in the ledger."""
+        system = judge_system_prompt(case.task_id)
+        forward = self._judge_order(
+            case.unit,
+            system,
+            judge_user_prompt(case.task_text, case.label_a, case.label_b, case.bundle_a, case.bundle_b),
+            case.seed,
+        )
+        if not self.swap_consistent:
+            if forward.verdict is None:
+                return JudgeOutcome("invalid", forward.reason, forward.call_id, forward.usage, forward.calls)
+            return JudgeOutcome(
+                forward.verdict.winner, forward.verdict.rationale, forward.call_id, forward.usage, forward.calls
+            )
+        swapped_unit = CallUnit(f"{case.unit.key}/swapped", case.unit.purpose, case.unit.task_id)
+        backward = self._judge_order(
+            swapped_unit,
+            system,
+            judge_user_prompt(case.task_text, case.label_b, case.label_a, case.bundle_b, case.bundle_a),
+            case.seed,
+        )
+        usage = _add_usage(forward.usage, backward.usage)
+        calls = forward.calls + backward.calls
+        if forward.verdict is None or backward.verdict is None:
+            reason = forward.reason if forward.verdict is None else backward.reason
+            return JudgeOutcome("invalid", reason, forward.call_id, usage, calls)
+        mapped_back = _FLIP[backward.verdict.winner]
+        verdict: Verdict = forward.verdict.winner if forward.verdict.winner == mapped_back else "tie"
+        rationale = (
+            f"[A/B order: {forward.verdict.winner}] {forward.verdict.rationale}\n"
+            f"[swapped order, mapped back: {mapped_back}] {backward.verdict.rationale}"
+        )
+        if verdict == "tie" and forward.verdict.winner != mapped_back:
+            rationale = "The two presentation orders disagree, so the pair is a tie.\n" + rationale
+        return JudgeOutcome(verdict, rationale, forward.call_id, usage, calls)
+
+    def _judge_order(self, unit: CallUnit, system: str, user: str, seed: int | None) -> _OrderResult:
+        """One presentation order: a finished attempt, else calls until a valid verdict or the retry budget ends."""
+        attempts = self.ledger.attempts(unit)
+        stored = self.ledger.finished(unit, attempts)
+        if stored is not None:
+            verdict = parse_verdict(stored.parsed)
+            return _OrderResult(verdict, "", stored.row.id, _usage(stored.row.usage), 0)
+        calls = 0
+        usage: dict[str, Any] = {}
+        while True:
+            invalid = [row for row in attempts if row.status == CallStatus.INVALID]
+            if len(invalid) > self.invalid_retries:
+                last = invalid[-1]
+                reason = f"judge output invalid after {len(invalid)} attempts (last: {last.error})"
+                return _OrderResult(None, reason, last.id, usage, calls)
+            verdict = None
+            attempt: CallAttempt | None = None
+            try:
+                with self.ledger.attempt(unit, len(attempts) + 1) as attempt:
+                    calls += 1
+                    result = self.client.chat(
+                        system, user, purpose=unit.purpose, sampling=self.sampling(seed), json_mode="json_object"
+                    )
+                    usage = _add_usage(usage, result.usage)
+                    try:
+                        verdict = parse_verdict(result.parsed_json)
+                    except ValueError as exc:
+                        attempt.mark_invalid(str(exc))
+                    else:
+                        attempt.parsed = result.parsed_json
+            except LLMOutputError:
+                pass  # recorded as an invalid attempt; the loop decides whether to try again
+            if attempt is None or attempt.row is None:  # every answered call is recorded; never loop unrecorded
+                raise RuntimeError(f"judge call {unit.key} returned without a recorded attempt")
+            attempts.append(attempt.row)
+            if verdict is not None:
+                return _OrderResult(verdict, "", attempt.row.id, usage, calls)
+
+
+def _usage(value: dict[str, Any] | None) -> dict[str, Any]:
+    return dict(value or {})
+
+
+def _add_usage(left: dict[str, Any], right: dict[str, Any] | None) -> dict[str, Any]:
+    """Sum of the token counters of two usage documents."""
+    total = dict(left)
+    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        value = (right or {}).get(name)
+        if isinstance(value, int):
+            total[name] = int(total.get(name, 0)) + value
+    return total

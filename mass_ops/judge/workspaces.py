@@ -1,0 +1,125 @@
+"""Where a judged workspace comes from: the episode executor (search) or the stored workspace artifact (ranking).
+
+Evidence is built from a workspace materialised in a scratch folder that is removed once the bundle text exists.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
+from urllib.parse import unquote
+
+from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome
+from mass_ops.store.artifacts import ArtifactStore
+
+T = TypeVar("T")
+
+
+class WorkspaceSource(Protocol):
+    """A workspace that can be materialised on local disk."""
+
+    @property
+    def name(self) -> str:
+        """Root name shown in the directory tree (e.g. ``query51_ourTeam``)."""
+        ...
+
+    @property
+    def location(self) -> str:
+        """How prompts refer to the workspace (a URI or an episode identity)."""
+        ...
+
+    def materialize(self, dest: Path) -> Path:
+        """Put the workspace under the empty folder `dest`; return its root."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExecutorWorkspace:
+    """The workspace of an episode outcome, materialised by the executor that ran it."""
+
+    executor: EpisodeExecutor
+    outcome: EpisodeOutcome
+    name: str
+
+    @property
+    def location(self) -> str:
+        return self.outcome.artifacts.get("workspace") or f"episode {self.outcome.request.unit.slug}"
+
+    def materialize(self, dest: Path) -> Path:
+        return self.executor.workspace(self.outcome, dest / self.name)
+
+
+def key_for_uri(artifacts: ArtifactStore, uri: str) -> str:
+    """The store key whose URI is `uri`; EvidenceError when the URI lies outside the configured store."""
+    base = artifacts.url.rstrip("/") + "/"
+    if uri.startswith(base):
+        relative = uri[len(base) :]
+        for key in (unquote(relative), relative):
+            try:
+                if artifacts.uri(key) == uri:
+                    return key
+            except ValueError:
+                continue
+    raise EvidenceError(f"workspace {uri} is not an artifact of the configured store {artifacts.url}")
+
+
+@dataclass(frozen=True)
+class StoredWorkspace:
+    """A workspace tarball in the artifact store, named by its URI (the episode row's `artifacts['workspace']`)."""
+
+    artifacts: ArtifactStore
+    uri: str
+    name: str
+
+    @property
+    def location(self) -> str:
+        return self.uri
+
+    def materialize(self, dest: Path) -> Path:
+        target = dest / self.name
+        self.artifacts.get_dir(key_for_uri(self.artifacts, self.uri), target)
+        return target
+
+
+@contextmanager
+def materialized(source: WorkspaceSource) -> Iterator[Path]:
+    """The workspace of `source` in a scratch folder, removed when the block ends."""
+    with tempfile.TemporaryDirectory(prefix="mass-evidence-") as scratch:
+        yield source.materialize(Path(scratch))
+
+
+def bundle_workspace(source: WorkspaceSource, *, task_id: int, task_text: str, caps: EvidenceCaps) -> EvidenceBundle:
+    """Evidence bundle of `source`, built in a scratch folder that is removed afterwards."""
+    with materialized(source) as root:
+        return build_bundle(
+            root, task_id=task_id, task_text=task_text, location=source.location, caps=caps, name=source.name
+        )
+
+
+class EvidenceCache(Generic[T]):
+    """Builds the evidence of each workspace once, however many comparisons it takes part in (thread-safe).
+
+    `build(root, source)` turns a materialised workspace into the cached value (a bundle, or a bundle and the
+    optimizer's appendix); values are keyed by the caller (an episode id or name).
+    """
+
+    def __init__(self, build: Callable[[Path, WorkspaceSource], T]) -> None:
+        self._build = build
+        self._values: dict[str, T] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: str, source: WorkspaceSource) -> T:
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._values:
+                with materialized(source) as root:
+                    self._values[key] = self._build(root, source)
+            return self._values[key]

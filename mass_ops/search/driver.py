@@ -1,0 +1,654 @@
+"""RHI workflow search per task (MASS_SPEC §1 search, §3.3): resumable steps, one task chain, many tasks at once.
+
+Step k of task q:
+1. runs episode v_k (and, at k = 0, the bare reference episode) through the executor — reused when done;
+2. for k ≥ 1 judges v0 (once per task) and v_k against the fixed reference, then arbitrates between the champion
+   and v_k when both beat the reference;
+3. for k < L asks the optimizer for v_{k+1} and records it; at k = L writes the retained workflow instead.
+
+Every unit is keyed and recorded (episodes by the executor, verdicts in the `rhi`/`champion` ledgers, proposals as
+workflow versions, every call attempt in the call ledger), so rerunning a step after a crash anywhere repeats no
+finished episode, judge call or proposal. A task's steps run in order; different tasks run concurrently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, results_json_appendix
+from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
+from mass_ops.judge.prompts import REFERENCE_LABEL, version_label
+from mass_ops.judge.workspaces import EvidenceCache, ExecutorWorkspace, WorkspaceSource
+from mass_ops.layout import EpisodeUnit, bare_condition, version_condition, workflow_version_key
+from mass_ops.llm import LLMClient, LLMOutputError
+from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling, open_client
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
+from mass_ops.search.champion import ChampionState, arbitration_key, baseline_key, derive_champion
+from mass_ops.search.prompt import (
+    BestDesign,
+    HistoryEntry,
+    OptimizerInputs,
+    optimizer_system_prompt,
+    optimizer_user_prompt,
+)
+from mass_ops.search.proposal import ProposalError, parse_proposal
+from mass_ops.seeds import reference_episode_seed, search_call_seed, version_episode_seed
+from mass_ops.store.models import Comparison, Ledger, WorkflowVersion
+from mass_ops.tasks.catalogue import Task
+from mass_ops.workflow import WorkflowPrompt, design_diff
+
+logger = logging.getLogger(__name__)
+
+_BASELINE_KEY = re.compile(r"^v(\d+)_vs_no_harness$")
+_ARBITRATION_KEY = re.compile(r"^champion_v(\d+)_vs_v(\d+)$")
+
+
+class SearchError(ValueError):
+    """A search step asked for something that cannot be done: unknown task, version out of range, wrong order."""
+
+
+class SearchEpisodeError(RuntimeError):
+    """An episode of the search ended in an infrastructure failure after every allowed attempt."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What step k of a task did or found done."""
+
+    task_id: int
+    version: int
+    episode_status: str
+    champion: int
+    retained: int | None
+    judge_calls: int = 0
+    arbitrated: bool = False
+    proposed_version: int | None = None
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class TaskSearchResult:
+    """The outcome of a task's whole search."""
+
+    task_id: int
+    retained_version: int | None
+    beats_reference: bool
+    last_evaluated_version: int
+    scoreboard: str
+    steps: tuple[StepResult, ...] = ()
+    error: str | None = None
+
+    def as_row(self) -> dict[str, Any]:
+        """Summary row for the CLI table."""
+        return {
+            "task": self.task_id,
+            "retained_version": self.retained_version,
+            "beats_reference": self.beats_reference,
+            "last_evaluated_version": self.last_evaluated_version,
+            "scoreboard": self.scoreboard,
+            "judge_calls": sum(step.judge_calls for step in self.steps),
+            "error": self.error,
+        }
+
+
+class SearchFailedError(RuntimeError):
+    """Some tasks' searches failed; `results` holds every task's result (failed ones carry `error`)."""
+
+    def __init__(self, results: list[TaskSearchResult]) -> None:
+        self.results = results
+        failed = [r for r in results if r.error]
+        lines = [f"task {r.task_id}: {r.error}" for r in failed]
+        super().__init__(f"search failed for {len(failed)} of {len(results)} tasks:\n" + "\n".join(lines))
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def search_task_ids(config: CycleConfig, task_ids: Sequence[int] | None) -> list[int]:
+    """The tasks to search: given ids (each a train candidate or test task), else the train candidates."""
+    allowed = set(config.tasks.train_candidates) | set(config.tasks.test)
+    chosen = list(task_ids) if task_ids else list(config.tasks.train_candidates)
+    unknown = sorted({t for t in chosen if t not in allowed})
+    if unknown:
+        raise SearchError(f"search: tasks {unknown} are neither train candidates nor test tasks of this cycle")
+    return list(dict.fromkeys(chosen))
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """A snapshot of a task's two ledgers: verdicts against the reference and champion arbitrations."""
+
+    rhi: tuple[Comparison, ...]
+    champion: tuple[Comparison, ...]
+
+    def baseline(self) -> dict[int, str]:
+        """Version → verdict against the reference."""
+        return {int(m.group(1)): row.verdict for row in self.rhi if (m := _BASELINE_KEY.match(row.key))}
+
+    def arbitration(self) -> dict[tuple[int, int], str]:
+        """(champion, challenger) → arbitration verdict."""
+        return {
+            (int(m.group(1)), int(m.group(2))): row.verdict
+            for row in self.champion
+            if (m := _ARBITRATION_KEY.match(row.key))
+        }
+
+    def get(self, ledger: Ledger, key: str) -> Comparison | None:
+        rows = self.rhi if ledger == Ledger.RHI else self.champion
+        return next((row for row in rows if row.key == key), None)
+
+    def state(self, current: int) -> ChampionState:
+        return derive_champion(self.baseline(), self.arbitration(), current)
+
+
+class _TaskSearch:
+    """The search state of one task: ids, seeds, prompts and ledgers."""
+
+    def __init__(
+        self, ctx: CycleContext, executor: EpisodeExecutor, task_id: int, client: LLMClient, ledger: CallLedger
+    ) -> None:
+        config = ctx.config
+        self.ctx = ctx
+        self.executor = executor
+        self.task: Task = ctx.catalogue.task(task_id)
+        self.task_id = task_id
+        self.iterations = config.search.iterations
+        self.seed_base = config.search.seed_base
+        self.call_seed = search_call_seed(self.seed_base, task_id)
+        self.template: WorkflowPrompt = self.task.initial_workflow
+        self.client = client
+        self.ledger = ledger
+        self.judge = PairwiseJudge(
+            client,
+            ledger,
+            lambda seed: in_loop_sampling(config, seed),
+            invalid_retries=config.search.judge_invalid_retries,
+            swap_consistent=config.search.swap_consistent,
+        )
+        token_model = config.models.served_name
+        self.caps = EvidenceCaps.remote(token_model) if config.is_remote_backend else EvidenceCaps.local(token_model)
+        # A workspace is judged in several steps (the reference in every one): build its evidence once per process.
+        self.evidence: EvidenceCache[tuple[EvidenceBundle, str]] = EvidenceCache(self._build_evidence)
+
+    def _build_evidence(self, root: Path, source: WorkspaceSource) -> tuple[EvidenceBundle, str]:
+        """The judge bundle of a workspace and the optimizer's results/ appendix, from one materialisation."""
+        bundle = build_bundle(
+            root,
+            task_id=self.task_id,
+            task_text=self.task.task_text,
+            location=source.location,
+            caps=self.caps,
+            name=source.name,
+        )
+        search = self.ctx.config.search
+        appendix = results_json_appendix(
+            root,
+            self.task_id,
+            per_file_chars=search.results_json_max_chars,
+            total_chars=search.results_json_total_max_chars,
+        )
+        return bundle, appendix
+
+    # -- versions --------------------------------------------------------------------------------------------------
+
+    def _store_prompt(self, version: int, prompt: str) -> str:
+        key = workflow_version_key(self.ctx.cycle_name, self.task_id, version)
+        existing = self.ctx.artifacts.exists(key) and self.ctx.artifacts.get_bytes(key).decode("utf-8")
+        if existing and existing != prompt:
+            raise SearchError(f"task {self.task_id}: stored prompt of v{version} at {key} differs from this run's")
+        return self.ctx.artifacts.uri(key) if existing else self.ctx.artifacts.put_bytes(key, prompt.encode()).uri
+
+    def ensure_v0(self) -> WorkflowVersion:
+        prompt = self.task.initial_prompt
+        uri = self._store_prompt(0, prompt)
+        return self.ctx.repo.record_workflow_version(
+            self.ctx.cycle_id,
+            self.task_id,
+            0,
+            design=self.template.design_block,
+            prompt_uri=uri,
+            prompt_sha256=_sha256(prompt),
+        )
+
+    def versions(self) -> dict[int, WorkflowVersion]:
+        return {row.version: row for row in self.ctx.repo.workflow_versions(self.ctx.cycle_id, self.task_id)}
+
+    def prompt_of(self, version: int, versions: dict[int, WorkflowVersion]) -> str:
+        if version == 0:
+            return self.task.initial_prompt
+        row = versions.get(version)
+        if row is None:
+            raise SearchError(
+                f"task {self.task_id}: workflow version v{version} does not exist yet; run step {version - 1} first"
+            )
+        prompt = self.ctx.artifacts.get_bytes(workflow_version_key(self.ctx.cycle_name, self.task_id, version))
+        text = prompt.decode("utf-8")
+        if row.prompt_sha256 and _sha256(text) != row.prompt_sha256:
+            raise SearchError(f"task {self.task_id}: stored prompt of v{version} does not match its recorded hash")
+        return text
+
+    # -- episodes --------------------------------------------------------------------------------------------------
+
+    def reference_request(self) -> EpisodeRequest:
+        seed = reference_episode_seed(self.seed_base, self.task_id)
+        unit = EpisodeUnit(cycle=self.ctx.cycle_name, task_id=self.task_id, kind="reference", seed=seed)
+        return EpisodeRequest(unit=unit, condition=bare_condition(self.task_id), prompt=self.task.bare_prompt)
+
+    def version_request(self, version: int, prompt: str) -> EpisodeRequest:
+        seed = version_episode_seed(self.seed_base, self.task_id, version)
+        unit = EpisodeUnit(cycle=self.ctx.cycle_name, task_id=self.task_id, kind="search", seed=seed, version=version)
+        return EpisodeRequest(unit=unit, condition=version_condition(self.task_id, version), prompt=prompt)
+
+    def run(self, requests: list[EpisodeRequest]) -> list[EpisodeOutcome]:
+        outcomes = self.executor.run(requests)
+        for outcome in outcomes:
+            if outcome.status == "infra_failure":
+                raise SearchEpisodeError(
+                    f"task {self.task_id}: episode {outcome.request.unit.slug} ended in an infrastructure failure "
+                    f"after {outcome.attempt} attempt(s); rerun the step once the endpoint is healthy"
+                )
+        return outcomes
+
+    def workspace(self, outcome: EpisodeOutcome) -> ExecutorWorkspace:
+        kind = outcome.request.unit.kind
+        name = self.task.name if kind == "reference" else self.task.workflow_name
+        return ExecutorWorkspace(self.executor, outcome, name)
+
+    def bundle(self, outcome: EpisodeOutcome) -> EvidenceBundle:
+        return self.evidence.get(str(outcome.episode_id), self.workspace(outcome))[0]
+
+    # -- verdicts --------------------------------------------------------------------------------------------------
+
+    def verdicts(self) -> Verdicts:
+        repo, cycle = self.ctx.repo, self.ctx.cycle_id
+        return Verdicts(
+            tuple(repo.comparisons(cycle, Ledger.RHI, task_id=self.task_id)),
+            tuple(repo.comparisons(cycle, Ledger.CHAMPION, task_id=self.task_id)),
+        )
+
+    def record_verdict(
+        self,
+        ledger: Ledger,
+        key: str,
+        purpose: str,
+        sides: tuple[str, str],
+        labels: tuple[str, str],
+        outcomes: tuple[EpisodeOutcome, EpisodeOutcome],
+        bundles: tuple[EvidenceBundle, EvidenceBundle],
+    ) -> Comparison:
+        unit = CallUnit(f"task{self.task_id}/{ledger.value}/{key}", purpose, self.task_id)
+        case = PairwiseCase(
+            unit=unit,
+            task_id=self.task_id,
+            task_text=self.task.task_text,
+            label_a=labels[0],
+            label_b=labels[1],
+            bundle_a=bundles[0],
+            bundle_b=bundles[1],
+            seed=self.call_seed,
+        )
+        outcome = self.judge.judge(case)
+        if outcome.verdict == "invalid":
+            logger.warning(
+                "task %s: %s recorded as invalid (counted as a tie): %s", self.task_id, key, outcome.rationale
+            )
+        return self.ctx.repo.record_comparison(
+            self.ctx.cycle_id,
+            self.task_id,
+            ledger.value,
+            key,
+            side_a=sides[0],
+            side_b=sides[1],
+            judge_model=self.ctx.config.models.served_name,
+            verdict=outcome.verdict,
+            episode_a_id=outcomes[0].episode_id,
+            episode_b_id=outcomes[1].episode_id,
+            judge_provider=self.ctx.config.inference.backend,
+            seed=self.call_seed,
+            rationale=outcome.rationale,
+            llm_call_id=outcome.call_id,
+            usage=outcome.usage or None,
+        )
+
+    def judge_baselines(
+        self, reference: EpisodeOutcome, by_version: dict[int, EpisodeOutcome], verdicts: Verdicts
+    ) -> int:
+        """Judge every given version against the reference unless already recorded; returns how many were judged."""
+        recorded = {row.key for row in verdicts.rhi}
+        todo = [v for v in sorted(by_version) if baseline_key(v) not in recorded]
+        if not todo:
+            return 0
+        reference_bundle = self.bundle(reference)
+
+        def judge_one(version: int) -> None:
+            outcome = by_version[version]
+            self.record_verdict(
+                Ledger.RHI,
+                baseline_key(version),
+                "judge",
+                ("reference", f"v{version}"),
+                (REFERENCE_LABEL, version_label(version)),
+                (reference, outcome),
+                (reference_bundle, self.bundle(outcome)),
+            )
+
+        if len(todo) == 1:
+            judge_one(todo[0])
+        else:
+            # v0 and v_k against the same reference are independent calls: judge them at the same time.
+            with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix=f"judge-t{self.task_id}") as pool:
+                for future in [pool.submit(judge_one, v) for v in todo]:
+                    future.result()
+        return len(todo)
+
+    def arbitrate(self, champion: int, current: int, outcomes: dict[int, EpisodeOutcome]) -> None:
+        self.record_verdict(
+            Ledger.CHAMPION,
+            arbitration_key(champion, current),
+            "arbitration",
+            (f"v{champion}", f"v{current}"),
+            (version_label(champion), version_label(current)),
+            (outcomes[champion], outcomes[current]),
+            (self.bundle(outcomes[champion]), self.bundle(outcomes[current])),
+        )
+
+    # -- proposal --------------------------------------------------------------------------------------------------
+
+    def history(self, versions: dict[int, WorkflowVersion], verdicts: Verdicts) -> list[HistoryEntry]:
+        entries = []
+        episodes = {e.id: e.unit_key for e in self.ctx.repo.episodes(self.ctx.cycle_id, task_id=self.task_id)}
+        for row in verdicts.rhi:
+            found = _BASELINE_KEY.match(row.key)
+            if not found:
+                continue
+            version = int(found.group(1))
+            diff = None
+            if version >= 1 and version - 1 in versions and version in versions:
+                diff = design_diff(
+                    versions[version - 1].design,
+                    versions[version].design,
+                    context=1,
+                    old_label=f"v{version - 1}",
+                    new_label=f"v{version}",
+                )
+            entries.append(
+                HistoryEntry(
+                    key=row.key,
+                    version=version,
+                    winner=row.verdict,
+                    judge_model=row.judge_model,
+                    judged_at=row.created_at.isoformat(timespec="seconds") if row.created_at else "?",
+                    side_a=f"{row.side_a} ({episodes.get(row.episode_a_id, '?')})",
+                    side_b=f"{row.side_b} ({episodes.get(row.episode_b_id, '?')})",
+                    rationale=row.rationale or "",
+                    diff=diff,
+                )
+            )
+        return sorted(entries, key=lambda e: e.version)
+
+    def best_design(
+        self, state: ChampionState, current: int, versions: dict[int, WorkflowVersion], verdicts: Verdicts
+    ) -> BestDesign | None:
+        if state.champion == current or not state.has_win:
+            return None
+        arbitration = verdicts.get(Ledger.CHAMPION, arbitration_key(state.champion, current))
+        if arbitration is not None:
+            case, rationale = "both_win_arbitration", arbitration.rationale or ""
+        else:
+            verdict = verdicts.get(Ledger.RHI, baseline_key(current))
+            case, rationale = "champion_only_win", (verdict.rationale if verdict else "") or ""
+        return BestDesign(state.champion, versions[state.champion].design, rationale, case)  # type: ignore[arg-type]
+
+    def optimizer_inputs(
+        self,
+        current: int,
+        outcome: EpisodeOutcome,
+        versions: dict[int, WorkflowVersion],
+        verdicts: Verdicts,
+    ) -> OptimizerInputs:
+        state = verdicts.state(current)
+        bundle, appendix = self.evidence.get(str(outcome.episode_id), self.workspace(outcome))
+        evidence = bundle.render(f"Workspace for current iteration ({version_label(current)})") + "\n\n" + appendix
+        baseline = verdicts.baseline()
+        run_status = dict(outcome.status_record)
+        run_status.setdefault("trace_has_success_result", outcome.succeeded)
+        return OptimizerInputs(
+            version=current,
+            task_text=self.template.task_text,
+            current_design=versions[current].design,
+            evidence=evidence,
+            run_status=run_status,
+            history=self.history(versions, verdicts) if current >= 1 else (),
+            scoreboard=[(v, baseline.get(v)) for v in range(current + 1)],
+            retained=state.retained,
+            best=self.best_design(state, current, versions, verdicts),
+            v0_design=versions[0].design if current >= 1 and state.champion != 0 else None,
+        )
+
+    def propose(
+        self, current: int, outcome: EpisodeOutcome, versions: dict[int, WorkflowVersion], verdicts: Verdicts
+    ) -> int:
+        """Ask the optimizer for v_{current+1} (or reuse its finished answer) and record the new version."""
+        step = f"task {self.task_id}, step v{current}->v{current + 1}"
+        unit = CallUnit(f"task{self.task_id}/optimizer/v{current}_to_v{current + 1}", "optimizer", self.task_id)
+        search = self.ctx.config.search
+        guardrails = {"reject_numeric_caps": search.reject_numeric_caps, "max_design_chars": search.max_design_chars}
+        stored = self.ledger.finished(unit)
+        if stored is not None:
+            proposal = parse_proposal(stored.parsed, self.template, **guardrails)
+            call_id = stored.row.id
+        else:
+            inputs = self.optimizer_inputs(current, outcome, versions, verdicts)
+            system, user = optimizer_system_prompt(), optimizer_user_prompt(inputs)
+            try:
+                with self.ledger.attempt(unit) as attempt:
+                    result = self.client.chat(
+                        system,
+                        user,
+                        purpose="optimizer",
+                        sampling=in_loop_sampling(self.ctx.config, self.call_seed),
+                        json_mode="json_object",
+                    )
+                    try:
+                        proposal = parse_proposal(result.parsed_json, self.template, **guardrails)
+                    except ProposalError as exc:
+                        attempt.mark_invalid(str(exc))
+                        raise
+                    attempt.parsed = result.parsed_json
+                    attempt.extra = {"proposal": proposal.notes}
+            except ProposalError as exc:
+                raise ProposalError(f"{step}: {exc}; no version written, rerun the step to retry") from None
+            except LLMOutputError as exc:
+                raise ProposalError(
+                    f"{step}: optimizer output unusable ({exc}); no version written, rerun the step to retry"
+                ) from None
+            call_id = attempt.row.id if attempt.row is not None else None
+        prompt = self.template.render(proposal.design)
+        uri = self._store_prompt(current + 1, prompt)
+        self.ctx.repo.record_workflow_version(
+            self.ctx.cycle_id,
+            self.task_id,
+            current + 1,
+            design=proposal.design,
+            parent_version=current,
+            diff=design_diff(versions[current].design, proposal.design, context=1),
+            prompt_uri=uri,
+            prompt_sha256=_sha256(prompt),
+            proposal_call_id=call_id,
+        )
+        return current + 1
+
+    # -- the step --------------------------------------------------------------------------------------------------
+
+    def step(self, current: int) -> StepResult:
+        if not 0 <= current <= self.iterations:
+            raise SearchError(
+                f"task {self.task_id}: step {current} is outside 0..{self.iterations} (search.iterations)"
+            )
+        versions = self.versions()
+        if 0 not in versions:
+            versions[0] = self.ensure_v0()
+        prompt = self.prompt_of(current, versions)
+        # v0 runs with the reference at step 0 and is judged at step 1; later steps need only the reference (for
+        # judging) and v_k, which keeps the reuse checks of finished episodes off the hot path.
+        needed = sorted({0, current}) if current <= 1 else [current]
+        requests = [self.reference_request()]
+        requests += [self.version_request(v, self.task.initial_prompt if v == 0 else prompt) for v in needed]
+        outcomes = self.run(requests)
+        reference = outcomes[0]
+        by_version = dict(zip(needed, outcomes[1:], strict=True))
+        judged = 0
+        arbitrated = False
+        verdicts = self.verdicts()
+        if current >= 1:
+            judged = self.judge_baselines(reference, by_version, verdicts)
+            if judged:
+                verdicts = self.verdicts()
+            state = verdicts.state(current)
+            if state.arbitration_needed:
+                champion = state.champion
+                if champion not in by_version:
+                    champion_prompt = self.prompt_of(champion, versions)
+                    by_version[champion] = self.run([self.version_request(champion, champion_prompt)])[0]
+                self.arbitrate(champion, current, by_version)
+                judged += 1
+                arbitrated = True
+                verdicts = self.verdicts()
+        state = verdicts.state(current)
+        current_outcome = by_version[current]
+        if current == self.iterations:
+            self.ctx.repo.record_retained_workflow(
+                self.ctx.cycle_id,
+                self.task_id,
+                version=state.retained,
+                beats_reference=state.retained is not None,
+                last_evaluated_version=current,
+                model=self.ctx.config.models.served_name,
+            )
+            return StepResult(
+                self.task_id, current, current_outcome.status, state.champion, state.retained, judged, arbitrated,
+                final=True,
+            )  # fmt: skip
+        if current + 1 in versions:
+            proposed = current + 1
+        else:
+            proposed = self.propose(current, current_outcome, versions, verdicts)
+        return StepResult(
+            self.task_id, current, current_outcome.status, state.champion, state.retained, judged, arbitrated, proposed
+        )
+
+    def scoreboard(self) -> str:
+        baseline = self.verdicts().baseline()
+        marks = {"B": "W", "A": "L", "tie": "T", "invalid": "T!"}
+        return " ".join(f"v{v}:{marks.get(baseline.get(v, ''), '?')}" for v in range(self.iterations + 1))
+
+
+@dataclass
+class _Shared:
+    """A client and ledger shared by the steps of one process (one HTTP pool, one recorder)."""
+
+    ctx: CycleContext
+    client: LLMClient
+    ledger: CallLedger
+    owns_client: bool
+
+    def close(self) -> None:
+        if self.owns_client:
+            self.client.close()
+
+
+def _shared(ctx: CycleContext, client: LLMClient | None) -> _Shared:
+    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+    if client is None:
+        return _Shared(ctx, ledger.bind(open_client(ctx.config)), ledger, owns_client=True)
+    return _Shared(ctx, ledger.bind(client), ledger, owns_client=False)
+
+
+def search_step(
+    ctx: CycleContext, executor: EpisodeExecutor, task_id: int, version: int, *, client: LLMClient | None = None
+) -> StepResult:
+    """Step `version` of task `task_id` (one Airflow task instance per step); resumable and idempotent."""
+    search_task_ids(ctx.config, [task_id])
+    shared = _shared(ctx, client)
+    try:
+        return _TaskSearch(ctx, executor, task_id, shared.client, shared.ledger).step(version)
+    finally:
+        shared.close()
+
+
+def _search_chain(ctx: CycleContext, executor: EpisodeExecutor, task_id: int, shared: _Shared) -> TaskSearchResult:
+    search = _TaskSearch(ctx, executor, task_id, shared.client, shared.ledger)
+    steps = [search.step(version) for version in range(ctx.config.search.iterations + 1)]
+    final = steps[-1]
+    return TaskSearchResult(
+        task_id=task_id,
+        retained_version=final.retained,
+        beats_reference=final.retained is not None,
+        last_evaluated_version=final.version,
+        scoreboard=search.scoreboard(),
+        steps=tuple(steps),
+    )
+
+
+def search_task(
+    ctx: CycleContext, executor: EpisodeExecutor, task_id: int, *, client: LLMClient | None = None
+) -> TaskSearchResult:
+    """Every step of one task, in order (steps already done are found done)."""
+    search_task_ids(ctx.config, [task_id])
+    shared = _shared(ctx, client)
+    try:
+        return _search_chain(ctx, executor, task_id, shared)
+    finally:
+        shared.close()
+
+
+def search_tasks(
+    ctx: CycleContext,
+    executor: EpisodeExecutor,
+    task_ids: Sequence[int] | None = None,
+    *,
+    client: LLMClient | None = None,
+) -> list[TaskSearchResult]:
+    """All tasks' searches at once (one thread per task, each chain sequential); results in task order.
+
+    A failing task does not stop the others; when any failed, SearchFailedError carries every result.
+    """
+    chosen = search_task_ids(ctx.config, task_ids)
+    shared = _shared(ctx, client)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, len(chosen)), thread_name_prefix="search") as pool:
+            futures = {task: pool.submit(_search_chain, ctx, executor, task, shared) for task in chosen}
+            results = []
+            for task, future in futures.items():
+                try:
+                    results.append(future.result())
+                except Exception as exc:  # one task's failure is reported with the others' results
+                    logger.error("search of task %s failed: %s", task, exc)
+                    results.append(TaskSearchResult(task, None, False, -1, "", error=f"{type(exc).__name__}: {exc}"))
+    finally:
+        shared.close()
+    if any(result.error for result in results):
+        raise SearchFailedError(results)
+    return results
+
+
+def run_search(
+    config: CycleConfig,
+    tasks: Sequence[int] | None = None,
+    *,
+    executor: EpisodeExecutor,
+    client: LLMClient | None = None,
+) -> list[dict[str, Any]]:
+    """The `search` command: RHI for the given tasks (default: the train candidates); one summary row per task."""
+    ctx = attach_cycle(config)
+    return [result.as_row() for result in search_tasks(ctx, executor, tasks, client=client)]

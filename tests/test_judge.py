@@ -1,0 +1,403 @@
+"""Evidence bundles, judge prompts and the pairwise judge against the scripted policy server (MASS_SPEC §5)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mass_ops.judge import evidence
+from mass_ops.judge.evidence import (
+    APPENDIX_TRUNCATION_MARKER,
+    EvidenceCaps,
+    EvidenceError,
+    build_bundle,
+    cap_chars,
+    cap_tokens,
+    directory_tree,
+    file_excerpts,
+    preflight,
+    results_json_appendix,
+    task_plot_paths,
+    token_counter,
+)
+from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
+from mass_ops.judge.prompts import (
+    JudgeOutputError,
+    judge_system_prompt,
+    judge_user_prompt,
+    parse_verdict,
+    persona,
+)
+from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling
+from mass_ops.store.models import CallStatus
+from tests.inner_loop_fakes import InnerLoopEnv, inner_loop_fixture  # noqa: F401
+from tests.policy_server import Fault, FaultRule, PolicyReply, RequestKind, classify_request
+
+
+def write(root: Path, files: dict[str, str | bytes]) -> Path:
+    for relative, content in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return root
+
+
+# -- directory tree ------------------------------------------------------------------------------------------------
+
+
+def test_tree_lists_folders_first_case_insensitively_skips_tool_folders_and_tags_binaries(tmp_path: Path) -> None:
+    root = write(
+        tmp_path / "ws",
+        {
+            "zeta.txt": "z",
+            "Alpha.md": "a",
+            "beta.PNG": b"\x89PNG",
+            "data/raw.parquet": b"x",
+            "Results/metrics.json": "{}",
+            ".git/HEAD": "ref",
+            "__pycache__/x.pyc": b"x",
+            ".venv/lib/x.py": "x",
+        },
+    )
+    lines = directory_tree(root, "query51").splitlines()
+    assert lines == [
+        "query51",
+        "  data/",
+        "    raw.parquet [.parquet binary/large]",
+        "  Results/",
+        "    metrics.json",
+        "  Alpha.md",
+        "  beta.PNG [.png binary/large]",
+        "  zeta.txt",
+    ]
+
+
+def test_tree_elides_crowded_folders_and_stops_at_depth_and_entry_limits(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    write(root, {f"many/f{i:03d}.txt": "x" for i in range(101)})
+    write(root, {"/".join(f"d{i}" for i in range(9)) + "/leaf.txt": "x"})
+    tree = directory_tree(root)
+    assert "  many/\n    ... (101 entries omitted)" in tree
+    assert "d5/" in tree and "d6/" not in tree  # depth 6 is the deepest folder listed
+    assert tree.endswith("... (tree truncated)")
+
+    wide = tmp_path / "wide"
+    for folder in range(5):
+        write(wide, {f"g{folder}/f{i:02d}.txt": "x" for i in range(90)})
+    lines = directory_tree(wide).splitlines()
+    assert len(lines) == 1 + evidence.TREE_MAX_ENTRIES + 1
+    assert lines[-1] == "... (tree truncated)"
+
+
+# -- preflight and excerpts ----------------------------------------------------------------------------------------
+
+TASK = (
+    "Deliverables:\\n1. research_report.md\\n3. deliverables/plots/ containing equity_curves.png, drawdowns.png and "
+    "deliverables/plots/rolling_sharpe.png; also figures/extra.png."
+)
+
+
+def test_plot_paths_map_bare_names_into_the_plots_folder_and_keep_other_paths() -> None:
+    assert task_plot_paths(TASK) == [
+        "deliverables/plots/equity_curves.png",
+        "deliverables/plots/drawdowns.png",
+        "deliverables/plots/rolling_sharpe.png",
+        "figures/extra.png",
+    ]
+    many = " ".join(f"p{i}.png" for i in range(60))
+    assert len(task_plot_paths(many)) == evidence.PREFLIGHT_MAX_PLOTS
+
+
+def test_preflight_reports_found_missing_and_each_plot(tmp_path: Path) -> None:
+    root = write(
+        tmp_path / "ws",
+        {"research_report.md": "# r", "results/metrics.json": "{}", "deliverables/plots/drawdowns.png": b"x"},
+    )
+    text = preflight(root, TASK)
+    assert "- research_report.md: FOUND" in text
+    assert "- deliverables/index.json: MISSING" in text
+    assert "- results/metrics.json: FOUND" in text
+    assert "- requirements.txt: MISSING" in text
+    assert "plots named by the task: 1/4 present" in text
+    assert "  - deliverables/plots/drawdowns.png: ok" in text
+    assert "  - deliverables/plots/equity_curves.png: missing" in text
+
+
+def test_char_cap_keeps_head_and_tail_halves() -> None:
+    text = "H" * 600 + "M" * 1000 + "T" * 400
+    capped, cut = cap_chars(text, 1000)
+    assert cut
+    head, _, tail = capped.partition("\n\n[... 1000 characters omitted ...]\n\n")
+    assert head == "H" * 500
+    assert tail == "M" * 100 + "T" * 400
+    assert cap_chars("short", 10) == ("short", False)
+
+
+def test_token_cap_shrinks_until_the_excerpt_fits() -> None:
+    def count(text: str) -> int:  # a counter much stricter than chars/4
+        return len(text)
+
+    text = "x" * 10_000
+    capped, cut = cap_tokens(text, 500, count)
+    assert cut and count(capped) <= 500
+    assert cap_tokens("tiny", 10, count) == ("tiny", False)
+
+
+def test_token_counter_is_chars_over_four_except_for_gpt_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert token_counter("Qwen/Qwen3.6-27B-FP8")("x" * 9) == 3
+    monkeypatch.setattr(evidence, "_o200k_counter", lambda: lambda text: 1000)
+    assert token_counter("gpt-5.5")("abc") == 1000
+    monkeypatch.setattr(evidence, "_o200k_counter", lambda: None)
+    assert token_counter("gpt-5.5")("x" * 9) == math.ceil(9 / 4)
+
+
+def test_excerpts_follow_the_reference_order_and_caps(tmp_path: Path) -> None:
+    root = write(
+        tmp_path / "ws",
+        {
+            "research_report.md": "R" * 40_000,
+            "results/model_comparison.json": '{"m": 1}',
+            "results/metrics.json": '{"sharpe": 1}',
+            "deliverables/index.json": "[]",
+            "requirements.txt": "numpy==2.1.0\n",
+            **{f"run_{name}.py": "print(1)\n" for name in ("a", "b", "c", "d", "e")},
+            "main.py": "print(0)\n",
+            "tests/test_b.py": "B" * 20_000,
+            "tests/test_a.py": "A" * 20_000,
+            "notes.md": "not excerpted",
+        },
+    )
+    excerpts = file_excerpts(root, EvidenceCaps.local("qwen"))
+    assert [e.path for e in excerpts] == [
+        "research_report.md",
+        "deliverables/index.json",
+        "results/metrics.json",
+        "results/model_comparison.json",
+        "requirements.txt",
+        "main.py",
+        "run_a.py",
+        "run_b.py",
+        "run_c.py",
+        "tests/test_a.py",
+    ]
+    report, test_file = excerpts[0], excerpts[-1]
+    assert report.truncated and len(report.text) < 28_100
+    assert test_file.truncated and test_file.text.count("A") == evidence.TEST_FILE_CHAR_CAP
+    assert not excerpts[1].truncated
+
+
+def test_bundle_renders_tree_preflight_and_fenced_excerpts(tmp_path: Path) -> None:
+    root = write(
+        tmp_path / "ws", {"research_report.md": "# Report\n```python\nx = 1\n```\n", "results/metrics.json": "{}"}
+    )
+    bundle = build_bundle(root, task_id=51, task_text=TASK, location="s3://b/ws.tar.gz", caps=EvidenceCaps.local("q"))
+    text = bundle.render("Workspace A")
+    assert text.startswith("# Workspace A (evidence only)\nPath: `s3://b/ws.tar.gz`")
+    assert "## Directory tree (representative)" in text and "## Programmatic preflight" in text
+    assert "### File: `research_report.md`\n````markdown\n# Report" in text  # longer fence than the inner one
+    assert bundle.query_id == "query_51"
+    with pytest.raises(EvidenceError, match="not a folder"):
+        build_bundle(tmp_path / "absent", task_id=51, task_text="", location="x", caps=EvidenceCaps())
+
+
+def test_results_appendix_excludes_known_dumps_and_respects_both_caps(tmp_path: Path) -> None:
+    root = write(
+        tmp_path / "ws",
+        {
+            "results/a.json": "a" * 100,
+            "results/big.json": "b" * 30_000,
+            "results/c_huge.json": "c" * 80_000,
+            "results/d.json": "d" * 50,
+            "results/raw_records.json": "[]",
+            "results/sub/pilot_raw_records.json": "[]",
+            "results/curve_data.json": "[]",
+            "results/run_X_random_s0.json": "[]",
+        },
+    )
+    text = results_json_appendix(root, 202, per_file_chars=24_000, total_chars=40_000)
+    assert text.startswith("# Full JSON artifacts under results/")
+    for excluded in ("raw_records", "pilot_raw_records", "curve_data", "run_X_random_s0"):
+        assert excluded not in text
+    assert "## `results/a.json`" in text and "## `results/big.json`" in text
+    assert APPENDIX_TRUNCATION_MARKER in text
+    assert "Omitted (total cap of 40000 characters reached): results/c_huge.json" in text
+    assert "## `results/d.json`" in text  # a later, smaller file still fits
+    # Task 51 has no per-task exclusions: curve_data.json is included there.
+    assert "results/curve_data.json" in results_json_appendix(root, 51)
+
+
+# -- prompts -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task_id", "who"),
+    [
+        (51, "senior quantitative researcher"),
+        (99, "senior quantitative researcher"),
+        (202, "senior researcher in pharmacy"),
+        (324, "senior researcher in robotics"),
+        (150, "senior research reviewer"),
+        (400, "senior research reviewer"),
+    ],
+)
+def test_persona_follows_the_task_id_range(task_id: int, who: str) -> None:
+    assert who in persona(task_id)[0]
+    system = judge_system_prompt(task_id)
+    assert who in system and "JSON" in system
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "x"}]}
+    assert classify_request(body) is RequestKind.JUDGE
+
+
+def test_user_prompt_holds_task_labels_bundles_rubric_and_schema(tmp_path: Path) -> None:
+    a = build_bundle(write(tmp_path / "a", {"a.txt": "1"}), task_id=51, task_text="", location="A", caps=EvidenceCaps())
+    b = build_bundle(write(tmp_path / "b", {"b.txt": "1"}), task_id=51, task_text="", location="B", caps=EvidenceCaps())
+    text = judge_user_prompt("Do the study.", "no-harness-single-agent-baseline", "multi-agent-design-v2", a, b)
+    order = ["# Task\nDo the study.", "# Labels (for orientation only)", "# Workspace A", "# Workspace B", "rubric"]
+    positions = [text.find(marker) for marker in order]
+    assert -1 not in positions and positions == sorted(positions)
+    assert "- Workspace A: no-harness-single-agent-baseline" in text
+    assert all(f"{i}. " in text for i in range(1, 7))
+    assert '"winner": "A" | "B" | "tie"' in text
+    other = build_bundle(tmp_path / "b", task_id=202, task_text="", location="B", caps=EvidenceCaps())
+    with pytest.raises(ValueError, match="different tasks"):
+        judge_user_prompt("t", "a", "b", a, other)
+
+
+def test_parse_verdict_accepts_the_schema_only() -> None:
+    assert parse_verdict({"winner": " tie ", "rationale": " close "}).winner == "tie"
+    assert parse_verdict({"winner": "b", "rationale": "B is better."}).winner == "B"
+    for bad, message in [
+        ({"winner": "C", "rationale": "x"}, "winner"),
+        ({"winner": "A"}, "rationale"),
+        ({"winner": "A", "rationale": "  "}, "rationale"),
+        ({"verdict": "A"}, "winner"),
+        (["A"], "JSON object"),
+    ]:
+        with pytest.raises(JudgeOutputError, match=message):
+            parse_verdict(bad)  # type: ignore[arg-type]
+
+
+# -- the pairwise judge against the policy server ------------------------------------------------------------------
+
+
+def _case(tmp_path: Path, key: str, label_a: str = "alpha", label_b: str = "beta") -> PairwiseCase:
+    caps = EvidenceCaps.local("q")
+    a = build_bundle(
+        write(tmp_path / "a", {"research_report.md": "A"}), task_id=51, task_text=TASK, location="A", caps=caps
+    )
+    b = build_bundle(
+        write(tmp_path / "b", {"research_report.md": "B"}), task_id=51, task_text=TASK, location="B", caps=caps
+    )
+    return PairwiseCase(CallUnit(key, "judge", 51), 51, "Study SPY.", label_a, label_b, a, b, seed=450051)
+
+
+def _judge(inner_loop: InnerLoopEnv, **options: object) -> tuple[PairwiseJudge, CallLedger]:
+    opened = inner_loop.open(**options)
+    ctx = opened.ctx
+    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+    search = opened.config.search
+    judge = PairwiseJudge(
+        opened.client,
+        ledger,
+        lambda seed: in_loop_sampling(opened.config, seed),
+        invalid_retries=search.judge_invalid_retries,
+        swap_consistent=search.swap_consistent,
+    )
+    return judge, ledger
+
+
+def test_a_valid_verdict_is_one_recorded_call_and_is_reused_on_rerun(
+    inner_loop: InnerLoopEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "sk-test-secret-never-stored-0123456789"
+    monkeypatch.setenv("MASS_DEMO_API_KEY", secret)
+    inner_loop.policy.judge_winner = lambda request: "B"
+    judge, ledger = _judge(inner_loop)
+    case = _case(tmp_path, "task51/rhi/v1_vs_no_harness")
+    outcome = judge.judge(case)
+    assert (outcome.verdict, outcome.calls) == ("B", 1)
+    body = inner_loop.judge_requests()[0]
+    assert body["seed"] == 450051 and body["response_format"] == {"type": "json_object"}
+    assert body["top_k"] == 20 and body["chat_template_kwargs"] == {"enable_thinking": True}
+
+    rows = ledger.attempts(case.unit)
+    assert [(r.unit_key, r.status, r.purpose) for r in rows] == [
+        ("task51/rhi/v1_vs_no_harness/a1", CallStatus.SUCCEEDED, "judge")
+    ]
+    stored = json.loads(Path(rows[0].prompt_uri.removeprefix("file://")).read_text())
+    assert stored["request"]["messages"][1]["content"].startswith("# Task\nStudy SPY.")
+    assert stored["seed"] == 450051
+
+    again = judge.judge(case)
+    assert (again.verdict, again.calls, again.call_id) == ("B", 0, outcome.call_id)
+    assert len(inner_loop.judge_requests()) == 1
+
+    stored_text = "".join(p.read_text(errors="ignore") for p in Path(inner_loop.artifact_url).rglob("*") if p.is_file())
+    assert secret not in stored_text
+    assert secret not in Path(inner_loop.metadata_url.removeprefix("sqlite:///")).read_bytes().decode(errors="ignore")
+
+
+def test_invalid_answers_are_retried_within_the_budget(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    inner_loop.policy.judge_replies += [
+        PolicyReply(content="Workspace A is better overall."),
+        PolicyReply(content=json.dumps({"winner": "maybe", "rationale": "?"})),
+    ]
+    inner_loop.policy.judge_winner = lambda request: "A"
+    judge, ledger = _judge(inner_loop, judge_invalid_retries=2)
+    case = _case(tmp_path, "task51/rhi/v0_vs_no_harness")
+    outcome = judge.judge(case)
+    assert (outcome.verdict, outcome.calls) == ("A", 3)
+    statuses = [row.status for row in ledger.attempts(case.unit)]
+    assert statuses == [CallStatus.INVALID, CallStatus.INVALID, CallStatus.SUCCEEDED]
+    errors = [row.error for row in ledger.attempts(case.unit)[:2]]
+    assert "no JSON object" in errors[0] and "winner" in errors[1]
+
+
+def test_an_exhausted_budget_records_invalid_counted_as_a_tie(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    inner_loop.server.config.faults.append(FaultRule(Fault.WRONG_SCHEMA, kind=RequestKind.JUDGE))
+    judge, ledger = _judge(inner_loop, judge_invalid_retries=1)
+    case = _case(tmp_path, "task51/ranking/a_vs_b")
+    outcome = judge.judge(case)
+    assert (outcome.verdict, outcome.effective, outcome.calls) == ("invalid", "tie", 2)
+    assert "invalid after 2 attempts" in outcome.rationale
+    assert [r.status for r in ledger.attempts(case.unit)] == [CallStatus.INVALID] * 2
+    # A rerun finds the budget spent in the ledger and makes no further call.
+    assert judge.judge(case).verdict == "invalid"
+    assert len(inner_loop.judge_requests()) == 2
+
+
+def test_reasoning_that_eats_the_output_is_an_invalid_attempt(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    inner_loop.server.config.faults.append(FaultRule(Fault.EMPTY_CONTENT, kind=RequestKind.JUDGE, times=1))
+    judge, ledger = _judge(inner_loop)
+    case = _case(tmp_path, "task51/rhi/v2_vs_no_harness")
+    assert judge.judge(case).verdict in ("A", "B", "tie")
+    first = ledger.attempts(case.unit)[0]
+    assert first.status == CallStatus.INVALID and "consumed by reasoning" in first.error
+
+
+def test_swap_consistent_judging_turns_disagreement_into_a_tie(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    inner_loop.policy.judge_winner = lambda request: "A"  # position bias: always the first workspace
+    judge, _ = _judge(inner_loop, swap_consistent=True)
+    outcome = judge.judge(_case(tmp_path, "task51/rhi/v1_vs_no_harness"))
+    assert (outcome.verdict, outcome.calls) == ("tie", 2)
+    assert "disagree" in outcome.rationale
+    bodies = inner_loop.judge_requests()
+    assert "- Workspace A: alpha" in bodies[0]["messages"][1]["content"]
+    assert "- Workspace A: beta" in bodies[1]["messages"][1]["content"]
+
+
+def test_swap_consistent_judging_keeps_an_order_independent_preference(
+    inner_loop: InnerLoopEnv, tmp_path: Path
+) -> None:
+    def prefers_beta(request: object) -> str:
+        text = request.user_text()  # type: ignore[attr-defined]
+        return "A" if "- Workspace A: beta" in text else "B"
+
+    inner_loop.policy.judge_winner = prefers_beta
+    judge, _ = _judge(inner_loop, swap_consistent=True)
+    outcome = judge.judge(_case(tmp_path, "task51/rhi/v3_vs_no_harness"))
+    assert outcome.verdict == "B"
+    assert outcome.usage and outcome.usage["prompt_tokens"] > 0
