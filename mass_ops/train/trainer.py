@@ -1,0 +1,788 @@
+"""LoRA SFT of a frozen BF16 parent on DeepSpeed ZeRO-3 (MASS_SPEC §8): the script every rank runs.
+
+    python -m mass_ops.train.trainer --args args.json      # started by torchrun or the deepspeed launcher
+
+One window per rank per micro-step; each window's loss is its own token mean, DeepSpeed divides it by
+`grad_accum` and averages gradients over ranks, so an optimizer step averages `world_size × grad_accum` per-window
+token-mean losses. The logged step loss is the global token-weighted mean.
+
+ZeRO-3 + PEFT details handled here:
+- the parent is loaded under `zero.Init` (via `HfDeepSpeedConfig`, kept alive for the whole run), so no rank ever
+  materialises the whole model;
+- the output projection is gathered once and kept as a plain frozen tensor (the module becomes `Identity`, so the
+  model returns hidden states): the chunked cross-entropy applies it a chunk at a time outside ZeRO's hooks;
+- activation checkpointing is non-reentrant (the reentrant variant loses LoRA gradients when inputs carry none);
+- LoRA weights are read from the optimizer's fp32 master partitions with `safe_get_full_fp32_param`, a collective:
+  a plain `state_dict()` under ZeRO-3 yields empty (0-element) tensors, so every save asserts non-empty adapters;
+- every rank must run the same number of forward passes (parameter gathers are collectives), so validation pads
+  short ranks with a window it does not count.
+Exact resume: sampler draws are a pure function of (seed, rank, draw), dropout is reseeded from the same triple every
+micro-step, and the DeepSpeed checkpoint restores fp32 master weights, Adam moments and the LR scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mass_ops.train.args import TrainArgs, TrainArgsError
+from mass_ops.train.checkpoints import (
+    ADAPTER_DIR,
+    ENGINE_DIR,
+    LORA_STATE_FILE,
+    TRAIN_LOG_FILE,
+    TRAIN_STATE_FILE,
+    checkpoint_dir,
+    is_complete,
+)
+from mass_ops.train.data import TrainingWindow, WindowDataError, WindowSet, load_windows
+from mass_ops.train.sampler import Draw, Exposure, TaskRoleSampler, draw_index
+from mass_ops.train.schedule import lr_at, lr_factor
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("mass_ops.train")
+
+ARGS_FILE = "args.json"
+EXPOSURE_LOG_FILE = "exposure_log.jsonl"
+RESUME_LOG_FILE = "resume_log.jsonl"
+ENGINE_TAG = "state"
+# Args whose change would alter the training trajectory; a resume must keep them.
+_TRAJECTORY_FIELDS = (
+    "model_dir",
+    "train_data",
+    "val_data",
+    "steps",
+    "lr",
+    "warmup_steps",
+    "min_lr_ratio",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "weight_decay",
+    "max_grad_norm",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "grad_accum",
+    "ce_chunk",
+    "seed",
+    "sampler",
+    "p_orch",
+    "autocast_bf16",
+)
+
+
+class TrainingError(ValueError):
+    """A run that cannot start or continue (existing log, mismatched resume, …); the message says why."""
+
+
+class AdapterSaveError(RuntimeError):
+    """Saved adapters are empty or malformed (the ZeRO-3 + PEFT save pitfall); the checkpoint is not published."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DeepSpeed configuration
+
+
+def deepspeed_config(args: TrainArgs, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of a run: ZeRO-3, one window per micro-batch, bf16 with fp32 reduction/accumulation."""
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+    }
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": args.grad_accum,
+        "train_batch_size": world_size * args.grad_accum,
+        "gradient_clipping": args.max_grad_norm,
+        "bf16": {"enabled": args.autocast_bf16},
+        # The reference all-reduces LoRA gradients in fp32; keep reduction and accumulation in fp32 here too.
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": zero,
+        # torch AdamW is passed in as the client optimizer (identical update rule on CPU and GPU).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    overrides = dict(args.deepspeed_overrides)
+    zero.update(overrides.pop("zero_optimization", {}))
+    zero["stage"] = 3
+    config.update(overrides)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from the joined parts (LoRA init: ("lora-init", seed); dropout: ("dropout", seed, rank, draw))."""
+    digest = hashlib.sha256("-".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row, sort_keys=True) + "\n")
+        handle.flush()
+
+
+def _truncate_jsonl(path: Path, keep_through_step: int) -> int:
+    """Drop rows logged after `keep_through_step` (they belong to the abandoned continuation); returns rows dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for text in path.read_text(encoding="utf-8").splitlines():
+        if not text.strip():
+            continue
+        row = json.loads(text)
+        if isinstance(row.get("step"), int) and row["step"] > keep_through_step:
+            dropped += 1
+        else:
+            kept.append(text)
+    _atomic_write_text(path, "".join(t + "\n" for t in kept))
+    return dropped
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# distributed setup and model
+
+
+def _init_distributed(args: TrainArgs) -> Ranks:
+    if args.accelerator != "auto":
+        os.environ["DS_ACCELERATOR"] = args.accelerator
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    deepspeed.init_distributed(
+        dist_backend=accelerator.communication_backend_name(), timeout=timedelta(seconds=args.dist_timeout_s)
+    )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    return Ranks(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank)
+
+
+def _model_class(model_dir: str):
+    """The architecture named in the parent's config (e.g. Qwen3_5ForConditionalGeneration keeps its
+    `language_model` prefix, so LoRA keys match the parent's own tensor names at merge time)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return AutoModelForCausalLM
+
+
+def _vocab_size(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return int(config.get_text_config().vocab_size)
+
+
+def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, torch.Tensor, Any]:
+    """Load the frozen parent (under zero.Init when `zero3_init`), take out its output projection, add LoRA.
+
+    Returns (peft model, frozen output-projection weight [V, H], the HfDeepSpeedConfig that must stay alive).
+    """
+    import deepspeed
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers.integrations import HfDeepSpeedConfig
+
+    # transformers consults this object (through a weak reference) during from_pretrained: keep it referenced.
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero3_init else None
+    dtype = torch.bfloat16 if args.autocast_bf16 else torch.float32
+    model = _model_class(args.model_dir).from_pretrained(
+        args.model_dir, dtype=dtype, attn_implementation=args.attn_implementation
+    )
+    model.requires_grad_(False)
+    model.config.use_cache = False
+
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise TrainingError(f"{args.model_dir}: expected a bias-free linear output projection")
+    weight = head.weight
+    if hasattr(weight, "ds_id"):
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            lm_weight = weight.detach().clone()
+    else:
+        lm_weight = weight.detach().clone()
+    # The model now returns final hidden states; `chunked_next_token_loss` applies lm_weight chunk by chunk.
+    model.set_output_embeddings(torch.nn.Identity())
+
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+    # Same LoRA initialisation on every rank (ZeRO also broadcasts rank 0's copy when it partitions them).
+    torch.manual_seed(derived_seed("lora-init", args.seed))
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        bias="none",
+        target_modules=args.target_pattern(),
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, lora)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise TrainingError(f"target_modules {args.target_pattern()!r} matched no module of {args.model_dir}")
+    if any(".lora_" not in n for n in trainable):
+        stray = [n for n in trainable if ".lora_" not in n]
+        raise TrainingError(f"unexpected trainable parameters besides LoRA: {stray}")
+    return peft_model, lm_weight, hf_ds_config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# adapters
+
+
+def gather_lora_fp32(peft_model: Any, ranks: Ranks) -> dict[str, torch.Tensor]:
+    """Full fp32 LoRA tensors (PEFT parameter names) on rank 0; {} elsewhere. Collective: call on every rank."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in peft_model.named_parameters():
+        if not param.requires_grad:
+            continue
+        full = safe_get_full_fp32_param(param)
+        if full is None:  # not managed by a ZeRO optimizer (never the case under deepspeed.initialize)
+            full = param.detach()
+        if ranks.is_main:
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            out[name] = full.detach().to("cpu", torch.float32).reshape(shape).contiguous()
+    return out
+
+
+def assert_adapter_non_empty(tensors: dict[str, torch.Tensor], *, lora_r: int, where: str) -> None:
+    """Every LoRA tensor 2-D, non-empty, rank-r shaped; at least one A/B pair. Raises `AdapterSaveError`."""
+    if not tensors:
+        raise AdapterSaveError(f"{where}: no LoRA tensors to save")
+    problems = []
+    for name, tensor in tensors.items():
+        shape = tuple(tensor.shape)
+        if tensor.numel() == 0 or len(shape) != 2:
+            problems.append(f"{name} {shape}")
+        elif ".lora_A" in name and shape[0] != lora_r:
+            problems.append(f"{name} {shape} (rank {lora_r} expected first)")
+        elif ".lora_B" in name and shape[1] != lora_r:
+            problems.append(f"{name} {shape} (rank {lora_r} expected last)")
+    n_a = sum(".lora_A" in n for n in tensors)
+    n_b = sum(".lora_B" in n for n in tensors)
+    if n_a == 0 or n_a != n_b:
+        problems.append(f"{n_a} lora_A vs {n_b} lora_B tensors")
+    if problems:
+        raise AdapterSaveError(f"{where}: empty or malformed adapter tensors: {', '.join(problems[:5])}")
+
+
+def write_adapters(peft_model: Any, tensors: dict[str, torch.Tensor], step_dir: Path, lora_r: int) -> None:
+    """Write `lora_state_dict.safetensors` (PEFT parameter names) and `adapter/` (PEFT's layout); read both back."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    assert_adapter_non_empty(tensors, lora_r=lora_r, where=str(step_dir))
+    save_file(tensors, str(step_dir / LORA_STATE_FILE), metadata={"format": "pt"})
+    adapter_dir = step_dir / ADAPTER_DIR
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    # PEFT's key convention (adapter name stripped) from PEFT itself, fed the gathered tensors.
+    adapter_tensors = get_peft_model_state_dict(peft_model, state_dict=tensors)
+    adapter_tensors = {k: v.contiguous() for k, v in adapter_tensors.items()}
+    save_file(adapter_tensors, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_model.peft_config["default"].save_pretrained(str(adapter_dir))
+    for path, expected in (
+        (step_dir / LORA_STATE_FILE, tensors),
+        (adapter_dir / "adapter_model.safetensors", adapter_tensors),
+    ):
+        reloaded = load_file(str(path))
+        assert_adapter_non_empty(reloaded, lora_r=lora_r, where=str(path))
+        if len(reloaded) != len(expected):
+            raise AdapterSaveError(f"{path}: {len(reloaded)} tensors written, {len(expected)} expected")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the run
+
+
+class LoraSftRun:
+    """One training run on this rank: data, sampler, engine, logs and checkpoints."""
+
+    def __init__(self, args: TrainArgs, ranks: Ranks) -> None:
+        self.args = args
+        self.ranks = ranks
+        self.out_dir = Path(args.out_dir)
+        self.train_log = self.out_dir / TRAIN_LOG_FILE
+        self.exposure_log = self.out_dir / EXPOSURE_LOG_FILE
+        self.start_step = 0
+        self.elapsed_before = 0.0
+        self.exposure = Exposure()
+        self.last_loss: float | None = None
+
+    # -- setup ----------------------------------------------------------------------------------------------------
+    def _check_start(self) -> dict[str, Any] | None:
+        """Refuse to overwrite a run; for a resume, load and check its train_state. Same answer on every rank."""
+        args = self.args
+        if args.resume_from is None:
+            if self.train_log.exists():
+                raise TrainingError(
+                    f"{self.train_log} exists: this run already started (set resume_from to a step_NNNNN directory)"
+                )
+            return None
+        step_dir = Path(args.resume_from)
+        if not is_complete(step_dir):
+            raise TrainingError(f"{step_dir}: not a complete checkpoint (adapters or {TRAIN_STATE_FILE} missing)")
+        state = json.loads((step_dir / TRAIN_STATE_FILE).read_text())
+        problems = []
+        if state.get("world_size") != self.ranks.world_size:
+            problems.append(
+                f"saved with {state.get('world_size')} ranks, resumed with {self.ranks.world_size} "
+                "(ZeRO-3 optimizer partitions are per rank)"
+            )
+        saved_args = state.get("args", {})
+        changed = [f for f in _TRAJECTORY_FIELDS if f in saved_args and saved_args[f] != getattr(args, f)]
+        if changed:
+            problems.append(f"args changed since the checkpoint: {changed}")
+        if not 0 < int(state.get("step", 0)) <= args.steps:
+            problems.append(f"checkpoint step {state.get('step')} outside 1..{args.steps}")
+        if problems:
+            raise TrainingError(f"cannot resume from {step_dir}: " + "; ".join(problems))
+        return state
+
+    def setup(self) -> None:
+        import deepspeed
+        import torch
+
+        args, ranks = self.args, self.ranks
+        resume_state = self._check_start()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+        # Data first: a bad window file fails in seconds, before the parent is loaded.
+        vocab = _vocab_size(args.model_dir)
+        self.train_set = load_windows(args.train_data, vocab_size=vocab)
+        self.val_set: WindowSet | None = load_windows(args.val_data, vocab_size=vocab) if args.val_data else None
+        self.sampler = TaskRoleSampler(self.train_set.tags(), seed=args.seed, p_orch=args.p_orch)
+
+        self.ds_config = deepspeed_config(args, ranks.world_size)
+        self.peft_model, lm_weight, self._hf_ds_config = build_lora_model(args, self.ds_config)
+        if lm_weight.shape[0] != vocab:
+            raise TrainingError(f"{args.model_dir}: output projection has {lm_weight.shape[0]} rows, config {vocab}")
+
+        trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            trainable,
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_factor(
+                s, warmup_steps=args.warmup_steps, total_steps=args.steps, min_lr_ratio=args.min_lr_ratio
+            ),
+        )
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.peft_model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.ds_config,
+            dist_init_required=False,
+        )
+        # CPU kernels have no fast bf16 GEMM for vocabulary-sized reductions (orders of magnitude slower than fp32),
+        # so on CPU the output projection runs in fp32; accelerators keep the parent's dtype, as the reference does.
+        on_cpu = torch.device(self.engine.device).type == "cpu"
+        self.lm_weight = lm_weight.to(self.engine.device, torch.float32 if on_cpu else lm_weight.dtype)
+
+        if resume_state is not None:
+            self._restore(Path(args.resume_from), resume_state)
+        elif ranks.is_main:
+            args.write(self.out_dir / ARGS_FILE)
+        if ranks.is_main:
+            log.info(
+                "train windows %d (%d label-free dropped), val windows %d, tasks %s, ranks %d × grad_accum %d",
+                len(self.train_set),
+                self.train_set.dropped_unsupervised,
+                len(self.val_set or []),
+                self.sampler.tasks,
+                ranks.world_size,
+                args.grad_accum,
+            )
+        self._barrier()
+
+    def _restore(self, step_dir: Path, state: dict[str, Any]) -> None:
+        """Load engine state, check the restored adapters equal the saved fp32 tensors, trim the logs."""
+        import torch
+        from safetensors.torch import load_file
+
+        load_path, _ = self.engine.load_checkpoint(
+            str(step_dir / ENGINE_DIR),
+            tag=ENGINE_TAG,
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if load_path is None:
+            raise TrainingError(f"{step_dir / ENGINE_DIR}: DeepSpeed found no checkpoint to load")
+        self.start_step = int(state["step"])
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self.exposure = Exposure.from_dict(state.get("exposure", {}))
+        self.last_loss = state.get("loss")
+        restored = gather_lora_fp32(self.peft_model, self.ranks)
+        error = None
+        if self.ranks.is_main:
+            saved = load_file(str(step_dir / LORA_STATE_FILE))
+            mismatched = [n for n, t in saved.items() if n not in restored or not torch.equal(restored[n], t)]
+            if mismatched or len(saved) != len(restored):
+                error = f"{step_dir}: restored adapters differ from {LORA_STATE_FILE}: {mismatched[:3]}"
+        self._raise_together(error, TrainingError)
+        if self.ranks.is_main:
+            dropped = _truncate_jsonl(self.train_log, self.start_step) + _truncate_jsonl(
+                self.exposure_log, self.start_step
+            )
+            superseded = self._set_aside_later_checkpoints()
+            _append_jsonl(
+                self.out_dir / RESUME_LOG_FILE,
+                {
+                    "resumed_from": str(step_dir),
+                    "step": self.start_step,
+                    "time": time.time(),
+                    "log_rows_dropped": dropped,
+                    "superseded_checkpoints": superseded,
+                    "world_size": self.ranks.world_size,
+                },
+            )
+            log.info("resumed at step %d from %s", self.start_step, step_dir)
+
+    def _set_aside_later_checkpoints(self) -> list[str]:
+        later = [
+            d
+            for d in sorted(self.out_dir.glob("step_[0-9]*"))
+            if d.is_dir() and d.name.removeprefix("step_").isdigit() and int(d.name[5:]) > self.start_step
+        ]
+        if not later:
+            return []
+        aside = self.out_dir / f"superseded-at-{self.start_step:05d}-{int(time.time())}"
+        aside.mkdir()
+        for d in later:
+            d.rename(aside / d.name)
+        return [str(aside / d.name) for d in later]
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def _raise_together(self, error: str | None, kind: type[Exception]) -> None:
+        """Share a failure seen on one rank, so every rank raises it instead of waiting in the next collective."""
+        import torch.distributed as dist
+
+        errors: list[str | None] = [None] * self.ranks.world_size
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), None)
+        if first is not None:
+            raise kind(first)
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+    def _window_loss(self, index: int, windows: WindowSet, *, recompute: bool) -> tuple[torch.Tensor, int]:
+        import torch
+
+        from mass_ops.train.loss import chunked_next_token_loss
+
+        window = windows.windows[index]
+        ids = torch.from_numpy(window.input_ids).to(self.engine.device, torch.long).unsqueeze(0)
+        labels = torch.from_numpy(window.labels).to(self.engine.device, torch.long)
+        hidden = self.engine(input_ids=ids, use_cache=False).logits
+        return chunked_next_token_loss(hidden, labels, self.lm_weight, chunk=self.args.ce_chunk, recompute=recompute)
+
+    # -- validation ------------------------------------------------------------------------------------------------
+    def validate(self, step: int) -> dict[str, Any]:
+        """Round-robin the validation windows over ranks; every rank runs the same number of forwards (ZeRO-3
+        gathers are collectives), padding with its shortest window without counting it."""
+        import torch
+        import torch.distributed as dist
+
+        assert self.val_set is not None
+        started = time.perf_counter()
+        windows, ranks = self.val_set, self.ranks
+        n = len(windows)
+        per_rank = math.ceil(n / ranks.world_size)
+        pad = min(range(n), key=lambda i: windows.windows[i].n_tokens)
+        results: list[tuple[int, float, int]] = []
+        self.engine.eval()
+        with torch.no_grad():
+            for k in range(per_rank):
+                index = k * ranks.world_size + ranks.rank
+                loss_sum, count = self._window_loss(index if index < n else pad, windows, recompute=False)
+                if index < n:
+                    results.append((index, float(loss_sum), count))
+        self.engine.train()
+        gathered: list[list[tuple[int, float, int]]] = [[] for _ in range(ranks.world_size)]
+        dist.all_gather_object(gathered, results)
+        rows = sorted(r for part in gathered for r in part)
+
+        def breakdown(key: Callable[[TrainingWindow], object]) -> dict[str, dict[str, float | int]]:
+            sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+            for index, loss_sum, count in rows:
+                entry = sums[str(key(windows.windows[index]))]
+                entry[0] += loss_sum
+                entry[1] += count
+            return {
+                k: {"loss": v[0] / v[1] if v[1] else float("nan"), "tokens": int(v[1])} for k, v in sorted(sums.items())
+            }
+
+        total_loss = sum(r[1] for r in rows)
+        total_tokens = sum(r[2] for r in rows)
+        return {
+            "step": step,
+            "val_loss": total_loss / total_tokens if total_tokens else float("nan"),
+            "val_tokens": int(total_tokens),
+            "val_windows": len(rows),
+            "val_by_role": breakdown(lambda w: w.role),
+            "val_by_task": breakdown(lambda w: w.task),
+            "val_per_episode": breakdown(lambda w: w.episode),
+            "val_seconds": round(time.perf_counter() - started, 3),
+        }
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def save(self, step: int, lr: float, elapsed: float) -> Path:
+        """Write step_NNNNN/ into a hidden staging directory, then publish it by rename (rank 0) once complete."""
+        args, ranks = self.args, self.ranks
+        final = checkpoint_dir(self.out_dir, step)
+        staging = self.out_dir / f".{final.name}.partial"
+        if ranks.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self._barrier()
+        self.engine.save_checkpoint(
+            str(staging / ENGINE_DIR),
+            tag=ENGINE_TAG,
+            client_state={"step": step},
+            save_latest=False,
+            exclude_frozen_parameters=True,
+        )
+        tensors = gather_lora_fp32(self.peft_model, ranks)
+        error = None
+        if ranks.is_main:
+            try:
+                write_adapters(self.peft_model, tensors, staging, args.lora_r)
+            except (AdapterSaveError, OSError) as exc:
+                error = f"checkpoint step {step} not published: {exc}"
+        self._raise_together(error, AdapterSaveError)
+        if ranks.is_main:
+            state = {
+                "step": step,
+                "total_steps": args.steps,
+                "lr": lr,
+                "next_lr": lr_at(
+                    step,
+                    peak=args.lr,
+                    warmup_steps=args.warmup_steps,
+                    total_steps=args.steps,
+                    min_lr_ratio=args.min_lr_ratio,
+                )
+                if step < args.steps
+                else None,
+                "loss": self.last_loss,
+                "elapsed_s": elapsed,
+                "world_size": ranks.world_size,
+                "grad_accum": args.grad_accum,
+                "windows_per_step": ranks.world_size * args.grad_accum,
+                "sampler": {
+                    "kind": args.sampler,
+                    "seed": args.seed,
+                    "p_orch": args.p_orch,
+                    "next_draw": draw_index(step, 0, args.grad_accum),
+                },
+                "exposure": self.exposure.to_dict(),
+                "lora_tensors": len(tensors),
+                "lora_parameters": sum(t.numel() for t in tensors.values()),
+                "args": args.to_dict(),
+            }
+            _atomic_write_text(staging / TRAIN_STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+        self._barrier()
+        return final
+
+    # -- training --------------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from deepspeed.accelerator import get_accelerator
+
+        args, ranks = self.args, self.ranks
+        accelerator = get_accelerator()
+        started = time.perf_counter()
+
+        def elapsed() -> float:
+            return round(self.elapsed_before + time.perf_counter() - started, 3)
+
+        if self.val_set is not None and args.val_at_start and self.start_step == 0:
+            row = self.validate(0)
+            if ranks.is_main:
+                _append_jsonl(self.train_log, row)
+                log.info("step 0 val_loss %.4f over %d tokens", row["val_loss"], row["val_tokens"])
+
+        self.engine.train()
+        for step in range(self.start_step, args.steps):
+            step_started = time.perf_counter()
+            draws = self.sampler.draws_for_step(step=step, rank=ranks.rank, grad_accum=args.grad_accum)
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            local = torch.zeros(3, dtype=torch.float64)  # loss sum, loss tokens, input tokens
+            for d in draws:
+                # Dropout masks depend only on (seed, rank, draw): a resumed run reproduces them.
+                torch.manual_seed(derived_seed("dropout", args.seed, ranks.rank, d.draw))
+                loss_sum, count = self._window_loss(d.window, self.train_set, recompute=True)
+                self.engine.backward(loss_sum / count)  # per-window token mean; DeepSpeed divides by grad_accum
+                self.engine.step()
+                local += torch.tensor(
+                    [loss_sum.item(), count, self.train_set.windows[d.window].n_tokens], dtype=torch.float64
+                )
+            dist.all_reduce(local)
+            gathered: list[list[dict]] = [[] for _ in range(ranks.world_size)]
+            dist.all_gather_object(gathered, [d.__dict__ for d in draws])
+            step_draws = [d for part in gathered for d in part]
+            self.exposure.add(Draw(**d) for d in step_draws)
+
+            done = step + 1
+            self.last_loss = float(local[0] / local[1])
+            grad_norm = self.engine.get_global_grad_norm()
+            if ranks.is_main:
+                _append_jsonl(
+                    self.train_log,
+                    {
+                        "step": done,
+                        "loss": self.last_loss,
+                        "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        "tokens": int(local[1]),
+                        "input_tokens": int(local[2]),
+                        "windows": len(step_draws),
+                        "step_s": round(time.perf_counter() - step_started, 3),
+                        "elapsed_s": elapsed(),
+                        "peak_mem_gib": round(accelerator.max_memory_allocated() / 2**30, 3),
+                        "peak_reserved_gib": round(accelerator.max_memory_reserved() / 2**30, 3),
+                    },
+                )
+                by_pair: dict[str, int] = defaultdict(int)
+                for d in step_draws:
+                    by_pair[f"{d['task']}:{d['role']}"] += 1
+                _append_jsonl(
+                    self.exposure_log,
+                    {
+                        "step": done,
+                        "draws": [
+                            {
+                                **{k: d[k] for k in ("rank", "micro", "draw", "window", "task", "role", "group")},
+                                "episode": self.train_set.windows[d["window"]].episode,
+                                "tokens": self.train_set.windows[d["window"]].n_tokens,
+                                "loss_tokens": self.train_set.windows[d["window"]].n_loss_tokens,
+                            }
+                            for d in step_draws
+                        ],
+                        "by_task_role": dict(sorted(by_pair.items())),
+                        "loss_tokens": int(local[1]),
+                    },
+                )
+                log.info(
+                    "step %d/%d loss %.4f lr %.3g grad_norm %s",
+                    done,
+                    args.steps,
+                    self.last_loss,
+                    lr,
+                    None if grad_norm is None else f"{float(grad_norm):.4f}",
+                )
+
+            last = done == args.steps
+            if self.val_set is not None and (done % args.val_every == 0 or last):
+                row = self.validate(done)
+                if ranks.is_main:
+                    _append_jsonl(self.train_log, row)
+                    log.info("step %d val_loss %.4f over %d tokens", done, row["val_loss"], row["val_tokens"])
+            if done % args.save_every == 0 or last:
+                path = self.save(done, lr, elapsed())
+                if ranks.is_main:
+                    log.info("saved %s", path)
+
+
+def run(args: TrainArgs) -> None:
+    """Train on this rank (all ranks call this with the same args)."""
+    import torch.distributed as dist
+
+    ranks = _init_distributed(args)
+    logging.basicConfig(
+        level=logging.INFO if ranks.is_main else logging.WARNING,
+        format=f"%(asctime)s [rank {ranks.rank}] %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        training = LoraSftRun(args, ranks)
+        training.setup()
+        training.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mass_ops.train.trainer", description=__doc__.split("\n")[0])
+    parser.add_argument("--args", required=True, help="TrainArgs JSON file")
+    options = parser.parse_args(argv)
+    try:
+        args = TrainArgs.read(options.args)
+        run(args)
+    except (TrainArgsError, TrainingError, WindowDataError, AdapterSaveError) as exc:
+        print(f"mass_ops.train: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
