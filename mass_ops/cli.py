@@ -211,6 +211,78 @@ def tasks_import(
     console.print(f"imported {len(cat)} tasks into {target}; use --set tasks.catalogue={target}", markup=False)
 
 
+TasksOption = Annotated[list[int] | None, typer.Option("--tasks", help="Subset of task ids (repeatable).")]
+
+
+def _summary(title: str, rows: list[dict]) -> None:
+    """A Rich table with one row per task (columns from the first row)."""
+    if not rows:
+        console.print(f"{title}: nothing to do", markup=False)
+        return
+    table = Table(title=title)
+    columns = list(rows[0])
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in columns))
+    console.print(table)
+
+
+def _stage(title: str, call) -> list[dict]:
+    """Run a stage; domain errors (bad input, refused state) are one line and exit 2."""
+    try:
+        rows = call()
+    except ValueError as exc:
+        raise fail(f"{title}: {exc}") from None
+    _summary(title, rows)
+    return rows
+
+
+@app.command()
+def validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Open the cycle: check the catalogue, create/upgrade the schema, freeze the config by hash."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage("validate_config", lambda: [stages.validate_config(cfg)])
+
+
+@app.command()
+def search(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
+    """RHI workflow search per task (all tasks concurrently, each task's versions in sequence)."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage("RHI search", lambda: stages.search(cfg, tasks))
+
+
+@app.command()
+def collect(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
+    """Teacher collection under each task's retained workflow."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage("teacher collection", lambda: stages.collect(cfg, tasks))
+
+
+@app.command()
+def rank(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
+    """Ring tournament, self-judge and Bradley–Terry per eligible task."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage("ranking", lambda: stages.rank(cfg, tasks))
+
+
+@app.command("select")
+def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Ranks 1..train_ranks to training, validation_rank to validation."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage("selection", lambda: stages.select(cfg)["tasks"])
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

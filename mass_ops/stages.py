@@ -1,0 +1,150 @@
+"""One function per stage of a cycle, shared by the CLI and the Airflow DAG tasks.
+
+Every stage takes the validated `CycleConfig` first (each process or pod rebuilds it from the same preset and
+overrides) and returns a small JSON-able dict of ids and URIs — never big data, so it can travel through XCom.
+Stages are idempotent: a rerun skips finished units (episodes, judge calls, proposals, rows), which is what makes an
+Airflow retry, a cleared task instance or a backfill redo only what is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext, attach_cycle, open_cycle
+from mass_ops.runtime.episode import EpisodeExecutor
+
+
+@contextmanager
+def episode_executor(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
+    """The executor of the configured compute backend: local qwen-code processes behind an EpisodePool."""
+    from mass_ops.runtime.pool import EpisodePool
+
+    with EpisodePool(ctx) as pool:
+        yield pool
+
+
+def validate_config(config: CycleConfig) -> dict[str, Any]:
+    """Check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle row."""
+    ctx = open_cycle(config)
+    return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash()}
+
+
+def search_tasks(config: CycleConfig) -> list[int]:
+    """Tasks the RHI search covers (MASS_SPEC §1: the train candidates)."""
+    return list(config.tasks.train_candidates)
+
+
+def search_step(config: CycleConfig, task_id: int, version: int) -> dict[str, Any]:
+    """One RHI version step of one task: episode v_k (and the reference at k = 0), judging, arbitration, and the
+    proposal of v_{k+1} — or the retained workflow at the last version. Steps beyond `search.iterations` are no-ops
+    so a DAG built for a larger budget can run a smaller one."""
+    if version > config.search.iterations:
+        return {"task_id": task_id, "version": version, "skipped": True}
+    from mass_ops.search.driver import search_step as run_step
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        result = run_step(ctx, executor, task_id, version)
+    return _jsonable(asdict(result))
+
+
+def search(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """The whole RHI search: every task's chain concurrently, each chain sequential; one summary row per task."""
+    from mass_ops.search.driver import run_search
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        return run_search(config, tasks, executor=executor)
+
+
+def collection_units(config: CycleConfig) -> list[list[int]]:
+    """(task, candidate) pairs of the eligible training tasks, known once the search has finished."""
+    from mass_ops.collect import eligible_tasks
+
+    ctx = attach_cycle(config)
+    return [
+        [decision.task_id, candidate]
+        for decision in eligible_tasks(ctx)
+        if decision.collects
+        for candidate in range(config.collection.candidates)
+    ]
+
+
+def collect_candidate(config: CycleConfig, task_id: int, candidate: int) -> dict[str, Any]:
+    """One teacher candidate of one task (the DAG maps this over `collection_units`)."""
+    from mass_ops.collect import collection_requests, eligibility, freeze_teacher_prompt
+
+    ctx = attach_cycle(config)
+    decision = eligibility(ctx, task_id)
+    if not decision.collects or decision.version_used is None:
+        return {"task_id": task_id, "candidate": candidate, "skipped": True, "reason": decision.reason}
+    prompt = freeze_teacher_prompt(ctx, task_id, decision.version_used)
+    request = collection_requests(ctx, task_id, prompt)[candidate]
+    with episode_executor(ctx) as executor:
+        (outcome,) = executor.run([request])
+    return {
+        "task_id": task_id,
+        "candidate": candidate,
+        "episode_id": outcome.episode_id,
+        "status": outcome.status,
+        "attempt": outcome.attempt,
+    }
+
+
+def collect(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Every teacher candidate of the eligible tasks in one batch; one summary row per task."""
+    from mass_ops.collect import run_collect
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        return run_collect(config, tasks, executor=executor)
+
+
+def ranking_tasks(config: CycleConfig) -> list[int]:
+    """Training tasks whose candidates are ranked (the eligible ones)."""
+    from mass_ops.collect import eligible_tasks
+
+    return [d.task_id for d in eligible_tasks(attach_cycle(config)) if d.collects]
+
+
+def rank_task(config: CycleConfig, task_id: int) -> dict[str, Any]:
+    """Tournament, self-judge and Bradley–Terry for one task."""
+    from mass_ops.rank_stage import run_rank
+
+    (row,) = run_rank(config, [task_id])
+    return _jsonable(row)
+
+
+def rank(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Rank every eligible task; one row per task."""
+    from mass_ops.rank_stage import run_rank
+
+    return [_jsonable(row) for row in run_rank(config, tasks)]
+
+
+def select(config: CycleConfig) -> dict[str, Any]:
+    """Ranks 1..train_ranks → training, validation_rank → validation, per eligible task."""
+    from mass_ops.rank_stage import run_select
+
+    rows = run_select(config)
+    return {"tasks": [_jsonable(r) for r in rows]}
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """Keep XCom payloads plain: drop anything that is not JSON-native."""
+    plain = (str, int, float, bool, type(None))
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, plain):
+            return value
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return str(value)
+
+    return {str(k): clean(v) for k, v in row.items()}
