@@ -55,16 +55,23 @@ class EpisodeUnit:
     version: int | None = None
     candidate: int | None = None
     attempt: int = 1
+    generation: str | None = None
 
     @property
     def slug(self) -> str:
-        """Stable, path-safe identity without the attempt: the same unit across retries."""
+        """Stable, path-safe identity without the attempt: the same unit across retries.
+
+        The executing generation is part of the identity when given: rollouts of L(k) and L(k+1) share seeds for the
+        paired comparison and must not share artifacts. Never change this format: stored keys must match on resume.
+        """
         parts = [self.kind, f"t{self.task_id}"]
         if self.version is not None:
             parts.append(f"v{self.version}")
         if self.candidate is not None:
             parts.append(f"c{self.candidate}")
         parts.append(f"s{self.seed}")
+        if self.generation is not None:
+            parts.append(f"g{self.generation}")
         return "-".join(parts)
 
     @property

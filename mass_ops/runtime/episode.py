@@ -28,6 +28,16 @@ class EpisodeRequest:
     prompt: str
     generation: str | None = None
 
+    def __post_init__(self) -> None:
+        # The generation belongs to the unit's identity; this field mirrors it for callers that read it here.
+        if self.generation is None:
+            object.__setattr__(self, "generation", self.unit.generation)
+        elif self.generation != self.unit.generation:
+            raise ValueError(
+                f"episode {self.unit.slug}: request generation {self.generation!r} differs from its unit's "
+                f"{self.unit.generation!r}"
+            )
+
     @property
     def kind(self) -> EpisodeKind:
         """Reference, search, collection, rollout or benchmark."""

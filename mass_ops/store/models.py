@@ -18,6 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from mass_ops.layout import EpisodeUnit
+
 NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
@@ -147,15 +149,17 @@ def episode_unit_key(
     `candidate` and `generation` are often absent and SQL treats NULLs as distinct, which would let duplicates in.
     Never change this format: stored keys must keep matching on resume.
     """
-    parts = [kind, f"t{task_id}"]
-    if version is not None:
-        parts.append(f"v{version}")
-    if candidate is not None:
-        parts.append(f"c{candidate}")
-    parts.append(f"s{seed}")
-    if generation is not None:
-        parts.append(f"g{generation}")
-    return f"{'-'.join(parts)}/a{attempt}"
+    unit = EpisodeUnit(
+        cycle="",
+        task_id=task_id,
+        kind=kind,
+        seed=seed,
+        version=version,
+        candidate=candidate,  # type: ignore[arg-type]
+        attempt=attempt,
+        generation=generation,
+    )
+    return f"{unit.slug}/a{attempt}"
 
 
 class Base(DeclarativeBase):

@@ -1,0 +1,262 @@
+"""Benchmark hooks shared by the adapters: tasks, requests, trials, scores and their summary (MASS_SPEC §10).
+
+A benchmark trial runs every task of the benchmark once with one generation; its episodes are kind ``benchmark``
+with seed `benchmark_seed(benchmark, trial, task_index)` — shared across generations for paired comparison — and
+condition ``<benchmark>_<generation>_t<trial>``. An adapter turns the trial's workspaces into per-task scores; the
+trial's result is an ``evaluations`` row (kind ``benchmark``), and a benchmark's figure over trials is the mean and
+the sample standard deviation of the per-trial means.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mass_ops.context import CycleContext
+from mass_ops.evaluation.efficiency import ScoredEpisode
+from mass_ops.judge.workspaces import StoredWorkspace
+from mass_ops.layout import EpisodeUnit, report_prefix
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
+from mass_ops.seeds import BENCHMARK_INDEX, benchmark_seed
+
+BENCHMARK_KIND = "benchmark"
+
+
+class BenchmarkError(ValueError):
+    """A benchmark dataset, trial or score set is unusable (missing files, wrong row count, missing judge)."""
+
+
+class EvaluatorNotInstalledError(BenchmarkError):
+    """The benchmark's official evaluator is not installed on this machine."""
+
+
+@dataclass(frozen=True)
+class BenchmarkTask:
+    """One task of a benchmark: its episode task id (`name`), its index in the seed formula and the prompt."""
+
+    benchmark: str
+    name: str
+    index: int
+    instruction: str
+
+
+def benchmark_condition(benchmark: str, generation: str, trial: int) -> str:
+    return f"{benchmark}_{generation}_t{trial}"
+
+
+def benchmark_requests(
+    ctx: CycleContext, tasks: Sequence[BenchmarkTask], generation: str, trial: int
+) -> list[EpisodeRequest]:
+    """One request per task for trial `trial` of `generation`."""
+    if trial < 0:
+        raise BenchmarkError(f"benchmark trial must be ≥ 0, got {trial}")
+    requests = []
+    for task in tasks:
+        if task.benchmark not in BENCHMARK_INDEX:
+            raise BenchmarkError(f"benchmark {task.benchmark!r} has no seed index (known: {sorted(BENCHMARK_INDEX)})")
+        unit = EpisodeUnit(
+            cycle=ctx.cycle_name,
+            task_id=task.name,  # type: ignore[arg-type]  # benchmark tasks are named; the store keeps ids as text
+            kind="benchmark",
+            seed=benchmark_seed(task.benchmark, trial, task.index),
+            candidate=trial,
+            generation=generation,
+        )
+        condition = benchmark_condition(task.benchmark, generation, trial)
+        requests.append(EpisodeRequest(unit, condition, task.instruction, generation=generation))
+    return requests
+
+
+def run_trial(
+    ctx: CycleContext, executor: EpisodeExecutor, tasks: Sequence[BenchmarkTask], generation: str, trial: int
+) -> list[EpisodeOutcome]:
+    """Run (or reuse) one trial; infrastructure failures raise (rerun once the endpoint is healthy)."""
+    outcomes = executor.run(benchmark_requests(ctx, tasks, generation, trial))
+    failed = [o.request.unit.slug for o in outcomes if o.status == "infra_failure"]
+    if failed:
+        raise BenchmarkError(
+            f"benchmark trial {trial} of {generation}: {len(failed)} episode(s) ended in infrastructure failures "
+            f"({', '.join(failed[:5])}); rerun the trial — finished episodes are reused"
+        )
+    return outcomes
+
+
+@contextlib.contextmanager
+def materialized_workspaces(ctx: CycleContext, outcomes: Sequence[EpisodeOutcome]) -> Iterator[dict[str, Path | None]]:
+    """Each outcome's workspace extracted into a scratch folder, by task name (None when it has no workspace)."""
+    with tempfile.TemporaryDirectory(prefix="mass-bench-") as scratch:
+        roots: dict[str, Path | None] = {}
+        for number, outcome in enumerate(outcomes):
+            name = str(outcome.request.unit.task_id)
+            uri = outcome.artifacts.get("workspace")
+            if not uri:
+                roots[name] = None
+                continue
+            folder = Path(scratch) / f"{number:04d}"
+            folder.mkdir()
+            roots[name] = StoredWorkspace(ctx.artifacts, uri, "workspace").materialize(folder)
+        yield roots
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """The score of one task in one trial; None when it could not be scored (e.g. a judge's review is missing)."""
+
+    task: str
+    score: float | None
+    episode_id: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"task": self.task, "score": self.score, "episode_id": self.episode_id, "details": self.details}
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> TaskScore:
+        return cls(str(row["task"]), row.get("score"), row.get("episode_id"), dict(row.get("details") or {}))
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """Scores of one trial of one generation on one benchmark, plus benchmark-specific aggregate metrics."""
+
+    benchmark: str
+    generation: str
+    trial: int
+    scores: tuple[TaskScore, ...]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def unscored(self) -> list[str]:
+        return [s.task for s in self.scores if s.score is None]
+
+    @property
+    def mean(self) -> float:
+        """Mean task score over every task of the trial; BenchmarkError if any task is unscored."""
+        if not self.scores:
+            raise BenchmarkError(f"{self.benchmark} trial {self.trial} of {self.generation} has no task scores")
+        if self.unscored:
+            raise BenchmarkError(
+                f"{self.benchmark} trial {self.trial} of {self.generation}: tasks {self.unscored} have no score "
+                "(a missing judge or evaluation)"
+            )
+        return sum(float(s.score) for s in self.scores if s.score is not None) / len(self.scores)
+
+    def as_results(self) -> dict[str, Any]:
+        return {
+            "benchmark": self.benchmark,
+            "generation": self.generation,
+            "trial": self.trial,
+            "scores": [s.as_dict() for s in self.scores],
+            "metrics": self.metrics,
+        }
+
+    @classmethod
+    def from_results(cls, row: Mapping[str, Any]) -> TrialResult:
+        return cls(
+            benchmark=str(row["benchmark"]),
+            generation=str(row["generation"]),
+            trial=int(row["trial"]),
+            scores=tuple(TaskScore.from_dict(s) for s in row["scores"]),
+            metrics=dict(row.get("metrics") or {}),
+        )
+
+    def scored_episodes(self) -> list[ScoredEpisode]:
+        """Per-episode scores for the score-per-output-token table."""
+        return [
+            ScoredEpisode(self.benchmark, self.generation, s.task, self.trial, float(s.score), s.episode_id)
+            for s in self.scores
+            if s.score is not None and s.episode_id is not None
+        ]
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (n − 1); the deviation is None for a single value."""
+    if not values:
+        raise BenchmarkError("mean_sd: no values")
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+@dataclass(frozen=True)
+class TrialSummary:
+    """A benchmark's figure for one generation: mean ± sample SD of the per-trial means."""
+
+    benchmark: str
+    generation: str
+    trials: int
+    mean: float
+    sd: float | None
+    per_trial: dict[int, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "benchmark": self.benchmark,
+            "generation": self.generation,
+            "trials": self.trials,
+            "mean": self.mean,
+            "sd": self.sd,
+            "per_trial": {str(k): v for k, v in self.per_trial.items()},
+        }
+
+    def format(self, scale: float = 1.0, digits: int = 3) -> str:
+        sd = "n/a" if self.sd is None else f"{self.sd * scale:.{digits}f}"
+        return f"{self.mean * scale:.{digits}f} ± {sd}"
+
+
+def summarize_trials(results: Sequence[TrialResult]) -> TrialSummary:
+    """Mean and sample SD over trials of one benchmark and generation; every task of every trial must be scored."""
+    if not results:
+        raise BenchmarkError("summarize_trials: no trial results")
+    identities = {(r.benchmark, r.generation) for r in results}
+    if len(identities) != 1:
+        raise BenchmarkError(f"summarize_trials: results mix benchmarks/generations {sorted(identities)}")
+    trials = [r.trial for r in results]
+    if len(set(trials)) != len(trials):
+        raise BenchmarkError(f"summarize_trials: trials {sorted(trials)} repeat")
+    per_trial = {r.trial: r.mean for r in sorted(results, key=lambda r: r.trial)}
+    mean, sd = mean_sd(list(per_trial.values()))
+    benchmark, generation = next(iter(identities))
+    return TrialSummary(benchmark, generation, len(results), mean, sd, per_trial)
+
+
+def trial_key(cycle: str, benchmark: str, generation: str, trial: int) -> str:
+    return f"{cycle}/{BENCHMARK_KIND}/{benchmark}/{generation}/t{trial}"
+
+
+def record_trial(ctx: CycleContext, result: TrialResult) -> TrialResult:
+    """Record a scored trial once (artifact first, then the evaluation row); other results under the same trial are
+    refused."""
+    model = ctx.repo.get_generation(result.generation)
+    if model is None:
+        raise BenchmarkError(f"benchmark trial: generation {result.generation!r} is not a registered model")
+    if any(isinstance(s.score, float) and not math.isfinite(s.score) for s in result.scores):
+        raise BenchmarkError(f"benchmark trial {result.trial}: scores must be finite numbers")
+    key = trial_key(ctx.cycle_name, result.benchmark, result.generation, result.trial)
+    document = result.as_results()
+    existing = [row for row in ctx.repo.evaluations(kind=BENCHMARK_KIND) if row.key == key]
+    if existing:
+        if TrialResult.from_results(existing[0].results) != TrialResult.from_results(document):
+            raise BenchmarkError(f"benchmark trial {key} is already recorded with other scores")
+        return TrialResult.from_results(existing[0].results)
+    info = ctx.artifacts.put_json(
+        f"{report_prefix(ctx.cycle_name)}/benchmarks/{result.benchmark}/{result.generation}/t{result.trial}.json",
+        document,
+    )
+    row = ctx.repo.record_evaluation(
+        key, BENCHMARK_KIND, generation_id=model.id, results=document, cycle_id=ctx.cycle_id, results_uri=info.uri
+    )
+    return TrialResult.from_results(row.results)
+
+
+def recorded_trials(ctx: CycleContext, benchmark: str | None = None) -> list[TrialResult]:
+    """Every benchmark trial recorded for this cycle (optionally of one benchmark), in recording order."""
+    prefix = f"{ctx.cycle_name}/{BENCHMARK_KIND}/"
+    rows = [row for row in ctx.repo.evaluations(kind=BENCHMARK_KIND) if row.key.startswith(prefix)]
+    results = [TrialResult.from_results(row.results) for row in rows]
+    return [r for r in results if benchmark is None or r.benchmark == benchmark]

@@ -1,0 +1,377 @@
+"""The evaluation stage as plain functions (MASS_SPEC §10; ARCHITECTURE step 10), for the CLI and the DAG tasks.
+
+1. `run_rollouts` — bare-task rollouts of a generation, recorded as a rollout set (see `rollouts`).
+2. `pair_rollouts` — two sets paired by (task, replicate); the pairs document is published.
+3. `judge_pairs` — every (pair, judge, presentation seed) judged once and recorded in the ``external`` ledger under
+   ``<pair_id>/<judge>/<seed>``. Resumable: recorded keys are skipped, and a judgment whose call finished but whose
+   row was never written (a kill in between) reuses the stored answer, so no judgment is ever made twice.
+4. `summarize` — win rates with intervals per task / split / judge / overall over exactly these pairs and judges,
+   plus self-judge agreement when self-judgments exist; recorded as an ``evaluations`` row (kind ``pairwise``).
+5. `write_report` — Markdown + HTML with figures in the artifact store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mass_ops.context import CycleContext
+from mass_ops.evaluation import rollouts as _rollouts
+from mass_ops.evaluation.agreement import judge_agreement
+from mass_ops.evaluation.external import SELF_JUDGE, ReportJudge, judge_presentation
+from mass_ops.evaluation.pairing import RolloutPair, pairs_document
+from mass_ops.evaluation.pairing import pair_rollouts as _pair_sets
+from mass_ops.evaluation.rollouts import RolloutSet, Split, load_rollout_set
+from mass_ops.evaluation.stats import (
+    DEFAULT_BOOTSTRAP_SAMPLES,
+    Judgment,
+    judgments_from_ledger,
+    ledger_key,
+    summarize_judgments,
+)
+from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
+from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace, WorkspaceSource
+from mass_ops.layout import report_prefix
+from mass_ops.llm_calls import CallLedger, CallUnit
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeRequest
+from mass_ops.store.models import Comparison, Ledger
+
+logger = logging.getLogger(__name__)
+
+PAIRWISE_KIND = "pairwise"
+# External reporting caps of the reference: no report token cap, JSON 50000 and code 10000 tokens, o200k counting.
+REPORT_TOKEN_MODEL = "gpt-5.5"
+DEFAULT_JUDGE_WORKERS = 4
+
+
+class EvaluationStageError(ValueError):
+    """An evaluation step cannot proceed (judgments missing or failed, a label reused for other results)."""
+
+
+# -- rollouts and pairing --------------------------------------------------------------------------------------------
+
+
+def rollout_requests(
+    ctx: CycleContext, generation: str, tasks: Sequence[int] | None = None, count: int | None = None
+) -> list[EpisodeRequest]:
+    """Bare-task requests of `generation` for the pool (default `config.rollout_tasks()`) × `count` replicates."""
+    return _rollouts.rollout_requests(ctx, generation, tasks, count)
+
+
+def run_rollouts(
+    ctx: CycleContext,
+    executor: EpisodeExecutor,
+    generation: str,
+    *,
+    tasks: Sequence[int] | None = None,
+    split: Split | None = None,
+    count: int | None = None,
+    label: str | None = None,
+) -> RolloutSet:
+    """Run (or reuse) the rollouts of `generation` and record the set (`--split`, `--tasks`, `--count`)."""
+    return _rollouts.run_rollouts(ctx, executor, generation, tasks=tasks, split=split, count=count, label=label)
+
+
+def pairs_key(cycle: str, label_a: str, label_b: str) -> str:
+    """Artifact key of the pairs document of two sets."""
+    return f"{report_prefix(cycle)}/pairs/{label_a}_vs_{label_b}.json"
+
+
+def pair_rollouts(ctx: CycleContext, label_a: str, label_b: str) -> list[RolloutPair]:
+    """Pair set `label_a` (side A, the generation under evaluation) with `label_b` and publish the pairs document;
+    an existing document with other pairs is refused rather than overwritten."""
+    pairs = _pair_sets(load_rollout_set(ctx, label_a), load_rollout_set(ctx, label_b))
+    document = pairs_document(pairs)
+    key = pairs_key(ctx.cycle_name, label_a, label_b)
+    if ctx.artifacts.exists(key):
+        if ctx.artifacts.get_json(key) != document:
+            raise EvaluationStageError(f"pairs {ctx.artifacts.uri(key)} exist with other pairs; pair new set labels")
+    else:
+        ctx.artifacts.put_json(key, document)
+    return pairs
+
+
+# -- judging ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _JudgedWorkspace:
+    """A stored rollout workspace shown under an alias: paths in prompts must not reveal which generation made it."""
+
+    stored: StoredWorkspace
+    alias: str
+    task: int
+
+    @property
+    def name(self) -> str:
+        return self.stored.name
+
+    @property
+    def location(self) -> str:
+        return self.alias
+
+    def materialize(self, dest: Path) -> Path:
+        return self.stored.materialize(dest)
+
+
+def workspace_alias(episode_ref: str) -> str:
+    """The neutral name a judge sees for an episode's workspace."""
+    return f"workspace-{hashlib.sha256(episode_ref.encode()).hexdigest()[:12]}"
+
+
+@dataclass
+class JudgingResult:
+    """What `judge_pairs` did: judgments made now, judgments already recorded, failures by ledger key."""
+
+    judged: int = 0
+    skipped: int = 0
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+def _side(ref: str) -> str:
+    # side_a/side_b hold 128 characters; a longer reference is shortened to a stable digest.
+    return ref if len(ref) <= 128 else f"{ref[:60]}…{hashlib.sha256(ref.encode()).hexdigest()[:16]}"
+
+
+def judge_pairs(
+    ctx: CycleContext,
+    pairs: Sequence[RolloutPair],
+    judges: Sequence[ReportJudge],
+    seeds: Sequence[int] | None = None,
+    *,
+    max_workers: int = DEFAULT_JUDGE_WORKERS,
+    swap_consistent: bool | None = None,
+    invalid_retries: int | None = None,
+) -> JudgingResult:
+    """Judge every (pair, judge, seed) not yet in the external ledger; concurrent within `max_workers`.
+
+    Raises EvaluationStageError after the batch when some judgments failed (the rest stay recorded; rerun to
+    finish). Seeds default to `evaluation.judge_seeds`.
+    """
+    config = ctx.config
+    seeds = list(config.evaluation.judge_seeds if seeds is None else seeds)
+    if not judges:
+        raise EvaluationStageError("judge_pairs: no judges given (configure evaluation.judges)")
+    names = [judge.name for judge in judges]
+    if len(set(names)) != len(names):
+        raise EvaluationStageError(f"judge_pairs: judge names must be unique, got {names}")
+    swap = config.evaluation.swap_consistent if swap_consistent is None else swap_consistent
+    retries = config.search.judge_invalid_retries if invalid_retries is None else invalid_retries
+    recorded = {row.key for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.EXTERNAL)}
+    todo = [
+        (pair, judge, seed)
+        for pair in pairs
+        for judge in judges
+        for seed in seeds
+        if ledger_key(pair.pair_id, judge.name, seed) not in recorded
+    ]
+    result = JudgingResult(skipped=len(pairs) * len(judges) * len(seeds) - len(todo))
+    if not todo:
+        return result
+    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+    caps = EvidenceCaps.local(REPORT_TOKEN_MODEL)
+    texts = {pair.task: ctx.catalogue.task(pair.task).task_text for pair in pairs}
+
+    def build(root: Path, source: WorkspaceSource) -> EvidenceBundle:
+        if not isinstance(source, _JudgedWorkspace):
+            raise TypeError(f"unexpected workspace source {source!r}")
+        task = source.task
+        return build_bundle(
+            root, task_id=task, task_text=texts[task], location=source.location, caps=caps, name=source.name
+        )
+
+    evidence: EvidenceCache[EvidenceBundle] = EvidenceCache(build)
+
+    def bundle(task: int, ref: str, uri: str) -> EvidenceBundle:
+        stored = StoredWorkspace(ctx.artifacts, uri, ctx.catalogue.task(task).name)
+        return evidence.get(ref, _JudgedWorkspace(stored, workspace_alias(ref), task))
+
+    def judge_one(pair: RolloutPair, judge: ReportJudge, seed: int) -> Comparison:
+        key = ledger_key(pair.pair_id, judge.name, seed)
+        presented = judge_presentation(
+            judge,
+            ledger,
+            CallUnit(f"eval/external/{key}", judge.purpose, pair.task),
+            task_id=pair.task,
+            task_text=texts[pair.task],
+            bundle_a=bundle(pair.task, pair.a, pair.workspace_a),
+            bundle_b=bundle(pair.task, pair.b, pair.workspace_b),
+            seed=seed,
+            invalid_retries=retries,
+            swap_consistent=swap,
+        )
+        outcome = presented.outcome
+        if outcome.verdict == "invalid":
+            logger.warning("external judgment %s recorded as invalid (a tie): %s", key, outcome.rationale)
+        rationale = outcome.rationale
+        if presented.swapped:
+            # The rationale speaks of the workspaces as shown; say which side "A" was for readers of the ledger.
+            rationale = f"[shown swapped: 'Workspace A' is side B ({pair.b})] {rationale}"
+        return ctx.repo.record_comparison(
+            ctx.cycle_id,
+            pair.task,
+            Ledger.EXTERNAL.value,
+            key,
+            side_a=_side(pair.a),
+            side_b=_side(pair.b),
+            judge_model=judge.model,
+            verdict=presented.verdict,
+            episode_a_id=pair.episode_a_id,
+            episode_b_id=pair.episode_b_id,
+            judge_provider=judge.provider,
+            seed=seed,
+            swapped=presented.swapped,
+            rationale=rationale,
+            llm_call_id=outcome.call_id,
+            usage=outcome.usage or None,
+        )
+
+    workers = max(1, min(max_workers, len(todo)))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="external-judge")
+    try:
+        futures = {ledger_key(p.pair_id, j.name, s): pool.submit(judge_one, p, j, s) for p, j, s in todo}
+        for key, future in futures.items():
+            try:
+                future.result()
+                result.judged += 1
+            except Exception as exc:  # one failed judgment must not lose the others: report them all
+                result.failures[key] = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        # Terminated (signal, task kill): start nothing new; what finished is recorded and a rerun does the rest.
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    if result.failures:
+        first = next(iter(result.failures.items()))
+        raise EvaluationStageError(
+            f"judge_pairs: {len(result.failures)} of {len(todo)} judgments failed (first: {first[0]}: {first[1]}); "
+            f"{result.judged} recorded — rerun to judge only the missing ones"
+        )
+    return result
+
+
+# -- summary ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvaluationSummary:
+    """A recorded pairwise evaluation: its key, results document and where the document is stored."""
+
+    key: str
+    results: dict[str, Any]
+    results_uri: str | None
+
+
+def default_summary_label(pairs: Sequence[RolloutPair]) -> str:
+    """``<A>_vs_<B>-<digest of the pair ids>``."""
+    digest = hashlib.sha256("".join(sorted(p.pair_id for p in pairs)).encode()).hexdigest()[:8]
+    return f"{pairs[0].generation_a}_vs_{pairs[0].generation_b}-{digest}"
+
+
+def pairwise_key(cycle: str, label: str) -> str:
+    return f"{cycle}/{PAIRWISE_KIND}/{label}"
+
+
+def evaluation_judgments(ctx: CycleContext, pairs: Sequence[RolloutPair], judge_names: Sequence[str]) -> list[Judgment]:
+    """The ledger's judgments of these pairs by these judges, in side-A orientation, tagged with A's generation."""
+    generation_of = {pair.pair_id: pair.generation_a for pair in pairs}
+    wanted = set(judge_names)
+    rows = [
+        row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.EXTERNAL) if row.key.split("/", 1)[0] in generation_of
+    ]
+    return [j for j in judgments_from_ledger(rows, generation_of) if j.judge in wanted]
+
+
+def summarize(
+    ctx: CycleContext,
+    pairs: Sequence[RolloutPair],
+    *,
+    label: str | None = None,
+    judges: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    self_judge: str = SELF_JUDGE,
+    bootstrap_samples: int = DEFAULT_BOOTSTRAP_SAMPLES,
+) -> EvaluationSummary:
+    """Summarize and record the evaluation of side A over `pairs` (all from one pair of rollout sets).
+
+    Every (pair, external judge, seed) must be judged (else EvaluationStageError with the count missing); the
+    self-judge's judgments, when present, feed the agreement table only.
+    """
+    if not pairs:
+        raise EvaluationStageError("summarize: no pairs")
+    config = ctx.config
+    generations = {(p.generation_a, p.generation_b) for p in pairs}
+    if len(generations) != 1:
+        raise EvaluationStageError(f"summarize: pairs mix generation pairs {sorted(generations)}")
+    generation_a, generation_b = next(iter(generations))
+    names = [j.name for j in config.evaluation.judges] if judges is None else list(judges)
+    if not names:
+        raise EvaluationStageError("summarize: no external judges (configure evaluation.judges)")
+    seeds = list(config.evaluation.judge_seeds if seeds is None else seeds)
+    judgments = evaluation_judgments(ctx, pairs, [*names, self_judge])
+    external = [j for j in judgments if j.judge in names and j.seed in seeds]
+    expected = len(pairs) * len(names) * len(seeds)
+    if len(external) != expected:
+        raise EvaluationStageError(
+            f"summarize: {expected - len(external)} of {expected} external judgments are missing; run judge_pairs"
+        )
+    test = set(config.tasks.test)
+    summary = summarize_judgments(
+        external, lambda task: "test" if task in test else "train", bootstrap_samples=bootstrap_samples
+    )
+    own = [j for j in judgments if j.judge == self_judge]
+    agreement = judge_agreement(external + own, self_judge=self_judge) if own else {}
+    label = label or default_summary_label(pairs)
+    results = {
+        "label": label,
+        "cycle": ctx.cycle_name,
+        "generation_a": generation_a,
+        "generation_b": generation_b,
+        "pairs": len(pairs),
+        "tasks": sorted({p.task for p in pairs}),
+        "judges": names,
+        "seeds": seeds,
+        "swap_consistent": config.evaluation.swap_consistent,
+        "summary": summary.as_dict(),
+        "self_judge": self_judge if own else None,
+        "self_judgments": len(own),
+        "agreement": {generation: item.as_dict() for generation, item in agreement.items()},
+    }
+    results = json.loads(json.dumps(results))  # as the JSON column reads it back, for the comparison below
+    model_a, model_b = ctx.repo.get_generation(generation_a), ctx.repo.get_generation(generation_b)
+    if model_a is None or model_b is None:
+        missing = [g for g, m in ((generation_a, model_a), (generation_b, model_b)) if m is None]
+        raise EvaluationStageError(f"summarize: generations {missing} are not registered models")
+    key = pairwise_key(ctx.cycle_name, label)
+    existing = [row for row in ctx.repo.evaluations(kind=PAIRWISE_KIND) if row.key == key]
+    if existing:
+        if existing[0].results != results:
+            raise EvaluationStageError(
+                f"summarize: evaluation {key} is already recorded with other results; use a new label"
+            )
+        return EvaluationSummary(key=key, results=existing[0].results, results_uri=existing[0].results_uri)
+    info = ctx.artifacts.put_json(f"{report_prefix(ctx.cycle_name)}/evaluations/{label}.json", results)
+    row = ctx.repo.record_evaluation(
+        key,
+        PAIRWISE_KIND,
+        generation_id=model_a.id,
+        baseline_generation_id=model_b.id,
+        results=results,
+        cycle_id=ctx.cycle_id,
+        results_uri=info.uri,
+    )
+    return EvaluationSummary(key=row.key, results=row.results, results_uri=row.results_uri)
+
+
+def write_report(ctx: CycleContext, out_prefix: str | None = None) -> dict[str, Any]:
+    """Render the cycle's report (Markdown, HTML, figures) under `out_prefix` (default the cycle's report folder);
+    returns the URIs: ``{"markdown", "html", "figures": {name: uri}}``."""
+    from mass_ops.evaluation.report import write_report as render
+
+    return render(ctx, out_prefix)

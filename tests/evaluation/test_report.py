@@ -1,0 +1,206 @@
+"""The report: Markdown + HTML with every figure as a real PNG, built from a cycle holding RHI ledgers, a let-through
+task, a pairwise evaluation with self-judge agreement, benchmark trials, a training run and usage records."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from mass_ops.config import validate_config
+from mass_ops.context import CycleContext
+from mass_ops.evaluation.benchmarks import TaskScore, TrialResult, record_trial, run_trial
+from mass_ops.evaluation.external import open_external_judge, self_judge
+from mass_ops.evaluation.report import FIGURES, collect_report_data
+from mass_ops.evaluation.stage import (
+    judge_pairs,
+    pair_rollouts,
+    run_rollouts,
+    summarize,
+    workspace_alias,
+    write_report,
+)
+from mass_ops.evaluation.stats import Judgment, summarize_judgments
+from mass_ops.layout import training_prefix
+from mass_ops.llm import RetryPolicy
+from tests.evaluation.fakes import GPT_JUDGE, BenchmarkExecutor, EvalEnv, alias_judge, aliases_of, preferring
+from tests.inner_loop_fakes import FakeExecutor, open_test_cycle
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+T0 = datetime(2026, 10, 1, 8, 0, tzinfo=UTC)
+
+
+def report_cycle(env: EvalEnv) -> CycleContext:
+    """A second cycle in the same stores whose config lets tasks through without beating the reference."""
+    data = env.config.model_dump(mode="json")
+    data["name"] = "report-test"
+    data["collection"]["require_beats_reference"] = False
+    data["search"]["iterations"] = 2
+    return open_test_cycle(validate_config(data))
+
+
+def populate_search(ctx: CycleContext) -> None:
+    repo, cycle = ctx.repo, ctx.cycle_id
+    verdicts = {51: ("A", "B", "tie"), 202: ("A", "A")}
+    for task, results in verdicts.items():
+        for version, verdict in enumerate(results):
+            episode = repo.record_episode(
+                cycle, task_id=task, kind="search", seed=450000 + task + 1000 * version, version=version,
+                status="succeeded", prompt_tokens=90_000, completion_tokens=12_000,
+                started_at=T0 + timedelta(hours=version), finished_at=T0 + timedelta(hours=version, minutes=50),
+            )  # fmt: skip
+            repo.record_comparison(cycle, task, "rhi", f"v{version}_vs_no_harness", side_a="reference",
+                                   side_b=f"v{version}", judge_model="m", verdict=verdict,
+                                   episode_b_id=episode.id)  # fmt: skip
+            repo.record_llm_call(cycle, f"task{task}/rhi/v{version}/a1", purpose="judge", model="m",
+                                 task_id=task, prompt_tokens=40_000, completion_tokens=3_000, latency_s=120.0,
+                                 cost_usd=0.0)  # fmt: skip
+        repo.record_llm_call(cycle, f"task{task}/optimizer/a1", purpose="optimizer", model="m", task_id=task,
+                             prompt_tokens=60_000, completion_tokens=9_000, latency_s=300.0)  # fmt: skip
+    repo.record_retained_workflow(cycle, 51, version=1, beats_reference=True, last_evaluated_version=2)
+    repo.record_retained_workflow(cycle, 202, version=None, beats_reference=False, last_evaluated_version=1)
+    for candidate in range(2):  # the demo-style let-through: task 202 was collected anyway
+        repo.record_episode(cycle, task_id=202, kind="collection", seed=710000 + 20200 + candidate,
+                            candidate=candidate, status="succeeded", completion_tokens=20_000,
+                            started_at=T0 + timedelta(hours=4), finished_at=T0 + timedelta(hours=5))  # fmt: skip
+
+
+def populate_training(ctx: CycleContext) -> None:
+    repo = ctx.repo
+    run = repo.ensure_training_run(ctx.cycle_id, "sft", {"steps": 6})
+    rows = [{"step": 0, "val_loss": 2.4, "val_tokens": 500}]
+    rows += [{"step": s, "loss": 2.5 - 0.2 * s, "lr": 1e-3} for s in range(1, 7)]
+    rows += [{"step": 3, "val_loss": 1.9, "val_tokens": 500}, {"step": 6, "val_loss": 2.0, "val_tokens": 500}]
+    log = ctx.artifacts.put_bytes(f"{training_prefix(ctx.cycle_name)}/sft/train_log.jsonl",
+                                  "".join(json.dumps(r) + "\n" for r in rows).encode())  # fmt: skip
+    repo.set_training_run_status(run.id, "running", log_uri=log.uri)
+    repo.set_training_run_status(run.id, "succeeded")
+    repo.record_checkpoint(run.id, 0, val_loss=2.4, val_tokens=500)
+    for step, val in ((3, 1.9), (6, 2.0)):
+        repo.record_checkpoint(run.id, step, uri=f"file:///ckpt/{step}", train_loss=2.5 - 0.2 * step, val_loss=val,
+                               val_tokens=500)  # fmt: skip
+
+
+def populate_evaluation(env: EvalEnv, ctx: CycleContext) -> None:
+    executor = FakeExecutor(ctx)
+    run_rollouts(ctx, executor, "L1", count=2, label="l1")
+    run_rollouts(ctx, executor, "L0", count=2, label="l0")
+    pairs = pair_rollouts(ctx, "l1", "l0")
+    winners = aliases_of(pairs, "a")
+    env.policy.judge_winner = lambda request: alias_judge(preferring(winners))(request.user_text())
+    gpt = open_external_judge(env.config.evaluation.judges[0], retry=RetryPolicy(max_attempts=1))
+    judge_pairs(ctx, pairs, [gpt])
+    # The self-judge agrees on task 51 and prefers L0 on task 60.
+    self_winners = {workspace_alias(p.a if p.task == 51 else p.b) for p in pairs}
+    env.policy.judge_winner = lambda request: alias_judge(preferring(self_winners))(request.user_text())
+    judge_pairs(ctx, pairs, [self_judge(env.config, env.client)], seeds=[42])
+    summarize(ctx, pairs, label="l1-vs-l0", judges=[GPT_JUDGE], bootstrap_samples=200)
+    # An evaluation of the next generation recorded by another cycle: the trend figure shows both.
+    l2 = ctx.repo.register_generation("L2", 2, bf16_uri="models/L2-bf16", parent_id=ctx.repo.get_generation("L1").id)
+    judged = [Judgment(f"p{i}", 51 if i % 2 else 60, "gpt", 42, "AAB"[i % 3], "L2") for i in range(30)]
+    summary = summarize_judgments(judged, lambda t: "test" if t == 60 else "train", bootstrap_samples=200)
+    ctx.repo.record_evaluation("cycle2/pairwise/l2-vs-l1", "pairwise", generation_id=l2.id,
+                               results={"label": "l2-vs-l1", "cycle": "cycle2", "generation_a": "L2",
+                                        "generation_b": "L1", "pairs": 30, "judges": ["gpt"], "seeds": [42],
+                                        "summary": summary.as_dict(), "agreement": {}})  # fmt: skip
+
+
+def populate_benchmarks(ctx: CycleContext) -> None:
+    from mass_ops.evaluation.benchmarks import load_sab_instances, sab_tasks
+    from tests.evaluation.fakes import FIXTURES
+
+    tasks = sab_tasks(load_sab_instances(FIXTURES / "sab"))
+    plan = {"L0": (8000, ((1, 0, 0), (0, 0, 0))), "L1": (5000, ((1, 1, 0), (1, 1, 1)))}
+    for generation, (tokens, trials) in plan.items():
+        executor = BenchmarkExecutor(ctx, lambda r: {"x.txt": b"x"}, tokens_for=lambda r, t=tokens: t)
+        for trial, successes in enumerate(trials):
+            outcomes = run_trial(ctx, executor, tasks, generation, trial)
+            scores = tuple(
+                TaskScore(o.request.unit.task_id, float(s), o.episode_id)
+                for o, s in zip(outcomes, successes, strict=True)
+            )
+            record_trial(ctx, TrialResult("sab", generation, trial, scores, {}))
+
+
+def read(uri: str) -> bytes:
+    return Path(uri.removeprefix("file://")).read_bytes()
+
+
+def test_report_renders_every_figure_and_section(eval_env):
+    ctx = report_cycle(eval_env)
+    populate_search(ctx)
+    populate_training(ctx)
+    populate_evaluation(eval_env, ctx)
+    populate_benchmarks(ctx)
+    ctx.repo.record_llm_call(ctx.cycle_id, "eval/manual/a1", purpose="external_judge", model="gpt", cost_usd=0.42,
+                             prompt_tokens=1000, completion_tokens=100)  # fmt: skip
+
+    uris = write_report(ctx)
+    assert set(uris["figures"]) == {name for name, _ in FIGURES}
+    for uri in uris["figures"].values():
+        data = read(uri)
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
+    page = read(uris["html"]).decode()
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(sources) == sorted(f"figures/{name}.png" for name, _ in FIGURES)
+    html_dir = Path(uris["html"].removeprefix("file://")).parent
+    assert all((html_dir / source).is_file() for source in sources)
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+
+    markdown = read(uris["markdown"]).decode()
+    assert all(f"](figures/{name}.png)" in markdown for name, _ in FIGURES)
+    # Scoreboard: task 51 won with v1 (the champion), task 202 never beat the reference.
+    assert "| 51 | train | L | W★ | T | v1 | yes |" in markdown
+    assert "| 202 | train | L | L | · | none | no |" in markdown
+    # The demo-style let-through is stated explicitly.
+    assert "Task 202: its workflow search never beat the bare reference" in markdown
+    assert "require_beats_reference: false" in markdown and "2 collection episode(s)" in markdown
+    assert "| 51 | 3 | 3 | 3 | 1 | 100% |" in markdown  # coverage: planned, executed, judged, wins
+    # Pairwise tables, the agreement table, benchmarks with efficiency, training, usage.
+    assert "### L1 vs L0 (l1-vs-l0): 1.000" in markdown
+    assert "| split test |" in markdown and "| judge gpt-judge |" in markdown and "| task 60 |" in markdown
+    assert "| L1 vs L0 | 4 | 0.500 | 2/4 | 0.500 | 0.000 |" in markdown  # self-judge vs external majority
+    assert "| sab | L0 | success % | 2 | 16.67 ± 23.57 |" in markdown
+    assert "| sab | L1 | success % | 2 | 83.33 ± 23.57 |" in markdown
+    assert "| sab | L0 | 6/6 | 0.167 | 8000 | 0.0208 |" in markdown  # score per 1k output tokens
+    assert "| sab | L1 | 6/6 | 0.833 | 5000 | 0.1667 |" in markdown
+    assert "| sft | 6 | 1.9000 | 3 | 1.9000 |" in markdown
+    assert "$0.42" in markdown
+    assert "| evaluate |" in markdown and "| search |" in markdown and "| train |" in markdown
+    # The page carries the same content.
+    assert "Task 202: its workflow search never beat the bare reference" in page
+    assert page.count("<table>") == markdown.count("\n|---|")
+
+
+def test_report_data_of_the_gathered_records(eval_env):
+    ctx = report_cycle(eval_env)
+    populate_search(ctx)
+    populate_training(ctx)
+    data = collect_report_data(ctx)
+    boards = {b.task: b for b in data.scoreboard}
+    assert boards[51].results == {0: "L", 1: "W", 2: "T"} and boards[51].champion == 1
+    assert boards[202].champion is None and boards[202].executed == 2
+    (curve,) = data.curves
+    assert curve.val == [(0, 2.4), (3, 1.9), (6, 2.0)] and curve.selected_step == 3
+    assert curve.train[0] == (1, pytest.approx(2.3))
+    stages = {s.stage: s for s in data.stages}
+    # Search: 5 episodes between 08:00 and 10:50, in-loop calls inside; 1 server GPU.
+    assert stages["search"].episodes == 5 and stages["search"].calls == 7
+    assert stages["search"].completion_tokens == 5 * 12_000 + 5 * 3_000 + 2 * 9_000
+    # Union of busy intervals: 08:00-08:50, 09:00-09:50, 10:00-10:50 plus the calls' own (short) intervals.
+    assert 2.5 <= stages["search"].gpu_hours < 2.7
+    assert stages["collect"].episodes == 2 and stages["collect"].span_s == 3600
+    assert stages["search"].cost_usd == 0.0
+
+
+def test_an_empty_cycle_still_renders_every_figure(eval_env):
+    uris = write_report(eval_env.ctx, "reports/empty")
+    assert "reports/empty/report.html" in uris["html"]
+    for uri in uris["figures"].values():
+        assert read(uri).startswith(PNG_SIGNATURE)
+    markdown = read(uris["markdown"]).decode()
+    assert "No pairwise evaluation of this cycle is recorded yet" in markdown
+    assert "No benchmark trial is recorded" in markdown
