@@ -283,6 +283,35 @@ def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     _stage("selection", lambda: stages.select(cfg)["tasks"])
 
 
+@app.command("rollout")
+def rollout_cmd(
+    generation: Annotated[str, typer.Option(help="Registered generation to roll out, e.g. L1.")],
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+    tasks: TasksOption = None,
+    split: Annotated[str | None, typer.Option(help="train, test or all (default: the config's pool).")] = None,
+    count: Annotated[int | None, typer.Option(min=1, help="Replicates per task.")] = None,
+    label: Annotated[str | None, typer.Option(help="Name of this rollout set (default: from pool and count).")] = None,
+) -> None:
+    """Bare-task evaluation rollouts of one generation, recorded as a new rollout set."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage(
+        "rollouts",
+        lambda: [stages.rollout(cfg, generation, tasks=tasks, split=split, count=count, label=label)],
+    )
+
+
+@app.command("report")
+def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Write the cycle's report (Markdown + HTML with figures) and print where it is."""
+    from mass_ops import stages
+
+    cfg = resolve_config(config, set_)
+    _stage("report", lambda: [stages.report(cfg)])
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -134,6 +134,38 @@ def select(config: CycleConfig) -> dict[str, Any]:
     return {"tasks": [_jsonable(r) for r in rows]}
 
 
+def rollout(
+    config: CycleConfig,
+    generation: str,
+    *,
+    tasks: Sequence[int] | None = None,
+    split: str | None = None,
+    count: int | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """Bare-task evaluation rollouts of a registered generation (a new label = a new set; never overwritten)."""
+    from mass_ops.evaluation.stage import run_rollouts
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        rollout_set = run_rollouts(ctx, executor, generation, tasks=tasks, split=split, count=count, label=label)  # type: ignore[arg-type]
+    return {
+        "label": rollout_set.label,
+        "generation": rollout_set.generation,
+        "tasks": list(rollout_set.tasks),
+        "count": rollout_set.count,
+        "uri": ctx.artifacts.uri(rollout_set.key),
+    }
+
+
+def report(config: CycleConfig) -> dict[str, Any]:
+    """Render the cycle's report (Markdown, self-contained HTML, figures) into the artifact store."""
+    from mass_ops.evaluation.stage import write_report
+
+    uris = write_report(attach_cycle(config))
+    return {"markdown": uris["markdown"], "html": uris["html"], "figures": len(uris["figures"])}
+
+
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
     """Keep XCom payloads plain: drop anything that is not JSON-native."""
     plain = (str, int, float, bool, type(None))

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from mass_ops import stages
 from mass_ops.cli import app
 from mass_ops.context import attach_cycle
+from mass_ops.judge.workspaces import key_for_uri
 from tests.inner_loop_fakes import FakeExecutor, inner_loop_fixture  # noqa: F401  (fixture)
 
 
@@ -64,6 +65,10 @@ def test_stage_units_run_a_cycle_through_selection_and_rerun_as_no_ops(inner_loo
         comparisons
     )
     json.dumps(selected)  # XCom-safe
+
+    report = stages.report(config)
+    html = ctx.artifacts.get_bytes(key_for_uri(ctx.artifacts, report["html"])).decode()
+    assert "RHI" in html and report["figures"] > 0
 
 
 def test_cli_runs_the_inner_loop_and_refuses_a_changed_config(inner_loop, fake_episodes, tmp_path):
