@@ -200,6 +200,11 @@ class SearchConfig(_Section):
         default=2, description="Extra judge calls when the output is not a valid verdict; then recorded as invalid/tie."
     )
     swap_consistent: StrictBool = Field(default=False, description="Judge both orders; disagreement = tie (not paper).")
+    on_invalid_proposal: Literal["fail", "keep_design"] = Field(
+        default="fail",
+        description="When the optimizer's answer is unusable: fail the step (paper; a rerun retries it) or carry the "
+        "current design forward as the next version, recorded as such (demo: a random model never writes JSON).",
+    )
     reject_numeric_caps: StrictBool = False
     max_design_chars: PositiveInt | None = None
     results_json_max_chars: PositiveInt = 24000

@@ -386,3 +386,18 @@ def test_a_search_killed_mid_run_resumes_without_duplicates_or_losses(inner_loop
             unit = CallUnit(f"task{task}/optimizer/v{current}_to_v{current + 1}", "optimizer", task)
             assert [row.status for row in ledger.attempts(unit)].count(CallStatus.SUCCEEDED) == 1
     assert len(repo.retained_workflows(cycle)) == 2
+
+
+def test_keep_design_carries_the_current_design_forward_visibly(inner_loop: InnerLoopEnv) -> None:
+    inner_loop.policy.optimizer_replies.append(PolicyReply(content="not json at all"))
+    opened = inner_loop.open(tasks=(51,), iterations=1, on_invalid_proposal="keep_design")
+    step = search_step(opened.ctx, opened.executor, 51, 0, client=opened.client)
+    assert step.proposed_version == 1
+    versions = opened.ctx.repo.workflow_versions(opened.ctx.cycle_id, 51)
+    assert [v.version for v in versions] == [0, 1]
+    assert versions[1].design == versions[0].design
+    assert versions[1].diff == "(designs are identical)"
+    ledger = CallLedger(opened.ctx.repo, opened.ctx.artifacts, opened.ctx.cycle_id, opened.ctx.cycle_name)
+    (attempt,) = ledger.attempts(CallUnit("task51/optimizer/v0_to_v1", "optimizer", 51))
+    assert attempt.status == CallStatus.INVALID
+    assert versions[1].proposal_call_id == attempt.id

@@ -466,22 +466,34 @@ class _TaskSearch:
                         raise
                     attempt.parsed = result.parsed_json
                     attempt.extra = {"proposal": proposal.notes}
-            except ProposalError as exc:
-                raise ProposalError(f"{step}: {exc}; no version written, rerun the step to retry") from None
-            except LLMOutputError as exc:
-                raise ProposalError(
-                    f"{step}: optimizer output unusable ({exc}); no version written, rerun the step to retry"
-                ) from None
+            except (ProposalError, LLMOutputError) as exc:
+                if search.on_invalid_proposal != "keep_design":
+                    raise ProposalError(
+                        f"{step}: optimizer output unusable ({exc}); no version written, rerun the step to retry"
+                    ) from None
+                # Demo behaviour: the next version repeats the current design, visibly (identical diff, a log line,
+                # and the invalid optimizer call linked), so the cycle can go on with a model that writes no JSON.
+                logger.warning("%s: optimizer output unusable (%s); carrying v%s's design forward", step, exc, current)
+                invalid_row = attempt.row if "attempt" in locals() else None
+                invalid_id = invalid_row.id if invalid_row is not None else None
+                return self._record_version(current, versions[current].design, versions, call_id=invalid_id)
             call_id = attempt.row.id if attempt.row is not None else None
-        prompt = self.template.render(proposal.design)
+        return self._record_version(current, proposal.design, versions, call_id=call_id)
+
+    def _record_version(
+        self, current: int, design: str, versions: dict[int, WorkflowVersion], *, call_id: int | None
+    ) -> int:
+        """Store the prompt of v_{current+1} with `design` and record its row."""
+        proposal_design = design
+        prompt = self.template.render(proposal_design)
         uri = self._store_prompt(current + 1, prompt)
         self.ctx.repo.record_workflow_version(
             self.ctx.cycle_id,
             self.task_id,
             current + 1,
-            design=proposal.design,
+            design=proposal_design,
             parent_version=current,
-            diff=design_diff(versions[current].design, proposal.design, context=1),
+            diff=design_diff(versions[current].design, proposal_design, context=1),
             prompt_uri=uri,
             prompt_sha256=_sha256(prompt),
             proposal_call_id=call_id,
