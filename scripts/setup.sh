@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.mass-ops-installed
-want=$(cat pyproject.toml plugins/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml $(ls plugins/pyproject.toml 2>/dev/null) | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
