@@ -311,7 +311,10 @@ def inner_loop_config(
     data["inference"]["max_concurrent_requests"] = 4
     data["tasks"].update(train_candidates=list(tasks), train=list(tasks), excluded=[])
     data["evaluation"]["tasks"] = [tasks[0], *data["tasks"]["test"]]
-    data["search"].update(iterations=iterations, **search)
+    # The demo preset carries designs forward on unusable optimizer output; tests get the paper behaviour unless
+    # they ask for it.
+    data["search"].update(iterations=iterations, on_invalid_proposal="fail")
+    data["search"].update(search)
     data["collection"].update(
         candidates=candidates,
         train_ranks=train_ranks,
