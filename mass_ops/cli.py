@@ -283,6 +283,33 @@ def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     _stage("selection", lambda: stages.select(cfg)["tasks"])
 
 
+@app.command("render")
+def render_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Render the selected trajectories into training windows."""
+    from mass_ops.post_training import run_render
+
+    cfg = resolve_config(config, set_)
+    _stage("render", lambda: run_render(cfg))
+
+
+@app.command("train")
+def train_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Fine-tune a fresh LoRA (DeepSpeed ZeRO-3); resumes from the newest published checkpoint."""
+    from mass_ops.post_training import run_train
+
+    cfg = resolve_config(config, set_)
+    _stage("training", lambda: run_train(cfg))
+
+
+@app.command("export")
+def export_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
+    """Select the checkpoint, merge to BF16, quantise to FP8 and register the next generation."""
+    from mass_ops.post_training import run_export
+
+    cfg = resolve_config(config, set_)
+    _stage("export", lambda: run_export(cfg))
+
+
 @app.command("rollout")
 def rollout_cmd(
     generation: Annotated[str, typer.Option(help="Registered generation to roll out, e.g. L1.")],

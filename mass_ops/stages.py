@@ -134,6 +134,41 @@ def select(config: CycleConfig) -> dict[str, Any]:
     return {"tasks": [_jsonable(r) for r in rows]}
 
 
+def render(config: CycleConfig) -> dict[str, Any]:
+    """Selected trajectories → windows with assistant-only masks → dataset shards and rows (MASS_SPEC §7)."""
+    from mass_ops.post_training import render as run
+
+    return run(config)
+
+
+def train(config: CycleConfig) -> dict[str, Any]:
+    """A fresh LoRA on the BF16 parent under DeepSpeed ZeRO-3; checkpoints published and recorded."""
+    from mass_ops.post_training import train as run
+
+    return run(config)
+
+
+def select_checkpoint(config: CycleConfig) -> dict[str, Any]:
+    """Minimum validation loss over saved steps > 0."""
+    from mass_ops.post_training import select_checkpoint as run
+
+    return run(config)
+
+
+def export(config: CycleConfig) -> dict[str, Any]:
+    """Merge the selected adapter into BF16, quantise block-wise FP8, publish both."""
+    from mass_ops.post_training import export as run
+
+    return run(config)
+
+
+def register(config: CycleConfig) -> dict[str, Any]:
+    """Register L(k+1) with its lineage."""
+    from mass_ops.post_training import register as run
+
+    return run(config)
+
+
 def rollout(
     config: CycleConfig,
     generation: str,
