@@ -234,6 +234,9 @@ def _stage(title: str, call) -> list[dict]:
         rows = call()
     except ValueError as exc:
         raise fail(f"{title}: {exc}") from None
+    except RuntimeError as exc:
+        # A unit failed (e.g. episodes that kept failing on infrastructure); finished units stay recorded.
+        raise fail(f"{title} failed: {exc}; rerun to resume", code=1) from None
     _summary(title, rows)
     return rows
 
@@ -337,6 +340,32 @@ def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 
     cfg = resolve_config(config, set_)
     _stage("report", lambda: [stages.report(cfg)])
+
+
+@app.command()
+def demo(set_: SetOption = None) -> None:
+    """A whole demo cycle on the embedded default: tiny random Qwen3 on CPU, SQLite, a local artifact folder."""
+    from mass_ops.demo import demo_config, run_demo
+    from mass_ops.plan import build_plan
+    from mass_ops.training_plan import training_command_for
+
+    try:
+        cfg = demo_config(set_)
+    except ConfigError as exc:
+        raise fail(exc.problems) from None
+    cycle_plan = build_plan(cfg, training_command_for(cfg))
+    console.print(f"demo cycle {cfg.cycle_name}: planned totals {cycle_plan.totals}", markup=False)
+    try:
+        result = run_demo(cfg, console)
+    except ValueError as exc:
+        raise fail(f"demo: {exc}") from None
+    except RuntimeError as exc:
+        raise fail(f"demo failed: {exc}; rerun to resume (finished units are kept)", code=1) from None
+    console.rule("[bold]done")
+    console.print(f"report: {result['report']}", markup=False)
+    console.print(f"new model: {result['generation']}", markup=False)
+    console.print(f"stage wall-clock (s): {result['timings_s']}", markup=False)
+    console.print(f"total run time: {result['total_s']} s", markup=False)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from mass_ops.config import CycleConfig
@@ -31,6 +32,42 @@ def validate_config(config: CycleConfig) -> dict[str, Any]:
     """Check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle row."""
     ctx = open_cycle(config)
     return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash()}
+
+
+def _server_state_file(config: CycleConfig) -> Path:
+    """Where the local backend records the model server it started (pid, argv, endpoint)."""
+    return Path("runs") / "servers" / f"{config.cycle_name}-inference.json"
+
+
+def inference_up(config: CycleConfig, *, model_dir: str | None = None) -> dict[str, Any]:
+    """Local backend: start `transformers serve` on the served model and wait until `/health` answers and
+    `/v1/models` lists the served name (on Kubernetes the inference-server operator does this instead)."""
+    from urllib.parse import urlsplit
+
+    from mass_ops.compute.local import start_server, transformers_serve_argv, wait_ready
+
+    if config.compute.backend != "local":
+        raise ValueError("inference_up runs the local backend only; the DAG uses the inference-server operator")
+    port = urlsplit(config.inference.endpoint).port or config.inference.server.port
+    model = model_dir or config.models.served_name
+    argv = transformers_serve_argv(model, port=port, extra=["--device", "cpu", "--dtype", "float32"])
+    state_file = _server_state_file(config)
+    state = start_server(
+        argv,
+        state_file=state_file,
+        endpoint=config.inference.endpoint,
+        served_name=config.models.served_name,
+        log_path=state_file.with_suffix(".log"),
+    )
+    wait_ready(state, timeout_s=config.inference.server.readiness_timeout_s, api_key_env=config.inference.api_key_env)
+    return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": state.pid}
+
+
+def inference_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local model server (a no-op when none is recorded); runs even when upstream stages failed."""
+    from mass_ops.compute.local import stop_server
+
+    return {"stopped": stop_server(_server_state_file(config))}
 
 
 def search_tasks(config: CycleConfig) -> list[int]:

@@ -429,6 +429,8 @@ def extract_tarball(archive: Path, destination: Path, *, uri: str) -> None:
     catches chains of in-archive links that only escape once combined). The caller extracts into a scratch folder
     and discards it on error.
     """
+    # An empty workspace is a valid tree: the folder must exist even when the archive has no members.
+    destination.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(archive, mode="r:gz") as tar:
             members = tar.getmembers()

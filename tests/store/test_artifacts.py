@@ -753,3 +753,12 @@ def test_no_credential_reaches_artifacts_reprs_or_logs(
     assert "stored s3://" in caplog.text  # the store did log, so the scan below covers real log lines
     for secret in (moto_s3_server.access_key_id, moto_s3_server.secret_access_key):
         assert not any(secret in text for text in texts)
+
+
+def test_an_empty_folder_round_trips(artifact_store, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    artifact_store.put_dir("episodes/e1/workspace.tar.gz", empty)
+    dest = tmp_path / "restored"
+    artifact_store.get_dir("episodes/e1/workspace.tar.gz", dest)
+    assert dest.is_dir() and not any(dest.iterdir())
