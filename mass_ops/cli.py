@@ -20,6 +20,14 @@ from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_c
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
 app.add_typer(config_app, name="config")
+
+
+def _mount_episode_app() -> None:
+    from mass_ops.runtime.cli import episode_app
+
+    app.add_typer(episode_app, name="episode")
+
+
 db_app = typer.Typer(no_args_is_help=True, help="The metadata schema: create, upgrade, downgrade.")
 app.add_typer(db_app, name="db")
 tasks_app = typer.Typer(no_args_is_help=True, help="The task catalogue: list shipped tasks, import MASS-format ones.")
@@ -366,6 +374,9 @@ def demo(set_: SetOption = None) -> None:
     console.print(f"new model: {result['generation']}", markup=False)
     console.print(f"stage wall-clock (s): {result['timings_s']}", markup=False)
     console.print(f"total run time: {result['total_s']} s", markup=False)
+
+
+_mount_episode_app()
 
 
 def main() -> None:

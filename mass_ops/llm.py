@@ -170,7 +170,8 @@ class LLMEndpoint:
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling knobs of one call; None means "not sent". Backend-specific fields are dropped where unsupported:
-    top_k, enable_thinking and repetition_penalty go to vLLM-style servers only, reasoning_effort to OpenRouter only.
+    top_k and repetition_penalty go to vLLM only, enable_thinking to any non-OpenRouter server, reasoning_effort to
+    OpenRouter only.
     """
 
     temperature: float | None = None
@@ -387,9 +388,11 @@ class LLMClient:
         else:
             if sampling.enable_thinking is not None:
                 extra["chat_template_kwargs"] = {"enable_thinking": sampling.enable_thinking}
-            if sampling.top_k is not None:
+            # vLLM's sampling extensions; other OpenAI-compatible servers (e.g. `transformers serve`) reject them
+            # with HTTP 422, so they only go to the vllm backend.
+            if sampling.top_k is not None and self.endpoint.backend == "vllm":
                 extra["top_k"] = sampling.top_k
-            if sampling.repetition_penalty is not None:
+            if sampling.repetition_penalty is not None and self.endpoint.backend == "vllm":
                 extra["repetition_penalty"] = sampling.repetition_penalty
         if extra:
             request["extra_body"] = extra

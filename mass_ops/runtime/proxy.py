@@ -70,6 +70,7 @@ HOP_BY_HOP_HEADERS = frozenset(
 LOGGED_RESPONSE_HEADERS = ("content-type", "x-request-id")
 MAX_REQUEST_BYTES = 4 * 1024**3
 CONNECT_TIMEOUT_S = 30.0
+HANDLER_DRAIN_S = 5.0  # how long stop() waits for in-flight handlers to write their records
 WHOLE_BODY_BYTES = 1024**2
 
 
@@ -125,6 +126,7 @@ class LoggingProxy:
         self._session: aiohttp.ClientSession | None = None
         self._log: _RecordLog | None = None
         self._pending: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[object]] = set()
 
     @property
     def port(self) -> int:
@@ -156,12 +158,16 @@ class LoggingProxy:
         self._port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        # Close the upstream side first so a stalled stream ends, then let every handler reach its `finally` (which
+        # queues the exchange's record) before the log closes: a record must not be lost at shutdown.
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=HANDLER_DRAIN_S)
         if self._pending:
             await asyncio.gather(*self._pending)
         if self._log is not None:
@@ -176,6 +182,10 @@ class LoggingProxy:
         await self.stop()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         assert self._session is not None
         exchange = _Exchange(seq=next(self._seq), method=request.method, path=request.path)
         exchange.request_body = await request.read()

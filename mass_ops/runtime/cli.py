@@ -1,0 +1,350 @@
+"""`mass-ops episode run`: run one episode unit (one or more seeds) of an open cycle — what an episode pod runs.
+
+Inputs are the config (preset or file, `--set` overrides), the unit (`--task --kind --seed [--version]
+[--candidate] [--generation] [--condition]`) and the prompt, as a local file or as an artifact URI of the configured
+store; outputs are records and artifact URIs, printed as one JSON line per unit on stdout:
+`{"episode_id", "status", "attempt", "artifacts", "unit", "reused"}`. Progress goes to stderr (Rich), logs too.
+
+Exit status: 0 when every unit ended as `succeeded` or `model_failure` (a model failure is data, not an error);
+3 when any ended as `infra_failure` after all its attempts; 2 for bad input (config, unit, prompt, a changed prompt
+for a recorded unit, an endpoint that does not serve the model); 130 on Ctrl-C, 143 on SIGTERM — in both cases the
+agents and proxies are stopped and nothing is recorded for the interrupted attempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, cast
+from urllib.parse import unquote
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from mass_ops.config import ConfigError, CycleConfig, load_config
+from mass_ops.layout import EpisodeKind, EpisodeUnit, bare_condition, teacher_condition, version_condition
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
+
+episode_app = typer.Typer(no_args_is_help=True, help="Agent episodes: run one episode unit against the endpoint.")
+
+EXIT_BAD_INPUT = 2
+EXIT_INFRA_FAILURE = 3
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+KINDS = ("reference", "search", "collection", "rollout", "benchmark")
+
+_err = Console(stderr=True)
+_STOPPED = "the interrupted attempts were stopped and nothing was recorded for them"
+
+
+class EpisodeInputError(ValueError):
+    """A bad command-line input: its message is one line naming what is wrong."""
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler so that the pool cancels its episodes and cleans up."""
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
+    for line in message.splitlines() or [message]:
+        _err.print(line, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+@episode_app.command("run")
+def run_command(
+    task: Annotated[int, typer.Option("--task", help="Task id.")],
+    kind: Annotated[str, typer.Option("--kind", help="reference, search, collection, rollout or benchmark.")],
+    seed: Annotated[list[int], typer.Option("--seed", help="Episode seed (repeatable: one unit per seed).")],
+    config: Annotated[str, typer.Option("--config", "-c", help="Preset (paper, cycle2, demo) or YAML/JSON file.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: a.b=c (repeatable).")] = None,
+    version: Annotated[int | None, typer.Option("--version", help="Workflow version (search episodes).")] = None,
+    candidate: Annotated[int | None, typer.Option("--candidate", help="Candidate / replicate index.")] = None,
+    generation: Annotated[
+        str | None, typer.Option("--generation", help="Executing generation, when part of the identity (rollouts).")
+    ] = None,
+    condition: Annotated[str | None, typer.Option("--condition", help="Condition name; default from the kind.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="Prompt as a local UTF-8 file.")] = None,
+    prompt_uri: Annotated[
+        str | None, typer.Option("--prompt-uri", help="Prompt as an artifact URI of the configured store.")
+    ] = None,
+    scratch_dir: Annotated[
+        Path | None, typer.Option("--scratch-dir", help="Where attempt folders are created (default: temp dir).")
+    ] = None,
+    keep_scratch: Annotated[bool, typer.Option("--keep-scratch", help="Keep attempt folders (debugging).")] = False,
+    progress: Annotated[
+        bool | None, typer.Option("--progress/--no-progress", help="Progress display (default: on a terminal).")
+    ] = None,
+    log_format: Annotated[str, typer.Option("--log-format", help="Logs on stderr: text or json.")] = "text",
+) -> None:
+    """Run the episode unit(s) and print one JSON outcome line per seed."""
+    with _episode_logging(log_format):
+        _run(
+            task=task,
+            kind=kind,
+            seed=seed,
+            config=config,
+            set_=set_,
+            version=version,
+            candidate=candidate,
+            generation=generation,
+            condition=condition,
+            prompt_file=prompt_file,
+            prompt_uri=prompt_uri,
+            scratch_dir=scratch_dir,
+            keep_scratch=keep_scratch,
+            progress=progress,
+        )
+
+
+def _run(
+    *,
+    task: int,
+    kind: str,
+    seed: list[int],
+    config: str,
+    set_: list[str] | None,
+    version: int | None,
+    candidate: int | None,
+    generation: str | None,
+    condition: str | None,
+    prompt_file: Path | None,
+    prompt_uri: str | None,
+    scratch_dir: Path | None,
+    keep_scratch: bool,
+    progress: bool | None,
+) -> None:
+    try:
+        cfg = load_config(config, set_ or ())
+    except ConfigError as exc:
+        raise _fail("\n".join(exc.problems)) from None
+    try:
+        _check_unit(cfg, task, kind, version, seed)
+    except EpisodeInputError as exc:
+        raise _fail(str(exc)) from None
+
+    from mass_ops.context import attach_cycle
+    from mass_ops.runtime.pool import EpisodeBatchError, EpisodePool, EpisodePromptConflictError
+    from mass_ops.runtime.runner import EpisodePreflightError
+
+    try:
+        ctx = attach_cycle(cfg)
+        prompt = _read_prompt(ctx.artifacts, prompt_file, prompt_uri)
+    except (EpisodeInputError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    chosen_condition = condition or default_condition(cfg, kind, task, version)
+    unit_kind = cast(EpisodeKind, kind)  # checked by _check_unit
+    requests = [
+        EpisodeRequest(
+            unit=EpisodeUnit(
+                cfg.cycle_name, task, unit_kind, s, version=version, candidate=candidate, generation=generation
+            ),
+            condition=chosen_condition,
+            prompt=prompt,
+        )
+        for s in seed
+    ]
+    display = _Display(len(requests), enabled=progress if progress is not None else _err.is_terminal)
+    previous_handler = _install_sigterm()
+    pool_options: dict[str, Any] = {"scratch_dir": scratch_dir, "keep_scratch": keep_scratch}
+    try:
+        with display, EpisodePool(ctx, on_event=display.on_event, **pool_options) as pool:
+            outcomes = pool.run(requests)
+    except Terminated:
+        raise _fail(f"episode run: terminated (SIGTERM); {_STOPPED}", EXIT_TERMINATED) from None
+    except KeyboardInterrupt:
+        raise _fail(f"episode run: interrupted; {_STOPPED}", EXIT_INTERRUPTED) from None
+    except (EpisodePreflightError, EpisodePromptConflictError) as exc:
+        raise _fail(str(exc)) from None
+    except EpisodeBatchError as exc:
+        for outcome in exc.outcomes:
+            if outcome is not None:
+                print(json.dumps(outcome_line(outcome)), flush=True)
+        raise _fail(str(exc), 1) from None
+    finally:
+        _restore_sigterm(previous_handler)
+    for outcome in outcomes:
+        print(json.dumps(outcome_line(outcome)), flush=True)
+    if any(outcome.status == "infra_failure" for outcome in outcomes):
+        raise typer.Exit(EXIT_INFRA_FAILURE)
+
+
+def outcome_line(outcome: EpisodeOutcome) -> dict[str, Any]:
+    """The machine-readable result of one unit (what an Airflow operator reads from the pod's log)."""
+    return {
+        "episode_id": outcome.episode_id,
+        "status": outcome.status,
+        "attempt": outcome.attempt,
+        "artifacts": outcome.artifacts,
+        "unit": f"{outcome.request.unit.cycle}/{outcome.request.unit.slug}",
+        "reused": outcome.reused,
+    }
+
+
+def default_condition(cfg: CycleConfig, kind: str, task: int, version: int | None) -> str:
+    """The reference release's condition name for a unit (MASS_SPEC §1)."""
+    if kind == "search" and version is not None:
+        return version_condition(task, version)
+    if kind == "collection":
+        return teacher_condition(task, cfg.generation)
+    return bare_condition(task)
+
+
+def _check_unit(cfg: CycleConfig, task: int, kind: str, version: int | None, seeds: list[int]) -> None:
+    if kind not in KINDS:
+        raise EpisodeInputError(f"--kind: {kind!r} is not one of {', '.join(KINDS)}")
+    known = set(cfg.tasks.train_candidates) | set(cfg.tasks.test) | set(cfg.rollout_tasks())
+    if task not in known:
+        raise EpisodeInputError(f"--task: task {task} is not part of cycle {cfg.cycle_name} (tasks: {sorted(known)})")
+    if kind == "search" and version is None:
+        raise EpisodeInputError("--version: search episodes need the workflow version")
+    if kind != "search" and version is not None:
+        raise EpisodeInputError(f"--version: only search episodes have a workflow version (kind is {kind})")
+    if any(s < 0 for s in seeds):
+        raise EpisodeInputError("--seed: seeds must be non-negative")
+    if len(set(seeds)) != len(seeds):
+        raise EpisodeInputError("--seed: a seed is given twice")
+
+
+def _read_prompt(store: Any, prompt_file: Path | None, prompt_uri: str | None) -> str:
+    if (prompt_file is None) == (prompt_uri is None):
+        raise EpisodeInputError("episode run: give exactly one of --prompt-file or --prompt-uri")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise EpisodeInputError(f"--prompt-file: cannot read {prompt_file}: {exc}") from None
+    else:
+        assert prompt_uri is not None
+        key = artifact_key_of(store, prompt_uri)
+        try:
+            text = store.get_bytes(key).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise EpisodeInputError(f"--prompt-uri: cannot read {prompt_uri}: {exc}") from None
+    if not text.strip():
+        raise EpisodeInputError("episode run: the prompt is empty")
+    return text
+
+
+def artifact_key_of(store: Any, uri: str) -> str:
+    """The key of `uri` in `store`; EpisodeInputError if the URI lies outside it."""
+    base = store.url.rstrip("/") + "/"
+    if uri.startswith(base):
+        relative = uri[len(base) :]
+        for key in (unquote(relative), relative):
+            try:
+                if store.uri(key) == uri:
+                    return key
+            except ValueError:
+                continue
+    raise EpisodeInputError(f"--prompt-uri: {uri} is not an artifact of the configured store {store.url}")
+
+
+# --- signals, progress and logs ---------------------------------------------------------------------------------
+
+
+def _install_sigterm() -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Display:
+    """Rich progress on stderr: units done of total, with running/retrying/failure counts."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self.total = total
+        self.counts = {"running": 0, "retrying": 0, "succeeded": 0, "model_failure": 0, "infra_failure": 0}
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=_err,
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task(self._describe(), total=total)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> _Display:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._progress.stop()
+
+    def on_event(self, event: Any) -> None:
+        with self._lock:
+            final = event.kind in ("done", "reused")
+            if event.kind == "started":
+                self.counts["running"] += 1
+            elif event.kind == "finished":
+                self.counts["running"] -= 1
+            elif event.kind == "retrying":
+                self.counts["retrying"] += 1
+            elif final and event.status in self.counts:
+                self.counts[event.status] += 1
+            self._progress.update(self._task, description=self._describe(), advance=1 if final else 0)
+
+    def _describe(self) -> str:
+        c = self.counts
+        return (
+            f"episodes: {c['running']} running, {c['succeeded']} succeeded, {c['model_failure']} model failures, "
+            f"{c['infra_failure']} infrastructure failures, {c['retrying']} retries"
+        )
+
+
+class _JsonLogFormatter(logging.Formatter):
+    """One JSON object per log record, with the episode fields the runtime attaches."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for field in ("episode", "episode_event"):
+            if hasattr(record, field):
+                entry[field] = getattr(record, field)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+@contextlib.contextmanager
+def _episode_logging(log_format: str) -> Iterator[None]:
+    """Runtime logs on stderr for the duration of the command (text, or one JSON object per line)."""
+    if log_format not in ("text", "json"):
+        raise _fail(f"--log-format: {log_format!r} is not text or json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        _JsonLogFormatter() if log_format == "json" else logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    )
+    package = logging.getLogger("mass_ops")
+    previous_level = package.level
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(previous_level)

@@ -1,0 +1,806 @@
+"""One attempt of one episode: preflight, QWEN_HOME, logging proxy, qwen-code under limits, artifacts, then the row.
+
+`EpisodeRunner.run_attempt(request, attempt)` is the unit of work below the pool (MASS_SPEC §4, ARCHITECTURE "units
+of work"):
+
+1. Preflight, before anything is created: the key variable named by `inference.api_key_env` is usable, and
+   `GET <endpoint>/models` lists the served model (OpenRouter: without `:nitro`). Failures raise an
+   `EpisodePreflightError` with one clear line; `EndpointUnreachableError` marks the transient kind.
+2. A private attempt folder `<scratch>/<cycle>/<unit slug>-a<attempt>/` (deterministic, so the workspace path the
+   agent sees is the same on every rerun) with an empty `workspace/`, `home/.qwen/settings.json` (HOME and
+   QWEN_HOME) and `logs/`.
+3. A `LoggingProxy` on an ephemeral port in front of the endpoint; qwen-code talks only to it.
+4. `qwen --model M --approval-mode yolo --output-format stream-json` in the workspace, prompt on stdin, in its own
+   session (process group), with an allow-listed environment (`agent_environment`). Limits: per-response timeout
+   and shell timeout in settings.json, stream-idle timeout in the environment, and the episode wall-clock limit
+   enforced here by stopping the whole process group (TERM, grace, KILL). Leftovers — background jobs, and anything
+   that left the group but kept the environment's scope marker — are killed when the agent ends.
+5. Classification (`outcome.classify`), the API key redacted from every file the attempt produced (an agent can
+   echo its environment), the proxy log gzipped, then every artifact published to the store, and last the episode
+   row. A cancelled attempt (task cancellation: Ctrl-C, SIGTERM) stops the agent and the proxy, publishes and
+   records nothing, and removes its folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import gzip
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext
+from mass_ops.layout import EPISODE_FILES, EpisodeUnit
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
+from mass_ops.runtime.outcome import (
+    EXECUTION_MODE,
+    Classification,
+    StatusContext,
+    Transcript,
+    UsageTotals,
+    classify,
+    status_record,
+)
+from mass_ops.runtime.proxy import LoggingProxy
+from mass_ops.runtime.qwen_install import QwenInstall, ensure_qwen_code
+from mass_ops.runtime.settings import SETTINGS_FILE, qwen_settings, write_settings
+
+logger = logging.getLogger(__name__)
+
+PREFLIGHT_TIMEOUT_S = 30.0
+DEFAULT_KEY_VALUE = "EMPTY"  # what a local vLLM accepts when it was started without --api-key (the reference default)
+SCOPE_ENV = "MASS_EPISODE_SCOPE"
+THREAD_LIMIT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+OPENMM_THREADS_VAR = "OPENMM_CPU_THREADS"
+LOCAL_HOSTS = "127.0.0.1,localhost"
+MIN_REDACTED_SECRET = 8  # shorter "keys" (e.g. EMPTY) are placeholders; replacing them would corrupt ordinary text
+REDACTION = b"[REDACTED]"
+SCRATCH_ENV = "MASS_EPISODE_SCRATCH_DIR"
+
+
+class EpisodePreflightError(ValueError):
+    """An episode cannot start: the key, the endpoint or the served model is not usable. Nothing was created."""
+
+
+class EndpointUnreachableError(EpisodePreflightError):
+    """The endpoint did not answer `/models` (connection failure, timeout, 5xx): transient, worth waiting for."""
+
+
+class ModelNotListedError(EpisodePreflightError):
+    """The endpoint answers but does not serve the configured model."""
+
+
+class EpisodeBusyError(RuntimeError):
+    """The same attempt of the same unit is running in another process (its attempt folder is locked)."""
+
+
+class _PublishAborted(Exception):
+    """The attempt was cancelled while its artifacts were being published: the row must not be written."""
+
+
+@dataclass(frozen=True)
+class AttemptPaths:
+    """Files and folders of one attempt (see module docstring)."""
+
+    root: Path
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def qwen_home(self) -> Path:
+        return self.home / ".qwen"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def settings(self) -> Path:
+        return self.qwen_home / SETTINGS_FILE
+
+    @property
+    def prompt(self) -> Path:
+        return self.logs / EPISODE_FILES["prompt"]
+
+    @property
+    def stream(self) -> Path:
+        return self.logs / EPISODE_FILES["stream"]
+
+    @property
+    def stderr(self) -> Path:
+        return self.logs / EPISODE_FILES["stderr"]
+
+    @property
+    def api_log(self) -> Path:
+        return self.logs / "api_requests.jsonl"
+
+    @property
+    def api_log_gz(self) -> Path:
+        return self.logs / EPISODE_FILES["api_log"]
+
+    def create(self) -> None:
+        for folder in (self.workspace, self.qwen_home, self.tmp, self.logs):
+            folder.mkdir(parents=True, exist_ok=False)
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """How the agent process ended."""
+
+    exit_code: int | None
+    terminated_by: str | None
+    duration_s: float
+
+
+# --- preflight --------------------------------------------------------------------------------------------------
+
+
+def resolve_api_key(config: CycleConfig, environ: Mapping[str, str]) -> str:
+    """The key value from the variable named by `inference.api_key_env` (MASS_SPEC §4 preflight rules).
+
+    Local backends default an unset/empty variable to "EMPTY"; OpenRouter needs a real key. A key with whitespace
+    is refused (it would break the Authorization header). Messages name the variable, never the value.
+    """
+    name = config.inference.api_key_env
+    value = environ.get(name, "")
+    if not value:
+        if config.inference.backend == "openrouter":
+            raise EpisodePreflightError(f"episode preflight: environment variable {name} (the API key) is not set")
+        value = DEFAULT_KEY_VALUE
+    if any(char.isspace() for char in value):
+        raise EpisodePreflightError(f"episode preflight: environment variable {name} (the API key) contains whitespace")
+    return value
+
+
+def discovery_model_id(config: CycleConfig) -> str:
+    """The id `/models` must list: the served name, without OpenRouter's `:nitro` routing suffix."""
+    name = config.models.served_name
+    if config.inference.backend == "openrouter":
+        return name.removesuffix(":nitro")
+    return name
+
+
+async def check_endpoint(config: CycleConfig, api_key: str, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+    """`GET <endpoint>/models` must list the served model; raises `ModelNotListedError` or
+    `EndpointUnreachableError` (one line, no key)."""
+    endpoint = config.inference.endpoint.rstrip("/")
+    url = f"{endpoint}/models"
+    wanted = discovery_model_id(config)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(url, headers={"Authorization": f"Bearer {api_key}"}) as response,
+        ):
+            status = response.status
+            body = await response.read()
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise EndpointUnreachableError(f"episode preflight: GET {url} failed: {type(exc).__name__}") from None
+    if status >= 500:
+        raise EndpointUnreachableError(f"episode preflight: GET {url} answered HTTP {status}")
+    if status >= 400:
+        raise EpisodePreflightError(f"episode preflight: GET {url} answered HTTP {status} (check the key variable)")
+    try:
+        listed = [str(item.get("id")) for item in json.loads(body).get("data") or [] if isinstance(item, dict)]
+    except (ValueError, AttributeError):
+        raise EpisodePreflightError(f"episode preflight: GET {url} did not return a model list") from None
+    if wanted not in listed:
+        shown = ", ".join(listed[:10]) or "none"
+        raise ModelNotListedError(
+            f"episode preflight: endpoint {endpoint} does not serve model {wanted!r} (it lists: {shown})"
+        )
+
+
+# --- environment ------------------------------------------------------------------------------------------------
+
+
+def agent_environment(
+    config: CycleConfig, paths: AttemptPaths, *, api_key: str, scope: str, path_value: str
+) -> dict[str, str]:
+    """The complete environment of the agent process: an allow-list, nothing inherited but PATH.
+
+    Thread limits and CUDA visibility follow the reference; the key travels only here (never argv, never a file).
+    """
+    runtime = config.runtime
+    threads = str(runtime.thread_limit)
+    env = {
+        "PATH": path_value,
+        "HOME": str(paths.home),
+        "QWEN_HOME": str(paths.qwen_home),
+        "TMPDIR": str(paths.tmp),
+        "LANG": "C.UTF-8",
+        **dict.fromkeys(THREAD_LIMIT_VARS, threads),
+        OPENMM_THREADS_VAR: threads,
+        "LOKY_MAX_CPU_COUNT": str(2 * runtime.thread_limit),  # the reference pairs 2 threads with 4 loky workers
+        "CUDA_VISIBLE_DEVICES": runtime.episode_cuda_visible_devices,
+        "QWEN_STREAM_IDLE_TIMEOUT_MS": str(runtime.stream_idle_timeout_ms),
+        # qwen-code 0.21 also caps a stream's whole lifetime (15 min by default); the per-response timeout is the
+        # limit the reference sets for a response, so the lifetime cap must not cut a long generation earlier.
+        "QWEN_STREAM_MAX_LIFETIME_MS": str(runtime.http_response_timeout_ms),
+        "QWEN_TELEMETRY_ENABLED": "false",
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+        "NO_PROXY": LOCAL_HOSTS,
+        "no_proxy": LOCAL_HOSTS,
+        SCOPE_ENV: scope,
+    }
+    key_name = config.inference.api_key_env
+    if key_name in env:
+        raise EpisodePreflightError(
+            f"episode preflight: inference.api_key_env {key_name!r} collides with a variable the runtime sets"
+        )
+    env[key_name] = api_key
+    return env
+
+
+def environment_policy(env: Mapping[str, str], key_name: str) -> str:
+    """Human-readable record of the agent environment: variable names, limits, never the key."""
+    shown = {name: value for name, value in env.items() if name not in (key_name, "PATH", SCOPE_ENV)}
+    settings = ", ".join(f"{name}={value}" for name, value in sorted(shown.items()))
+    return f"allow-listed environment; PATH inherited; key in {key_name} (value not recorded); {settings}"
+
+
+# --- secrets ----------------------------------------------------------------------------------------------------
+
+
+class SecretRedactor:
+    """Replaces every occurrence of the API key in files and folders the attempt produced."""
+
+    def __init__(self, secret: str) -> None:
+        encoded = secret.encode("utf-8")
+        self._secret = encoded if len(encoded) >= MIN_REDACTED_SECRET and secret != DEFAULT_KEY_VALUE else b""
+
+    @property
+    def active(self) -> bool:
+        return bool(self._secret)
+
+    def file(self, path: Path) -> bool:
+        """Redact `path` in place (temp file, then rename) if it holds the secret; returns whether it did."""
+        if not self._secret or not path.is_file() or path.is_symlink() or not self._contains(path):
+            return False
+        mode = stat.S_IMODE(path.stat().st_mode)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".redact")
+        try:
+            with path.open("rb") as source, os.fdopen(fd, "wb") as target:
+                for chunk in self._chunks(source):
+                    target.write(chunk.replace(self._secret, REDACTION))
+            os.chmod(temp, mode)
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        return True
+
+    def tree(self, root: Path) -> list[str]:
+        """Redact every regular file under `root` (links are not followed); returns the relative paths changed."""
+        changed = []
+        for folder, _dirs, files in os.walk(root):
+            for name in files:
+                path = Path(folder) / name
+                with contextlib.suppress(OSError):
+                    if self.file(path):
+                        changed.append(str(path.relative_to(root)))
+        return changed
+
+    def _contains(self, path: Path) -> bool:
+        with path.open("rb") as source:
+            return any(self._secret in chunk for chunk in self._chunks(source))
+
+    def _chunks(self, source: Any, size: int = 1 << 20) -> Iterator[bytes]:
+        """The source's bytes in chunks such that every occurrence of the secret lies whole inside one chunk."""
+        width = len(self._secret)
+        carry = b""
+        while block := source.read(size):
+            data = carry + block
+            # The last width-1 bytes may begin an occurrence that the next block completes: hold them back, unless
+            # an occurrence straddles that cut, in which case the cut moves past it.
+            cut = max(0, len(data) - (width - 1))
+            start = data.find(self._secret, max(0, cut - width + 1), cut + width - 1)
+            if start != -1 and start < cut:
+                cut = start + width
+            yield data[:cut]
+            carry = data[cut:]
+        if carry:
+            yield carry
+
+
+# --- process groups ---------------------------------------------------------------------------------------------
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def kill_scope(scope: str) -> int:
+    """SIGKILL every process whose environment carries `MASS_EPISODE_SCOPE=<scope>` (Linux /proc); returns count.
+
+    Catches what left the agent's process group (`setsid`, daemonizing tools) but kept the inherited environment.
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return 0
+    marker = f"{SCOPE_ENV}={scope}".encode()
+    killed = 0
+    for _round in range(5):  # a dying parent can fork once more; a few rounds settle it
+        found = 0
+        for entry in proc.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker in environ.split(b"\0"):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    found += 1
+        killed += found
+        if not found:
+            break
+        time.sleep(0.05)
+    return killed
+
+
+# --- the runner -------------------------------------------------------------------------------------------------
+
+
+class EpisodeRunner:
+    """Runs single attempts of episode units of one cycle (see module docstring). Safe to share between tasks."""
+
+    def __init__(
+        self,
+        ctx: CycleContext,
+        *,
+        install: QwenInstall | None = None,
+        scratch_dir: Path | str | None = None,
+        environ: Mapping[str, str] | None = None,
+        keep_scratch: bool = False,
+        kill_grace_s: float = 5.0,
+        execution_mode: str = EXECUTION_MODE,
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self._install = install  # resolved on first use: a pool that only reuses finished units needs no agent
+        configured = scratch_dir or os.environ.get(SCRATCH_ENV)
+        self.scratch_dir = Path(configured) if configured else Path(tempfile.gettempdir()) / "mass-episodes"
+        self.environ = dict(os.environ if environ is None else environ)
+        self.keep_scratch = keep_scratch
+        self.kill_grace_s = kill_grace_s
+        self.execution_mode = execution_mode
+        self._install_lock = threading.Lock()
+
+    @property
+    def install(self) -> QwenInstall:
+        """The agent runtime: the given one, else the pinned qwen-code (installed on first use)."""
+        with self._install_lock:
+            if self._install is None:
+                self._install = ensure_qwen_code()
+            return self._install
+
+    # -- preflight --
+
+    async def preflight(self) -> str:
+        """Check key and endpoint; returns the key value (raises `EpisodePreflightError`)."""
+        api_key = resolve_api_key(self.config, self.environ)
+        await check_endpoint(self.config, api_key)
+        return api_key
+
+    # -- one attempt --
+
+    async def run_attempt(
+        self,
+        request: EpisodeRequest,
+        attempt: int,
+        *,
+        retry_of_id: int | None = None,
+        on_agent_exit: Callable[[], None] | None = None,
+    ) -> EpisodeOutcome:
+        """Run attempt `attempt` of `request`'s unit and record it; see the module docstring for the steps.
+
+        `on_agent_exit` is called once the agent and its proxy have stopped, before publishing: from then on the
+        attempt no longer loads the endpoint (the pool frees its capacity slot there).
+        """
+        unit = dataclasses.replace(request.unit, attempt=attempt)
+        api_key = await self.preflight()
+        install = await asyncio.to_thread(lambda: self.install)  # may run npm the first time: off the loop
+        started_at = datetime.now(UTC)
+        clock = time.monotonic()
+        async with self._attempt_folder(unit, request.prompt) as paths:
+            upstream, client_path = _split_endpoint(self.config.inference.endpoint)
+            proxy = LoggingProxy(upstream, paths.api_log)
+            await proxy.start()
+            try:
+                client_endpoint = f"{proxy.url}{client_path}"
+                settings = qwen_settings(self.config, client_base_url=client_endpoint, seed=unit.seed)
+                write_settings(paths.settings, settings)
+                scope = f"{unit.slug}-a{attempt}-{secrets.token_hex(6)}"
+                env = agent_environment(
+                    self.config, paths, api_key=api_key, scope=scope, path_value=self.environ.get("PATH", os.defpath)
+                )
+                setup_s = time.monotonic() - clock
+                logger.info("episode %s attempt %d: agent starting in %s", unit.slug, attempt, paths.workspace)
+                agent = await self._run_agent(install, paths, env, scope)
+            finally:
+                await proxy.stop()
+            if on_agent_exit is not None:
+                on_agent_exit()
+            finished_at = datetime.now(UTC)
+            abort = threading.Event()
+            work = asyncio.ensure_future(
+                asyncio.to_thread(
+                    self._finish,
+                    request,
+                    unit,
+                    paths,
+                    agent,
+                    api_key,
+                    retry_of_id=retry_of_id,
+                    started_at=started_at,
+                    finished_at=finished_at,
+                    client_endpoint=client_endpoint,
+                    env_policy=environment_policy(env, self.config.inference.api_key_env),
+                    durations={"setup_s": setup_s, "agent_s": agent.duration_s},
+                    abort=abort,
+                )
+            )
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The publishing thread cannot be interrupted: tell it to stop before the row, wait for it (it reads
+                # the folder we are about to delete), then let the cancellation through.
+                abort.set()
+                with contextlib.suppress(BaseException):
+                    await work
+                raise
+
+    @contextlib.asynccontextmanager
+    async def _attempt_folder(self, unit: EpisodeUnit, prompt: str) -> AsyncIterator[AttemptPaths]:
+        """The attempt's folder, locked against a second run of the same attempt, removed at the end.
+
+        Filesystem work runs on worker threads: removing a workspace with thousands of files must not stall the
+        event loop that relays every other episode's stream.
+        """
+        root = self.scratch_dir / unit.cycle / f"{unit.slug}-a{unit.attempt}"
+        lock = await asyncio.to_thread(_lock_attempt, root, unit.key)
+        try:
+            paths = AttemptPaths(root)
+            await asyncio.to_thread(_fresh_attempt_folder, paths, prompt)
+            try:
+                yield paths
+            finally:
+                if not self.keep_scratch:
+                    await asyncio.to_thread(_remove_tree, root)
+        finally:
+            lock.release()
+
+    async def _run_agent(self, install: QwenInstall, paths: AttemptPaths, env: dict[str, str], scope: str) -> AgentRun:
+        argv = install.argv(
+            "--model", self.config.models.served_name, "--approval-mode", "yolo", "--output-format", "stream-json"
+        )
+        limit = self.config.runtime.episode_wall_clock_s
+        started = time.monotonic()
+        with paths.prompt.open("rb") as stdin, paths.stream.open("wb") as stdout, paths.stderr.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=paths.workspace,
+                env=env,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,  # its own process group: one signal reaches shells and subagents too
+            )
+        terminated_by = None
+        try:
+            await asyncio.wait_for(process.wait(), timeout=limit)
+        except TimeoutError:
+            terminated_by = "wall_clock"
+            logger.warning("episode agent pid %d exceeded the wall-clock limit of %d s: stopping", process.pid, limit)
+            await self._stop_group(process)
+        except BaseException:
+            await self._stop_group(process)
+            raise
+        finally:
+            # Background jobs the agent left running belong to the episode and end with it.
+            _signal_group(process.pid, signal.SIGKILL)
+            await asyncio.to_thread(kill_scope, scope)
+        return AgentRun(process.returncode, terminated_by, time.monotonic() - started)
+
+    async def _stop_group(self, process: asyncio.subprocess.Process) -> None:
+        """TERM the agent's process group, KILL it after the grace period (or if interrupted meanwhile)."""
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout=self.kill_grace_s)
+        except TimeoutError:
+            pass
+        finally:
+            _signal_group(process.pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), timeout=self.kill_grace_s)
+
+    # -- after the agent: classify, publish, record (blocking I/O, runs on a worker thread) --
+
+    def _finish(
+        self,
+        request: EpisodeRequest,
+        unit: EpisodeUnit,
+        paths: AttemptPaths,
+        agent: AgentRun,
+        api_key: str,
+        *,
+        retry_of_id: int | None,
+        started_at: datetime,
+        finished_at: datetime,
+        client_endpoint: str,
+        env_policy: str,
+        durations: dict[str, float],
+        abort: threading.Event,
+    ) -> EpisodeOutcome:
+        redactor = SecretRedactor(api_key)
+        if redactor.active:
+            changed = [
+                name
+                for name, path in (("stream", paths.stream), ("stderr", paths.stderr), ("api_log", paths.api_log))
+                if redactor.file(path)
+            ]
+            changed += [f"workspace/{name}" for name in redactor.tree(paths.workspace)]
+            if changed:
+                logger.warning("episode %s: redacted the API key from %s", unit.key, ", ".join(changed))
+        records = _read_proxy_log(paths.api_log)
+        _gzip(paths.api_log, paths.api_log_gz)
+        transcript = Transcript.parse(paths.stream.read_text(encoding="utf-8", errors="replace"))
+        limits = self.config.runtime
+        classification = classify(
+            transcript,
+            records,
+            backend=self.config.inference.backend,
+            terminated_by=agent.terminated_by,
+            wall_clock_s=limits.episode_wall_clock_s,
+        )
+        usage = UsageTotals.from_records(records)
+        store = self.ctx.artifacts
+        context = StatusContext(
+            unit_key=unit.key,
+            attempt=unit.attempt,
+            condition=request.condition,
+            seed=unit.seed,
+            model=self.config.models.served_name,
+            endpoint=self.config.inference.endpoint,
+            client_endpoint=client_endpoint,
+            qwen_code_version=self.install.version,
+            exit_code=agent.exit_code,
+            started_at=started_at,
+            finished_at=finished_at,
+            prompt_source=store.uri(unit.artifact_key("prompt")),
+            api_log=store.uri(unit.artifact_key("api_log")),
+            api_requests=len(records),
+            env_policy=env_policy,
+            operational_limits={
+                "http_response_timeout_ms": limits.http_response_timeout_ms,
+                "foreground_shell_timeout_ms": limits.shell_timeout_ms,
+                "context_window_tokens": self.config.inference.context_window_tokens,
+                "max_tokens_per_model_response": self.config.inference.episode_max_output_tokens,
+                "stream_idle_timeout_ms": limits.stream_idle_timeout_ms,
+                "episode_wall_clock_s": limits.episode_wall_clock_s,
+            },
+            durations={**durations, "total_s": (finished_at - started_at).total_seconds()},
+            terminated_by=agent.terminated_by,
+            execution_mode=self.execution_mode,
+        )
+        status = status_record(context, classification, usage)
+        try:
+            artifacts = self._publish(unit, paths, status, abort)
+        except _PublishAborted:
+            raise asyncio.CancelledError from None
+        return self._record(request, unit, classification, usage, status, artifacts, retry_of_id, context)
+
+    def _publish(
+        self, unit: EpisodeUnit, paths: AttemptPaths, status: dict[str, Any], abort: threading.Event
+    ) -> dict[str, str]:
+        """Every artifact of the attempt, each published atomically; the status document last."""
+        store = self.ctx.artifacts
+        _make_readable(paths.workspace)
+        steps = (
+            ("workspace", lambda key: store.put_dir(key, paths.workspace, skip_escaping_links=True)),
+            ("prompt", lambda key: store.put_file(key, paths.prompt)),
+            ("stream", lambda key: store.put_file(key, paths.stream)),
+            ("stderr", lambda key: store.put_file(key, paths.stderr)),
+            ("api_log", lambda key: store.put_file(key, paths.api_log_gz)),
+            ("settings", lambda key: store.put_file(key, paths.settings)),
+            ("status", lambda key: store.put_json(key, status)),
+        )
+        uris = {}
+        for name, put in steps:
+            if abort.is_set():
+                raise _PublishAborted
+            uris[name] = put(unit.artifact_key(name)).uri
+        if abort.is_set():
+            raise _PublishAborted
+        return uris
+
+    def _record(
+        self,
+        request: EpisodeRequest,
+        unit: EpisodeUnit,
+        classification: Classification,
+        usage: UsageTotals,
+        status: dict[str, Any],
+        artifacts: dict[str, str],
+        retry_of_id: int | None,
+        context: StatusContext,
+    ) -> EpisodeOutcome:
+        row = self.ctx.repo.record_episode(
+            self.ctx.cycle_id,
+            task_id=unit.task_id,
+            kind=unit.kind,
+            seed=unit.seed,
+            status=classification.status,
+            attempt=unit.attempt,
+            version=unit.version,
+            candidate=unit.candidate,
+            generation=request.generation,
+            condition=request.condition,
+            model=context.model,
+            exit_code=context.exit_code,
+            failure=classification.failure,
+            prompt_sha256=request.prompt_sha256,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            requests=usage.requests,
+            max_prompt_tokens=usage.max_prompt_tokens,
+            started_at=context.started_at,
+            finished_at=context.finished_at,
+            duration_s=(context.finished_at - context.started_at).total_seconds(),
+            artifacts=artifacts,
+            qwen_code_version=context.qwen_code_version,
+            retry_of_id=retry_of_id,
+        )
+        recorded_at = row.started_at or context.started_at
+        if row.status != classification.status or abs((recorded_at - context.started_at).total_seconds()) > 0.001:
+            # Another process recorded this attempt first (same key): its row is the truth, report that one.
+            logger.warning("episode %s was recorded by another run (%s); using that record", unit.key, row.status)
+            status = self.ctx.artifacts.get_json(unit.artifact_key("status"))
+        logger.info(
+            "episode %s: %s (requests=%d prompt_tokens=%d completion_tokens=%d)",
+            unit.key,
+            row.status,
+            usage.requests,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            extra={"episode": {"key": unit.key, "status": row.status, "episode_id": row.id}},
+        )
+        return EpisodeOutcome(
+            request=request,
+            episode_id=row.id,
+            attempt=row.attempt,
+            status=row.status,
+            status_record=status,
+            artifacts=dict(row.artifacts or {}),
+        )
+
+
+class _AttemptLock:
+    """An exclusive `flock` on `.<attempt folder>.lock` beside the attempt folder."""
+
+    def __init__(self, path: Path, handle: Any) -> None:
+        self.path = path
+        self._handle = handle
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+        fcntl.flock(self._handle.fileno(), fcntl.LOCK_UN)
+        self._handle.close()
+
+
+def _lock_attempt(root: Path, unit_key: str) -> _AttemptLock:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    path = root.with_name(f".{root.name}.lock")
+    handle = open(path, "a")  # noqa: SIM115 - held open until release()
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise EpisodeBusyError(
+            f"episode {unit_key}: this attempt is already running in another process ({root})"
+        ) from None
+    return _AttemptLock(path, handle)
+
+
+def _fresh_attempt_folder(paths: AttemptPaths, prompt: str) -> None:
+    # We hold the lock, so no live run owns a leftover folder: it is the scratch of an attempt that crashed before
+    # its row, which makes it no evidence of anything. Start clean.
+    _remove_tree(paths.root)
+    paths.create()
+    paths.prompt.write_text(prompt, encoding="utf-8")
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, str]:
+    """`https://host:port/api/v1` → (`https://host:port`, `/api/v1`): the proxy's upstream and the client path."""
+    parts = urlsplit(endpoint.rstrip("/"))
+    return f"{parts.scheme}://{parts.netloc}", parts.path
+
+
+def _read_proxy_log(path: Path) -> list[dict[str, Any]]:
+    """The fields of each proxy record that classification and accounting read (bodies are not kept in memory)."""
+    records: list[dict[str, Any]] = []
+    if not path.exists():
+        return records
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            response = record.get("response")
+            summary = (
+                {"usage": response.get("usage"), "error": response.get("error")} if isinstance(response, dict) else None
+            )
+            records.append(
+                {
+                    "seq": record.get("seq"),
+                    "path": record.get("path"),
+                    "status": record.get("status"),
+                    "proxy_error": record.get("proxy_error"),
+                    "response": summary,
+                }
+            )
+    return records
+
+
+def _gzip(source: Path, target: Path) -> None:
+    """gzip -6 of the proxy log (an empty log still gives a valid, empty archive)."""
+    with gzip.open(target, "wb", compresslevel=6) as out:
+        if source.exists():
+            with source.open("rb") as handle:
+                shutil.copyfileobj(handle, out, 1 << 20)
+
+
+def _make_readable(root: Path) -> None:
+    """Give the owner read access to everything the agent left (a `chmod 000` must not break the tarball)."""
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            path = Path(folder) / name
+            if not path.is_symlink():
+                with contextlib.suppress(OSError):
+                    path.chmod(path.stat().st_mode | stat.S_IRWXU)
+        for name in files:
+            path = Path(folder) / name
+            if not path.is_symlink():
+                with contextlib.suppress(OSError):
+                    path.chmod(path.stat().st_mode | stat.S_IRUSR | stat.S_IWUSR)
+
+
+def _remove_tree(root: Path) -> None:
+    if not root.exists():
+        return
+    _make_readable(root)
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,389 @@
+"""EpisodeRunner: preflight, agent environment and limits, process groups, artifacts then row; one real qwen-code
+episode end to end; the `mass-ops episode run` entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mass_ops.config import load_config
+from mass_ops.layout import EPISODE_FILES
+from mass_ops.runtime.episode import EpisodeOutcome
+from mass_ops.runtime.pool import EpisodePool, EpisodePromptConflictError
+from mass_ops.runtime.qwen_install import QwenInstall
+from mass_ops.runtime.runner import (
+    AttemptPaths,
+    EndpointUnreachableError,
+    EpisodeBusyError,
+    EpisodePreflightError,
+    EpisodeRunner,
+    ModelNotListedError,
+    agent_environment,
+    resolve_api_key,
+)
+from tests.policy_server import RequestKind, classify_request
+from tests.runtime.conftest import (
+    API_KEY,
+    KEY_VAR,
+    MODEL,
+    PolicyHost,
+    cli_process,
+    open_episode_cycle,
+    process_alive,
+    request,
+    runner_environ,
+    write_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _runner(ctx: Any, install: QwenInstall, tmp: Path, **options: Any) -> EpisodeRunner:
+    return EpisodeRunner(ctx, install=install, environ=runner_environ(), scratch_dir=tmp / "scratch", **options)
+
+
+def _records(outcome: EpisodeOutcome, ctx: Any) -> list[dict[str, Any]]:
+    key = f"{_prefix(outcome)}/{EPISODE_FILES['api_log']}"
+    return [json.loads(line) for line in gzip.decompress(ctx.artifacts.get_bytes(key)).decode().splitlines()]
+
+
+def _prefix(outcome: EpisodeOutcome) -> str:
+    unit = outcome.request.unit
+    return f"cycles/{unit.cycle}/episodes/{unit.slug}/a{outcome.attempt}"
+
+
+# --- preflight --------------------------------------------------------------------------------------------------
+
+
+def test_model_not_listed_is_a_clear_error_and_creates_nothing(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve(models=("some-other-model",)) as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        runner = _runner(ctx, stand_in_install, tmp_path)
+        with pytest.raises(ModelNotListedError) as caught:
+            asyncio.run(runner.run_attempt(request(ctx, "hello"), 1))
+        assert server.stats.chat_requests == 0
+    message = str(caught.value)
+    assert "\n" not in message and repr(MODEL) in message and "some-other-model" in message
+    assert not (tmp_path / "scratch").exists()
+    assert ctx.artifacts.list("cycles/") == []
+    assert ctx.repo.episodes(ctx.cycle_id) == []
+
+
+def test_unreachable_endpoint_is_a_transient_preflight_error(tmp_path: Path, stand_in_install: QwenInstall) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")  # discard port: nothing listens
+    with pytest.raises(EndpointUnreachableError, match=r"GET http://127\.0\.0\.1:9/v1/models failed"):
+        asyncio.run(_runner(ctx, stand_in_install, tmp_path).preflight())
+    assert not (tmp_path / "scratch").exists()
+
+
+def test_api_key_rules() -> None:
+    local = load_config("demo")
+    assert resolve_api_key(local, {}) == "EMPTY"  # a local server without --api-key
+    assert resolve_api_key(local, {"MASS_DEMO_API_KEY": "k-123"}) == "k-123"
+    with pytest.raises(EpisodePreflightError, match=r"MASS_DEMO_API_KEY .* contains whitespace") as caught:
+        resolve_api_key(local, {"MASS_DEMO_API_KEY": "sk-abc def"})
+    assert "sk-abc" not in str(caught.value)
+    remote = load_config(
+        "paper",
+        [
+            "inference.backend=openrouter",
+            "inference.endpoint=https://openrouter.ai/api/v1",
+            "inference.api_key_env=OPENROUTER_API_KEY",
+            "inference.context_window_tokens=131072",
+            "inference.episode_max_output_tokens=8192",
+            "inference.max_output_tokens=8192",
+        ],
+    )
+    with pytest.raises(EpisodePreflightError, match=r"OPENROUTER_API_KEY .* is not set"):
+        resolve_api_key(remote, {})
+
+
+def test_agent_environment_is_an_allow_list(tmp_path: Path) -> None:
+    config = load_config("demo", ["runtime.thread_limit=3", "runtime.stream_idle_timeout_ms=1234"])
+    paths = AttemptPaths(tmp_path / "a1")
+    env = agent_environment(config, paths, api_key="sk-zzz-12345678", scope="s1", path_value="/usr/bin:/bin")
+    assert env["MASS_DEMO_API_KEY"] == "sk-zzz-12345678"
+    assert env["HOME"] == str(paths.home) and env["QWEN_HOME"] == str(paths.home / ".qwen")
+    assert {env[v] for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")} == {"3"}
+    assert env["NUMEXPR_NUM_THREADS"] == env["OPENMM_CPU_THREADS"] == "3" and env["LOKY_MAX_CPU_COUNT"] == "6"
+    assert env["QWEN_STREAM_IDLE_TIMEOUT_MS"] == "1234" and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["NO_PROXY"] == "127.0.0.1,localhost" and env["QWEN_TELEMETRY_ENABLED"] == "false"
+    assert not {"AWS_SECRET_ACCESS_KEY", "MASS_METADATA_URL", "USER"} & set(env)
+    clash = load_config("demo", ["inference.api_key_env=HOME"])
+    with pytest.raises(EpisodePreflightError, match="collides"):
+        agent_environment(clash, paths, api_key="x", scope="s", path_value="/bin")
+
+
+# --- one attempt with the light stand-in agent -------------------------------------------------------------------
+
+
+def test_attempt_publishes_every_artifact_then_the_row(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        runner = _runner(ctx, stand_in_install, tmp_path)
+        episode = request(ctx, "Write the report.\n@agent requests=2 dump=1", seed=11)
+        outcome = asyncio.run(runner.run_attempt(episode, 1))
+
+    assert outcome.status == "succeeded" and outcome.attempt == 1 and not outcome.reused
+    assert set(outcome.artifacts) == set(EPISODE_FILES)
+    for name, uri in outcome.artifacts.items():
+        key = f"{_prefix(outcome)}/{EPISODE_FILES[name]}"
+        assert ctx.artifacts.uri(key) == uri and ctx.artifacts.exists(key)
+    assert ctx.artifacts.get_bytes(f"{_prefix(outcome)}/prompt.txt").decode() == episode.prompt
+    assert ctx.artifacts.get_json(f"{_prefix(outcome)}/status.json") == outcome.status_record
+
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    assert row.id == outcome.episode_id and row.status == "succeeded" and row.attempt == 1 and row.seed == 11
+    assert row.prompt_sha256 == episode.prompt_sha256 and row.artifacts == outcome.artifacts
+    assert row.requests == 2 and row.prompt_tokens == outcome.status_record["usage"]["prompt_tokens"] > 0
+    assert row.qwen_code_version == "stand-in" and row.condition == "t51_bare"
+
+    dest = tmp_path / "ws"
+    EpisodePool(ctx, runner=runner).workspace(outcome, dest)
+    assert (dest / "research_report.md").read_text().startswith("# Research report")
+    dumped = json.loads((dest / "agent_env.json").read_text())
+    # The agent saw the prompt on stdin, the key only in its environment, and nothing outside the allow-list.
+    assert dumped["argv"][1:] == ["--model", MODEL, "--approval-mode", "yolo", "--output-format", "stream-json"]
+    assert dumped["key_present"] is True and not any(API_KEY in arg for arg in dumped["argv"])
+    assert set(dumped["env"]) <= {
+        "PATH",
+        "HOME",
+        "QWEN_HOME",
+        "TMPDIR",
+        "LANG",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "NUMEXPR_NUM_THREADS",
+        "OPENMM_CPU_THREADS",
+        "LOKY_MAX_CPU_COUNT",
+        "CUDA_VISIBLE_DEVICES",
+        "QWEN_STREAM_IDLE_TIMEOUT_MS",
+        "QWEN_STREAM_MAX_LIFETIME_MS",
+        "QWEN_TELEMETRY_ENABLED",
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING",
+        "NO_PROXY",
+        "no_proxy",
+        "MASS_EPISODE_SCOPE",
+        "LC_CTYPE",  # Python's own locale coercion may add it
+    }
+    settings = json.loads(ctx.artifacts.get_bytes(f"{_prefix(outcome)}/settings.json"))
+    assert settings["modelProviders"]["openai"][0]["envKey"] == KEY_VAR
+    assert settings["modelProviders"]["openai"][0]["generationConfig"]["samplingParams"]["seed"] == 11
+    assert list((tmp_path / "scratch" / ctx.cycle_name).iterdir()) == []  # scratch removed
+
+
+@pytest.mark.postgres
+def test_production_profile_postgres_and_s3(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall, postgres_url: str, s3_artifact_url: str
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(
+            tmp_path, f"{server.base_url}/v1", metadata_url=postgres_url, artifact_url=s3_artifact_url
+        )
+        with EpisodePool(ctx, install=stand_in_install, environ=runner_environ(), scratch_dir=tmp_path / "s") as pool:
+            [outcome] = pool.run([request(ctx, "Report.\n@agent requests=2 dump=1", seed=21)])
+            [again] = pool.run([request(ctx, "Report.\n@agent requests=2 dump=1", seed=21)])
+            dest = pool.workspace(outcome, tmp_path / "ws")
+    assert outcome.status == "succeeded" and again.reused and again.episode_id == outcome.episode_id
+    assert all(uri.startswith(f"{s3_artifact_url}/cycles/episode-test/") for uri in outcome.artifacts.values())
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    assert row.artifacts == outcome.artifacts and row.status == "succeeded"
+    # The S3 credentials of this process never reach the agent.
+    assert not [name for name in json.loads((dest / "agent_env.json").read_text())["env"] if name.startswith("AWS")]
+
+
+def test_wall_clock_limit_stops_the_whole_process_group(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", episode_wall_clock_s=3)
+        runner = _runner(ctx, stand_in_install, tmp_path, kill_grace_s=1.0)
+        started = time.monotonic()
+        outcome = asyncio.run(runner.run_attempt(request(ctx, "Work forever.\n@agent requests=1 sleep=120"), 1))
+        elapsed = time.monotonic() - started
+
+    assert elapsed < 20
+    assert outcome.status == "model_failure"
+    failure = outcome.status_record["failure"]
+    assert failure["subtype"] == "wall_clock_limit" and "3 s" in failure["message"]
+    assert outcome.status_record["terminated_by"] == "wall_clock"
+    assert outcome.status_record["exit_code"] is not None and outcome.status_record["exit_code"] < 0  # by signal
+    dest = tmp_path / "ws"
+    EpisodePool(ctx, runner=runner).workspace(outcome, dest)
+    child, detached = (int(pid) for pid in (dest / "pids.txt").read_text().split())
+    # The child in the agent's group and the grandchild that left it with setsid are both gone.
+    assert not process_alive(child) and not process_alive(detached)
+
+
+def test_background_processes_end_with_the_episode(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        runner = _runner(ctx, stand_in_install, tmp_path)
+        outcome = asyncio.run(runner.run_attempt(request(ctx, "Start a server.\n@agent requests=1 sleep=0.2"), 1))
+    assert outcome.status == "succeeded"
+    dest = tmp_path / "ws"
+    EpisodePool(ctx, runner=runner).workspace(outcome, dest)
+    pids = [int(pid) for pid in (dest / "pids.txt").read_text().split()]
+    assert len(pids) == 2 and not any(process_alive(pid) for pid in pids)
+
+
+def test_a_running_attempt_is_not_started_twice(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    import fcntl
+
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        runner = _runner(ctx, stand_in_install, tmp_path)
+        folder = tmp_path / "scratch" / ctx.cycle_name
+        folder.mkdir(parents=True)
+        with open(folder / ".reference-t51-s7-a1.lock", "a") as held:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            with pytest.raises(EpisodeBusyError, match="already running in another process"):
+                asyncio.run(runner.run_attempt(request(ctx, "hi"), 1))
+        assert ctx.repo.episodes(ctx.cycle_id) == []
+        assert asyncio.run(runner.run_attempt(request(ctx, "hi\n@agent requests=1"), 1)).status == "succeeded"
+
+
+# --- the real qwen-code ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_qwen_code_episode_end_to_end(policy_host: PolicyHost, tmp_path: Path, qwen_install: QwenInstall) -> None:
+    with policy_host.serve(argument_fragments=4, chunk_chars=16) as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", inference={"backend": "vllm"})
+        episode = request(ctx, "Produce research_report.md and results/metrics.json.", seed=450051)
+        with EpisodePool(
+            ctx, install=qwen_install, environ=runner_environ(), scratch_dir=tmp_path / "scratch", retry_backoff_s=0
+        ) as pool:
+            [outcome] = pool.run([episode])
+            chat_requests = server.stats.chat_requests
+
+            # A completed unit is never rerun; a different prompt for it is refused.
+            [again] = pool.run([episode])
+            assert again.reused and again.episode_id == outcome.episode_id and again.status == "succeeded"
+            assert server.stats.chat_requests == chat_requests
+            changed = request(ctx, "Another prompt.", seed=450051)
+            with pytest.raises(EpisodePromptConflictError, match="prompt may not change"):
+                pool.run([changed])
+            dest = tmp_path / "ws"
+            pool.workspace(outcome, dest)
+
+    record = outcome.status_record
+    assert outcome.status == "succeeded", record["failure"]
+    assert record["trace_has_success_result"] is True and record["qwen_code_version"] == "0.21.10"
+    assert record["exit_code"] == 0 and record["seed"] == 450051
+
+    # The workspace holds what the orchestrator and its subagent wrote.
+    report = (dest / "research_report.md").read_text()
+    metrics = json.loads((dest / "results" / "metrics.json").read_text())
+    assert report.startswith("# Research report") and metrics["seed"] == 450051
+
+    # The proxy log holds the orchestrator's and the subagent's requests, with settings-driven sampling params.
+    records = _records(outcome, ctx)
+    chats = [r for r in records if r["path"] == "/v1/chat/completions"]
+    kinds = [classify_request(r["request"]) for r in chats]
+    assert kinds.count(RequestKind.ORCHESTRATOR) >= 4 and kinds.count(RequestKind.SUBAGENT) >= 2
+    first = chats[0]["request"]
+    assert first["seed"] == 450051 and first["top_k"] == 20 and first["max_tokens"] == 2048
+    assert first["chat_template_kwargs"] == {"enable_thinking": True}
+    workspace = tmp_path / "scratch" / ctx.cycle_name / f"{episode.unit.slug}-a1" / "workspace"
+    tools_used = set()
+    for chat in chats:
+        assert chat["status"] == 200 and chat["response"]["done"] is True and "proxy_error" not in chat
+        for call in chat["response"]["choices"][0]["message"]["tool_calls"] or []:
+            tools_used.add(call["function"]["name"])
+            fragments = chat["sse_raw"].count(f'"index": {call["index"]}, "function": {{"arguments"')
+            assert fragments >= 2  # the arguments really arrived in pieces
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "write_file":  # reassembled arguments == the bytes that landed
+                written = dest / Path(arguments["file_path"]).relative_to(workspace)
+                assert arguments["content"] == written.read_text()
+    assert {"write_file", "run_shell_command", "agent"} <= tools_used
+
+    # Token totals: the proxy log's usage, the row, and qwen-code's own accounting agree.
+    usage = record["usage"]
+    assert usage["requests"] == len(chats)
+    assert usage["prompt_tokens"] == sum(c["response"]["usage"]["prompt_tokens"] for c in chats)
+    assert usage["completion_tokens"] == sum(c["response"]["usage"]["completion_tokens"] for c in chats)
+    assert usage["max_prompt_tokens"] == max(c["response"]["usage"]["prompt_tokens"] for c in chats)
+    stream = ctx.artifacts.get_bytes(f"{_prefix(outcome)}/stream.jsonl").decode().splitlines()
+    [result] = [json.loads(line) for line in stream if '"type":"result"' in line.replace(" ", "")]
+    assert result["usage"]["input_tokens"] == usage["prompt_tokens"]
+    assert result["usage"]["output_tokens"] == usage["completion_tokens"]
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    assert (row.prompt_tokens, row.completion_tokens, row.requests, row.max_prompt_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        usage["requests"],
+        usage["max_prompt_tokens"],
+    )
+    assert row.status == "succeeded" and row.artifacts == outcome.artifacts
+
+
+# --- the CLI entry point ------------------------------------------------------------------------------------------
+
+
+def test_cli_runs_units_and_prints_one_json_outcome_per_seed(policy_host: PolicyHost, tmp_path: Path) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        config = write_config(ctx, tmp_path)
+        prompt = ctx.artifacts.put_bytes("inputs/prompt.txt", b"Write the report.\n@agent requests=2")
+        args = ["run", "--config", str(config), "--task", "51", "--kind", "search", "--version", "0"]
+        args += ["--seed", "450051", "--seed", "450052", "--prompt-uri", prompt.uri, "--log-format", "json"]
+        args += ["--scratch-dir", str(tmp_path / "scratch")]
+        process = cli_process(args, tmp_path)
+        stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert [line["unit"] for line in lines] == [f"{ctx.cycle_name}/search-t51-v0-s{s}" for s in (450051, 450052)]
+    rows = {row.id: row for row in ctx.repo.episodes(ctx.cycle_id)}
+    for line in lines:
+        assert line["status"] == "succeeded" and line["attempt"] == 1 and line["reused"] is False
+        row = rows[line["episode_id"]]
+        assert row.artifacts == line["artifacts"] and row.condition == "t51_v0" and row.version == 0
+        assert all(ctx.artifacts.exists(f"{_prefix_of(row)}/{name}") for name in EPISODE_FILES.values())
+    logs = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    assert any(entry.get("episode_event", {}).get("kind") == "done" for entry in logs)
+    assert API_KEY not in stdout + stderr
+
+
+def _prefix_of(row: Any) -> str:
+    return f"cycles/episode-test/episodes/search-t51-v0-s{row.seed}/a{row.attempt}"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--kind", "search", "--seed", "1"], "--version: search episodes need the workflow version"),
+        (["--kind", "nonsense", "--seed", "1"], "--kind: 'nonsense' is not one of"),
+        (["--kind", "reference", "--seed", "1", "--task", "999"], "--task: task 999 is not part of cycle"),
+        (["--kind", "reference", "--seed", "1", "--prompt-uri", "s3://elsewhere/p.txt"], "is not an artifact of"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, extra: list[str], message: str) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
+    config = write_config(ctx, tmp_path)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    args = ["run", "--config", str(config), "--task", "51", *extra]
+    if "--prompt-uri" not in extra:
+        args += ["--prompt-file", str(prompt)]
+    process = cli_process(args, tmp_path)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert message in stderr and len(stderr.strip().splitlines()) == 1
+    assert ctx.repo.episodes(ctx.cycle_id) == []
