@@ -1,0 +1,286 @@
+"""
+### One MASS cycle: L(k) → L(k+1)
+
+Trigger with a preset (`paper`, `cycle2`, `demo` or a config file) and the knobs of the form; every task rebuilds
+the validated config from these params (the config never travels through XCom, which carries ids and URIs only).
+
+1. **validate_config** freezes the config into the cycle row (a changed config for the same cycle is refused).
+2. **inference_up** (setup) serves the current model; **inference_down** (teardown) stops it even if work fails.
+3. **rhi** — one mapped group per task, all tasks in parallel; inside, one task instance per workflow version
+   (`step_v0` … `step_v11`, in order): the version's episode, then judging and the next proposal; version 0 first
+   runs the reference and v0 episodes side by side. Versions beyond `search.iterations` are skipped.
+4. **collect_candidate** mapped per (task, candidate); **rank_task** mapped per task; **select**.
+5. **render** → **train** (GPU Job) → **select_checkpoint** → **export** (GPU Job) → **register** (an asset event
+   `mass-ops://generations/<name>` through the alias `mass-ops-generations`).
+6. Evaluation servers up (current + new generation) → **rollout** (mapped) → **evaluate** → servers down →
+   **report** → **continue_cycle** (triggers the next cycle when `auto_continue` is set).
+
+`compute.backend` decides at run time where work runs: `local` calls each stage in the task's process (the stage
+runs its episodes as local processes), `kubernetes` launches episode pods, GPU Jobs and vLLM Deployments and calls
+the stage once the pod's episode is recorded. Pools:
+`mass_inference` bounds requests in flight against the model server, `mass_gpu` bounds GPU jobs (see
+`mass_ops_airflow.pools`). Retries back off exponentially; every task has an execution timeout.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from airflow.sdk import DAG, AssetAlias, TriggerRule, get_current_context, task, task_group
+from mass_ops_airflow.operators import (
+    EpisodePodOperator,
+    EpisodeStageOperator,
+    ExportJobOperator,
+    InferenceServerOperator,
+    InferenceServerTeardownOperator,
+    TrainingJobOperator,
+)
+from mass_ops_airflow.params import MAX_SEARCH_ITERATIONS, cycle_params
+from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
+
+DAG_ID = "mass_cycle"
+GENERATIONS = AssetAlias("mass-ops-generations")
+GENERATION_URI = "mass-ops://generations/{name}"
+EPISODE_LABEL = "{{ episode_label }}"
+UNIT_LABEL = "{{ unit_label }}"
+
+HOUR = dt.timedelta(hours=1)
+# An episode may take runtime.episode_wall_clock_s (6 h in the paper presets) per attempt, up to 3 attempts.
+EPISODE_TIMEOUT = 20 * HOUR
+STEP_TIMEOUT = 24 * HOUR  # local backend: the step runs its episodes itself
+SHORT_TIMEOUT = dt.timedelta(minutes=30)
+
+DEFAULT_ARGS: dict[str, Any] = {
+    "owner": "mass-ops",
+    "retries": 2,
+    "retry_delay": dt.timedelta(minutes=2),
+    "retry_exponential_backoff": 2.0,
+    "max_retry_delay": HOUR,
+    "execution_timeout": 2 * HOUR,
+}
+
+
+def _label(text: str) -> None:
+    """Name this mapped task instance in the UI (rendered through `map_index_template`)."""
+    get_current_context()["unit_label"] = text  # type: ignore[typeddict-unknown-key]
+
+
+def _stage(name: str, params: dict[str, Any], *args: Any) -> Any:
+    from mass_ops_airflow.cycle import run_stage
+
+    return run_stage(name, params, *args)
+
+
+with DAG(
+    dag_id=DAG_ID,
+    description="One MASS self-improvement cycle: RHI, collection, ranking, SFT, export, evaluation",
+    schedule=None,
+    start_date=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+    catchup=False,
+    max_active_runs=1,
+    default_args=DEFAULT_ARGS,
+    params=cycle_params(),
+    render_template_as_native_obj=True,
+    tags=["mass-ops", "cycle"],
+    doc_md=__doc__,
+) as dag:
+
+    @task(retries=0, execution_timeout=SHORT_TIMEOUT)
+    def validate_config(params: dict[str, Any] | None = None) -> Any:
+        """Check the config against the catalogue and freeze it into the cycle row."""
+        return _stage("validate_config", params or {})
+
+    @task(execution_timeout=SHORT_TIMEOUT)
+    def search_tasks(params: dict[str, Any] | None = None) -> list[int]:
+        """The tasks whose workflows RHI searches (train candidates)."""
+        return [int(t) for t in _stage("search_tasks", params or {})]
+
+    @task(pool=INFERENCE_POOL, execution_timeout=STEP_TIMEOUT, map_index_template=UNIT_LABEL)
+    def step_v0(task_no: int, params: dict[str, Any] | None = None) -> Any:
+        """RHI step 0 of one task: judge v0 against the reference, propose v1 (the episodes ran just before)."""
+        _label(f"search-t{task_no}-v0")
+        return _stage("search_step", params or {}, task_no, 0)
+
+    @task_group(group_id="rhi")
+    def rhi(task_no: int) -> None:
+        """The workflow search of one task: its versions strictly in order, each version one task instance.
+
+        Version 0 needs two episodes (the bare reference and v0), which run as two pods side by side; every later
+        version is one task: its episode's pod, then the step (judge calls, arbitration, the next proposal).
+        """
+        reference = EpisodePodOperator(
+            task_id="reference_episode",
+            kind="reference",
+            task=task_no,
+            pool=INFERENCE_POOL,
+            execution_timeout=EPISODE_TIMEOUT,
+            map_index_template=EPISODE_LABEL,
+        )
+        first = EpisodePodOperator(
+            task_id="episode_v0",
+            kind="search",
+            task=task_no,
+            version=0,
+            pool=INFERENCE_POOL,
+            execution_timeout=EPISODE_TIMEOUT,
+            map_index_template=EPISODE_LABEL,
+        )
+        previous: Any = step_v0(task_no)
+        [reference, first] >> previous
+        for version in range(1, MAX_SEARCH_ITERATIONS + 1):
+            step = EpisodeStageOperator(
+                task_id=f"step_v{version}",
+                kind="search",
+                task=task_no,
+                version=version,
+                stage="search_step",
+                pool=INFERENCE_POOL,
+                execution_timeout=STEP_TIMEOUT,
+                map_index_template=EPISODE_LABEL,
+            )
+            previous >> step
+            previous = step
+
+    @task(execution_timeout=SHORT_TIMEOUT, trigger_rule=TriggerRule.NONE_FAILED)
+    def collection_units(params: dict[str, Any] | None = None) -> list[dict[str, int]]:
+        """Teacher-collection units (task × candidate) of the tasks whose retained workflow is eligible.
+
+        Runs after every RHI step, including the skipped versions beyond `search.iterations` (hence none_failed).
+        """
+        return [{"task": int(t), "candidate": int(c)} for t, c in _stage("collection_units", params or {})]
+
+    @task(execution_timeout=SHORT_TIMEOUT)
+    def ranking_tasks(params: dict[str, Any] | None = None) -> list[int]:
+        """The tasks whose collected trajectories are ranked (each on its own)."""
+        return [int(t) for t in _stage("ranking_tasks", params or {})]
+
+    @task(pool=INFERENCE_POOL, execution_timeout=12 * HOUR, map_index_template=UNIT_LABEL)
+    def rank_task(task_no: int, params: dict[str, Any] | None = None) -> Any:
+        """Ring tournament + self-judge + Bradley–Terry ranks of one task's trajectories."""
+        _label(f"task {task_no}")
+        return _stage("rank_task", params or {}, task_no)
+
+    @task(execution_timeout=SHORT_TIMEOUT)
+    def select(params: dict[str, Any] | None = None) -> Any:
+        """Ranks 1–15 → train, rank 16 → validation."""
+        return _stage("select", params or {})
+
+    @task(execution_timeout=4 * HOUR)
+    def render(params: dict[str, Any] | None = None) -> Any:
+        """Proxy logs → training windows with assistant-only loss masks."""
+        return _stage("render", params or {})
+
+    @task(execution_timeout=SHORT_TIMEOUT)
+    def select_checkpoint(params: dict[str, Any] | None = None) -> Any:
+        """Minimum validation loss, step 0 excluded."""
+        return _stage("select_checkpoint", params or {})
+
+    @task(outlets=[GENERATIONS], execution_timeout=SHORT_TIMEOUT)
+    def register(params: dict[str, Any] | None = None) -> Any:
+        """Register L(k+1) with its lineage and emit its asset event."""
+        from airflow.sdk import Asset
+
+        result = _stage("register", params or {})
+        name = str(result["generation"]) if isinstance(result, dict) and "generation" in result else None
+        if name:
+            extra = {k: v for k, v in result.items() if isinstance(v, str | int | float | bool)}
+            events = get_current_context()["outlet_events"]
+            events[GENERATIONS].add(Asset(GENERATION_URI.format(name=name)), extra=extra)
+        return result
+
+    @task(execution_timeout=SHORT_TIMEOUT)
+    def rollout_units(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Bare-task rollouts (generation × task × replicate) of L(k) and L(k+1)."""
+        return [
+            {"generation": str(g), "task": int(t), "replicate": int(r)}
+            for g, t, r in _stage("rollout_units", params or {})
+        ]
+
+    @task(execution_timeout=24 * HOUR)
+    def evaluate(params: dict[str, Any] | None = None) -> Any:
+        """External pairwise judging of the rollouts, judge agreement."""
+        return _stage("evaluate", params or {})
+
+    @task(execution_timeout=2 * HOUR)
+    def report(params: dict[str, Any] | None = None) -> Any:
+        """The cycle report: scoreboards, win rates with intervals, agreement, loss curves, cost."""
+        return _stage("report", params or {})
+
+    @task(retries=0, execution_timeout=SHORT_TIMEOUT)
+    def continue_cycle(params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """With `auto_continue`, trigger the next cycle on the new generation (once: its run id is fixed)."""
+        from airflow.sdk.exceptions import AirflowSkipException, DagRunTriggerException
+        from mass_ops_airflow.cycle import cycle_config
+        from mass_ops_airflow.params import build_config, next_cycle_params
+
+        params = dict(params or {})
+        if not params.get("auto_continue"):
+            raise AirflowSkipException("auto_continue is off")
+        conf = next_cycle_params(params, cycle_config(params))
+        nxt = build_config(conf)  # refuse to trigger a run whose config would not validate
+        raise DagRunTriggerException(
+            trigger_dag_id=DAG_ID,
+            dag_run_id=f"auto__{nxt.cycle_name}",
+            conf=conf,
+            reset_dag_run=False,
+            skip_when_already_exists=True,
+            wait_for_completion=False,
+            allowed_states=["success"],
+            failed_states=["failed"],
+            poke_interval=60,
+            deferrable=False,
+            note=f"Continues after {cycle_config(params).cycle_name}",
+        )
+
+    validated = validate_config()
+    inference_up = InferenceServerOperator(
+        task_id="inference_up", serve="current", pool=GPU_POOL, execution_timeout=HOUR
+    )
+    inference_down = InferenceServerTeardownOperator(task_id="inference_down", execution_timeout=SHORT_TIMEOUT)
+    tasks = search_tasks()
+    search = rhi.expand(task_no=tasks)
+    units = collection_units()
+    collected = EpisodeStageOperator.partial(
+        task_id="collect_candidate",
+        kind="collection",
+        stage="collect_candidate",
+        pool=INFERENCE_POOL,
+        execution_timeout=EPISODE_TIMEOUT,
+        map_index_template=EPISODE_LABEL,
+    ).expand_kwargs(units)
+    to_rank = ranking_tasks()
+    ranked = rank_task.expand(task_no=to_rank)
+    selected = select()
+
+    validated >> [inference_up, tasks]
+    inference_up >> search >> units >> collected >> to_rank >> ranked >> selected >> inference_down
+    inference_down.as_teardown(setups=inference_up)
+
+    rendered = render()
+    train = TrainingJobOperator(task_id="train", pool=GPU_POOL, execution_timeout=48 * HOUR, retries=1)
+    checkpoint = select_checkpoint()
+    export = ExportJobOperator(task_id="export", pool=GPU_POOL, execution_timeout=8 * HOUR)
+    registered = register()
+    [selected, inference_down] >> rendered >> train >> checkpoint >> export >> registered
+
+    evaluation_up = InferenceServerOperator(
+        task_id="evaluation_inference_up", serve="evaluation", pool=GPU_POOL, execution_timeout=HOUR
+    )
+    evaluation_down = InferenceServerTeardownOperator(
+        task_id="evaluation_inference_down", execution_timeout=SHORT_TIMEOUT
+    )
+    rollout_list = rollout_units()
+    rolled = EpisodeStageOperator.partial(
+        task_id="rollout",
+        kind="rollout",
+        stage="rollout",
+        pool=INFERENCE_POOL,
+        execution_timeout=EPISODE_TIMEOUT,
+        map_index_template=EPISODE_LABEL,
+    ).expand_kwargs(rollout_list)
+    evaluated = evaluate()
+    registered >> evaluation_up >> rollout_list >> rolled >> evaluated >> evaluation_down
+    evaluation_down.as_teardown(setups=evaluation_up)
+    reported = report()
+    [evaluated, evaluation_down] >> reported >> continue_cycle()

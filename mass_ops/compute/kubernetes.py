@@ -1,0 +1,689 @@
+"""Manifests of the workloads a cycle starts on Kubernetes, as plain dicts.
+
+Pure functions of the cycle config and the cluster's `WorkloadSettings` (what the Helm chart's settings ConfigMap
+says: the workload service account, the labels its NetworkPolicy selects, the env ConfigMap and which Secret feeds
+which variable of which workload). Nothing here talks to a cluster; the Airflow operators create these objects.
+
+Contracts with the images:
+- every pod gets the cycle config (without `storage`, which may hold credentials) as a pod annotation exposed as the
+  file `CONFIG_FILE` through a downward-API volume, so commands take `--config CONFIG_FILE` and no ConfigMap has to
+  be created per run;
+- the model cache claim is mounted at `MODEL_MOUNT`; a model key such as `models/L1-fp8` lives at `/models/L1-fp8`;
+- episode pods run `mass-ops episode run --config CONFIG_FILE --kind K --task T [...]`;
+- training and export Jobs run `mass-ops stage train|export --config CONFIG_FILE` with the launch topology in the
+  environment (`NNODES`, `NPROC_PER_NODE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`); node rank = the indexed
+  Job's completion index; rendezvous goes through a headless Service named like the Job;
+- the inference image's entry point (`docker/inference/serve.sh`) reads the serving flags from `MASS_SERVE_*`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mass_ops.config import CycleConfig
+
+CONFIG_ANNOTATION = "mass-ops/cycle-config"
+CONFIG_MOUNT = "/etc/mass-ops/cycle"
+CONFIG_FILE = f"{CONFIG_MOUNT}/config.json"
+MODEL_MOUNT = "/models"
+RUNTIME_UID = 10001  # the unprivileged user of the episode, trainer and inference images
+MASTER_PORT = 29500
+SETTINGS_DIR_ENV = "MASS_SETTINGS_DIR"
+DEFAULT_SETTINGS_DIR = "/etc/mass-ops/settings"
+PART_OF = {"app.kubernetes.io/part-of": "mass-ops", "app.kubernetes.io/managed-by": "mass-ops-airflow"}
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+CYCLE_LABEL = "mass-ops/cycle"
+SCOPE_LABEL = "mass-ops/scope"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# Defaults of the chart installed as release `mass-ops` (helm/mass-ops/templates/configmap-settings.yaml).
+DEFAULT_LABELS: dict[str, dict[str, str]] = {
+    "episode": {"app.kubernetes.io/component": "episode", "mass-ops/role": "episode"},
+    "inference": {"app.kubernetes.io/component": "inference"},
+    "training": {"app.kubernetes.io/component": "training"},
+}
+Consumer = Literal["episode", "inference", "training", "airflow"]
+EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
+
+_NAME_CHARS = re.compile(r"[^a-z0-9-]+")
+_LABEL_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SpecError(ValueError):
+    """A workload that cannot be described: the message names the setting and why."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Cluster settings (from the chart)
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """One environment variable fed from a Secret, and the workloads allowed to receive it."""
+
+    env: str
+    secret_name: str
+    key: str
+    optional: bool = False
+    consumers: tuple[str, ...] = ()
+
+    def env_var(self) -> dict[str, Any]:
+        """The container `env` entry (a secretKeyRef: the value never appears in the manifest)."""
+        ref = {"name": self.secret_name, "key": self.key, "optional": self.optional}
+        return {"name": self.env, "valueFrom": {"secretKeyRef": ref}}
+
+
+@dataclass(frozen=True)
+class WorkloadSettings:
+    """What the Helm chart tells the operators about the namespace (its settings ConfigMap)."""
+
+    service_account: str = "mass-ops-workload"
+    labels: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: DEFAULT_LABELS)
+    env_config_map: str | None = "mass-ops-env"
+    secret_refs: tuple[SecretRef, ...] = ()
+
+    def labels_for(self, role: Literal["episode", "inference", "training"]) -> dict[str, str]:
+        """The labels the chart's NetworkPolicy and settings expect on pods of `role`."""
+        if role not in self.labels:
+            raise SpecError(f"workload settings: labels has no entry for {role!r}")
+        return dict(self.labels[role])
+
+    def secret_env(self, consumer: Consumer) -> list[dict[str, Any]]:
+        """Env entries of every Secret-fed variable `consumer` may receive (least privilege: nothing else)."""
+        return [ref.env_var() for ref in sorted(self.secret_refs, key=lambda r: r.env) if consumer in ref.consumers]
+
+    def env_from(self) -> list[dict[str, Any]]:
+        """`envFrom` of the non-secret environment ConfigMap (MASS_ARTIFACT_URL, region)."""
+        return [{"configMapRef": {"name": self.env_config_map}}] if self.env_config_map else []
+
+
+def settings_dir() -> Path | None:
+    """The mounted settings folder: `$MASS_SETTINGS_DIR`, else /etc/mass-ops/settings when it exists."""
+    configured = os.environ.get(SETTINGS_DIR_ENV)
+    if configured:
+        return Path(configured)
+    default = Path(DEFAULT_SETTINGS_DIR)
+    return default if default.is_dir() else None
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise SpecError(f"workload settings: cannot read {path}: {exc}") from None
+
+
+def load_workload_settings(directory: str | Path | None = None) -> WorkloadSettings:
+    """Read `workloads.yaml` and `secret-refs.yaml` from the chart's settings folder; defaults when absent."""
+    folder = Path(directory) if directory is not None else settings_dir()
+    if folder is None:
+        return WorkloadSettings()
+    workloads_path, refs_path = folder / "workloads.yaml", folder / "secret-refs.yaml"
+    workloads = _read_yaml(workloads_path) if workloads_path.is_file() else {}
+    refs = _read_yaml(refs_path) if refs_path.is_file() else {}
+    if not isinstance(workloads, dict) or not isinstance(refs, dict):
+        raise SpecError(f"workload settings: {folder}: workloads.yaml and secret-refs.yaml must hold mappings")
+    secret_refs = []
+    for env, ref in sorted(refs.items()):
+        if not _ENV_NAME.match(str(env)) or not isinstance(ref, dict):
+            raise SpecError(f"workload settings: {refs_path}: entry {env!r} is not NAME: {{secretName, key, ...}}")
+        try:
+            secret_refs.append(
+                SecretRef(
+                    env=str(env),
+                    secret_name=str(ref["secretName"]),
+                    key=str(ref["key"]),
+                    optional=bool(ref.get("optional", False)),
+                    consumers=tuple(ref.get("consumers") or ()),
+                )
+            )
+        except KeyError as exc:
+            raise SpecError(f"workload settings: {refs_path}: {env} lacks {exc.args[0]}") from None
+    defaults = WorkloadSettings()
+    return WorkloadSettings(
+        service_account=str(workloads.get("serviceAccountName") or defaults.service_account),
+        labels={role: dict(labels) for role, labels in (workloads.get("labels") or DEFAULT_LABELS).items()},
+        env_config_map=workloads.get("envFromConfigMap", defaults.env_config_map),
+        secret_refs=tuple(secret_refs),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Names, labels, config document
+
+
+def resource_name(*parts: object, max_length: int = 63) -> str:
+    """A DNS-1035 label built from `parts` (lowercase, '-' joined); too long → truncated plus a stable hash."""
+    raw = "-".join(str(p) for p in parts if str(p))
+    name = _NAME_CHARS.sub("-", raw.lower()).strip("-")
+    name = re.sub(r"-{2,}", "-", name)
+    if not name or not name[0].isalpha():
+        name = f"m-{name}".rstrip("-")
+    if len(name) > max_length:
+        digest = hashlib.sha256(raw.encode()).hexdigest()[:8]
+        name = f"{name[: max_length - 9].rstrip('-')}-{digest}"
+    return name
+
+
+def label_value(value: object) -> str:
+    """A valid label value (≤ 63 chars of [A-Za-z0-9._-], alphanumeric at both ends)."""
+    text = _LABEL_CHARS.sub("-", str(value))[:63].strip("-._")
+    return text
+
+
+def workload_labels(config: CycleConfig, scope: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Labels every object of a cycle carries: part-of/managed-by, the cycle and the scope (cycle or nightly)."""
+    labels = {**PART_OF, CYCLE_LABEL: label_value(config.cycle_name), SCOPE_LABEL: label_value(scope)}
+    labels.update(extra or {})
+    return labels
+
+
+def config_document(config: CycleConfig) -> str:
+    """The config as pods receive it: canonical JSON without `storage` (URLs there may carry credentials; pods get
+    their storage from MASS_ARTIFACT_URL / MASS_METADATA_URL in their environment)."""
+    return json.dumps(config.model_dump(mode="json", exclude={"storage"}), sort_keys=True, separators=(",", ":"))
+
+
+def _config_volume() -> dict[str, Any]:
+    item = {"path": "config.json", "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}
+    return {"name": "cycle-config", "downwardAPI": {"items": [item]}}
+
+
+def _config_mount() -> dict[str, Any]:
+    return {"name": "cycle-config", "mountPath": CONFIG_MOUNT, "readOnly": True}
+
+
+def _pod_security(config: CycleConfig) -> dict[str, Any]:
+    del config
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security(*, read_only_root: bool) -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_base(config: CycleConfig, settings: WorkloadSettings) -> dict[str, Any]:
+    """Fields every workload pod shares: the token-less workload account, no service links, non-root."""
+    return {
+        "serviceAccountName": settings.service_account,
+        "automountServiceAccountToken": False,
+        # Service links would inject e.g. VLLM_PORT for a Service named vllm, which vLLM misreads as its own setting.
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(config),
+    }
+
+
+def _gpu_scheduling(config: CycleConfig) -> dict[str, Any]:
+    k8s = config.compute.kubernetes
+    spec: dict[str, Any] = {}
+    if k8s.gpu_node_selector:
+        spec["nodeSelector"] = dict(k8s.gpu_node_selector)
+    if k8s.gpu_tolerations:
+        spec["tolerations"] = [dict(t) for t in k8s.gpu_tolerations]
+    return spec
+
+
+def _gpu_resources(config: CycleConfig, count: int) -> dict[str, Any]:
+    gpu = config.compute.kubernetes.gpu_resource
+    return {"requests": {gpu: str(count)}, "limits": {gpu: str(count)}}
+
+
+def _shm_volume(size_limit: str | None = None) -> dict[str, Any]:
+    # NCCL and vLLM's workers exchange tensors through /dev/shm; the container runtime's default is 64 MiB.
+    empty_dir: dict[str, Any] = {"medium": "Memory"}
+    if size_limit:
+        empty_dir["sizeLimit"] = size_limit
+    return {"name": "dshm", "emptyDir": empty_dir}
+
+
+def _model_cache_volume(config: CycleConfig, *, read_only: bool) -> dict[str, Any]:
+    claim = {"claimName": config.compute.kubernetes.model_cache_pvc, "readOnly": read_only}
+    return {"name": "model-cache", "persistentVolumeClaim": claim}
+
+
+def model_path(key: str) -> str:
+    """Where model `key` (e.g. `models/L1-fp8`) lives inside a pod: `/models/L1-fp8`."""
+    if "://" in key or key.startswith("/"):
+        raise SpecError(
+            f"models: {key!r} is not a key in the model cache; Kubernetes workloads read models from the claim "
+            f"mounted at {MODEL_MOUNT} (use a relative key such as models/L1-fp8)"
+        )
+    parts = [p for p in key.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise SpecError(f"models: {key!r} is not a valid model key")
+    if parts[0] == "models" and len(parts) > 1:
+        parts = parts[1:]
+    return "/".join([MODEL_MOUNT, *parts])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Inference server (vLLM)
+
+
+@dataclass(frozen=True)
+class ServingTarget:
+    """One model to serve: the name clients request and the model key in the cache."""
+
+    served_name: str
+    model_key: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"served_name": self.served_name, "model_key": self.model_key}
+
+
+def generation_name(generation: int) -> str:
+    """Name (and served name) of generation g of a lineage: `L<g>` (MASS_SPEC §2: cycle 2 serves L1 as "L1")."""
+    return f"L{generation}"
+
+
+def current_serving_target(config: CycleConfig) -> ServingTarget:
+    """The model the cycle runs on: its served name, from the FP8 sibling of the BF16 parent (L1-bf16 → L1-fp8)."""
+    parent = config.models.parent_bf16
+    if not parent.endswith("-bf16"):
+        raise SpecError(
+            f"models.parent_bf16: {parent!r} must end in -bf16 so the served FP8 sibling (…-fp8) can be found"
+        )
+    return ServingTarget(config.models.served_name, parent.removesuffix("-bf16") + "-fp8")
+
+
+def next_serving_target(config: CycleConfig) -> ServingTarget:
+    """The model the cycle produces, served under its generation name (`L<g+1>`)."""
+    return ServingTarget(generation_name(config.generation + 1), config.models.next_fp8)
+
+
+def inference_name(scope: str, served_name: str) -> str:
+    """Deployment and Service name of the server of `served_name` within `scope` (a cycle, or nightly)."""
+    return resource_name("vllm", scope, served_name, max_length=55)
+
+
+def inference_url(config: CycleConfig, scope: str, served_name: str) -> str:
+    """In-cluster OpenAI-compatible base URL of that server."""
+    name = inference_name(scope, served_name)
+    k8s = config.compute.kubernetes
+    return f"http://{name}.{k8s.namespace}.svc:{config.inference.server.port}/v1"
+
+
+def _inference_selector(scope: str, served_name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "mass-ops-inference", INSTANCE_LABEL: inference_name(scope, served_name)}
+
+
+def inference_deployment(
+    config: CycleConfig, settings: WorkloadSettings, target: ServingTarget, *, scope: str
+) -> dict[str, Any]:
+    """A one-replica vLLM Deployment serving `target` with the cycle's serving flags (MASS_SPEC §2)."""
+    server = config.inference.server
+    k8s = config.compute.kubernetes
+    name = inference_name(scope, target.served_name)
+    selector = _inference_selector(scope, target.served_name)
+    labels = {**workload_labels(config, scope), **settings.labels_for("inference"), **selector}
+    env = [
+        {"name": "MASS_SERVE_MODEL", "value": model_path(target.model_key)},
+        {"name": "MASS_SERVE_NAME", "value": target.served_name},
+        {"name": "MASS_SERVE_HOST", "value": "0.0.0.0"},
+        {"name": "MASS_SERVE_PORT", "value": str(server.port)},
+        {"name": "MASS_SERVE_MAX_MODEL_LEN", "value": str(config.inference.context_window_tokens)},
+        {"name": "MASS_SERVE_TOOL_CALL_PARSER", "value": server.tool_call_parser},
+        {"name": "MASS_SERVE_REASONING_PARSER", "value": server.reasoning_parser},
+        {"name": "MASS_SERVE_MAX_NUM_SEQS", "value": str(server.max_num_seqs)},
+        {"name": "MASS_SERVE_GPU_MEMORY_UTILIZATION", "value": f"{server.gpu_memory_utilization:g}"},
+        # vLLM, Triton and torch.compile write caches under HOME/XDG dirs: point them at a writable scratch volume.
+        {"name": "HOME", "value": "/scratch"},
+        {"name": "XDG_CACHE_HOME", "value": "/scratch/cache"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    if server.gpus > 1:
+        env.append({"name": "MASS_SERVE_TENSOR_PARALLEL_SIZE", "value": str(server.gpus)})
+    env += settings.secret_env("inference")
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    container = {
+        "name": "vllm",
+        "image": k8s.image_inference,
+        "imagePullPolicy": "IfNotPresent",
+        "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
+        "env": env,
+        "envFrom": settings.env_from(),
+        "resources": _gpu_resources(config, server.gpus),
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "scratch", "mountPath": "/scratch"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # Loading 27B FP8 weights and compiling takes minutes: the startup probe allows the configured readiness
+        # timeout before liveness may restart the container.
+        "startupProbe": {
+            **probe,
+            "periodSeconds": 10,
+            "failureThreshold": max(1, math.ceil(server.readiness_timeout_s / 10)),
+        },
+        "readinessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 30, "failureThreshold": 5},
+        "securityContext": _container_security(read_only_root=True),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec = {
+        **_pod_base(config, settings),
+        **_gpu_scheduling(config),
+        "containers": [container],
+        "volumes": [
+            _model_cache_volume(config, read_only=True),
+            _shm_volume(),
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        "terminationGracePeriodSeconds": 60,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            # One GPU server at a time: a rolling update would need a second set of GPUs.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+def inference_service(
+    config: CycleConfig, settings: WorkloadSettings, target: ServingTarget, *, scope: str
+) -> dict[str, Any]:
+    """The ClusterIP Service in front of that Deployment (its DNS name is what `inference_url` returns)."""
+    port = config.inference.server.port
+    labels = {**workload_labels(config, scope), **settings.labels_for("inference")}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": inference_name(scope, target.served_name),
+            "namespace": config.compute.kubernetes.namespace,
+            "labels": labels,
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _inference_selector(scope, target.served_name),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Episode pods
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """Which episode a pod runs: the arguments of `mass-ops episode run`."""
+
+    kind: EpisodeKind
+    task_id: int
+    version: int | None = None
+    candidate: int | None = None
+    replicate: int | None = None
+    generation: str | None = None
+
+    def __post_init__(self) -> None:
+        needs = {"search": "version", "collection": "candidate", "rollout": "replicate"}
+        wanted = needs.get(self.kind)
+        if wanted and getattr(self, wanted) is None:
+            raise SpecError(f"episode: a {self.kind} episode needs {wanted}")
+        if self.task_id <= 0:
+            raise SpecError(f"episode: task_id must be positive (got {self.task_id})")
+
+    @property
+    def slug(self) -> str:
+        """Short readable identity: `search-t51-v3`, `collection-t51-c4`, `rollout-l1-t60-r2`."""
+        parts = [self.kind]
+        if self.generation:
+            parts.append(self.generation)
+        parts.append(f"t{self.task_id}")
+        for prefix, value in (("v", self.version), ("c", self.candidate), ("r", self.replicate)):
+            if value is not None:
+                parts.append(f"{prefix}{value}")
+        return "-".join(parts)
+
+    def arguments(self) -> list[str]:
+        args = ["--kind", self.kind, "--task", str(self.task_id)]
+        for flag, value in (
+            ("--version", self.version),
+            ("--candidate", self.candidate),
+            ("--replicate", self.replicate),
+            ("--generation", self.generation),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+
+def episode_deadline_s(config: CycleConfig) -> int:
+    """Hard limit of an episode pod: every allowed infrastructure attempt at full wall clock, plus slack."""
+    runtime = config.runtime
+    return runtime.episode_wall_clock_s * runtime.max_infra_attempts + 900
+
+
+def episode_pod(
+    config: CycleConfig, settings: WorkloadSettings, episode: EpisodeSpec, *, scope: str | None = None
+) -> dict[str, Any]:
+    """The sandbox pod of one episode: non-root, no service-account token, capped resources, the NetworkPolicy's
+    label (egress only to the inference server), the inference key and nothing else of the Secrets."""
+    k8s = config.compute.kubernetes
+    scope = scope or config.cycle_name
+    labels = {
+        **workload_labels(config, scope),
+        **settings.labels_for("episode"),
+        "mass-ops/task": str(episode.task_id),
+        "mass-ops/episode-kind": episode.kind,
+    }
+    resources = {
+        "requests": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
+        "limits": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
+    }
+    env = [
+        {"name": "MASS_EPISODE_SLUG", "value": episode.slug},
+        {"name": "EPISODE_CUDA_VISIBLE_DEVICES", "value": config.runtime.episode_cuda_visible_devices},
+        {"name": "HOME", "value": "/home/mass"},
+        {"name": "TMPDIR", "value": "/tmp"},
+        *settings.secret_env("episode"),
+    ]
+    container = {
+        "name": "base",
+        "image": k8s.image_episode,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["mass-ops", "episode", "run", "--config", CONFIG_FILE, *episode.arguments()],
+        "env": env,
+        "envFrom": settings.env_from(),
+        "resources": resources,
+        "volumeMounts": [
+            _config_mount(),
+            {"name": "workspace", "mountPath": "/workspace"},
+            {"name": "home", "mountPath": "/home/mass"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # The runtime keeps a lock file under /opt/mass-runtime that it opens for writing, so the root filesystem
+        # stays writable; the image makes everything else there root-owned.
+        "securityContext": _container_security(read_only_root=False),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    spec = {
+        **_pod_base(config, settings),
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            _config_volume(),
+            {"name": "workspace", "emptyDir": {}},
+            {"name": "home", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        "activeDeadlineSeconds": episode_deadline_s(config),
+        "terminationGracePeriodSeconds": 30,
+    }
+    if k8s.node_selector:
+        spec["nodeSelector"] = dict(k8s.node_selector)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": resource_name("ep", scope, episode.slug, max_length=50),
+            "namespace": k8s.namespace,
+            "labels": labels,
+            "annotations": {CONFIG_ANNOTATION: config_document(config)},
+        },
+        "spec": spec,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training and export Jobs
+
+
+JobRole = Literal["train", "export"]
+
+
+def job_name(config: CycleConfig, role: JobRole) -> str:
+    """Name of the cycle's training/export Job (short enough for `<job>-<index>` pod hostnames)."""
+    return resource_name("mass", config.cycle_name, role, max_length=50)
+
+
+def training_job(config: CycleConfig, settings: WorkloadSettings, *, role: JobRole = "train") -> dict[str, Any]:
+    """An indexed Job: one pod per node, each with one GPU per data-parallel rank, running the stage's launch.
+
+    `training.nnodes` pods start together (`training.replicas / nnodes` GPUs each); node rank = completion index
+    (Kubernetes also sets JOB_COMPLETION_INDEX); node 0 is reachable for rendezvous as
+    `<job>-0.<job>` through the headless Service of `rendezvous_service`. A failed pod fails the Job at once
+    (backoffLimit 0): Airflow owns retries, and the stage resumes from its last checkpoint.
+    """
+    k8s = config.compute.kubernetes
+    name = job_name(config, role)
+    nnodes = config.training.nnodes if role == "train" else 1
+    # One data-parallel rank per GPU (ZeRO-3): a node runs replicas / nnodes ranks and asks for that many GPUs.
+    gpus = config.training.ranks_per_node if role == "train" else 1
+    labels = {**workload_labels(config, config.cycle_name), **settings.labels_for("training"), "mass-ops/job": role}
+    env = [
+        {"name": "NNODES", "value": str(nnodes)},
+        {"name": "NPROC_PER_NODE", "value": str(gpus)},
+        {
+            "name": "NODE_RANK",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}},
+        },
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
+        {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+        {"name": "MASS_MODEL_DIR", "value": MODEL_MOUNT},
+        {"name": "HOME", "value": "/scratch"},
+        *settings.secret_env("training"),
+    ]
+    container = {
+        "name": "base",
+        "image": k8s.image_trainer,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["mass-ops", "stage", role, "--config", CONFIG_FILE],
+        "env": env,
+        "envFrom": settings.env_from(),
+        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        "resources": _gpu_resources(config, gpus),
+        "volumeMounts": [
+            _config_mount(),
+            # Export writes the next generation's weights into the cache, where the inference server loads them.
+            {"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": role == "train"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "scratch", "mountPath": "/scratch"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": _container_security(read_only_root=True),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec = {
+        **_pod_base(config, settings),
+        **_gpu_scheduling(config),
+        "restartPolicy": "Never",
+        "subdomain": name,
+        "priorityClassName": k8s.training_priority_class,
+        "containers": [container],
+        "volumes": [
+            _config_volume(),
+            _model_cache_volume(config, read_only=role == "train"),
+            _shm_volume(),
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        "terminationGracePeriodSeconds": 120,
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nnodes,
+            "parallelism": nnodes,
+            "backoffLimit": 0,
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": labels, "annotations": {CONFIG_ANNOTATION: config_document(config)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def rendezvous_service(config: CycleConfig, settings: WorkloadSettings, *, role: JobRole = "train") -> dict[str, Any]:
+    """Headless Service giving the Job's pods stable DNS names (`<job>-<index>.<job>`) before they are ready."""
+    name = job_name(config, role)
+    labels = {**workload_labels(config, config.cycle_name), **settings.labels_for("training"), "mass-ops/job": role}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": config.compute.kubernetes.namespace, "labels": labels},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_NAME_LABEL: name},
+            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def scope_selector(config: CycleConfig, scope: str, extra: Mapping[str, str] | None = None) -> str:
+    """Label selector of every object mass-ops created in `scope` (used to find and clean up leftovers)."""
+    labels = {CYCLE_LABEL: label_value(config.cycle_name), SCOPE_LABEL: label_value(scope), **(extra or {})}
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def manifests_of_cycle(config: CycleConfig, settings: WorkloadSettings, episodes: Sequence[EpisodeSpec]) -> list[dict]:
+    """Every manifest a cycle with these episodes creates (for validation and dry runs)."""
+    scope = config.cycle_name
+    targets = [current_serving_target(config), next_serving_target(config)]
+    out: list[dict] = []
+    for target in targets:
+        out += [
+            inference_deployment(config, settings, target, scope=scope),
+            inference_service(config, settings, target, scope=scope),
+        ]
+    out += [episode_pod(config, settings, e) for e in episodes]
+    for role in ("train", "export"):
+        out += [training_job(config, settings, role=role), rendezvous_service(config, settings, role=role)]
+    return out

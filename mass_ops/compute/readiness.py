@@ -1,0 +1,123 @@
+"""When an OpenAI-compatible model server is ready: `/health` answers 200 **and** `/v1/models` lists the name.
+
+vLLM answers `/health` as soon as its HTTP server is up, before or while the model loads in some versions, and a
+server started with the wrong `--served-model-name` is healthy but useless; both checks together are what "ready"
+means for a cycle. The same rule serves the local backend (`transformers serve`), the Airflow readiness trigger and
+the CLI. The API key is read from the environment variable the config names and sent only as a bearer header.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ReadinessReport:
+    """One probe of one server: `problem` is None when ready, else one line saying what is missing."""
+
+    endpoint: str
+    served_name: str
+    problem: str | None
+
+    @property
+    def ready(self) -> bool:
+        return self.problem is None
+
+
+def server_root(endpoint: str) -> str:
+    """`http://host:port/v1` → `http://host:port` (where `/health` lives)."""
+    parts = urlsplit(endpoint.rstrip("/"))
+    path = parts.path[: -len("/v1")] if parts.path.endswith("/v1") else parts.path
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def health_url(endpoint: str) -> str:
+    return f"{server_root(endpoint)}/health"
+
+
+def models_url(endpoint: str) -> str:
+    return f"{endpoint.rstrip('/')}/models"
+
+
+def listed_models(payload: Any) -> list[str]:
+    """Model ids of an OpenAI `/v1/models` answer (`{"data": [{"id": ...}, ...]}`); [] for anything else."""
+    if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
+        return []
+    return [str(item["id"]) for item in payload["data"] if isinstance(item, Mapping) and "id" in item]
+
+
+def readiness_problem(health_status: int | None, models_payload: Any, served_name: str) -> str | None:
+    """None when ready; else what is missing (the health status, or the served names the server lists)."""
+    if health_status is None:
+        return "/health did not answer"
+    if health_status != 200:
+        return f"/health answered HTTP {health_status}"
+    names = listed_models(models_payload)
+    if served_name not in names:
+        return f"/v1/models lists {names} but not {served_name!r}"
+    return None
+
+
+def auth_headers(api_key_env: str | None) -> dict[str, str]:
+    """Bearer header from the named environment variable (vLLM guards /v1/* with VLLM_API_KEY); none if unset."""
+    key = os.environ.get(api_key_env) if api_key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _models_payload(response: httpx.Response) -> Any:
+    if response.status_code != 200:
+        return {"error": response.status_code}
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def probe(
+    endpoint: str, served_name: str, *, api_key_env: str | None = None, timeout_s: float = 5.0
+) -> ReadinessReport:
+    """Probe a server once (blocking)."""
+    headers = auth_headers(api_key_env)
+    with httpx.Client(timeout=timeout_s) as client:
+        try:
+            health = client.get(health_url(endpoint)).status_code
+        except httpx.HTTPError as exc:
+            return ReadinessReport(endpoint, served_name, f"/health unreachable ({type(exc).__name__})")
+        payload: Any = None
+        if health == 200:
+            try:
+                response = client.get(models_url(endpoint), headers=headers)
+                if response.status_code != 200:
+                    return ReadinessReport(endpoint, served_name, f"/v1/models answered HTTP {response.status_code}")
+                payload = _models_payload(response)
+            except httpx.HTTPError as exc:
+                return ReadinessReport(endpoint, served_name, f"/v1/models unreachable ({type(exc).__name__})")
+    return ReadinessReport(endpoint, served_name, readiness_problem(health, payload, served_name))
+
+
+async def probe_async(
+    endpoint: str, served_name: str, *, api_key_env: str | None = None, timeout_s: float = 5.0
+) -> ReadinessReport:
+    """Probe a server once without blocking the event loop (used by the Airflow triggerer)."""
+    headers = auth_headers(api_key_env)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            health = (await client.get(health_url(endpoint))).status_code
+        except httpx.HTTPError as exc:
+            return ReadinessReport(endpoint, served_name, f"/health unreachable ({type(exc).__name__})")
+        payload: Any = None
+        if health == 200:
+            try:
+                response = await client.get(models_url(endpoint), headers=headers)
+                if response.status_code != 200:
+                    return ReadinessReport(endpoint, served_name, f"/v1/models answered HTTP {response.status_code}")
+                payload = _models_payload(response)
+            except httpx.HTTPError as exc:
+                return ReadinessReport(endpoint, served_name, f"/v1/models unreachable ({type(exc).__name__})")
+    return ReadinessReport(endpoint, served_name, readiness_problem(health, payload, served_name))

@@ -1,0 +1,19 @@
+"""Operators of mass-ops cycles: model servers, episode sandboxes, training and export Jobs.
+
+Each decides at run time, from the run's config (`compute.backend`), whether to launch Kubernetes workloads or to
+call the stage function in-process; the same DAG serves the laptop and the cluster.
+"""
+
+from mass_ops_airflow.operators.episode import EpisodePodOperator, EpisodeStageOperator
+from mass_ops_airflow.operators.inference import InferenceServerOperator, InferenceServerTeardownOperator
+from mass_ops_airflow.operators.jobs import ExportJobOperator, GpuJobOperator, TrainingJobOperator
+
+__all__ = [
+    "EpisodePodOperator",
+    "EpisodeStageOperator",
+    "ExportJobOperator",
+    "GpuJobOperator",
+    "InferenceServerOperator",
+    "InferenceServerTeardownOperator",
+    "TrainingJobOperator",
+]

@@ -1,0 +1,198 @@
+"""One episode per task instance: a sandbox pod on Kubernetes, nothing to launch on the local backend.
+
+On Kubernetes the pod runs `mass-ops episode run …` (see `mass_ops.compute.kubernetes.episode_pod`): non-root, no
+service-account token, CPU/memory limits, the label the sandbox NetworkPolicy selects, and of the Secrets only the
+inference key. The wait is deferred to the triggerer; a retry re-attaches to a pod that is still running; a kill
+deletes the pod; a failure carries the pod's log tail. After the pod exits 0 the metadata store must hold the
+episode's final attempt (the post-check), else the task fails.
+
+On the local backend the stage function that follows (search step, collection, rollout) runs the episode itself,
+so this task only records that there was nothing to launch. `EpisodeStageOperator` joins the two in one task: the
+pod, then the stage function (a search step, a teacher candidate, a rollout) in-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+
+from mass_ops_airflow.cycle import cycle_config
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from mass_ops.compute.kubernetes import EpisodeSpec
+    from mass_ops.config import CycleConfig
+
+
+class EpisodePodOperator(BaseOperator):
+    """Run one episode in its own sandbox pod.
+
+    :param kind: reference, search, collection or rollout (templated).
+    :param task: task id (templated: mapped tasks pass it from XCom).
+    :param version: RHI workflow version of a search episode (templated).
+    :param candidate: candidate index of a collection episode (templated).
+    :param replicate: replicate of a rollout (templated).
+    :param generation: generation evaluated by a rollout (templated).
+    :param kubernetes_conn_id: Airflow Kubernetes connection (None: in-cluster config).
+    :param deferrable: wait in the triggerer (the default; an episode may run for hours).
+    :param poll_interval_s: seconds between pod status checks while deferred.
+    :param check_outputs: after success, require the episode's row in the metadata store.
+    """
+
+    template_fields: Sequence[str] = ("kind", "task", "version", "candidate", "replicate", "generation")
+    ui_color = "#e8f8f5"
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        task: int | str,
+        version: int | str | None = None,
+        candidate: int | str | None = None,
+        replicate: int | str | None = None,
+        generation: str | None = None,
+        kubernetes_conn_id: str | None = None,
+        deferrable: bool = True,
+        poll_interval_s: float = 30.0,
+        check_outputs: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.kind = kind
+        self.task = task
+        self.version = version
+        self.candidate = candidate
+        self.replicate = replicate
+        self.generation = generation
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.deferrable = deferrable
+        self.poll_interval_s = poll_interval_s
+        self.check_outputs = check_outputs
+        self._runner: Any = None
+
+    def episode(self) -> EpisodeSpec:
+        """The episode this task runs (from its rendered fields)."""
+        from mass_ops.compute.kubernetes import EpisodeSpec
+
+        def number(value: Any) -> int | None:
+            return None if value in (None, "", "None") else int(value)
+
+        return EpisodeSpec(
+            kind=self.kind,  # type: ignore[arg-type]
+            task_id=int(self.task),
+            version=number(self.version),
+            candidate=number(self.candidate),
+            replicate=number(self.replicate),
+            generation=self.generation or None,
+        )
+
+    def _build_runner(self, config: CycleConfig, episode: EpisodeSpec) -> Any:
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops_airflow.operators._pod import sandbox_runner
+
+        manifest = specs.episode_pod(config, specs.load_workload_settings(), episode)
+        self._runner = sandbox_runner(
+            task_id=self.task_id,
+            manifest=manifest,
+            kubernetes_conn_id=self.kubernetes_conn_id,
+            startup_timeout_s=config.compute.kubernetes.startup_timeout_s,
+            deferrable=self.deferrable,
+            poll_interval_s=self.poll_interval_s,
+        )
+        return self._runner
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        config = cycle_config(context["params"])
+        episode = self.episode()
+        context["episode_label"] = episode.slug  # type: ignore[typeddict-unknown-key]  # map_index_template
+        if episode.kind == "search" and (episode.version or 0) > config.search.iterations:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            raise AirflowSkipException(f"search.iterations is {config.search.iterations}: no version {episode.version}")
+        if config.compute.backend == "local":
+            return self._local(config, episode)
+        if self.check_outputs and (done := self._recorded(config, episode)) is not None:
+            # A retry or a cleared task after the episode was recorded: nothing to launch (units are idempotent).
+            self.log.info("Episode %s is already recorded (%s): no pod", episode.slug, done)
+            return self._after_pod(config, episode, done)
+        self._build_runner(config, episode).execute(context)
+        return self._finish(config, episode)
+
+    def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume after the deferred wait: logs, cleanup and failure handling as the provider does, then the check."""
+        config = cycle_config(context["params"])
+        episode = self.episode()
+        context["episode_label"] = episode.slug  # type: ignore[typeddict-unknown-key]
+        self._build_runner(config, episode).trigger_reentry(context, event)
+        return self._finish(config, episode)
+
+    def _local(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
+        self.log.info("Local backend: episode %s runs inside the stage task that follows", episode.slug)
+        return {"backend": "local", "episode": episode.slug}
+
+    @staticmethod
+    def _recorded(config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any] | None:
+        from mass_ops_airflow.checks import StageOutputMissing, episode_recorded
+
+        try:
+            return episode_recorded(config, episode)
+        except StageOutputMissing:
+            return None
+
+    def _finish(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
+        check: dict[str, Any] = {}
+        if self.check_outputs:
+            from mass_ops_airflow.checks import episode_recorded
+
+            check = episode_recorded(config, episode)
+        return self._after_pod(config, episode, check)
+
+    def _after_pod(self, config: CycleConfig, episode: EpisodeSpec, check: dict[str, Any]) -> dict[str, Any]:
+        return {"backend": "kubernetes", "episode": episode.slug, **check}
+
+    def on_kill(self) -> None:
+        if self._runner is not None:
+            self._runner.on_kill()
+
+
+class EpisodeStageOperator(EpisodePodOperator):
+    """One unit of a stage built on an episode: the episode's sandbox pod, then the stage function in-process.
+
+    Kubernetes backend: the pod runs the episode (skipped when it is already recorded), then `stage` runs here —
+    it finds the episode recorded and does the rest (judge calls, proposals, rows). Local backend: `stage` runs the
+    episode itself. XCom: the stage's result.
+
+    :param stage: name of the `mass_ops.stages` function; it is called with the config and the episode's identity:
+        `search_step(config, task, version)`, `collect_candidate(config, task, candidate)`,
+        `rollout(config, generation, task, replicate)`.
+    """
+
+    def __init__(self, *, stage: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stage = stage
+
+    @staticmethod
+    def stage_arguments(episode: EpisodeSpec) -> tuple[Any, ...]:
+        """The stage's arguments after the config, from the episode's identity."""
+        if episode.kind == "search":
+            return (episode.task_id, episode.version)
+        if episode.kind == "collection":
+            return (episode.task_id, episode.candidate)
+        if episode.kind == "rollout":
+            return (episode.generation, episode.task_id, episode.replicate)
+        raise ValueError(f"a {episode.kind} episode has no stage of its own; use EpisodePodOperator")
+
+    def _run_stage(self, config: CycleConfig, episode: EpisodeSpec, backend: str) -> dict[str, Any]:
+        from mass_ops_airflow.cycle import call_stage
+
+        result = call_stage(self.stage, config, *self.stage_arguments(episode))
+        return {"backend": backend, "episode": episode.slug, "result": result}
+
+    def _local(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
+        return self._run_stage(config, episode, "local")
+
+    def _after_pod(self, config: CycleConfig, episode: EpisodeSpec, check: dict[str, Any]) -> dict[str, Any]:
+        return self._run_stage(config, episode, "kubernetes")

@@ -1,0 +1,168 @@
+"""Training and export as Kubernetes Jobs on GPU nodes (or the stage function, on the local backend).
+
+Training runs as an indexed Job: `training.nnodes` pods with `training.gpus_per_node` GPUs each, node rank = the
+completion index, rendezvous through a headless Service named like the Job (`mass_ops.compute.kubernetes`). Export
+runs as a one-pod Job that writes the next generation into the model cache and the artifact store.
+
+The wait is deferred (`JobCompletionTrigger`), failing early when a pod cannot be scheduled within the cluster's
+`startup_timeout_s` or its image cannot be pulled. A retry re-attaches to a Job still running from the previous
+try and replaces a failed one. After success the stores must hold the stage's outputs (post-check); a failure
+carries the failed pods' log tails. Kill or failure deletes the Job and its Service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from airflow.sdk import BaseOperator
+
+from mass_ops_airflow.checks import export_published, training_recorded
+from mass_ops_airflow.cycle import call_stage, cycle_config
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from mass_ops.config import CycleConfig
+
+
+class GpuJobOperator(BaseOperator):
+    """Base of the training and export operators; subclasses name the role, stage and post-check.
+
+    :param kubernetes_conn_id: Airflow Kubernetes connection (None: in-cluster config).
+    :param poll_interval_s: seconds between Job status reads while deferred.
+    :param delete_timeout_s: how long to wait for a failed Job of a previous try to disappear before replacing it.
+    """
+
+    role: ClassVar[str]
+    local_stage: ClassVar[str]
+    post_check: ClassVar[Callable[[CycleConfig], dict[str, Any]]]
+    template_fields: Sequence[str] = ()
+    ui_color = "#fdebd0"
+
+    def __init__(
+        self,
+        *,
+        kubernetes_conn_id: str | None = None,
+        poll_interval_s: float = 30.0,
+        delete_timeout_s: int = 600,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.poll_interval_s = poll_interval_s
+        self.delete_timeout_s = delete_timeout_s
+        self._created: dict[str, Any] | None = None
+
+    def _check(self, config: CycleConfig) -> dict[str, Any]:
+        return type(self).post_check(config)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        config = cycle_config(context["params"])
+        if config.compute.backend == "local":
+            # In-process the stage's own return is the outcome; the post-check guards what a pod's exit cannot tell.
+            return {"backend": "local", "result": call_stage(self.local_stage, config)}
+        return self._execute_kubernetes(config)
+
+    def _execute_kubernetes(self, config: CycleConfig) -> dict[str, Any]:
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops_airflow import kube
+        from mass_ops_airflow.triggers import JobCompletionTrigger
+
+        settings = specs.load_workload_settings()
+        job = specs.training_job(config, settings, role=self.role)  # type: ignore[arg-type]
+        service = specs.rendezvous_service(config, settings, role=self.role)  # type: ignore[arg-type]
+        name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        self._created = {"job": name, "service": service["metadata"]["name"], "namespace": namespace}
+        existing = self._read_job(clients, name, namespace)
+        if existing is not None:
+            state, _ = kube.job_state(existing)
+            if state == "succeeded":
+                self.log.info("Job %s already succeeded in a previous try", name)
+                return self._complete(config, {"status": "succeeded"})
+            if state == "failed":
+                self.log.info("Replacing Job %s, which failed in a previous try", name)
+                kube.delete_objects(clients, namespace, jobs=[name])
+                kube.wait_gone(
+                    clients.batch.list_namespaced_job,
+                    namespace,
+                    specs.scope_selector(config, config.cycle_name, {"mass-ops/job": self.role}),
+                    timeout_s=self.delete_timeout_s,
+                )
+                existing = None
+            else:
+                self.log.info("Re-attaching to Job %s, still running from a previous try", name)
+        kube.ensure_service(clients.core, service)  # DNS for rendezvous exists before any pod starts
+        if existing is None:
+            clients.batch.create_namespaced_job(namespace=namespace, body=job)
+            self.log.info("Created Job %s (%s pods)", name, job["spec"]["completions"])
+        self.defer(
+            trigger=JobCompletionTrigger(
+                job_name=name,
+                namespace=namespace,
+                conn_id=self.kubernetes_conn_id,
+                schedule_timeout_s=config.compute.kubernetes.startup_timeout_s,
+                poll_interval_s=self.poll_interval_s,
+                service_name=service["metadata"]["name"],
+            ),
+            method_name="execute_complete",
+        )
+
+    @staticmethod
+    def _read_job(clients: Any, name: str, namespace: str) -> Any | None:
+        from mass_ops_airflow import kube
+
+        try:
+            return clients.batch.read_namespaced_job(name=name, namespace=namespace)
+        except Exception as exc:
+            if kube.is_not_found(exc):
+                return None
+            raise
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume after the Job ended: delete it and its Service, then post-check — or fail with the log tails."""
+        return self._complete(cycle_config(context["params"]), event)
+
+    def _complete(self, config: CycleConfig, event: dict[str, Any]) -> dict[str, Any]:
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops_airflow import kube
+
+        name = specs.job_name(config, self.role)  # type: ignore[arg-type]
+        namespace = config.compute.kubernetes.namespace
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        tails = None
+        if event.get("status") != "succeeded":
+            tails = kube.failed_pod_tails(clients.core, namespace, f"{specs.JOB_NAME_LABEL}={name}")
+        kube.delete_objects(clients, namespace, jobs=[name], services=[name])
+        if tails is not None:
+            raise RuntimeError(f"{self.role} Job {name} failed: {event.get('message') or event.get('status')}\n{tails}")
+        return {"backend": "kubernetes", "job": name, "check": self._check(config)}
+
+    def on_kill(self) -> None:
+        if not self._created:
+            return
+        from mass_ops_airflow import kube
+
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        created = self._created
+        deleted = kube.delete_objects(
+            clients, created["namespace"], jobs=[created["job"]], services=[created["service"]]
+        )
+        self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
+
+
+class TrainingJobOperator(GpuJobOperator):
+    """LoRA SFT of the cycle: a (multi-node) GPU Job running `mass-ops stage train`, or the `train` stage locally."""
+
+    role = "train"
+    local_stage = "train"
+    post_check = staticmethod(training_recorded)
+
+
+class ExportJobOperator(GpuJobOperator):
+    """Merge + FP8 export of the next generation: a GPU Job running `mass-ops stage export`, or `export` locally."""
+
+    role = "export"
+    local_stage = "export"
+    post_check = staticmethod(export_published)

@@ -1,0 +1,368 @@
+"""Trigger-form params of a cycle, generated from the config's JSON Schema, and the config rebuilt from them.
+
+A run is described by a preset (or config file), the knobs an operator sets in the trigger form, and free
+`a.b=c` overrides for anything else. Each knob's Param carries the JSON Schema of its config field (type, bounds,
+enum, description), made nullable: empty means "as the preset says". Airflow validates the form against these
+schemas before a run starts; `build_config` then applies the same values as `--set` overrides and validates the
+whole config with every cross-field rule, so a bad value fails the first task with one line per problem.
+
+The config is rebuilt from params in every task (never pushed through XCom), so each task, retry or cleared task
+sees exactly the configuration the run was triggered with.
+
+DAG files build their params at parse time, so the knob schemas are generated once into `form_schema.json` (next
+to this module; `python -m mass_ops_airflow.params` rewrites it, and a test fails when it drifts from the config)
+rather than derived from the pydantic models on every parse.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mass_ops.config import CycleConfig
+
+DEFAULT_PRESET_ENV = "MASS_DEFAULT_PRESET"
+FORM_SCHEMA_FILE = Path(__file__).with_name("form_schema.json")
+# RHI steps are laid out at parse time, one task per version: the deepest search a run may ask for.
+MAX_SEARCH_ITERATIONS = 11
+# Seed bases move by this much from one cycle to the next (paper → cycle2: 450000 → 1450000, 710000 → 1710000).
+SEED_BASE_STRIDE = 1_000_000
+_GENERATION_IN_KEY = re.compile(r"L(\d+)(?=-(?:bf16|fp8)$)")
+_OVERRIDE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*$"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A config field exposed in the trigger form under a short param name."""
+
+    param: str
+    path: str
+    section: str
+
+
+# The knobs an operator sets most; every other key goes through `overrides`. Each Param is copied into every task at
+# parse time, so this list is kept to what the trigger form is for.
+KNOBS: tuple[Knob, ...] = (
+    Knob("cycle_name", "name", "Cycle"),
+    Knob("generation", "generation", "Cycle"),
+    Knob("served_name", "models.served_name", "Cycle"),
+    Knob("parent_model", "models.parent_bf16", "Cycle"),
+    Knob("compute_backend", "compute.backend", "Compute"),
+    Knob("max_concurrent_requests", "inference.max_concurrent_requests", "Compute"),
+    Knob("train_tasks", "tasks.train", "Tasks"),
+    Knob("test_tasks", "tasks.test", "Tasks"),
+    Knob("search_iterations", "search.iterations", "Search and collection"),
+    Knob("candidates", "collection.candidates", "Search and collection"),
+    Knob("training_steps", "training.steps", "Training"),
+    Knob("learning_rate", "training.lr", "Training"),
+    Knob("lora_r", "training.lora_r", "Training"),
+    Knob("training_nnodes", "training.nnodes", "Training"),
+    Knob("gpus_per_node", "training.gpus_per_node", "Training"),
+    Knob("rollout_count", "evaluation.rollout_count", "Evaluation"),
+    Knob("regression_threshold", "evaluation.regression_threshold", "Evaluation"),
+)
+KNOB_BY_PARAM = {k.param: k for k in KNOBS}
+# Pydantic writes Field bounds of custom-validated floats under these names; JSON Schema spells them differently.
+_BOUND_NAMES = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
+_SCHEMA_KEYS = {
+    "type", "enum", "items", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
+    "maxLength", "pattern", "anyOf", "minItems", "maxItems",
+}  # fmt: skip
+
+
+class ParamsError(ValueError):
+    """Params that cannot describe a run (unknown knob, a field the schema lacks)."""
+
+
+def _resolve(schema: Mapping[str, Any], node: Mapping[str, Any]) -> dict[str, Any]:
+    """Inline `$ref`s into `#/$defs/...` (recursively) so a field schema stands alone."""
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        return _resolve(schema, schema["$defs"][name])
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            out[key] = _resolve(schema, value)
+        elif isinstance(value, list):
+            out[key] = [_resolve(schema, v) if isinstance(v, Mapping) else v for v in value]
+        else:
+            out[key] = value
+    return out
+
+
+def field_schema(path: str, schema: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON Schema of config field `path` (dotted), `$ref`s resolved, bounds in standard spelling."""
+    from mass_ops.config import config_json_schema
+
+    root = schema or config_json_schema()
+    node: Mapping[str, Any] = root
+    for part in path.split("."):
+        node = _resolve(root, node)
+        properties = node.get("properties", {})
+        if part not in properties:
+            raise ParamsError(f"params: the config has no field {path!r}")
+        node = properties[part]
+    resolved = _resolve(root, node)
+    return _standard_bounds(resolved)
+
+
+def _standard_bounds(node: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in node.items():
+        key = _BOUND_NAMES.get(key, key)
+        if isinstance(value, dict):
+            value = _standard_bounds(value)
+        elif isinstance(value, list):
+            value = [_standard_bounds(v) if isinstance(v, dict) else v for v in value]
+        out[key] = value
+    return out
+
+
+def nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The same schema accepting null too (an empty form field means "keep the preset's value")."""
+    keep = {k: copy.deepcopy(v) for k, v in schema.items() if k in _SCHEMA_KEYS}
+    if "anyOf" in keep:
+        options = [o for o in keep["anyOf"] if o != {"type": "null"}]
+        return {"anyOf": [*options, {"type": "null"}]}
+    kind = keep.get("type")
+    if isinstance(kind, str):
+        keep["type"] = [kind, "null"]
+    elif isinstance(kind, list) and "null" not in kind:
+        keep["type"] = [*kind, "null"]
+    if "enum" in keep and None not in keep["enum"]:
+        keep["enum"] = [*keep["enum"], None]
+    return keep
+
+
+def default_preset() -> str:
+    """The form's default preset: `$MASS_DEFAULT_PRESET`, else `demo` (the laptop profile)."""
+    return os.environ.get(DEFAULT_PRESET_ENV) or "demo"
+
+
+def generate_form_schema() -> dict[str, Any]:
+    """Presets and the nullable JSON Schema of every knob, derived from the config models (slow: pydantic)."""
+    from mass_ops.config import PRESET_NAMES, config_json_schema
+
+    schema = config_json_schema()
+    knobs: dict[str, dict[str, Any]] = {}
+    for knob in KNOBS:
+        field = field_schema(knob.path, schema)
+        knobs[knob.param] = {
+            **nullable(field),
+            "title": knob.param.replace("_", " ").capitalize(),
+            "description": f"{field.get('description', field.get('title', knob.path))} (config: {knob.path}; "
+            "empty = the preset's value)",
+            "section": knob.section,
+        }
+    return {"presets": list(PRESET_NAMES), "knobs": knobs}
+
+
+def write_form_schema(path: Path = FORM_SCHEMA_FILE) -> Path:
+    """Regenerate `form_schema.json` (atomically) from the config models."""
+    text = json.dumps(generate_form_schema(), indent=2, sort_keys=True) + "\n"
+    temp = path.with_suffix(".json.tmp")
+    temp.write_text(text, encoding="utf-8")
+    os.replace(temp, path)
+    return path
+
+
+@cache
+def form_schema() -> dict[str, Any]:
+    """The generated form schema (from the shipped file; generated on the spot when the file is missing)."""
+    if FORM_SCHEMA_FILE.is_file():
+        return json.loads(FORM_SCHEMA_FILE.read_text(encoding="utf-8"))
+    return generate_form_schema()
+
+
+NIGHTLY_KNOBS = ("compute_backend", "max_concurrent_requests", "rollout_count", "regression_threshold")
+
+
+def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = None) -> dict[str, Any]:
+    """The `params` of the cycle DAG: preset, the knobs (all by default; nullable, schema-checked), overrides and
+    auto_continue (cycle DAG only, i.e. when all knobs are exposed)."""
+    from airflow.sdk import Param
+
+    wanted = set(KNOB_BY_PARAM) if knobs is None else set(knobs)
+    unknown = sorted(wanted - set(KNOB_BY_PARAM))
+    if unknown:
+        raise ParamsError(f"params: unknown knobs {unknown}")
+    schema = form_schema()
+    presets = schema["presets"]
+    params: dict[str, Any] = {
+        "preset": Param(
+            preset or default_preset(),
+            type="string",
+            minLength=1,
+            title="Preset",
+            description=f"A shipped preset ({', '.join(presets)}) or the path of a YAML/JSON config file.",
+            examples=list(presets),
+            section="Cycle",
+        ),
+    }
+    for knob in KNOBS:
+        if knob.param in wanted:
+            params[knob.param] = Param(None, **copy.deepcopy(schema["knobs"][knob.param]))
+    params["overrides"] = Param(
+        [],
+        type="array",
+        items={"type": "string", "pattern": _OVERRIDE},
+        title="Overrides",
+        description="More config keys as KEY.PATH=VALUE lines (values parsed as YAML), applied after the knobs.",
+        section="Advanced",
+    )
+    if knobs is not None:
+        return params
+    params["auto_continue"] = Param(
+        False,
+        type="boolean",
+        title="Auto continue",
+        description="When the new generation is registered and evaluated, trigger the next cycle on it.",
+        section="Advanced",
+    )
+    return params
+
+
+def knob_overrides(params: Mapping[str, Any]) -> list[str]:
+    """`path=value` overrides of the knobs set in `params` (values as JSON, which the YAML parser reads back)."""
+    overrides = []
+    for knob in KNOBS:
+        value = params.get(knob.param)
+        if value is not None:
+            overrides.append(f"{knob.path}={json.dumps(value)}")
+    return overrides
+
+
+def _deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(dict(base))
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def cluster_compute_section(settings_dir: str | Path | None) -> dict[str, Any]:
+    """The `compute` section the Helm chart renders for this namespace (`kubernetes.yaml`), or {} off-cluster."""
+    import yaml
+
+    from mass_ops.config import ConfigError
+
+    if settings_dir is None:
+        return {}
+    path = Path(settings_dir) / "kubernetes.yaml"
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    compute = data.get("compute") if isinstance(data, dict) else None
+    if not isinstance(compute, dict):
+        raise ConfigError([f"config: compute: {path} does not hold a compute section"])
+    return compute
+
+
+def build_config(
+    params: Mapping[str, Any],
+    *,
+    storage: Mapping[str, str] | None = None,
+    settings_dir: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> CycleConfig:
+    """The run's validated config: preset → cluster compute settings → knobs → overrides → environment → storage.
+
+    `storage` (from the Airflow connections, see `hooks`) wins over MASS_METADATA_URL / MASS_ARTIFACT_URL. With the
+    Kubernetes backend the endpoint becomes the in-cluster Service of the cycle's inference server.
+    """
+    from mass_ops.compute.kubernetes import inference_url
+    from mass_ops.compute.kubernetes import settings_dir as default_settings_dir
+    from mass_ops.config import ConfigError, apply_environment, apply_overrides, read_config_source, validate_config
+
+    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", "auto_continue"})
+    if unknown:
+        raise ParamsError(f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)}")
+    preset = params.get("preset") or default_preset()
+    data = read_config_source(preset)
+    cluster = cluster_compute_section(settings_dir if settings_dir is not None else default_settings_dir())
+    if cluster:
+        # Presets say nothing about the cluster; the chart's settings are the base a preset may still refine.
+        data["compute"] = _deep_merge(cluster, data.get("compute") or {})
+    extra = as_overrides(params.get("overrides") or [])
+    data = apply_overrides(data, [*knob_overrides(params), *extra])
+    if params.get("train_tasks") is not None and not any(o.startswith("tasks.train_candidates=") for o in extra):
+        # Training tasks chosen in the form: the search candidates follow (train ∪ excluded, MASS_SPEC §1).
+        tasks = data.get("tasks") or {}
+        candidates = sorted(set(tasks.get("train") or []) | set(tasks.get("excluded") or []))
+        data = apply_overrides(data, [f"tasks.train_candidates={json.dumps(candidates)}"])
+    data = apply_environment(data, environ)
+    if storage:
+        data["storage"] = {**(data.get("storage") or {}), **storage}
+    config = validate_config(data)
+    if config.search.iterations > MAX_SEARCH_ITERATIONS:
+        raise ConfigError(
+            [
+                f"config: search.iterations: {config.search.iterations} exceeds the {MAX_SEARCH_ITERATIONS} "
+                "version steps the cycle DAG lays out"
+            ]
+        )
+    if config.compute.backend == "kubernetes":
+        endpoint = inference_url(config, config.cycle_name, config.models.served_name)
+        if config.inference.endpoint != endpoint:
+            dumped = config.model_dump(mode="json")
+            dumped["inference"]["endpoint"] = endpoint
+            config = validate_config(dumped)
+    return config
+
+
+def _bump_generation(key: str, generation: int) -> str:
+    """`models/L1-bf16` → `models/L2-bf16` when the key names generation `generation`."""
+    match = _GENERATION_IN_KEY.search(key)
+    if match is None or int(match.group(1)) != generation:
+        raise ParamsError(
+            f"auto_continue: cannot derive the next cycle's model key from {key!r} (expected …L{generation}-bf16 "
+            "or …-fp8); set the next cycle's models explicitly"
+        )
+    return key[: match.start(1)] + str(generation + 1) + key[match.end(1) :]
+
+
+def next_cycle_params(params: Mapping[str, Any], config: CycleConfig) -> dict[str, Any]:
+    """The params of the cycle after `config`: L(k+1) becomes the parent, seeds move one stride (MASS_SPEC §2)."""
+    from mass_ops.compute.kubernetes import generation_name
+
+    g = config.generation + 1
+    moved = {
+        "models.next_bf16": _bump_generation(config.models.next_bf16, g),
+        "models.next_fp8": _bump_generation(config.models.next_fp8, g),
+        "search.seed_base": config.search.seed_base + SEED_BASE_STRIDE,
+        "collection.seed_base": config.collection.seed_base + SEED_BASE_STRIDE,
+    }
+    kept = [o for o in params.get("overrides") or [] if o.partition("=")[0] not in moved]
+    nxt = dict(params)
+    nxt.update(
+        {
+            "cycle_name": None,
+            "generation": g,
+            "served_name": generation_name(g),
+            "parent_model": config.models.next_bf16,
+            "overrides": [*kept, *(f"{key}={json.dumps(value)}" for key, value in moved.items())],
+        }
+    )
+    return nxt
+
+
+def as_overrides(values: Sequence[str]) -> list[str]:
+    """Validate free-form override lines (KEY.PATH=VALUE) with the same pattern the form uses."""
+    bad = [v for v in values if not re.match(_OVERRIDE, v)]
+    if bad:
+        raise ParamsError(f"params: overrides {bad} are not KEY.PATH=VALUE")
+    return list(values)
+
+
+if __name__ == "__main__":  # python -m mass_ops_airflow.params  (after changing the config or the knobs)
+    print(write_form_schema())

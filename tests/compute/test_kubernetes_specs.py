@@ -1,0 +1,354 @@
+"""Every manifest the operators create validates against Kubernetes 1.33 and keeps the sandbox and GPU contracts.
+
+The workload settings come from the Helm chart itself (its settings ConfigMap rendered by Helm's engine), so these
+tests also pin the contract between the chart and the spec builders: labels the NetworkPolicy selects, the workload
+service account, which Secret reaches which workload.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from mass_ops.compute import kubernetes as specs
+from mass_ops.compute.kubernetes import EpisodeSpec, SpecError, WorkloadSettings, load_workload_settings
+from mass_ops.config import load_config
+from tests.deploy.chart_render import REPO_ROOT, render_chart, validate_manifest
+
+SERVE_SH = REPO_ROOT / "docker" / "inference" / "serve.sh"
+GPU_VALUES = {
+    "scheduling": {
+        "nodeSelector": {"pool": "cpu"},
+        "gpu": {
+            "nodeSelector": {"gpu-type": "h200"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+        },
+    },
+}
+EPISODES = [
+    EpisodeSpec("reference", 51),
+    EpisodeSpec("search", 51, version=3),
+    EpisodeSpec("collection", 202, candidate=17),
+    EpisodeSpec("rollout", 60, replicate=9, generation="L1"),
+]
+
+
+def chart_settings_dir(tmp_path: Path, values: dict | None = None) -> Path:
+    """The chart's settings ConfigMap written out as the mounted folder the operators read."""
+    data = render_chart(values).one("ConfigMap", "mass-ops-settings")["data"]
+    folder = tmp_path / "settings"
+    folder.mkdir()
+    for name, text in data.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chart_dir(tmp_path_factory) -> Path:
+    return chart_settings_dir(tmp_path_factory.mktemp("chart"), GPU_VALUES)
+
+
+@pytest.fixture(scope="module")
+def settings(chart_dir) -> WorkloadSettings:
+    return load_workload_settings(chart_dir)
+
+
+def cluster_config(chart_dir: Path, preset: str = "paper", *overrides: str):
+    """A preset on the chart's cluster settings (what the DAG builds in-cluster)."""
+    import yaml
+
+    compute = yaml.safe_load((chart_dir / "kubernetes.yaml").read_text())["compute"]
+    sets = [f"compute={json.dumps(compute)}", *overrides]
+    return load_config(preset, sets)
+
+
+@pytest.fixture(scope="module")
+def paper(chart_dir):
+    return cluster_config(chart_dir, "paper", "training.nnodes=3")  # the paper's 3 ranks, one per node
+
+
+def test_every_manifest_of_a_cycle_validates(chart_dir, settings):
+    variants = (
+        ("paper", ["training.nnodes=3"]),
+        ("cycle2", []),
+        ("demo", ["inference.server.gpus=2", "training.replicas=4", "training.nnodes=2"]),
+    )
+    for preset, extra in variants:
+        config = cluster_config(chart_dir, preset, *extra)
+        manifests = specs.manifests_of_cycle(config, settings, EPISODES)
+        assert {m["kind"] for m in manifests} == {"Deployment", "Service", "Pod", "Job"}
+        for manifest in manifests:
+            validate_manifest(manifest)
+            assert manifest["metadata"]["namespace"] == config.compute.kubernetes.namespace
+            assert len(manifest["metadata"]["name"]) <= 63
+
+
+def test_validation_catches_a_broken_manifest(paper, settings):
+    pod = specs.episode_pod(paper, settings, EPISODES[0])
+    broken = copy.deepcopy(pod)
+    broken["spec"]["containers"][0]["securityContext"]["runAsNonroot"] = True  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_manifest(broken)
+
+
+# --- episode sandbox --------------------------------------------------------------------------------------------
+
+
+def test_episode_pod_is_a_sandbox(paper, settings):
+    pod = specs.episode_pod(paper, settings, EpisodeSpec("search", 51, version=3))
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["serviceAccountName"] == "mass-ops-workload"
+    assert spec["enableServiceLinks"] is False
+    assert spec["restartPolicy"] == "Never"
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False and security["privileged"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    k8s = paper.compute.kubernetes
+    assert container["resources"] == {
+        "requests": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
+        "limits": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
+    }
+    assert "tolerations" not in spec and spec["nodeSelector"] == {"pool": "cpu"}  # CPU nodes, no GPU
+    assert spec["activeDeadlineSeconds"] == paper.runtime.episode_wall_clock_s * paper.runtime.max_infra_attempts + 900
+    assert container["command"] == [
+        "mass-ops", "episode", "run", "--config", specs.CONFIG_FILE, "--kind", "search", "--task", "51",
+        "--version", "3",
+    ]  # fmt: skip
+
+
+def test_episode_pod_carries_what_the_network_policy_selects(paper, settings):
+    chart = render_chart(GPU_VALUES)
+    selected = chart.one("NetworkPolicy")["spec"]["podSelector"]["matchLabels"]
+    for episode in EPISODES:
+        labels = specs.episode_pod(paper, settings, episode)["metadata"]["labels"]
+        assert selected.items() <= labels.items()
+        assert labels["app.kubernetes.io/part-of"] == "mass-ops"
+    inference_labels = specs.inference_deployment(paper, settings, specs.current_serving_target(paper), scope="c")
+    pod_labels = inference_labels["spec"]["template"]["metadata"]["labels"]
+    egress_to = chart.one("NetworkPolicy")["spec"]["egress"][0]["to"][0]["podSelector"]["matchLabels"]
+    assert egress_to.items() <= pod_labels.items(), "episodes must be allowed to reach the inference pods"
+
+
+def test_episode_pod_gets_the_inference_key_and_no_other_secret(paper, settings):
+    container = specs.episode_pod(paper, settings, EPISODES[1])["spec"]["containers"][0]
+    secret_envs = {e["name"] for e in container["env"] if "valueFrom" in e}
+    assert secret_envs == {"VLLM_API_KEY"}
+    key = next(e for e in container["env"] if e["name"] == "VLLM_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "mass-ops-inference", "key": "VLLM_API_KEY", "optional": True}
+    assert container["envFrom"] == [{"configMapRef": {"name": "mass-ops-env"}}]
+
+
+def test_pods_receive_the_config_without_storage(chart_dir, settings):
+    config = cluster_config(chart_dir, "paper", "storage.metadata_url=postgresql://mass:hunter2@db.internal/mass")
+    pod = specs.episode_pod(config, settings, EPISODES[0])
+    document = pod["metadata"]["annotations"][specs.CONFIG_ANNOTATION]
+    assert "hunter2" not in document and "storage" not in json.loads(document)
+    assert json.loads(document)["search"]["seed_base"] == config.search.seed_base
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "cycle-config")
+    assert volume["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == (
+        f"metadata.annotations['{specs.CONFIG_ANNOTATION}']"
+    )
+    mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert str(Path(specs.CONFIG_FILE).parent) in mounts and "/workspace" in mounts
+
+
+def test_episode_specs_need_their_identity():
+    with pytest.raises(SpecError, match="search episode needs version"):
+        EpisodeSpec("search", 51)
+    with pytest.raises(SpecError, match="rollout episode needs replicate"):
+        EpisodeSpec("rollout", 51, generation="L1")
+    assert EpisodeSpec("rollout", 60, replicate=2, generation="L1").slug == "rollout-L1-t60-r2"
+
+
+# --- inference server ---------------------------------------------------------------------------------------------
+
+
+def serve_sh_variables() -> set[str]:
+    return set(re.findall(r"\$\{(MASS_SERVE_[A-Z_]+)", SERVE_SH.read_text()))
+
+
+def test_vllm_deployment_carries_the_serving_flags(paper, settings):
+    target = specs.current_serving_target(paper)
+    deployment = specs.inference_deployment(paper, settings, target, scope=paper.cycle_name)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    server = paper.inference.server
+    assert env["MASS_SERVE_MODEL"] == "/models/L0-fp8"
+    assert env["MASS_SERVE_NAME"] == "Qwen/Qwen3.6-27B-FP8"
+    assert env["MASS_SERVE_PORT"] == "8001"
+    assert env["MASS_SERVE_MAX_MODEL_LEN"] == "262144"
+    assert env["MASS_SERVE_TOOL_CALL_PARSER"] == "qwen3_coder"
+    assert env["MASS_SERVE_REASONING_PARSER"] == "qwen3"
+    assert env["MASS_SERVE_MAX_NUM_SEQS"] == str(server.max_num_seqs)
+    assert float(env["MASS_SERVE_GPU_MEMORY_UTILIZATION"]) == server.gpu_memory_utilization
+    assert "MASS_SERVE_TENSOR_PARALLEL_SIZE" not in env
+    set_here = {name for name in env if name.startswith("MASS_SERVE_")}
+    assert set_here <= serve_sh_variables(), "every MASS_SERVE_* we set must be one serve.sh reads"
+    assert {e["name"] for e in container["env"] if "valueFrom" in e} == {"VLLM_API_KEY"}
+    assert "command" not in container and "args" not in container, "the image's entry point (serve.sh) runs"
+
+
+def test_vllm_pod_resources_volumes_and_probes(paper, settings):
+    deployment = specs.inference_deployment(paper, settings, specs.next_serving_target(paper), scope="c")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"] == {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "mass-ops-model-cache", "readOnly": True}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/dev/shm"]["name"] == "dshm" and mounts["/models"]["readOnly"] is True
+    assert (
+        pod["nodeSelector"] == paper.compute.kubernetes.gpu_node_selector and pod["nodeSelector"]["gpu-type"] == "h200"
+    )
+    assert pod["tolerations"] == GPU_VALUES["scheduling"]["gpu"]["tolerations"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= paper.inference.server.readiness_timeout_s
+    assert container["ports"] == [{"name": "http", "containerPort": 8001, "protocol": "TCP"}]
+    assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MASS_SERVE_MODEL"] == "/models/L1-fp8" and env["MASS_SERVE_NAME"] == "L1"
+
+
+def test_service_selects_exactly_its_deployment(paper, settings):
+    current, nxt = specs.current_serving_target(paper), specs.next_serving_target(paper)
+    deployment = specs.inference_deployment(paper, settings, current, scope=paper.cycle_name)
+    service = specs.inference_service(paper, settings, current, scope=paper.cycle_name)
+    other = specs.inference_deployment(paper, settings, nxt, scope=paper.cycle_name)
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    assert service["spec"]["selector"].items() <= template_labels.items()
+    other_labels = other["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= other_labels.items()
+    assert service["spec"]["ports"][0]["port"] == paper.inference.server.port
+    url = specs.inference_url(paper, paper.cycle_name, current.served_name)
+    assert url == f"http://{service['metadata']['name']}.mass-ops.svc:8001/v1"
+
+
+def test_multi_gpu_serving_sets_tensor_parallelism(chart_dir, settings):
+    config = cluster_config(chart_dir, "paper", "inference.server.gpus=4")
+    container = specs.inference_deployment(config, settings, specs.current_serving_target(config), scope="c")["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MASS_SERVE_TENSOR_PARALLEL_SIZE"] == "4"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+
+
+# --- training and export Jobs -------------------------------------------------------------------------------------
+
+
+def test_training_is_an_indexed_job_with_a_rendezvous_service(paper, settings):
+    job = specs.training_job(paper, settings, role="train")
+    service = specs.rendezvous_service(paper, settings, role="train")
+    name = job["metadata"]["name"]
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed", 3, 3, 0,
+    )  # fmt: skip
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NNODES"]["value"] == "3" and env["NPROC_PER_NODE"]["value"] == "1"  # 3 replicas over 3 nodes
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert env["MASTER_ADDR"]["value"] == f"{name}-0.{service['metadata']['name']}"
+    assert pod["subdomain"] == service["metadata"]["name"] == name
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert pod["priorityClassName"] == "mass-ops-training"
+    assert pod["tolerations"] and pod["nodeSelector"] == paper.compute.kubernetes.gpu_node_selector
+    assert container["command"] == ["mass-ops", "stage", "train", "--config", specs.CONFIG_FILE]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["model-cache"]["persistentVolumeClaim"]["readOnly"] is True
+    assert len(name) + len("-99") <= 63, "pod hostnames <job>-<index> must stay DNS labels"
+
+
+def test_gpus_per_pod_follow_ranks_per_node(chart_dir, settings):
+    config = cluster_config(chart_dir, "demo", "training.replicas=4", "training.nnodes=2", "training.gpus_per_node=2")
+    container = specs.training_job(config, settings)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (env["NNODES"], env["NPROC_PER_NODE"]) == ("2", "2")
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "2"}
+
+
+def test_training_gets_storage_secrets_but_never_judge_keys(paper, settings):
+    container = specs.training_job(paper, settings)["spec"]["template"]["spec"]["containers"][0]
+    secret_envs = {e["name"] for e in container["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]}
+    assert secret_envs == {"MASS_METADATA_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3"}
+
+
+def test_export_job_is_one_pod_writing_the_model_cache(paper, settings):
+    job = specs.training_job(paper, settings, role="export")
+    assert job["spec"]["completions"] == 1 and job["metadata"]["name"] != specs.job_name(paper, "train")
+    pod = job["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"]["readOnly"] is False
+    assert pod["containers"][0]["command"][:3] == ["mass-ops", "stage", "export"]
+
+
+# --- names, settings, model keys -----------------------------------------------------------------------------------
+
+
+def test_resource_names_are_dns_labels_and_stable():
+    long_a = specs.resource_name("vllm", "a" * 80, "Qwen/Qwen3.6-27B-FP8")
+    long_b = specs.resource_name("vllm", "a" * 80, "Qwen/Qwen3.6-27B-FP9")
+    for name in (long_a, long_b, specs.resource_name("9lives", "X_y.z")):
+        assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name), name
+    assert long_a != long_b and long_a == specs.resource_name("vllm", "a" * 80, "Qwen/Qwen3.6-27B-FP8")
+    assert specs.label_value("cycle-") == "cycle" and len(specs.label_value("x" * 100)) == 63
+
+
+def test_model_keys_map_into_the_cache():
+    assert specs.model_path("models/L1-fp8") == "/models/L1-fp8"
+    assert specs.model_path("teams/a/L1-fp8") == "/models/teams/a/L1-fp8"
+    for bad in ("s3://bucket/models/L1", "/abs/path", "models/../etc"):
+        with pytest.raises(SpecError):
+            specs.model_path(bad)
+
+
+def test_current_target_needs_a_bf16_parent(chart_dir):
+    config = cluster_config(chart_dir, "paper", "models.parent_bf16=models/base")
+    with pytest.raises(SpecError, match="must end in -bf16"):
+        specs.current_serving_target(config)
+    cycle2 = cluster_config(chart_dir, "cycle2")
+    assert specs.current_serving_target(cycle2) == specs.ServingTarget("L1", "models/L1-fp8")
+    assert specs.next_serving_target(cycle2) == specs.ServingTarget("L2", "models/L2-fp8")
+
+
+def test_settings_default_without_a_folder_and_fail_on_garbage(tmp_path, monkeypatch):
+    monkeypatch.delenv(specs.SETTINGS_DIR_ENV, raising=False)
+    assert load_workload_settings(tmp_path / "absent") == WorkloadSettings()
+    (tmp_path / "secret-refs.yaml").write_text("VLLM_API_KEY: {key: only}\n")
+    with pytest.raises(SpecError, match="lacks secretName"):
+        load_workload_settings(tmp_path)
+    monkeypatch.setenv(specs.SETTINGS_DIR_ENV, str(tmp_path / "absent"))
+    assert specs.settings_dir() == tmp_path / "absent"
+
+
+def test_chart_settings_round_trip(settings):
+    assert settings.service_account == "mass-ops-workload"
+    assert settings.labels_for("episode") == {"app.kubernetes.io/component": "episode", "mass-ops/role": "episode"}
+    consumers = {ref.env: set(ref.consumers) for ref in settings.secret_refs}
+    assert {env for env, who in consumers.items() if "episode" in who} == {"VLLM_API_KEY"}

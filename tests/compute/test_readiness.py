@@ -1,0 +1,78 @@
+"""Readiness = /health 200 and the served name listed by /v1/models; probes send the key as a bearer header."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mass_ops.compute.readiness import (
+    health_url,
+    listed_models,
+    models_url,
+    probe,
+    probe_async,
+    readiness_problem,
+    server_root,
+)
+from tests.compute.model_server_stub import serve_in_thread
+
+
+def endpoint_of(server) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def test_urls_of_an_openai_endpoint():
+    assert server_root("http://vllm.ns.svc:8001/v1/") == "http://vllm.ns.svc:8001"
+    assert health_url("http://127.0.0.1:8011/v1") == "http://127.0.0.1:8011/health"
+    assert models_url("http://127.0.0.1:8011/v1/") == "http://127.0.0.1:8011/v1/models"
+
+
+@pytest.mark.parametrize(
+    ("status", "payload", "expected"),
+    [
+        (None, None, "/health did not answer"),
+        (503, None, "/health answered HTTP 503"),
+        (200, {"data": [{"id": "other"}]}, "/v1/models lists ['other'] but not 'L1'"),
+        (200, {"unexpected": True}, "/v1/models lists [] but not 'L1'"),
+        (200, {"data": [{"id": "x"}, {"id": "L1"}]}, None),
+    ],
+)
+def test_readiness_needs_health_and_the_served_name(status, payload, expected):
+    assert readiness_problem(status, payload, "L1") == expected
+
+
+def test_listed_models_ignores_malformed_entries():
+    assert listed_models({"data": [{"id": "a"}, "junk", {"no_id": 1}, {"id": 2}]}) == ["a", "2"]
+
+
+def test_probe_of_a_ready_server():
+    server = serve_in_thread("Qwen/Qwen3.6-27B-FP8")
+    try:
+        report = probe(endpoint_of(server), "Qwen/Qwen3.6-27B-FP8")
+        assert report.ready and report.problem is None
+        wrong = probe(endpoint_of(server), "L1")
+        assert not wrong.ready and "not 'L1'" in wrong.problem
+    finally:
+        server.shutdown()
+
+
+def test_probe_of_a_loading_server_and_of_nothing():
+    server = serve_in_thread("L1", healthy=False)
+    try:
+        assert probe(endpoint_of(server), "L1").problem == "/health answered HTTP 503"
+    finally:
+        server.shutdown()
+    assert "unreachable" in probe(endpoint_of(server), "L1", timeout_s=1).problem
+
+
+def test_probe_sends_the_key_from_the_named_variable(monkeypatch):
+    server = serve_in_thread("L1", key="s3cret-key")
+    try:
+        monkeypatch.delenv("PROBE_KEY", raising=False)
+        assert probe(endpoint_of(server), "L1", api_key_env="PROBE_KEY").problem == "/v1/models answered HTTP 401"
+        monkeypatch.setenv("PROBE_KEY", "s3cret-key")
+        assert probe(endpoint_of(server), "L1", api_key_env="PROBE_KEY").ready
+        assert asyncio.run(probe_async(endpoint_of(server), "L1", api_key_env="PROBE_KEY")).ready
+    finally:
+        server.shutdown()

@@ -1,0 +1,137 @@
+"""Structure of the cycle DAG: order of stages, one task per RHI version, setup/teardown, pools, retries, assets."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.sdk import TriggerRule
+from mass_ops_airflow.params import KNOBS, MAX_SEARCH_ITERATIONS
+from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
+
+from tests.dags.dag_files import dag_module
+
+
+@pytest.fixture(scope="module")
+def dag():
+    return dag_module("mass_cycle").dag
+
+
+def upstream(dag, task_id: str) -> set[str]:
+    return set(dag.get_task(task_id).upstream_task_ids)
+
+
+def test_run_is_triggered_with_the_form(dag):
+    assert dag.dag_id == "mass_cycle" and dag.schedule is None
+    assert dag.catchup is False and dag.max_active_runs == 1
+    assert set(dag.params) == {"preset", "overrides", "auto_continue", *(k.param for k in KNOBS)}
+    dag.params.validate()
+
+
+def test_stage_order(dag):
+    chain = [
+        ("validate_config", "inference_up"),
+        ("validate_config", "search_tasks"),
+        ("collection_units", "collect_candidate"),
+        ("collect_candidate", "ranking_tasks"),
+        ("ranking_tasks", "rank_task"),
+        ("rank_task", "select"),
+        ("select", "inference_down"),
+        ("select", "render"),
+        ("inference_down", "render"),
+        ("render", "train"),
+        ("train", "select_checkpoint"),
+        ("select_checkpoint", "export"),
+        ("export", "register"),
+        ("register", "evaluation_inference_up"),
+        ("evaluation_inference_up", "rollout_units"),
+        ("rollout_units", "rollout"),
+        ("rollout", "evaluate"),
+        ("evaluate", "evaluation_inference_down"),
+        ("evaluate", "report"),
+        ("evaluation_inference_down", "report"),
+        ("report", "continue_cycle"),
+    ]
+    for before, after in chain:
+        assert before in upstream(dag, after), f"{before} must run before {after}"
+
+
+def test_rhi_runs_each_version_as_its_own_task_in_order(dag):
+    steps = [f"rhi.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1)]
+    assert all(s in dag.task_dict for s in steps) and f"rhi.step_v{MAX_SEARCH_ITERATIONS + 1}" not in dag.task_dict
+    assert {"rhi.reference_episode", "rhi.episode_v0"} <= upstream(dag, "rhi.step_v0"), "both v0 episodes first"
+    for k in range(1, MAX_SEARCH_ITERATIONS + 1):
+        step = dag.get_task(f"rhi.step_v{k}")
+        assert f"rhi.step_v{k - 1}" in step.upstream_task_ids, "version k needs step k-1's proposal"
+        assert (step.kind, step.version, step.stage) == ("search", k, "search_step")
+    group = dag.get_task("rhi.step_v0").get_closest_mapped_task_group()
+    assert group is not None and group.group_id == "rhi"
+    assert f"rhi.step_v{MAX_SEARCH_ITERATIONS}" in upstream(dag, "collection_units")
+    # Versions beyond a run's search.iterations are skipped, and collection must still run.
+    assert dag.get_task("collection_units").trigger_rule == TriggerRule.NONE_FAILED
+
+
+def test_mapped_units_have_readable_names(dag):
+    for task_id in ("rhi.step_v0", "rhi.step_v2", "rhi.episode_v0", "rhi.reference_episode"):
+        task = dag.get_task(task_id)
+        assert task.get_closest_mapped_task_group() is not None, task_id
+        assert task.map_index_template in ("{{ unit_label }}", "{{ episode_label }}"), task_id
+    for task_id, stage in (("collect_candidate", "collect_candidate"), ("rollout", "rollout")):
+        task = dag.get_task(task_id)
+        assert task.is_mapped and task.partial_kwargs["stage"] == stage
+        assert task.partial_kwargs["map_index_template"] == "{{ episode_label }}"
+    assert dag.get_task("rank_task").map_index_template == "{{ unit_label }}"
+
+
+def test_inference_server_is_a_setup_teardown_pair(dag):
+    for setup, teardown in (
+        ("inference_up", "inference_down"),
+        ("evaluation_inference_up", "evaluation_inference_down"),
+    ):
+        up, down = dag.get_task(setup), dag.get_task(teardown)
+        assert up.is_setup and down.is_teardown
+        assert setup in down.upstream_task_ids
+        assert down.trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS, "teardown runs even when the work fails"
+    # Everything that talks to the model server lies between the pair (cleared together, torn down together).
+    for task_id in ("rhi.step_v0", "collect_candidate", "rank_task", "select"):
+        assert "inference_up" in dag.get_task(task_id).get_flat_relative_ids(upstream=True)
+
+
+def test_pools(dag):
+    inference = {"rhi.reference_episode", "rhi.episode_v0", "collect_candidate", "rank_task", "rollout"}
+    inference |= {f"rhi.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1)}
+    gpu = {"inference_up", "evaluation_inference_up", "train", "export"}
+    for task in dag.tasks:
+        if task.task_id in inference:
+            assert task.pool == INFERENCE_POOL, task.task_id
+        elif task.task_id in gpu:
+            assert task.pool == GPU_POOL, task.task_id
+        else:
+            assert task.pool == "default_pool", task.task_id
+
+
+def test_retries_back_off_and_every_task_is_bounded(dag):
+    no_retry = {"validate_config", "continue_cycle"}  # bad input / a trigger must not repeat
+    for task in dag.tasks:
+        assert task.execution_timeout is not None, task.task_id
+        if task.task_id in no_retry:
+            assert task.retries == 0, task.task_id
+            continue
+        assert task.retries >= 1 and task.retry_exponential_backoff >= 2.0, task.task_id
+        assert task.max_retry_delay is not None, task.task_id
+    assert dag.get_task("train").execution_timeout.total_seconds() >= 19 * 3600  # the paper's cycle 1 took ~19 h
+
+
+def test_register_announces_the_generation_through_an_asset_alias(dag):
+    (outlet,) = dag.get_task("register").outlets
+    assert type(outlet).__name__ == "AssetAlias" and outlet.name == "mass-ops-generations"
+
+
+def test_operators_pick_the_backend_at_run_time(dag):
+    kinds = {t.task_id: type(t).__name__ for t in dag.tasks}
+    assert kinds["inference_up"] == "InferenceServerOperator"
+    assert kinds["inference_down"] == "InferenceServerTeardownOperator"
+    assert kinds["train"] == "TrainingJobOperator" and kinds["export"] == "ExportJobOperator"
+    assert kinds["rhi.episode_v0"] == kinds["rhi.reference_episode"] == "EpisodePodOperator"
+    assert kinds["rhi.step_v3"] == "EpisodeStageOperator"
+    assert dag.get_task("collect_candidate").operator_class.__name__ == "EpisodeStageOperator"
+    assert dag.get_task("rollout").partial_kwargs["kind"] == "rollout"
+    assert dag.get_task("evaluation_inference_up").serve == "evaluation"

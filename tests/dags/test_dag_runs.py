@@ -1,0 +1,98 @@
+"""Both DAGs run end to end under Airflow's own `dag.test()` (scheduler logic, task runner, deferral, mapping,
+setup/teardown), with a stand-in `mass_ops.stages` recording calls and a stub model server for readiness.
+
+The real stages are exercised by their own tests; this shows the wiring: which stage runs when, with which
+arguments, and what is skipped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.compute.model_server_stub import serve_in_thread
+from tests.dags.dag_files import fresh_dag_module
+
+
+@pytest.fixture(scope="module")
+def airflow_db():
+    """Airflow's metadata database (migrated once for this module) with the mass-ops pools."""
+    from airflow.models.pool import Pool
+    from airflow.utils.db import initdb
+
+    initdb()
+    for pool in ("mass_inference", "mass_gpu"):
+        Pool.create_or_update_pool(pool, 4, "test", include_deferred=True)
+
+
+@pytest.fixture
+def model_server(stages):
+    """A ready stub server that the stand-in `inference_up` reports, as the real local stage does."""
+    server = serve_in_thread("mass-tiny-L0")
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    stages.results["inference_up"] = {"servers": [{"endpoint": endpoint, "served_name": "mass-tiny-L0"}]}
+    yield endpoint
+    server.shutdown()
+
+
+def states(run) -> Counter:
+    return Counter((ti.task_id, ti.state) for ti in run.get_task_instances())
+
+
+@pytest.mark.slow
+def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
+    stages.results.update(
+        {
+            "search_tasks": [51],
+            "collection_units": [[51, 0], [51, 1]],
+            "ranking_tasks": [51],
+            "register": {"generation": "L1", "generation_id": 1},
+            "rollout_units": [["L0", 51, 0], ["L1", 51, 0]],
+        }
+    )
+    conf = {"preset": "demo", "train_tasks": [51], "candidates": 2, "overrides": ["evaluation.tasks=[51, 60]"]}
+    dag = fresh_dag_module("mass_cycle").dag
+    for task in dag.tasks:  # a failure must fail the test now, not after Airflow's retry back-off
+        task.retries = 0
+    run = dag.test(run_conf=conf)
+    assert run.state == "success", states(run)
+    expected = [
+        "validate_config", "inference_up", "search_tasks", "search_step", "search_step", "collection_units",
+        "collect_candidate", "collect_candidate", "ranking_tasks", "rank_task", "select", "inference_down",
+        "render", "train", "select_checkpoint", "export", "register", "inference_up", "rollout_units",
+        "rollout", "rollout", "evaluate", "inference_down", "report",
+    ]  # fmt: skip
+    names = stages.names()
+    assert Counter(names) == Counter(expected)
+    # Independent branches may interleave; the stage order itself may not.
+    order = ["validate_config", "collection_units", "ranking_tasks", "select", "render", "train",
+             "select_checkpoint", "export", "register", "rollout_units", "evaluate", "report"]  # fmt: skip
+    assert [n for n in names if n in order] == order
+    assert names.index("inference_down") > names.index("select") and names[-1] == "report"
+    steps = [args[1:] for name, args in stages.calls if name == "search_step"]
+    assert steps == [(51, 0), (51, 1)], "versions run in order; those beyond search.iterations never run"
+    counted = states(run)
+    assert counted[("rhi.step_v2", "skipped")] == 1 and counted[("rhi.step_v11", "skipped")] == 1
+    assert counted[("continue_cycle", "skipped")] == 1
+    labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "collect_candidate"}
+    assert labels == {"collection-t51-c0", "collection-t51-c1"}
+    rollouts = sorted(args[1:] for name, args in stages.calls if name == "rollout")
+    assert rollouts == [("L0", 51, 0), ("L1", 51, 0)]
+
+
+def test_teardown_runs_when_the_work_fails(airflow_db, stages, model_server):
+    def broken(config, generation, logical_date):
+        raise RuntimeError("judge endpoint down")
+
+    stages.results.update({"nightly_targets": ["L1"], "nightly_evaluate": broken})
+    dag = fresh_dag_module("mass_nightly_eval").dag
+    for task in dag.tasks:
+        task.retries = 0
+    run = dag.test(run_conf={"preset": "demo"})
+    assert run.state == "failed"
+    counted = states(run)
+    assert counted[("nightly_evaluate", "failed")] == 1
+    assert counted[("nightly_inference_down", "success")] == 1, "the servers are stopped anyway"
+    assert counted[("check_regression", "upstream_failed")] == 1
+    assert stages.names().count("inference_down") == 1

@@ -1,0 +1,205 @@
+"""The episode operator, tested the way the provider tests its pod operator: the pod manager's waits patched, the
+Kubernetes API faked, everything else (pod building, reattach, cleanup, failure handling) the provider's own code."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
+from airflow.providers.cncf.kubernetes.utils.pod_manager import PodManager
+from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
+from mass_ops_airflow.checks import StageOutputMissing
+from mass_ops_airflow.operators import EpisodePodOperator, EpisodeStageOperator
+from mass_ops_airflow.operators._pod import SandboxPodFailed
+
+from tests.plugins.conftest import task_context
+
+K8S = {"preset": "paper", "compute_backend": "kubernetes"}
+
+
+@pytest.fixture
+def repo(cycle_store, cluster, chart_settings):
+    return cycle_store(K8S)
+
+
+LOG = "\n".join(f"agent line {i}" for i in range(100))
+
+
+@pytest.fixture
+def pod_waits():
+    """Patch the pod manager's waits (start, log following) as the provider's own operator tests do."""
+    with (
+        mock.patch.object(PodManager, "await_pod_start", new_callable=mock.AsyncMock) as start,
+        mock.patch.object(PodManager, "fetch_requested_container_logs") as logs,
+    ):
+        yield start, logs
+
+
+def search_episode(**kwargs) -> EpisodePodOperator:
+    return EpisodePodOperator(task_id="t", kind="search", task=51, version=3, deferrable=False, **kwargs)
+
+
+def record_episode(repo, status: str = "succeeded") -> int:
+    episode = repo.record_episode(repo.cycle_id, task_id=51, kind="search", version=3, seed=453051, status=status)
+    return episode.id
+
+
+def pod_records_its_episode(repo, cluster) -> None:
+    """The pod's `mass-ops episode run` records the episode (what the post-check then finds)."""
+    cluster.on_pod_created = lambda manifest: record_episode(repo)
+
+
+def test_success_runs_the_sandbox_pod_and_checks_the_store(repo, cluster, pod_waits):
+    pod_records_its_episode(repo, cluster)
+    result = search_episode().execute(task_context(K8S))
+    assert result == {
+        "backend": "kubernetes", "episode": "search-t51-v3", "episode_id": 1, "status": "succeeded", "attempt": 1,
+    }  # fmt: skip
+    created = [c for c in cluster.calls if c == ("", "pods", "create")]
+    assert len(created) == 1 and not cluster.objects["pods"], "the pod is deleted once it finished"
+    start, _ = pod_waits
+    pod = start.call_args.kwargs["pod"]
+    labels = pod.metadata.labels
+    assert labels["mass-ops/role"] == "episode" and labels["app.kubernetes.io/component"] == "episode"
+    assert labels["dag_id"] == "mass_cycle" and labels["kubernetes_pod_operator"] == "True"
+    assert pod.spec.automount_service_account_token is False
+    assert pod.spec.containers[0].security_context.run_as_non_root is True
+    assert pod.spec.containers[0].command[:3] == ["mass-ops", "episode", "run"]
+    assert start.call_args.kwargs["startup_timeout"] == start.call_args.kwargs["schedule_timeout"] == 1800
+
+
+def test_exit_zero_without_a_recorded_episode_fails(repo, cluster, pod_waits):
+    with pytest.raises(StageOutputMissing, match="search-t51-v3: the pod exited 0 but the metadata store has no row"):
+        search_episode().execute(task_context(K8S))
+
+
+def test_only_infrastructure_failures_recorded_fails(repo, cluster, pod_waits):
+    record_episode(repo, status="infra_failure")  # an earlier attempt; the pod records nothing new
+    with pytest.raises(StageOutputMissing, match="recorded as infra_failure"):
+        search_episode().execute(task_context(K8S))
+
+
+def test_pod_failure_fails_the_task_with_the_log_tail(repo, cluster, pod_waits):
+    cluster.pod_outcome = ("Failed", 3)
+    cluster.default_log = LOG
+    with pytest.raises(SandboxPodFailed) as caught:
+        search_episode().execute(task_context(K8S))
+    message = str(caught.value)
+    assert "returned a failure" in message and "last 40 lines of the pod's log" in message
+    assert "agent line 99" in message and "agent line 60" in message and "agent line 59" not in message
+    assert ("", "pods/log", "get") in cluster.calls
+    assert ("", "pods", "patch") in cluster.calls, "a failed pod is marked checked so a retry never re-attaches"
+    assert not cluster.objects["pods"], "and then deleted"
+
+
+def test_deferred_wait_and_failure_on_reentry(repo, cluster, pod_waits):
+    operator = EpisodePodOperator(task_id="t", kind="collection", task=202, candidate=4)
+    context = task_context(K8S)
+    with pytest.raises(TaskDeferred) as caught:
+        operator.execute(context)
+    trigger = caught.value.trigger
+    assert isinstance(trigger, KubernetesPodTrigger) and caught.value.method_name == "trigger_reentry"
+    assert trigger.schedule_timeout == 1800
+    (pod_name,) = cluster.objects["pods"]
+    assert trigger.pod_name == pod_name
+    cluster.objects["pods"][pod_name]["status"] = cluster._pod_status(cluster.objects["pods"][pod_name]) | {
+        "phase": "Failed"
+    }
+    cluster.logs[pod_name] = "uv sync\nerror: no space left on device"
+    event = {"status": "failed", "name": pod_name, "namespace": "mass-ops", "message": "Container failed"}
+    with pytest.raises(SandboxPodFailed, match="no space left on device"):
+        EpisodePodOperator(task_id="t", kind="collection", task=202, candidate=4).trigger_reentry(context, event)
+    assert not cluster.objects["pods"]
+
+
+def test_kill_deletes_the_pod(repo, cluster, pod_waits):
+    operator = EpisodePodOperator(task_id="t", kind="reference", task=51)
+    with pytest.raises(TaskDeferred):
+        operator.execute(task_context(K8S))
+    assert len(cluster.objects["pods"]) == 1
+    operator.on_kill()
+    assert not cluster.objects["pods"]
+
+
+def test_retry_reattaches_to_the_running_pod(repo, cluster, pod_waits):
+    running = {
+        "metadata": {
+            "name": "ep-left-over",
+            "namespace": "mass-ops",
+            "labels": {"dag_id": "mass_cycle", "task_id": "t", "run_id": "manual__1", "kubernetes_pod_operator": "True",
+                       "try_number": "1"},
+        },
+        "spec": {"containers": [{"name": "base", "image": "i"}]},
+        "status": {"phase": "Running"},
+    }  # fmt: skip
+    cluster.objects["pods"]["ep-left-over"] = running
+    operator = EpisodePodOperator(task_id="t", kind="reference", task=51)
+    with pytest.raises(TaskDeferred) as caught:
+        operator.execute(task_context(K8S))
+    assert caught.value.trigger.pod_name == "ep-left-over"
+    assert ("", "pods", "create") not in cluster.calls
+
+
+def test_local_backend_launches_nothing(cluster):
+    result = EpisodePodOperator(task_id="t", kind="search", task=51, version=1).execute(
+        task_context({"preset": "demo"})
+    )
+    assert result == {"backend": "local", "episode": "search-t51-v1"}
+    assert cluster.calls == []
+
+
+def test_versions_beyond_the_search_budget_are_skipped(cluster):
+    operator = EpisodePodOperator(task_id="t", kind="search", task=51, version=2)
+    with pytest.raises(AirflowSkipException, match=r"search\.iterations is 1: no version 2"):
+        operator.execute(task_context({"preset": "demo", "compute_backend": "kubernetes"}))
+    assert cluster.calls == []
+
+
+# --- episode + stage in one task ------------------------------------------------------------------------------
+
+
+def test_stage_operator_runs_the_pod_then_the_stage(repo, cluster, pod_waits, stages):
+    pod_records_its_episode(repo, cluster)
+    stages.results["search_step"] = {"task_id": 51, "version": 3, "champion": 2}
+    operator = EpisodeStageOperator(task_id="t", kind="search", task=51, version=3, stage="search_step")
+    operator.deferrable = False
+    result = operator.execute(task_context(K8S))
+    assert result == {"backend": "kubernetes", "episode": "search-t51-v3", "result": stages.results["search_step"]}
+    assert [c for c in cluster.calls if c == ("", "pods", "create")] == [("", "pods", "create")]
+    ((name, args),) = stages.calls
+    assert name == "search_step" and args[1:] == (51, 3) and args[0].compute.backend == "kubernetes"
+
+
+def test_stage_operator_skips_the_pod_of_a_recorded_episode(repo, cluster, stages):
+    record_episode(repo)
+    result = EpisodeStageOperator(task_id="t", kind="search", task=51, version=3, stage="search_step").execute(
+        task_context(K8S)
+    )
+    assert result["backend"] == "kubernetes" and stages.names() == ["search_step"]
+    assert ("", "pods", "create") not in cluster.calls, "a cleared or retried task redoes only what is missing"
+
+
+def test_stage_operator_does_not_run_the_stage_after_a_failed_pod(repo, cluster, pod_waits, stages):
+    cluster.pod_outcome = ("Failed", 2)
+    operator = EpisodeStageOperator(task_id="t", kind="collection", task=202, candidate=1, stage="collect_candidate")
+    operator.deferrable = False
+    with pytest.raises(SandboxPodFailed):
+        operator.execute(task_context(K8S))
+    assert stages.calls == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "stage", "arguments"),
+    [
+        ({"kind": "search", "task": 51, "version": 1}, "search_step", (51, 1)),
+        ({"kind": "collection", "task": "202", "candidate": "2"}, "collect_candidate", (202, 2)),
+        ({"kind": "rollout", "task": 60, "replicate": 0, "generation": "L1"}, "rollout", ("L1", 60, 0)),
+    ],
+)
+def test_stage_operator_on_the_local_backend_only_calls_the_stage(cluster, stages, kwargs, stage, arguments):
+    result = EpisodeStageOperator(task_id="t", stage=stage, **kwargs).execute(task_context({"preset": "demo"}))
+    assert result["backend"] == "local"
+    ((name, args),) = stages.calls
+    assert (name, args[1:]) == (stage, arguments)
+    assert cluster.calls == []
