@@ -350,6 +350,30 @@ def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     _stage("report", lambda: [stages.report(cfg)])
 
 
+STAGE_NAMES = ("validate_config", "render", "train", "select_checkpoint", "export", "register", "report")
+
+
+@app.command("stage")
+def stage_cmd(
+    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(STAGE_NAMES)}.")],
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+) -> None:
+    """Run one whole-cycle stage and print its result as one JSON line (what Kubernetes Jobs run)."""
+    from mass_ops import stages
+
+    if name not in STAGE_NAMES:
+        raise fail(f"stage {name!r}: unknown; choose one of {', '.join(STAGE_NAMES)}")
+    cfg = resolve_config(config, set_)
+    try:
+        result = getattr(stages, name)(cfg)
+    except ValueError as exc:
+        raise fail(f"{name}: {exc}") from None
+    except RuntimeError as exc:
+        raise fail(f"{name} failed: {exc}; rerun to resume", code=1) from None
+    sys.stdout.write(json.dumps(result, default=str) + "\n")
+
+
 @app.command()
 def demo(set_: SetOption = None) -> None:
     """A whole demo cycle on the embedded default: tiny random Qwen3 on CPU, SQLite, a local artifact folder."""

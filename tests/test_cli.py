@@ -62,3 +62,28 @@ def test_tasks_list_shows_the_twelve_tasks():
     assert result.exit_code == 0
     for task_id in (51, 53, 56, 60, 202, 205, 207, 221, 302, 305, 307, 324):
         assert str(task_id) in result.stdout
+
+
+def test_stage_command_refuses_an_unknown_stage():
+    result = runner.invoke(app, ["stage", "nonsense", "--config", "demo"])
+    assert result.exit_code == 2
+    assert "unknown" in result.stderr
+
+
+def test_stage_command_runs_validate_config_and_prints_json(tmp_path):
+    db = f"sqlite:///{tmp_path}/m.db"
+    result = runner.invoke(
+        app,
+        [
+            "stage",
+            "validate_config",
+            "--config",
+            "demo",
+            "--set",
+            f"storage.metadata_url={db}",
+            "--set",
+            f"storage.artifact_url={tmp_path}/artifacts",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["cycle"] == "demo-L0"
