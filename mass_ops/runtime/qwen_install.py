@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir  # noqa: F401  (re-exported)
+from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
 
 QWEN_CODE_PACKAGE = "@qwen-code/qwen-code"
 QWEN_CODE_VERSION = "0.21.10"
@@ -109,21 +109,12 @@ def _ensure_private_node(prefix: Path) -> Path:
 
 def _ensure_qwen_package(prefix: Path, version: str) -> Path:
     package_dir = prefix / "node_modules" / Path(QWEN_CODE_PACKAGE)
-    if _installed_version(package_dir) != version:
+    if installed_npm_version(package_dir) != version:
         _npm_install_into(prefix, f"{QWEN_CODE_PACKAGE}@{version}")
-        installed = _installed_version(package_dir)
+        installed = installed_npm_version(package_dir)
         if installed != version:
             raise QwenInstallError(f"{QWEN_CODE_PACKAGE}@{version} requested but {package_dir} holds {installed}")
     return _entry_script(package_dir)
-
-
-def _installed_version(package_dir: Path) -> str | None:
-    try:
-        manifest = json.loads((package_dir / "package.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    version = manifest.get("version") if isinstance(manifest, dict) else None
-    return version if isinstance(version, str) else None
 
 
 def _entry_script(package_dir: Path) -> Path:
