@@ -232,6 +232,29 @@ def _let_through_notes(ctx: CycleContext) -> list[str]:
     return notes
 
 
+def _carried_design_notes(ctx: CycleContext) -> list[str]:
+    """Versions whose design repeats their parent's because the optimizer's answer was unusable (keep_design)."""
+    if ctx.config.search.on_invalid_proposal != "keep_design":
+        return []
+    notes = []
+    for task in ctx.config.tasks.train_candidates:
+        versions = {v.version: v for v in ctx.repo.workflow_versions(ctx.cycle_id, task)}
+        carried = [
+            f"v{v.version}"
+            for v in versions.values()
+            if v.parent_version is not None
+            and v.parent_version in versions
+            and v.design == versions[v.parent_version].design
+        ]
+        if carried:
+            notes.append(
+                f"Task {task}: {', '.join(carried)} repeat their parent's design because the optimizer's answer was "
+                f"not usable and the {ctx.config.preset} preset sets search.on_invalid_proposal: keep_design; the "
+                "paper presets fail the step instead."
+            )
+    return notes
+
+
 def _evaluations(ctx: CycleContext) -> list[PairwiseEvaluation]:
     found = []
     for row in ctx.repo.evaluations(kind=PAIRWISE_KIND):
@@ -451,6 +474,7 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
         generated_at=(now or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC"),
     )
     data.notes.extend(_let_through_notes(ctx))
+    data.notes.extend(_carried_design_notes(ctx))
     data.scoreboard = _scoreboard(ctx)
     data.evaluations = _evaluations(ctx)
     data.rollout_tokens = _rollout_tokens(ctx)
