@@ -66,7 +66,7 @@ def _prose(rng: random.Random, words: int) -> str:
 def _output(rng: random.Random, lines: int) -> str:
     return "\n".join(
         f"[step {i:05d}] loss={rng.uniform(0, 3):.4f} p@5={rng.random():.3f} r@10={rng.random():.3f} "
-        f"path=/work/ws/results/run_{rng.randrange(999):03d}.json"
+        f"path=/workspace/results/run_{rng.randrange(999):03d}.json"
         for i in range(lines)
     )
 
