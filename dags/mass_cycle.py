@@ -265,16 +265,21 @@ with DAG(
     [selected, inference_down] >> rendered >> train >> checkpoint >> export >> registered
 
     evaluation_up = InferenceServerOperator(
-        task_id="evaluation_inference_up", serve="evaluation", pool=GPU_POOL, execution_timeout=HOUR
+        task_id="evaluation_inference_up",
+        serve="evaluation",
+        local_stage="evaluation_up",
+        local_teardown_stage="evaluation_down",
+        pool=GPU_POOL,
+        execution_timeout=HOUR,
     )
     evaluation_down = InferenceServerTeardownOperator(
-        task_id="evaluation_inference_down", execution_timeout=SHORT_TIMEOUT
+        task_id="evaluation_inference_down", local_stage="evaluation_down", execution_timeout=SHORT_TIMEOUT
     )
     rollout_list = rollout_units()
     rolled = EpisodeStageOperator.partial(
         task_id="rollout",
         kind="rollout",
-        stage="rollout",
+        stage="rollout_unit",
         pool=INFERENCE_POOL,
         execution_timeout=EPISODE_TIMEOUT,
         map_index_template=EPISODE_LABEL,

@@ -58,18 +58,24 @@ with DAG(
     @task(execution_timeout=dt.timedelta(minutes=30))
     def nightly_targets(params: dict[str, Any] | None = None) -> list[str]:
         """Names of the generations to evaluate tonight (the newest registered ones)."""
+        from airflow.sdk.exceptions import AirflowSkipException
         from mass_ops_airflow.cycle import run_stage
 
-        return [str(name) for name in run_stage("nightly_targets", params or {})]
+        names = [str(name) for name in run_stage("nightly_targets", params or {})]
+        if not names:
+            raise AirflowSkipException("no registered generation with a parent yet: nothing to evaluate")
+        return names
 
     @task(execution_timeout=dt.timedelta(minutes=30))
     def serving_targets(generations: list[str], params: dict[str, Any] | None = None) -> list[dict[str, str]]:
         """What the servers load for those generations (Kubernetes backend; the local stage decides itself)."""
-        from mass_ops_airflow.cycle import cycle_config
+        from mass_ops_airflow.cycle import cycle_config, run_stage
         from mass_ops_airflow.operators.inference import registered_targets
 
         config = cycle_config(params or {})
-        return registered_targets(config, generations) if config.compute.backend == "kubernetes" else []
+        if config.compute.backend != "kubernetes":
+            return []
+        return registered_targets(config, run_stage("nightly_serving", params or {}, list(generations)))
 
     @task(pool=INFERENCE_POOL, execution_timeout=12 * HOUR, map_index_template="{{ unit_label }}")
     def nightly_evaluate(generation: str, params: dict[str, Any] | None = None) -> Any:
@@ -93,9 +99,15 @@ with DAG(
     generations = nightly_targets()
     servers = serving_targets(generations)
     up = InferenceServerOperator(
-        task_id="nightly_inference_up", serve=servers, scope=SCOPE, pool=GPU_POOL, execution_timeout=HOUR
+        task_id="nightly_inference_up",
+        serve=servers,
+        scope=SCOPE,
+        local_stage="nightly_up",
+        local_teardown_stage="nightly_down",
+        pool=GPU_POOL,
+        execution_timeout=HOUR,
     )
-    down = InferenceServerTeardownOperator(task_id="nightly_inference_down", scope=SCOPE)
+    down = InferenceServerTeardownOperator(task_id="nightly_inference_down", scope=SCOPE, local_stage="nightly_down")
     results = nightly_evaluate.expand(generation=generations)
     servers >> up >> results >> down
     down.as_teardown(setups=up)

@@ -427,6 +427,14 @@ class ComputeConfig(_Section):
     """Where commands run: local processes (embedded default) or Kubernetes."""
 
     backend: Literal["local", "kubernetes"] = "local"
+    local_inference: Literal["transformers", "external"] = Field(
+        default="transformers",
+        description=(
+            "Local backend: 'transformers' starts `transformers serve` on the cycle's model; 'external' uses a server "
+            "already answering at inference.endpoint (your own vLLM, a hosted endpoint) and only checks it is ready. "
+            "Evaluation always serves the registered generations it compares with `transformers serve`."
+        ),
+    )
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
 

@@ -48,6 +48,14 @@ def inference_up(config: CycleConfig, *, model_dir: str | None = None) -> dict[s
 
     if config.compute.backend != "local":
         raise ValueError("inference_up runs the local backend only; the DAG uses the inference-server operator")
+    if config.compute.local_inference == "external":
+        # Someone else serves the model (a vLLM of yours, a hosted endpoint): only its readiness is checked.
+        from mass_ops.compute.readiness import probe
+
+        report = probe(config.inference.endpoint, config.models.served_name, api_key_env=config.inference.api_key_env)
+        if not report.ready:
+            raise RuntimeError(f"inference endpoint {config.inference.endpoint} is not ready: {report.problem}")
+        return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": None}
     port = urlsplit(config.inference.endpoint).port or config.inference.server.port
     model = model_dir or config.models.served_name
     argv = transformers_serve_argv(model, port=port, extra=["--device", "cpu", "--dtype", "float32"])
@@ -228,6 +236,103 @@ def rollout(
         "count": rollout_set.count,
         "uri": ctx.artifacts.uri(rollout_set.key),
     }
+
+
+def evaluation_up(config: CycleConfig) -> dict[str, Any]:
+    """Local backend: serve L(k+1) and its parent L(k) from their registered weights (one `transformers serve`
+    each) and wait until both are ready; on Kubernetes the inference-server operator does this."""
+    from mass_ops.evaluation.cycle import evaluated_generations, evaluation_scope
+    from mass_ops.evaluation.serving import serve_generations
+
+    ctx = attach_cycle(config)
+    servers = serve_generations(ctx, list(evaluated_generations(config)), evaluation_scope(config))
+    return {"servers": [server.as_dict() for server in servers]}
+
+
+def evaluation_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local evaluation servers of the cycle (a no-op when none runs)."""
+    from mass_ops.evaluation.cycle import evaluation_scope
+    from mass_ops.evaluation.serving import stop_generations
+
+    return {"stopped": stop_generations(evaluation_scope(config))}
+
+
+def rollout_units(config: CycleConfig) -> list[list[Any]]:
+    """(generation, task, replicate) of every evaluation rollout: L(k+1) and L(k) over the rollout pool."""
+    from mass_ops.evaluation.cycle import rollout_units as units
+
+    return [[generation, task, replicate] for generation, task, replicate in units(config)]
+
+
+def rollout_unit(config: CycleConfig, generation: str, task_id: int, replicate: int) -> dict[str, Any]:
+    """One evaluation rollout episode (the DAG maps this over `rollout_units`)."""
+    from mass_ops.evaluation.cycle import run_rollout_unit
+
+    outcome = run_rollout_unit(attach_cycle(config), generation, int(task_id), int(replicate))
+    return {
+        "generation": generation,
+        "task_id": int(task_id),
+        "replicate": int(replicate),
+        "episode_id": outcome.episode_id,
+        "status": outcome.status,
+    }
+
+
+def evaluate(config: CycleConfig) -> dict[str, Any]:
+    """Rollout sets of L(k+1) and L(k), paired, judged by every external judge (and the in-loop judge for the
+    agreement table), summarized and recorded."""
+    from mass_ops.evaluation.cycle import evaluate as run
+
+    return run(attach_cycle(config))
+
+
+def nightly_targets(config: CycleConfig) -> list[str]:
+    """The generations tonight's evaluation covers (the newest registered one that has a parent)."""
+    from mass_ops.evaluation.nightly import nightly_config
+    from mass_ops.evaluation.nightly import nightly_targets as targets
+
+    return targets(open_cycle(nightly_config(config)))
+
+
+def nightly_serving(config: CycleConfig, generations: Sequence[str]) -> list[str]:
+    """The generations tonight's servers serve: the evaluated ones and their parents."""
+    from mass_ops.evaluation.nightly import nightly_config, served_generations
+
+    return served_generations(open_cycle(nightly_config(config)), list(generations))
+
+
+def nightly_up(config: CycleConfig) -> dict[str, Any]:
+    """Local backend: serve tonight's generations and their parents."""
+    from mass_ops.evaluation.nightly import NIGHTLY_SCOPE, nightly_config, nightly_targets, served_generations
+    from mass_ops.evaluation.serving import serve_generations
+
+    ctx = open_cycle(nightly_config(config))
+    names = served_generations(ctx, nightly_targets(ctx))
+    return {"servers": [server.as_dict() for server in serve_generations(ctx, names, NIGHTLY_SCOPE)]}
+
+
+def nightly_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local nightly servers."""
+    from mass_ops.evaluation.nightly import NIGHTLY_SCOPE
+    from mass_ops.evaluation.serving import stop_generations
+
+    return {"stopped": stop_generations(NIGHTLY_SCOPE)}
+
+
+def nightly_evaluate(config: CycleConfig, generation: str, date: str) -> dict[str, Any]:
+    """Evaluate `generation` against its parent on the test split for the logical date `date`."""
+    from mass_ops.evaluation.nightly import nightly_config
+    from mass_ops.evaluation.nightly import nightly_evaluate as run
+
+    return run(open_cycle(nightly_config(config)), generation, date)
+
+
+def check_regression(config: CycleConfig, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Tonight's results against the floor (0.5 − threshold) and the previous night; lists the regressions."""
+    from mass_ops.evaluation.nightly import check_regression as check
+    from mass_ops.evaluation.nightly import nightly_config
+
+    return check(open_cycle(nightly_config(config)), [dict(r) for r in results])
 
 
 def report(config: CycleConfig) -> dict[str, Any]:

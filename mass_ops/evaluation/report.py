@@ -283,6 +283,15 @@ def _evaluations(ctx: CycleContext) -> list[PairwiseEvaluation]:
     return sorted(found, key=lambda e: e.order)
 
 
+def _evaluation_notes(ctx: CycleContext) -> list[str]:
+    """The notes recorded with this cycle's pairwise evaluations (e.g. that a stand-in judge judged)."""
+    return [
+        f"Evaluation {row.results.get('label', row.key)}: {row.results['note']}"
+        for row in ctx.repo.evaluations(kind=PAIRWISE_KIND)
+        if row.cycle_id == ctx.cycle_id and isinstance(row.results, dict) and row.results.get("note")
+    ]
+
+
 def _rollout_tokens(ctx: CycleContext) -> dict[str, tuple[int, float | None]]:
     groups: dict[str, list[int | None]] = defaultdict(list)
     for episode in ctx.repo.episodes(ctx.cycle_id, kind="rollout"):
@@ -477,6 +486,7 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
     data.notes.extend(_carried_design_notes(ctx))
     data.scoreboard = _scoreboard(ctx)
     data.evaluations = _evaluations(ctx)
+    data.notes.extend(_evaluation_notes(ctx))
     data.rollout_tokens = _rollout_tokens(ctx)
     data.benchmarks, data.efficiency, benchmark_notes = _benchmarks(ctx)
     data.notes.extend(benchmark_notes)

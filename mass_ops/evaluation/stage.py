@@ -297,11 +297,13 @@ def summarize(
     seeds: Sequence[int] | None = None,
     self_judge: str = SELF_JUDGE,
     bootstrap_samples: int = DEFAULT_BOOTSTRAP_SAMPLES,
+    extra: dict[str, Any] | None = None,
 ) -> EvaluationSummary:
     """Summarize and record the evaluation of side A over `pairs` (all from one pair of rollout sets).
 
     Every (pair, external judge, seed) must be judged (else EvaluationStageError with the count missing); the
-    self-judge's judgments, when present, feed the agreement table only.
+    self-judge's judgments, when present, feed the agreement table only. `extra` fields (a `note` the report
+    shows, e.g. that a stand-in judged; the nightly date) are kept with the results.
     """
     if not pairs:
         raise EvaluationStageError("summarize: no pairs")
@@ -343,6 +345,7 @@ def summarize(
         "self_judgments": len(own),
         "agreement": {generation: item.as_dict() for generation, item in agreement.items()},
     }
+    results.update(extra or {})
     results = json.loads(json.dumps(results))  # as the JSON column reads it back, for the comparison below
     model_a, model_b = ctx.repo.get_generation(generation_a), ctx.repo.get_generation(generation_b)
     if model_a is None or model_b is None:

@@ -74,7 +74,7 @@ def test_mapped_units_have_readable_names(dag):
         task = dag.get_task(task_id)
         assert task.get_closest_mapped_task_group() is not None, task_id
         assert task.map_index_template in ("{{ unit_label }}", "{{ episode_label }}"), task_id
-    for task_id, stage in (("collect_candidate", "collect_candidate"), ("rollout", "rollout")):
+    for task_id, stage in (("collect_candidate", "collect_candidate"), ("rollout", "rollout_unit")):
         task = dag.get_task(task_id)
         assert task.is_mapped and task.partial_kwargs["stage"] == stage
         assert task.partial_kwargs["map_index_template"] == "{{ episode_label }}"

@@ -31,7 +31,9 @@ def model_server(stages):
     """A ready stub server that the stand-in `inference_up` reports, as the real local stage does."""
     server = serve_in_thread("mass-tiny-L0")
     endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    stages.results["inference_up"] = {"servers": [{"endpoint": endpoint, "served_name": "mass-tiny-L0"}]}
+    servers = {"servers": [{"endpoint": endpoint, "served_name": "mass-tiny-L0"}]}
+    for stage in ("inference_up", "evaluation_up", "nightly_up"):
+        stages.results[stage] = servers
     yield endpoint
     server.shutdown()
 
@@ -60,8 +62,8 @@ def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
     expected = [
         "validate_config", "inference_up", "search_tasks", "search_step", "search_step", "collection_units",
         "collect_candidate", "collect_candidate", "ranking_tasks", "rank_task", "select", "inference_down",
-        "render", "train", "select_checkpoint", "export", "register", "inference_up", "rollout_units",
-        "rollout", "rollout", "evaluate", "inference_down", "report",
+        "render", "train", "select_checkpoint", "export", "register", "evaluation_up", "rollout_units",
+        "rollout_unit", "rollout_unit", "evaluate", "evaluation_down", "report",
     ]  # fmt: skip
     names = stages.names()
     assert Counter(names) == Counter(expected)
@@ -77,7 +79,7 @@ def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
     assert counted[("continue_cycle", "skipped")] == 1
     labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "collect_candidate"}
     assert labels == {"collection-t51-c0", "collection-t51-c1"}
-    rollouts = sorted(args[1:] for name, args in stages.calls if name == "rollout")
+    rollouts = sorted(args[1:] for name, args in stages.calls if name == "rollout_unit")
     assert rollouts == [("L0", 51, 0), ("L1", 51, 0)]
 
 
@@ -95,4 +97,4 @@ def test_teardown_runs_when_the_work_fails(airflow_db, stages, model_server):
     assert counted[("nightly_evaluate", "failed")] == 1
     assert counted[("nightly_inference_down", "success")] == 1, "the servers are stopped anyway"
     assert counted[("check_regression", "upstream_failed")] == 1
-    assert stages.names().count("inference_down") == 1
+    assert stages.names().count("nightly_down") == 1

@@ -167,7 +167,7 @@ class EpisodeStageOperator(EpisodePodOperator):
 
     :param stage: name of the `mass_ops.stages` function; it is called with the config and the episode's identity:
         `search_step(config, task, version)`, `collect_candidate(config, task, candidate)`,
-        `rollout(config, generation, task, replicate)`.
+        `rollout_unit(config, generation, task, replicate)`.
     """
 
     def __init__(self, *, stage: str, **kwargs: Any) -> None:

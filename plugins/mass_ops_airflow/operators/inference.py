@@ -84,9 +84,12 @@ class InferenceServerOperator(BaseOperator):
         from mass_ops_airflow.triggers import InferenceReadinessTrigger
 
         result = call_stage(self.local_stage, config) or {}
-        servers = result.get("servers") if isinstance(result, dict) else None
-        if not servers:
+        if isinstance(result, dict) and "servers" in result:
+            servers = result["servers"]  # the stage says what it serves (evaluation: two generations)
+        else:
             servers = [{"endpoint": config.inference.endpoint, "served_name": config.models.served_name}]
+        if not servers:
+            return {"backend": "local", "servers": []}
         self.defer(
             trigger=InferenceReadinessTrigger(
                 servers=servers,

@@ -1,0 +1,70 @@
+"""The demo's own Airflow: a private AIRFLOW_HOME with a SQLite database, the repository's DAGs and the two pools.
+
+`mass-ops demo` runs the `mass_cycle` DAG through Airflow's machinery (`dag.test()`: the scheduler's dependency
+logic, the task runner, deferral to triggers, mapping, setup/teardown) and `mass-ops demo --ui` starts
+`airflow standalone` on the same home, so a run started from the web UI is recorded in the same place.
+
+Airflow reads its configuration once, at first import: `use_demo_airflow` must run before anything imports airflow.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mass_ops.demo import DEMO_MODEL_DIR, DEMO_STORAGE
+
+DEMO_AIRFLOW_HOME = Path("runs/demo/airflow")
+DAGS_FOLDER = Path(__file__).resolve().parents[1] / "dags"
+CYCLE_DAG_ID = "mass_cycle"
+# Pool slots of the demo: the tiny model server takes 2 requests at once (inference.max_concurrent_requests).
+DEMO_POOLS = {"mass_inference": 2, "mass_gpu": 1}
+
+
+class DemoAirflowError(RuntimeError):
+    """The demo's Airflow cannot be prepared (Airflow already imported with another home, DAG folder missing)."""
+
+
+def airflow_environment(home: Path = DEMO_AIRFLOW_HOME) -> dict[str, str]:
+    """The environment variables that point Airflow at the demo's home, database and DAG folder."""
+    root = home.resolve()
+    return {
+        "AIRFLOW_HOME": str(root),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{root / 'airflow.db'}",
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        # The demo's DAG runs one cycle: each stage gets the whole laptop.
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "MASS_DEFAULT_PRESET": "demo",
+    }
+
+
+def demo_run_conf(overrides: list[str] | None = None) -> dict[str, Any]:
+    """The `mass_cycle` params of the demo: the demo preset pointed at `runs/demo/` and the local tiny model."""
+    return {"preset": "demo", "overrides": [*DEMO_STORAGE, f"models.served_name={DEMO_MODEL_DIR}", *(overrides or [])]}
+
+
+def use_demo_airflow(home: Path = DEMO_AIRFLOW_HOME, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Export the demo's Airflow environment into this process; refuse when Airflow is already imported elsewhere."""
+    env = airflow_environment(home)
+    if not DAGS_FOLDER.is_dir():
+        raise DemoAirflowError(f"the DAG folder {DAGS_FOLDER} is missing: run the demo from a clone of mass-ops")
+    if "airflow" in sys.modules and os.environ.get("AIRFLOW_HOME") != env["AIRFLOW_HOME"]:
+        raise DemoAirflowError("Airflow was imported before the demo could point it at its own home")
+    home.mkdir(parents=True, exist_ok=True)
+    target = os.environ if environ is None else dict(environ)
+    target.update(env)
+    return env
+
+
+def prepare_database() -> None:
+    """Create or upgrade the demo's Airflow database and its pools (idempotent)."""
+    from airflow.models.pool import Pool
+    from airflow.utils.db import initdb
+
+    initdb()
+    for name, slots in DEMO_POOLS.items():
+        Pool.create_or_update_pool(name, slots, "mass-ops demo", include_deferred=True)

@@ -1,0 +1,147 @@
+"""Where a registered generation is served during an evaluation, and the local servers that serve it.
+
+An evaluation talks to two generations at once (L(k+1) and its parent L(k)), each behind its own OpenAI-compatible
+server. A *serving scope* names such a group of servers (`<cycle>-evaluation` for a cycle, `nightly-<date>` for a
+nightly run):
+
+* Kubernetes backend: the inference-server operator runs one vLLM Deployment + Service per generation in the scope;
+  a generation is reached at that Service's URL under its registered served name.
+* Local backend: `serve_generations` starts one `transformers serve` per generation on consecutive ports from
+  `inference.server.port`, loading its registered BF16 weights (fetched from the artifact store when they are not a
+  local folder); each server's state file says where it listens and what it lists.
+
+`serving_context` is the cycle context whose config points the runner and the in-loop client at one generation's
+server; the cycle itself (name, id, hash) is unchanged, so its episodes and calls are recorded in the same cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext
+from mass_ops.store.models import ModelGeneration
+
+SERVERS_DIR = Path("runs") / "servers"
+LOCAL_MODELS_DIR = Path("runs") / "models"
+
+
+class ServingError(ValueError):
+    """A generation cannot be served or reached (not registered, no server started for it in this scope)."""
+
+
+@dataclass(frozen=True)
+class GenerationServer:
+    """One generation's server: the base URL and the model name `/v1/models` lists for it."""
+
+    generation: str
+    endpoint: str
+    served_name: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"generation": self.generation, "endpoint": self.endpoint, "served_name": self.served_name}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+def state_file(scope: str, generation: str) -> Path:
+    """The local server state file of `generation` in `scope`."""
+    return SERVERS_DIR / _slug(scope) / f"{_slug(generation)}.json"
+
+
+def registered(ctx: CycleContext, name: str) -> ModelGeneration:
+    """The registered generation `name`, or ServingError."""
+    row = ctx.repo.get_generation(name)
+    if row is None:
+        raise ServingError(f"generation {name!r} is not registered in the metadata store")
+    return row
+
+
+def local_weights(ctx: CycleContext, row: ModelGeneration) -> Path:
+    """A local folder with the generation's BF16 weights (the registered folder itself, or a verified download)."""
+    from mass_ops.model_store import fetch_model
+
+    if not row.bf16_uri:
+        raise ServingError(f"generation {row.name} has no BF16 weights registered")
+    return fetch_model(ctx.artifacts, row.bf16_uri, LOCAL_MODELS_DIR / _slug(ctx.cycle_name) / f"{row.name}-bf16")
+
+
+def serve_generations(ctx: CycleContext, names: Sequence[str], scope: str) -> list[GenerationServer]:
+    """Local backend: start (or find running) one `transformers serve` per generation and wait until each is ready
+    (`/health` answers and `/v1/models` lists it); a server that never becomes ready stops them all."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from mass_ops.compute.local import start_server, transformers_serve_argv, wait_ready
+
+    config = ctx.config
+    if config.compute.backend != "local":
+        raise ServingError("serve_generations runs the local backend only; Kubernetes uses the inference operator")
+    base = urlsplit(config.inference.endpoint)
+    first_port = base.port or config.inference.server.port
+    servers, states = [], []
+    try:
+        for offset, name in enumerate(dict.fromkeys(names)):
+            folder = local_weights(ctx, registered(ctx, name))
+            port = first_port + offset
+            endpoint = urlunsplit((base.scheme, f"{base.hostname}:{port}", base.path, "", ""))
+            argv = transformers_serve_argv(str(folder), port=port, extra=["--device", "cpu", "--dtype", "float32"])
+            path = state_file(scope, name)
+            state = start_server(
+                argv, state_file=path, endpoint=endpoint, served_name=str(folder), log_path=path.with_suffix(".log")
+            )
+            states.append(state)
+            servers.append(GenerationServer(name, endpoint, str(folder)))
+        for state in states:
+            wait_ready(
+                state, timeout_s=config.inference.server.readiness_timeout_s, api_key_env=config.inference.api_key_env
+            )
+    except BaseException:
+        stop_generations(scope)
+        raise
+    return servers
+
+
+def stop_generations(scope: str) -> list[str]:
+    """Local backend: stop every server of `scope` (a no-op for servers already gone); returns the generations."""
+    from mass_ops.compute.local import stop_server
+
+    folder = SERVERS_DIR / _slug(scope)
+    stopped = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        stop_server(path)
+        stopped.append(path.stem)
+    return stopped
+
+
+def generation_server(ctx: CycleContext, name: str, scope: str) -> GenerationServer:
+    """Where generation `name` is served in `scope` on the configured backend."""
+    config = ctx.config
+    if config.compute.backend == "kubernetes":
+        from mass_ops.compute.kubernetes import inference_url
+
+        served = registered(ctx, name).served_name or name
+        return GenerationServer(name, inference_url(config, scope, served), served)
+    from mass_ops.compute.local import read_state
+
+    state = read_state(state_file(scope, name))
+    if state is None:
+        raise ServingError(f"no local server of {name} was started in scope {scope!r}; start the evaluation servers")
+    return GenerationServer(name, state.endpoint, state.served_name)
+
+
+def serving_config(config: CycleConfig, server: GenerationServer) -> CycleConfig:
+    """`config` with its endpoint and served model pointed at `server` (nothing else changes)."""
+    inference = config.inference.model_copy(update={"endpoint": server.endpoint})
+    models = config.models.model_copy(update={"served_name": server.served_name})
+    return config.model_copy(update={"inference": inference, "models": models})
+
+
+def serving_context(ctx: CycleContext, server: GenerationServer) -> CycleContext:
+    """The same cycle, with the runner and in-loop client pointed at one generation's server."""
+    return dataclasses.replace(ctx, config=serving_config(ctx.config, server))
