@@ -70,6 +70,10 @@ def run_rollout_unit(
     new, parent = evaluated_generations(ctx.config)
     if generation not in (new, parent):
         raise ValueError(f"rollout: this cycle evaluates {new} and {parent}, not {generation!r}")
+    pool = resolve_rollout_tasks(ctx.config)
+    if task not in pool:
+        # A train candidate outside the pool would be rolled out and recorded, but no rollout set would use it.
+        raise ValueError(f"rollout: task {task} is not in this cycle's rollout pool {pool}")
     count = ctx.config.evaluation.rollout_count
     if not 0 <= replicate < count:
         raise ValueError(f"rollout: replicate {replicate} is outside 0..{count - 1} (evaluation.rollout_count)")

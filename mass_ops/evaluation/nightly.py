@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from mass_ops.config import CycleConfig
@@ -61,11 +61,14 @@ def served_generations(ctx: CycleContext, generations: list[str]) -> list[str]:
 
 
 def date_stamp(date: str) -> str:
-    """A logical date (ISO 8601) as a label part: ``20261130T030000``."""
+    """A logical date (ISO 8601) as a label part in UTC: ``20261130T030000`` (a date without offset is UTC)."""
     try:
         when = datetime.fromisoformat(date)
     except (TypeError, ValueError):
         raise NightlyError(f"nightly: date {date!r} is not an ISO 8601 date-time") from None
+    if when.tzinfo is not None:
+        # The stamp drops the offset: one instant must give one stamp, and two instants never the same one.
+        when = when.astimezone(UTC)
     return when.strftime("%Y%m%dT%H%M%S")
 
 

@@ -120,12 +120,14 @@ def stop_generations(scope: str) -> list[str]:
 
 
 def generation_server(ctx: CycleContext, name: str, scope: str) -> GenerationServer:
-    """Where generation `name` is served in `scope` on the configured backend."""
+    """Where generation `name` is served in `scope` on the configured backend; ServingError when it is not
+    registered (on either backend: no server serves an unregistered generation) or, locally, was never started."""
     config = ctx.config
+    row = registered(ctx, name)
     if config.compute.backend == "kubernetes":
         from mass_ops.compute.kubernetes import inference_url
 
-        served = registered(ctx, name).served_name or name
+        served = row.served_name or name
         return GenerationServer(name, inference_url(config, scope, served), served)
     from mass_ops.compute.local import read_state
 

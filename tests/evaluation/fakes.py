@@ -8,6 +8,9 @@
 * `BenchmarkExecutor`: an `EpisodeExecutor` that writes scripted benchmark workspaces and records real episode rows
   (with token accounting), reusing finished units like the real runner.
 * Judges by alias: judges see workspaces only as `workspace_alias(...)`; `alias_judge` decides from those aliases.
+* Generation servers: `serve_generation_stand_ins` gives each evaluated generation its own scripted policy server and
+  records it as that generation's local server (state file under the cwd); `RecordingExecutors` is the executor
+  factory the cycle and nightly functions take.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from tests.inner_loop_fakes import (
     open_test_cycle,
     serve_policy,
 )
-from tests.policy_server import ChatRequest, PolicyServer
+from tests.policy_server import ChatRequest, PolicyServer, RequestKind, classify_request
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT_JUDGE = "gpt-judge"
@@ -337,6 +340,126 @@ def policy_verdicts(env: EvalEnv, decide: Callable[[str], str]) -> None:
         return decide(request.user_text())
 
     env.policy.judge_winner = winner
+
+
+# -- generation servers of a cycle or nightly evaluation -------------------------------------------------------------
+
+
+def record_local_server(scope: str, generation: str, *, endpoint: str, served_name: str) -> Path:
+    """Write the local state file (under the cwd) saying `generation` is served in `scope` at `endpoint`.
+
+    The recorded process has already exited and its start time can never match, so `stop_generations` treats it as
+    gone and never signals anything."""
+    from mass_ops.compute.local import ServerState
+    from mass_ops.evaluation.serving import state_file
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    state = ServerState(
+        pid=finished.pid,
+        pgid=finished.pid,
+        argv=["stand-in", generation],
+        endpoint=endpoint,
+        served_name=served_name,
+        log_path=str(state_file(scope, generation).with_suffix(".log")),
+        started_at=0.0,
+        start_ticks=-1,
+    )
+    path = state_file(scope, generation)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(state)))
+    return path
+
+
+@dataclasses.dataclass
+class GenerationStandIn:
+    """A scripted policy server standing in for one generation's model server (served as ``served-<name>``)."""
+
+    generation: str
+    server: PolicyServer
+    policy: ScriptedPolicy
+
+    @property
+    def served_name(self) -> str:
+        return f"served-{self.generation}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.server.base_url}/v1"
+
+    def judge_requests(self) -> list[dict[str, Any]]:
+        """Chat bodies this generation's server received as in-loop judge calls."""
+        return [body for body in self.server.requests if classify_request(body) is RequestKind.JUDGE]
+
+
+@contextlib.contextmanager
+def serve_generation_stand_ins(scope: str, names: Sequence[str]) -> Iterator[dict[str, GenerationStandIn]]:
+    """One scripted policy server per generation, each recorded as that generation's local server in `scope`."""
+    with contextlib.ExitStack() as stack:
+        found: dict[str, GenerationStandIn] = {}
+        for name in names:
+            policy = ScriptedPolicy()
+            server = stack.enter_context(serve_policy(policy, models=(f"served-{name}",)))
+            found[name] = GenerationStandIn(name, server, policy)
+            record_local_server(scope, name, endpoint=found[name].endpoint, served_name=found[name].served_name)
+        yield found
+
+
+def prefer_generation(ctx: CycleContext, generation: str) -> Callable[[str], str]:
+    """A verdict function over a pairwise prompt: the workspace that `generation` rolled out wins (a tie when neither
+    or both shown workspaces are its). Aliases are looked up among the cycle's rollout episodes at judging time."""
+
+    def decide(user_text: str) -> str:
+        owners = {
+            workspace_alias(f"{ctx.cycle_name}/{row.unit_key}"): row.generation
+            for row in ctx.repo.episodes(ctx.cycle_id, kind="rollout")
+        }
+        shown = shown_aliases(user_text)
+        a, b = owners.get(shown["A"]), owners.get(shown["B"])
+        if a == generation and b != generation:
+            return "A"
+        if b == generation and a != generation:
+            return "B"
+        return "tie"
+
+    return decide
+
+
+def judge_with(policy: ScriptedPolicy, decide: Callable[[str], str]) -> None:
+    """Make a scripted policy's judges answer with `decide(user_text)`."""
+    policy.judge_winner = lambda request: decide(request.user_text())
+
+
+def route_anthropic_judges(monkeypatch: pytest.MonkeyPatch, stand_in: AnthropicStandIn) -> None:
+    """Every Anthropic judge that `external_judges` opens talks to `stand_in` (no network)."""
+    from mass_ops.evaluation import external
+
+    real = external.open_external_judge
+
+    def opened(judge: Any, **options: Any) -> Any:
+        if judge.provider == "anthropic":
+            options["http_client"] = stand_in.client()
+        return real(judge, **options)
+
+    monkeypatch.setattr(external, "open_external_judge", opened)
+
+
+class RecordingExecutors:
+    """An executor factory (context → context manager) handing out a `FakeExecutor` on the context it is given —
+    the served context, so episode rows name the generation's served model — and keeping them to count what ran."""
+
+    def __init__(self) -> None:
+        self.made: list[FakeExecutor] = []
+
+    def __call__(self, ctx: CycleContext) -> contextlib.AbstractContextManager[FakeExecutor]:
+        executor = FakeExecutor(ctx)
+        self.made.append(executor)
+        return contextlib.nullcontext(executor)
+
+    @property
+    def executed(self) -> list[str]:
+        """Unit keys of the episode attempts actually run (not reused), over every executor handed out."""
+        return [key for executor in self.made for key in executor.executed]
 
 
 # -- child process of the kill-and-resume test -----------------------------------------------------------------------
