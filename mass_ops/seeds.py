@@ -7,6 +7,7 @@ optimizer call's seed to the chat request. A retried attempt keeps its unit's se
 from __future__ import annotations
 
 import random
+from datetime import date
 
 
 def reference_episode_seed(search_seed_base: int, task_id: int) -> int:
@@ -42,6 +43,17 @@ def match_seed(ranking_seed: int, task_id: int, match_index: int) -> int:
 def rollout_seed(rollout_seed_base: int, task_id: int, replicate: int) -> int:
     """Evaluation rollout i of task q: 910000 + 100·q + i in the paper preset."""
     return rollout_seed_base + 100 * task_id + replicate
+
+
+NIGHTLY_SEED_STRIDE = 100_000  # above every rollout seed offset (100·task + replicate)
+NIGHTLY_SEED_PERIOD = 20_000  # days; keeps every nightly seed below 2**31
+
+
+def nightly_rollout_seed_base(rollout_seed_base: int, night: date) -> int:
+    """The rollout seed base of the nightly evaluation of calendar day `night` (UTC): fresh samples every night,
+    the same ones whenever that night is rerun or backfilled, never the cycle's own rollout seeds."""
+    days = (night - date(2000, 1, 1)).days % NIGHTLY_SEED_PERIOD
+    return rollout_seed_base + NIGHTLY_SEED_STRIDE * (1 + days)
 
 
 def presentation_swapped(judge_seed: int) -> bool:

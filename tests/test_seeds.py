@@ -30,3 +30,19 @@ def test_presentation_swap_follows_the_reference_seeds():
 def test_benchmark_seeds_are_shared_across_generations():
     assert seeds.benchmark_seed("sab", 2, 7) == 3_100_000 + 10_000 + 2_000 + 7
     assert seeds.benchmark_seed("mlr", 0, 0) == 3_130_000
+
+
+def test_nightly_rollout_seeds_are_fresh_per_night_and_never_the_cycle_seeds():
+    import datetime as dt
+
+    from mass_ops.seeds import nightly_rollout_seed_base, rollout_seed
+
+    base = 910000
+    nights = [dt.date(2026, 11, 28) + dt.timedelta(days=d) for d in range(400)]
+    bases = [nightly_rollout_seed_base(base, night) for night in nights]
+    assert len(set(bases)) == len(bases), "every night has its own seeds"
+    assert nightly_rollout_seed_base(base, nights[3]) == bases[3], "a rerun of a night reproduces its seeds"
+    cycle_seeds = {rollout_seed(base, task, replicate) for task in range(1, 301) for replicate in range(100)}
+    night_seeds = {rollout_seed(b, task, replicate) for b in bases for task in (51, 60) for replicate in range(10)}
+    assert not cycle_seeds & night_seeds
+    assert max(bases) + 100 * 300 + 99 < 2**31

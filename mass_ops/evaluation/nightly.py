@@ -3,17 +3,19 @@
 * `nightly_config` gives the nightly runs their own cycle row (``nightly-<hash>``), so they never collide with the
   training cycles' frozen configs; the same nightly settings always land in the same row.
 * `nightly_targets` — the newest registered generation that has a parent (none before the first cycle registered).
-* `nightly_evaluate` — test-split rollouts of the generation and its parent (one rollout set per generation, reused
-  every night: their seeds depend on task and replicate only), paired and judged like a cycle's evaluation, recorded
-  as a pairwise evaluation labelled with the logical date. Results are keyed by (logical date, generation): a rerun,
-  a cleared task or `airflow backfill create` over past dates records the missing dates only and judges nothing
-  twice (judgments are keyed by pair, judge and seed).
-* `check_regression` — a generation regresses when its win rate against its parent falls below
-  0.5 − `evaluation.regression_threshold`, or drops by more than the threshold from the previous night's result.
+* `nightly_evaluate` — the night's test-split rollouts of the generation and its parent (fresh samples every night:
+  the seed base moves with the logical date's UTC day, `seeds.nightly_rollout_seed_base`), paired and judged like a
+  cycle's evaluation, recorded as a pairwise evaluation labelled with the logical date. Results are keyed by (logical
+  date, generation): a rerun, a cleared task or `airflow backfill create` over past dates does each night's work once
+  (episodes keyed by seed, judgments by pair, judge and seed) and records only the missing nights.
+* `check_regression` — a generation regresses when even the upper end of tonight's 95% Wilson interval of its win
+  rate against its parent is below 0.5 − `evaluation.regression_threshold`, or below the previous night's win rate
+  minus the threshold (sampling noise alone does not fail a night).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from typing import Any
@@ -23,6 +25,7 @@ from mass_ops.context import CycleContext
 from mass_ops.evaluation.cycle import ExecutorFactory, episode_pool, open_judges, rollout_set, stand_in_note
 from mass_ops.evaluation.serving import generation_server, registered
 from mass_ops.evaluation.stage import PAIRWISE_KIND, judge_pairs, pair_rollouts, summarize
+from mass_ops.seeds import nightly_rollout_seed_base
 
 NIGHTLY_SCOPE = "nightly"
 NIGHTLY_LABEL = "nightly"
@@ -72,16 +75,26 @@ def date_stamp(date: str) -> str:
     return when.strftime("%Y%m%dT%H%M%S")
 
 
+def night_config(config: CycleConfig, stamp: str) -> CycleConfig:
+    """`config` with the rollout seed base of the night of `stamp` (its UTC calendar day)."""
+    night = datetime.strptime(stamp, "%Y%m%dT%H%M%S").date()
+    base = nightly_rollout_seed_base(config.evaluation.rollout_seed_base, night)
+    evaluation = config.evaluation.model_copy(update={"rollout_seed_base": base})
+    return config.model_copy(update={"evaluation": evaluation})
+
+
 def nightly_evaluate(
     ctx: CycleContext, generation: str, date: str, *, executor: ExecutorFactory = episode_pool
 ) -> dict[str, Any]:
-    """Evaluate `generation` against its parent for logical date `date` (reused when already recorded)."""
+    """Evaluate `generation` against its parent for logical date `date` on that night's rollouts (reused, with
+    their judgments, when the night is rerun)."""
     stamp = date_stamp(date)
     parent = parent_of(ctx, generation)
     servers = {name: generation_server(ctx, name, NIGHTLY_SCOPE) for name in (generation, parent)}
+    night = dataclasses.replace(ctx, config=night_config(ctx.config, stamp))
     count = ctx.config.evaluation.rollout_count
     labels = {
-        name: rollout_set(ctx, server, executor, split="test", label=f"{NIGHTLY_LABEL}-{name}-test-n{count}")
+        name: rollout_set(night, server, executor, split="test", label=f"{NIGHTLY_LABEL}-{name}-{stamp[:8]}-n{count}")
         for name, server in servers.items()
     }
     pairs = pair_rollouts(ctx, labels[generation], labels[parent])
@@ -94,12 +107,14 @@ def nightly_evaluate(
         summary = summarize(
             ctx, pairs, label=f"{NIGHTLY_LABEL}-{generation}-{stamp}", judges=[j.name for j in externals], extra=extra
         )
+    overall = summary.results["summary"]["overall"]
     return {
         "evaluation": summary.key,
         "generation": generation,
         "baseline": parent,
         "date": stamp,
-        "win_rate": summary.results["summary"]["overall"]["win_rate"],
+        "win_rate": overall["win_rate"],
+        "wilson_95": overall["wilson_95"],
         "results_uri": summary.results_uri,
     }
 
@@ -123,27 +138,37 @@ def _previous_win_rate(ctx: CycleContext, generation: str, baseline: str, stamp:
 
 
 def check_regression(ctx: CycleContext, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Compare tonight's results with the floor and with the previous night; returns every check and the
-    regressions found (the caller fails loudly on any)."""
+    """Tonight's results against the floor and the previous night, using the upper end of tonight's 95% Wilson
+    interval so that sampling noise alone does not fail a night; returns every check and the regressions found
+    (the caller fails loudly on any)."""
     threshold = ctx.config.evaluation.regression_threshold
     floor = 0.5 - threshold
     checked, regressions = [], []
     for result in results:
         generation, baseline, stamp = result["generation"], result["baseline"], result["date"]
-        rate = result.get("win_rate")
+        rate, interval = result.get("win_rate"), result.get("wilson_95")
         previous = _previous_win_rate(ctx, generation, baseline, stamp)
-        item = {"generation": generation, "baseline": baseline, "date": stamp, "win_rate": rate, "previous": previous}
+        item = {
+            "generation": generation,
+            "baseline": baseline,
+            "date": stamp,
+            "win_rate": rate,
+            "wilson_95": interval,
+            "previous": previous,
+        }
         checked.append(item)
-        if rate is None:
+        if rate is None or not interval:
             continue  # no decisive judgment: nothing to compare
-        if rate < floor:
+        upper = float(interval[1])
+        if upper < floor:
             regressions.append(
-                f"{generation} wins {rate:.3f} of decisive judgments against {baseline} on {stamp}, below "
-                f"{floor:.3f} (0.5 − evaluation.regression_threshold {threshold})"
+                f"{generation} wins {rate:.3f} (95% interval up to {upper:.3f}) of decisive judgments against "
+                f"{baseline} on {stamp}, below {floor:.3f} (0.5 − evaluation.regression_threshold {threshold})"
             )
-        if previous is not None and previous[1] - rate > threshold:
+        if previous is not None and upper < previous[1] - threshold:
             regressions.append(
                 f"{generation}'s win rate against {baseline} dropped from {previous[1]:.3f} ({previous[0]}) to "
-                f"{rate:.3f} ({stamp}), more than evaluation.regression_threshold {threshold}"
+                f"{rate:.3f} (95% interval up to {upper:.3f}) on {stamp}, more than evaluation.regression_threshold "
+                f"{threshold}"
             )
     return {"threshold": threshold, "checked": checked, "regressions": regressions}

@@ -1,6 +1,6 @@
 """Nightly re-evaluation: its own cycle, tonight's targets and servers, results keyed by (logical date, generation)
-that reuse rollouts and judgments across nights, and the regression check against the floor and the previous night
-(hand-built evaluation rows for the latter)."""
+with fresh rollouts every night that a rerun of the night reuses, and the regression check against the floor and
+the previous night using tonight's interval (hand-built evaluation rows for the latter)."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def nightly(eval_env: EvalEnv, tmp_path, monkeypatch) -> Iterator[Nightly]:
         yield night
 
 
-def test_each_night_is_recorded_once_and_reuses_rollouts_and_judgments(nightly):
+def test_each_night_samples_fresh_rollouts_once_and_a_rerun_reuses_them(nightly):
     ctx = nightly.ctx
     first = nightly.evaluate(NIGHT_1)
     assert {k: first[k] for k in ("generation", "baseline", "date", "win_rate")} == {
@@ -161,17 +161,21 @@ def test_each_night_is_recorded_once_and_reuses_rollouts_and_judgments(nightly):
     assert nightly.judge_calls() == {GPT_JUDGE: 3, CLAUDE_JUDGE: 3, "L1": 3, "L0": 0}
     assert nightly.recorded() == (2, 9, 1)
     sets = {row.results["label"]: row.results for row in ctx.repo.evaluations(kind=ROLLOUT_SET_KIND)}
-    assert set(sets) == {"nightly-L1-test-n1", "nightly-L0-test-n1"}
+    assert set(sets) == {"nightly-L1-20261130-n1", "nightly-L0-20261130-n1"}
     assert all(results["tasks"] == [60] for results in sets.values())
     assert {row.model for row in ctx.repo.episodes(ctx.cycle_id)} == {"served-L1", "served-L0"}
 
-    # The next night: a new evaluation row, from the same rollouts and judgments (nothing runs or is asked again).
+    seeds_1 = {row.seed for row in ctx.repo.episodes(ctx.cycle_id)}
+
+    # The next night: fresh rollouts (another seed base), judged anew, a new evaluation row.
     second = nightly.evaluate(NIGHT_2)
     assert second["date"] == "20261201T030000" and second["evaluation"].endswith("/nightly-L1-20261201T030000")
     assert second["win_rate"] == first["win_rate"]
-    assert len(nightly.executors.executed) == 2
-    assert nightly.judge_calls() == {GPT_JUDGE: 3, CLAUDE_JUDGE: 3, "L1": 3, "L0": 0}
-    assert nightly.recorded() == (2, 9, 2)
+    assert len(nightly.executors.executed) == 4
+    assert nightly.judge_calls() == {GPT_JUDGE: 6, CLAUDE_JUDGE: 6, "L1": 6, "L0": 0}
+    assert nightly.recorded() == (4, 18, 2)
+    seeds_2 = {row.seed for row in ctx.repo.episodes(ctx.cycle_id)} - seeds_1
+    assert len(seeds_2) == 1 and not seeds_2 & seeds_1, "both generations share the night's seed; nights differ"
     rows = {row.key: row.results for row in pairwise_rows(ctx)}
     assert {results["nightly_date"] for results in rows.values()} == {"20261130T030000", "20261201T030000"}
     one, two = (rows[result["evaluation"]] for result in (first, second))
@@ -181,7 +185,7 @@ def test_each_night_is_recorded_once_and_reuses_rollouts_and_judgments(nightly):
     # another UTC offset is the same night.
     assert nightly.evaluate(NIGHT_1) == first
     assert nightly.evaluate("2026-11-30T04:00:00+01:00") == first
-    assert nightly.recorded() == (2, 9, 2) and len(nightly.executors.executed) == 2
+    assert nightly.recorded() == (4, 18, 2) and len(nightly.executors.executed) == 4
 
     # Tonight against the previous night: the same rate, no regression.
     verdict = check_regression(ctx, [second])
@@ -239,31 +243,57 @@ def night(
     )
 
 
-def tonight(win_rate: float | None, generation: str = "L1", baseline: str = "L0") -> dict[str, Any]:
-    """What `nightly_evaluate` returns for tonight, 2026-11-30."""
-    return {"generation": generation, "baseline": baseline, "date": "20261130T030000", "win_rate": win_rate}
+def tonight(
+    win_rate: float | None,
+    generation: str = "L1",
+    baseline: str = "L0",
+    interval: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """What `nightly_evaluate` returns for tonight, 2026-11-30 (a narrow ±0.02 interval unless given)."""
+    if interval is None and win_rate is not None:
+        interval = (round(win_rate - 0.02, 3), round(win_rate + 0.02, 3))
+    return {
+        "generation": generation,
+        "baseline": baseline,
+        "date": "20261130T030000",
+        "win_rate": win_rate,
+        "wilson_95": list(interval) if interval else None,
+    }
 
 
 def test_a_win_rate_below_the_floor_is_a_regression(watch):
     verdict = check_regression(watch, [tonight(0.35)])
     assert verdict["threshold"] == 0.1
     assert verdict["regressions"] == [
-        "L1 wins 0.350 of decisive judgments against L0 on 20261130T030000, below 0.400 "
+        "L1 wins 0.350 (95% interval up to 0.370) of decisive judgments against L0 on 20261130T030000, below 0.400 "
         "(0.5 − evaluation.regression_threshold 0.1)"
     ]
     assert verdict["checked"] == [
-        {"generation": "L1", "baseline": "L0", "date": "20261130T030000", "win_rate": 0.35, "previous": None}
+        {
+            "generation": "L1",
+            "baseline": "L0",
+            "date": "20261130T030000",
+            "win_rate": 0.35,
+            "wilson_95": [0.33, 0.37],
+            "previous": None,
+        }
     ]
     # Just above the floor, with no earlier night: fine.
     assert check_regression(watch, [tonight(0.45)])["regressions"] == []
+
+
+def test_a_low_rate_whose_interval_reaches_the_floor_is_noise_not_a_regression(watch):
+    night(watch, "20261129T030000", 0.8)
+    verdict = check_regression(watch, [tonight(0.35, interval=(0.2, 0.72))])
+    assert verdict["regressions"] == [], "too few judgments to tell a regression from sampling noise"
 
 
 def test_a_drop_larger_than_the_threshold_since_the_previous_night_is_a_regression(watch):
     night(watch, "20261129T030000", 0.8)
     (message,) = check_regression(watch, [tonight(0.6)])["regressions"]  # above the floor, but 0.2 lower
     assert message == (
-        "L1's win rate against L0 dropped from 0.800 (20261129T030000) to 0.600 (20261130T030000), more than "
-        "evaluation.regression_threshold 0.1"
+        "L1's win rate against L0 dropped from 0.800 (20261129T030000) to 0.600 (95% interval up to 0.620) on "
+        "20261130T030000, more than evaluation.regression_threshold 0.1"
     )
     assert check_regression(watch, [tonight(0.75)])["regressions"] == []  # a drop of 0.05 is within the threshold
     both = check_regression(watch, [tonight(0.3)])["regressions"]  # below the floor and a drop of 0.5
@@ -296,7 +326,7 @@ def test_each_generation_is_checked_on_its_own(watch, eval_env):
     verdict = check_regression(watch, [tonight(0.7), tonight(0.2, "L2", "L1")])
     assert [item["generation"] for item in verdict["checked"]] == ["L1", "L2"]
     (message,) = verdict["regressions"]
-    assert message.startswith("L2 wins 0.200 of decisive judgments against L1")
+    assert message.startswith("L2 wins 0.200 (95% interval up to 0.220) of decisive judgments against L1")
     # The stage function checks in the same nightly cycle.
     config = with_evaluation(eval_env.config, regression_threshold=0.1)
     assert stages.check_regression(config, [tonight(0.7), tonight(0.2, "L2", "L1")]) == verdict
