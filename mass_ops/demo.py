@@ -3,10 +3,12 @@
 It builds a tiny Qwen3-architecture model with random weights and the real Qwen3 tokenizer, publishes it as L0 in a
 local artifact folder, serves it with `transformers serve`, and runs the cycle's stages in order with the `demo`
 preset: RHI search, teacher collection, ranking, selection, render, ZeRO-3 LoRA training on CPU, checkpoint
-selection, BF16 merge + FP8 export, registration of L1, and the report. A random model's outputs are noise: the
+selection, BF16 merge + FP8 export, registration of L1, rollouts of L1 and L0, their pairwise evaluation, and the
+report. A random model's outputs are noise: the
 demo shows that every part is real and connected, not that the model improves.
 
-The stages run in-process here; the same stage functions are what the Airflow DAG's tasks call.
+The cycle runs as one run of the `mass_cycle` DAG through Airflow's machinery (see `mass_ops.demo_airflow`): the
+same DAG file, operators and stage functions a production deployment uses, on the local backend.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any
 
 from rich.console import Console
 
-from mass_ops import stages
 from mass_ops.config import CycleConfig, load_config
 
 # transformers serve lists a model under the path it was given, so the demo serves it from a path relative to the
@@ -43,42 +44,54 @@ def prepare_parent(config: CycleConfig) -> Path:
     return model_dir
 
 
-def run_demo(config: CycleConfig, console: Console | None = None) -> dict[str, Any]:
-    """Run the whole demo cycle; returns where the report and the new model are, and the wall-clock per stage."""
+def run_demo(config: CycleConfig, console: Console | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run the whole demo cycle as one `mass_cycle` DAG run through Airflow's own machinery (`dag.test()` on the
+    demo's private Airflow home); returns where the report and the new model are, and the wall-clock per stage.
+
+    Raises RuntimeError naming the failed tasks when the run does not succeed (rerunning resumes: every stage skips
+    the units it already finished).
+    """
+    from mass_ops import demo_airflow
+
     console = console or Console()
-    timings: dict[str, float] = {}
     started = time.monotonic()
+    demo_airflow.use_demo_airflow()  # before anything imports airflow
 
     def step(name: str, call: Callable[[], Any]) -> Any:
         console.rule(f"[bold]{name}")
         t0 = time.monotonic()
         result = call()
-        timings[name] = round(time.monotonic() - t0, 1)
-        console.print(f"{name}: done in {timings[name]} s", markup=False)
+        console.print(f"{name}: done in {time.monotonic() - t0:.1f} s", markup=False)
         return result
 
     step("build and publish the tiny L0 model", lambda: prepare_parent(config))
-    step("validate_config", lambda: stages.validate_config(config))
-    step("inference_up (transformers serve)", lambda: stages.inference_up(config))
-    try:
-        step("RHI search", lambda: stages.search(config))
-        step("teacher collection", lambda: stages.collect(config))
-        step("ranking", lambda: stages.rank(config))
-        step("selection", lambda: stages.select(config))
-    finally:
-        step("inference_down", lambda: stages.inference_down(config))
-    step("render", lambda: stages.render(config))
-    step("train (DeepSpeed ZeRO-3 on CPU)", lambda: stages.train(config))
-    step("select_checkpoint", lambda: stages.select_checkpoint(config))
-    exported = step("export (BF16 merge + FP8)", lambda: stages.export(config))
-    registered = step("register", lambda: stages.register(config))
-    report = step("report", lambda: stages.report(config))
-    total = round(time.monotonic() - started, 1)
+    step("Airflow database and pools", demo_airflow.prepare_database)
+    dag = demo_airflow.load_dag()
+    run = step("mass_cycle DAG run", lambda: dag.test(run_conf=demo_airflow.demo_run_conf(overrides)))
+    states = demo_airflow.task_states(run)
+    if str(run.state) != "success":
+        failed = ", ".join(demo_airflow.failed_tasks(run)) or "none failed (see the log)"
+        raise RuntimeError(f"mass_cycle run {run.run_id} ended {run.state}; failed tasks: {failed}; states {states}")
+    report = demo_airflow.xcom_result(run, "report") or {}
+    registered = demo_airflow.xcom_result(run, "register") or {}
+    evaluated = demo_airflow.xcom_result(run, "evaluate") or {}
     return {
-        "report": report["html"],
-        "report_markdown": report["markdown"],
+        "report": report.get("html"),
+        "report_markdown": report.get("markdown"),
         "generation": registered,
-        "export": exported,
-        "timings_s": timings,
-        "total_s": total,
+        "evaluation": evaluated,
+        "run_id": run.run_id,
+        "task_states": states,
+        "timings_s": _task_durations(run),
+        "total_s": round(time.monotonic() - started, 1),
     }
+
+
+def _task_durations(run: Any) -> dict[str, float]:
+    """Seconds spent per task id (mapped instances summed), in the order the tasks started."""
+    durations: dict[str, float] = {}
+    instances = sorted(run.get_task_instances(), key=lambda ti: (ti.start_date is None, ti.start_date))
+    for ti in instances:
+        if ti.duration:
+            durations[ti.task_id] = round(durations.get(ti.task_id, 0.0) + float(ti.duration), 1)
+    return durations

@@ -68,3 +68,46 @@ def prepare_database() -> None:
     initdb()
     for name, slots in DEMO_POOLS.items():
         Pool.create_or_update_pool(name, slots, "mass-ops demo", include_deferred=True)
+
+
+def load_dag(dag_id: str = CYCLE_DAG_ID) -> Any:
+    """Execute `dags/<dag_id>.py` and return its DAG (the file Airflow's DAG processor parses)."""
+    import importlib.util
+
+    path = DAGS_FOLDER / f"{dag_id}.py"
+    spec = importlib.util.spec_from_file_location(f"mass_ops_dag_{dag_id}", path)
+    if spec is None or spec.loader is None:
+        raise DemoAirflowError(f"cannot load the DAG file {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dag
+
+
+def task_states(run: Any) -> dict[str, int]:
+    """How many task instances of the run ended in each state (``{"success": 40, "skipped": 12}``)."""
+    counts: dict[str, int] = {}
+    for ti in run.get_task_instances():
+        state = str(ti.state) if ti.state else "none"
+        counts[state] = counts.get(state, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def failed_tasks(run: Any) -> list[str]:
+    """``task_id[map_index]`` of every failed task instance of the run."""
+    return sorted(
+        f"{ti.task_id}[{ti.map_index}]" if ti.map_index >= 0 else ti.task_id
+        for ti in run.get_task_instances()
+        if str(ti.state) == "failed"
+    )
+
+
+def xcom_result(run: Any, task_id: str) -> Any:
+    """The return value (XCom) of an unmapped task of the run, or None."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        row = session.scalars(
+            XComModel.get_many(run_id=run.run_id, dag_ids=run.dag_id, task_ids=task_id, key="return_value")
+        ).first()
+        return None if row is None else XComModel.deserialize_value(row)

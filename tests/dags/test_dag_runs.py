@@ -15,17 +15,6 @@ from tests.compute.model_server_stub import serve_in_thread
 from tests.dags.dag_files import fresh_dag_module
 
 
-@pytest.fixture(scope="module")
-def airflow_db():
-    """Airflow's metadata database (migrated once for this module) with the mass-ops pools."""
-    from airflow.models.pool import Pool
-    from airflow.utils.db import initdb
-
-    initdb()
-    for pool in ("mass_inference", "mass_gpu"):
-        Pool.create_or_update_pool(pool, 4, "test", include_deferred=True)
-
-
 @pytest.fixture
 def model_server(stages):
     """A ready stub server that the stand-in `inference_up` reports, as the real local stage does."""

@@ -1,0 +1,169 @@
+"""A whole MASS cycle through Airflow's own `dag.test()` on the local backend, with the demo preset, then a repair.
+
+The scripted OpenAI-compatible server in tests/policy_server is the named stand-in for the policy: it plays the
+model for search, collection and ranking (real qwen-code episodes through the logging proxy, real judge and
+optimizer calls) and the external judge. Everything after runs for real on CPU: render with the Qwen3 tokenizer,
+LoRA training under DeepSpeed ZeRO-3 on a tiny random Qwen3, checkpoint selection, BF16 merge, FP8 export,
+registration of L1, `transformers serve` of L0 and L1 for the rollouts and the in-loop judges, evaluation, report.
+
+One mapped collection instance is made to fail on its first try (as an evicted pod would). The run fails; clearing
+the failed instance and its downstream (what "Clear" does in the UI) and letting the same run continue completes
+the cycle with no duplicated episode: the instances that had succeeded are not run again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mass_ops.config import load_config
+from mass_ops.context import attach_cycle
+from mass_ops.layout import report_prefix
+from tests.dags.run_repair import clear_failed, finish_run
+from tests.inner_loop_fakes import serve_policy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+MODEL = "policy-stand-in"
+JUDGE_KEY_ENV = "MASS_TEST_JUDGE_KEY"
+FAILING_UNIT = (51, 1)  # (task, candidate) of the collection instance that fails once
+
+
+def _consecutive_free_ports() -> int:
+    """A port p such that p and p + 1 are free now (the two evaluation servers)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _overrides(tmp: Path, endpoint: str) -> list[str]:
+    judge = (
+        f"[{{name: stand-in-judge, provider: openai-compatible, model: {MODEL}, base_url: '{endpoint}', "
+        f"api_key_env: {JUDGE_KEY_ENV}}}]"
+    )
+    return [
+        f"storage.metadata_url=sqlite:///{tmp / 'mass-ops.db'}",
+        f"storage.artifact_url={tmp / 'artifacts'}",
+        f"inference.endpoint={endpoint}",
+        f"models.served_name={MODEL}",
+        "compute.local_inference=external",
+        f"inference.server.port={_consecutive_free_ports()}",
+        f"evaluation.judges={judge}",
+    ]
+
+
+def _episode_identities(ctx) -> Counter:
+    """How many final episodes each unit has (a duplicated unit would count 2)."""
+    rows = [e for e in ctx.repo.episodes(ctx.cycle_id) if e.status != "infra_failure"]
+    return Counter((e.kind, e.task_id, e.seed, e.version, e.candidate, e.generation) for e in rows)
+
+
+def test_a_cycle_runs_end_to_end_and_a_cleared_failure_reruns_only_what_is_missing(airflow_db, tmp_path, monkeypatch):
+    from mass_ops import stages
+    from mass_ops.demo import prepare_parent
+    from mass_ops.demo_airflow import failed_tasks, load_dag
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(JUDGE_KEY_ENV, "test-judge-key")
+    real_collect = stages.collect_candidate
+    failures: list[tuple[int, int]] = []
+
+    def evicted_once(config, task_id, candidate):
+        if (task_id, candidate) == FAILING_UNIT and not failures:
+            failures.append((task_id, candidate))
+            raise RuntimeError("injected: the collection instance's pod was evicted")
+        return real_collect(config, task_id, candidate)
+
+    monkeypatch.setattr(stages, "collect_candidate", evicted_once)
+    with serve_policy(models=(MODEL,)) as policy:
+        endpoint = f"{policy.base_url}/v1"
+        overrides = _overrides(tmp_path, endpoint)
+        config = load_config("demo", overrides)
+        prepare_parent(config)  # the tiny random Qwen3 L0, published where models.parent_bf16 points
+        dag = load_dag()
+        for task in dag.tasks:  # fail now, not after Airflow's retry back-off
+            task.retries = 0
+
+        first = dag.test(run_conf={"preset": "demo", "overrides": overrides})
+
+        assert str(first.state) == "failed"
+        assert failed_tasks(first) == ["collect_candidate[1]"]
+        states = {(ti.task_id, ti.map_index): str(ti.state) for ti in first.get_task_instances()}
+        assert states[("inference_down", -1)] == "success", "the teardown stops the server even when work fails"
+        assert states[("render", -1)] == "upstream_failed"
+        ctx = attach_cycle(config)
+        before = _episode_identities(ctx)
+        assert sum(n for (kind, *_), n in before.items() if kind == "collection") == 5
+
+        cleared = clear_failed(dag.dag_id, first.run_id)
+        assert "collect_candidate[1]" in cleared and "register[-1]" in cleared
+        assert not any(name.startswith("rhi.") for name in cleared), "succeeded instances are not cleared"
+        run = finish_run(dag, first.run_id)
+        assert str(run.state) == "success", failed_tasks(run)
+        nightly_rows, nightly_work = _nights(overrides, policy)
+
+    assert str(run.state) == "success", failed_tasks(run)
+    tries = {(ti.task_id, ti.map_index): ti.try_number for ti in run.get_task_instances()}
+    assert tries[("collect_candidate", 1)] == 2
+    assert tries[("collect_candidate", 0)] == 1 and tries[("rhi.step_v1", 0)] == 1, "only the cleared ones reran"
+
+    after = _episode_identities(ctx)
+    assert max(after.values()) == 1, "no unit has two final episodes"
+    assert {k: n for k, n in after.items() if k in before} == before, "what existed before the repair is untouched"
+    kinds = Counter(kind for kind, *_ in after.elements())
+    # 2 tasks × (reference + v0 + v1), 2 × 3 candidates, 2 generations × 2 rollout tasks × 1 replicate
+    assert kinds == {"reference": 2, "search": 4, "collection": 6, "rollout": 4}
+
+    child = ctx.repo.get_generation("L1")
+    assert child is not None and child.parent_id == ctx.repo.get_generation("L0").id
+    assert child.lineage["cycle"] == ctx.cycle_name and child.lineage["checkpoint"]["step"] > 0
+    for uri in (child.bf16_uri, child.fp8_uri):
+        folder = Path(uri.removeprefix("file://"))
+        assert (folder / "manifest.json").is_file() and list(folder.glob("*.safetensors")), uri
+    (evaluation,) = [e for e in ctx.repo.evaluations(kind="pairwise") if e.cycle_id == ctx.cycle_id]
+    assert evaluation.results["pairs"] == 2 and evaluation.results["judges"] == ["stand-in-judge"]
+    assert evaluation.results["self_judgments"] == 2, "L1's in-loop judge judged the same pairs"
+    report = ctx.artifacts.get_bytes(f"{report_prefix(ctx.cycle_name)}/report.html")
+    assert b"L1" in report and b"<img" in report
+
+    # The nightly DAG for two logical dates, then the first again (as `airflow backfill create` over a range that
+    # includes a finished date would): each night samples its own rollouts once; the rerun does no work.
+    first_night, second_night = nightly_rows
+    assert (first_night["nightly_date"], second_night["nightly_date"]) == ("20261128T030000", "20261129T030000")
+    assert first_night["generation_a"] == "L1" and first_night["generation_b"] == "L0"
+    (calls_1, episodes_1), (calls_2, episodes_2), (calls_3, episodes_3) = nightly_work
+    assert (episodes_1, episodes_2) == (2, 4), "one test-split rollout of L1 and one of L0 per night"
+    assert calls_2 > calls_1, "the second night was judged"
+    assert (calls_3, episodes_3) == (calls_2, episodes_2), "rerunning a finished night ran and asked nothing"
+
+
+def _nights(overrides: list[str], policy) -> tuple[list[dict], list[tuple[int, int]]]:
+    """Run the nightly DAG for 28, 29 and 28 November again; returns its evaluation results and, after each run,
+    the judge stand-in's chat-call count and the number of nightly episodes."""
+    from mass_ops.demo_airflow import failed_tasks, load_dag
+    from mass_ops.evaluation.nightly import nightly_config
+
+    nightly = load_dag("mass_nightly_eval")
+    for task in nightly.tasks:
+        task.retries = 0
+    conf = {"preset": "demo", "overrides": overrides}
+    work = []
+    for day in (28, 29, 28):
+        night = nightly.test(logical_date=dt.datetime(2026, 11, day, 3, tzinfo=dt.UTC), run_conf=conf)
+        assert str(night.state) == "success", failed_tasks(night)
+        ctx = attach_cycle(nightly_config(load_config("demo", overrides)))
+        work.append((policy.stats.chat_requests, len(ctx.repo.episodes(ctx.cycle_id))))
+    rows = [e.results for e in ctx.repo.evaluations(kind="pairwise") if e.cycle_id == ctx.cycle_id]
+    return sorted(rows, key=lambda r: r["nightly_date"]), work
