@@ -13,7 +13,9 @@ as on a real vLLM endpoint — and then publishes a three-file workspace and its
 live in /dev/shm when it exists.
 
 - sequential baseline: tasks one after another, each task's steps in order, one episode at a time (the reference
-  driver's order); mass-ops' step 1 still judges v0 and v1 side by side, which only flatters the baseline.
+  driver's order). It is the same mass-ops code (`search_task` per task, then `collect`) with an executor of capacity
+  1, so every per-call cost saved speeds up both runs; its step 1 still judges v0 and v1 side by side, which only
+  flatters the baseline.
 - mass-ops: all tasks' chains at once (threads), episodes concurrent within the capacity, collection in one batch.
 
 Prints both wall-clocks, the speedup (target ≥ 5×) and mass-ops' wall-clock over the critical-path lower bound
@@ -31,6 +33,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,13 +82,30 @@ def metadata_url(name: str, store: Path, args: argparse.Namespace) -> str:
         return f"sqlite:///{store / 'metadata.db'}"
     import sqlalchemy as sa
 
-    database = f"mass_bench_{name.replace('-', '_')}_{os.getpid()}"
+    database = bench_database(name)
     admin = sa.create_engine(args.postgres_admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
         connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{database}"')
         connection.exec_driver_sql(f'CREATE DATABASE "{database}"')
     admin.dispose()
     return args.postgres_admin_url.rsplit("/", 1)[0] + f"/{database}"
+
+
+def bench_database(name: str) -> str:
+    return f"mass_bench_{name.replace('-', '_')}_{os.getpid()}"
+
+
+def drop_databases(names: list[str], args: argparse.Namespace) -> None:
+    """Drop the Postgres databases of this run's cycles (SQLite files go with the scratch folder)."""
+    if args.metadata != "postgres":
+        return
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(args.postgres_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        for name in names:
+            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{bench_database(name)}"')
+    admin.dispose()
 
 
 def bench_config(name: str, endpoint: str, store: Path, args: argparse.Namespace) -> CycleConfig:
@@ -178,6 +198,7 @@ def run(config: CycleConfig, endpoint: str, args: argparse.Namespace, *, sequent
         client.close()
     calls = len(ctx.repo.llm_calls(ctx.cycle_id))
     arbitrations = len(ctx.repo.comparisons(ctx.cycle_id, "champion"))
+    ctx.repo.store.dispose()  # so the run's database can be dropped
     return {
         "search_s": searched - started,
         "collect_s": finished - searched,
@@ -230,6 +251,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+        drop_databases(["bench-concurrent", "bench-sequential"], args)
     bound = lower_bound(concurrent_config, args)
     for name, result in (("mass-ops", concurrent), ("sequential", sequential)):
         if (result["episodes"], result["calls"]) != (concurrent["episodes"], concurrent["calls"]):

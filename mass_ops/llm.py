@@ -312,6 +312,24 @@ def _reported_cost(usage: dict[str, Any], backend: str) -> float | None:
     return 0.0 if backend == "vllm" else None
 
 
+def _wire_body(request: dict[str, Any]) -> dict[str, Any]:
+    """The JSON body `chat.completions.create(**request)` would send: the fields, with `extra_body` merged in."""
+    body = {name: copy.deepcopy(value) for name, value in request.items() if name != "extra_body"}
+    body.update(copy.deepcopy(request.get("extra_body") or {}))
+    return body
+
+
+def _response_document(response: Any) -> dict[str, Any]:
+    """The JSON object of a completion response; LLMOutputError when the body is not one."""
+    try:
+        document = json.loads(response.content)
+    except ValueError:
+        raise LLMOutputError(f"response body is not JSON: {response.content[:200]!r}") from None
+    if not isinstance(document, dict):
+        raise LLMOutputError(f"response body must be a JSON object, got {type(document).__name__}")
+    return document
+
+
 def _status_message(error: openai.APIStatusError) -> str:
     body = error.body
     detail = json.dumps(body, default=str) if body is not None else error.message
@@ -333,10 +351,12 @@ class LLMClient:
         self.retry = retry or RetryPolicy()
         self.recorder = recorder
         self._sleep = sleep
+        import httpx  # deferred with the SDK; imported here, once, because a first import racing in threads fails
         import openai  # deferred: the SDK takes seconds to import and DAG files must parse fast
 
         # No redirects: a redirect could forward the bearer token to another host.
         self._http = openai.DefaultHttpxClient(follow_redirects=False)
+        self._raw_response: type = httpx.Response
 
     def __repr__(self) -> str:
         e = self.endpoint
@@ -363,6 +383,15 @@ class LLMClient:
             timeout=openai.Timeout(e.request_timeout_s, connect=e.connect_timeout_s),
             http_client=self._http,
         )
+
+    def _post_completion(self, sdk: openai.OpenAI, body: dict[str, Any]) -> Any:
+        """POST /chat/completions through the SDK's transport (auth, timeouts, status errors); the raw response.
+
+        The typed `chat.completions.create` costs about a millisecond of CPU per call to validate the request and
+        build response models that are dumped back to a dict at once: in a process making hundreds of calls from
+        many threads that is CPU the other threads wait for. The body is the same document, built by `build_request`.
+        """
+        return sdk.post("/chat/completions", body=body, cast_to=self._raw_response)
 
     def build_request(
         self,
@@ -471,8 +500,8 @@ class LLMClient:
         attempts = 0
         fallback_used = False
         while True:
-            kwargs = copy.deepcopy(request)
-            response, used, error = self._send(lambda kwargs=kwargs: sdk.chat.completions.create(**kwargs), purpose)
+            body = _wire_body(request)
+            response, used, error = self._send(lambda body=body: self._post_completion(sdk, body), purpose)
             attempts += used
             if (
                 isinstance(error, LLMRequestError)
@@ -519,7 +548,11 @@ class LLMClient:
         if error is not None:
             record(status="error", usage=None, cost=None, response=None, failure=str(error))
             raise error
-        raw = response.model_dump(mode="json")
+        try:
+            raw = _response_document(response)
+        except LLMOutputError as output_error:
+            record(status="error", usage=None, cost=None, response=None, failure=str(output_error))
+            raise
         usage = raw.get("usage") or {}
         cost = _reported_cost(usage, e.backend)
         try:

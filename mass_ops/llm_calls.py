@@ -27,6 +27,8 @@ from mass_ops.store.repository import MetadataRepository
 
 PROMPT_FILE = "prompt.json"
 RESULT_FILE = "result.json"
+# Attempt keys looked up per query: above the presets' retry budgets, so one query is the norm (more just loop).
+_ATTEMPT_BATCH = 8
 
 
 def endpoint_from_config(config: CycleConfig) -> LLMEndpoint:
@@ -143,13 +145,19 @@ class CallLedger:
         return f"{llm_call_prefix(self.cycle_name, unit_key)}/{RESULT_FILE}"
 
     def attempts(self, unit: CallUnit) -> list[LLMCall]:
-        """Recorded attempts of a unit, first first (attempt numbers are dense: a1, a2, …)."""
-        rows = []
-        number = 1
-        while (row := self.repo.get_llm_call(self.cycle_id, unit.attempt_key(number))) is not None:
-            rows.append(row)
-            number += 1
-        return rows
+        """Recorded attempts of a unit, first first (attempt numbers are dense: a1, a2, …).
+
+        Looks the keys up a batch at a time: one query covers every unit within the usual retry budgets.
+        """
+        rows: list[LLMCall] = []
+        while True:
+            keys = [unit.attempt_key(number) for number in range(len(rows) + 1, len(rows) + 1 + _ATTEMPT_BATCH)]
+            found = self.repo.get_llm_calls(self.cycle_id, keys)
+            for key in keys:
+                row = found.get(key)
+                if row is None:
+                    return rows
+                rows.append(row)
 
     def finished(self, unit: CallUnit, attempts: list[LLMCall] | None = None) -> StoredCall | None:
         """The succeeded attempt of a unit with its stored answer, or None (`attempts`: rows already read)."""

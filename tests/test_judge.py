@@ -341,6 +341,16 @@ def test_a_valid_verdict_is_one_recorded_call_and_is_reused_on_rerun(
     assert secret not in Path(inner_loop.metadata_url.removeprefix("sqlite:///")).read_bytes().decode(errors="ignore")
 
 
+def test_ledger_attempts_are_dense_across_lookup_batches(inner_loop: InnerLoopEnv) -> None:
+    _, ledger = _judge(inner_loop)
+    unit = CallUnit("task51/rhi/v4_vs_no_harness", "judge", 51)
+    # a1..a10 span two lookup batches; a12 after the gap at a11 and the swapped order's a1 are not this unit's.
+    for key in [*(unit.attempt_key(n) for n in (*range(1, 11), 12)), f"{unit.key}/swapped/a1"]:
+        ledger.repo.record_llm_call(ledger.cycle_id, key, purpose="judge", model="m", status=CallStatus.INVALID)
+    assert [row.unit_key for row in ledger.attempts(unit)] == [unit.attempt_key(n) for n in range(1, 11)]
+    assert ledger.attempts(CallUnit("task51/rhi/v5_vs_no_harness", "judge", 51)) == []
+
+
 def test_invalid_answers_are_retried_within_the_budget(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
     inner_loop.policy.judge_replies += [
         PolicyReply(content="Workspace A is better overall."),

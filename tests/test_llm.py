@@ -510,6 +510,21 @@ def test_reasoning_only_answers_fail_with_the_ceiling_message(
     assert len(server.posts) == 4  # output problems are not retried
 
 
+def test_a_body_that_is_not_a_completion_object_is_an_output_error_on_record(
+    server: ScriptedServer, records: list[CallRecord]
+) -> None:
+    server.push(Reply(200, ["not", "a", "completion"]), Reply(200, completion('{"ok": true}', extra_field=[1, 2])))
+    client, _ = _client(_local(server), records)
+    with pytest.raises(LLMOutputError, match="must be a JSON object, got list"):
+        client.chat("s", "u", purpose="judge", json_mode="json_object")
+    assert (records[0].status, records[0].response, records[0].attempts) == ("error", None, 1)
+    # The recorded response is the server's document as sent, fields the SDK's models do not know included.
+    result = client.chat("s", "u", purpose="judge", json_mode="json_object")
+    assert result.parsed_json == {"ok": True}
+    assert records[1].response is not None and records[1].response["extra_field"] == [1, 2]
+    assert len(server.posts) == 2  # neither answer is retried
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -22,6 +22,7 @@ from mass_ops.search import (
     search_task,
     search_tasks,
 )
+from mass_ops.search.driver import _TaskSearch
 from mass_ops.search.prompt import (
     BestDesign,
     HistoryEntry,
@@ -241,6 +242,36 @@ def test_version_one_in_baseline_and_arbitration_mode_makes_exactly_three_judge_
     search_task(opened.ctx, opened.executor, 51, client=opened.client)
     assert len(inner_loop.server.requests) == requests_before
     assert opened.executor.executed == executed_before
+
+
+def test_a_chain_asks_for_each_episode_once_and_its_history_matches_the_episode_rows(
+    inner_loop: InnerLoopEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inner_loop.policy.judge_winner = _judge_for({"baseline": "B", "arbitration": "B"})
+    opened = inner_loop.open(tasks=(51,), iterations=2)
+    asked: Counter[str] = Counter()
+    run = opened.executor.run
+
+    def counting(requests: Any) -> Any:
+        asked.update(request.unit.slug for request in requests)
+        return run(requests)
+
+    monkeypatch.setattr(opened.executor, "run", counting)
+    result = search_task(opened.ctx, opened.executor, 51, client=opened.client)
+    # The reference is judged at every step and v1 is arbitrated again as champion at step 2: still asked for once.
+    assert result.retained_version == 2 and _keys(opened, "champion", 51) == ["champion_v0_vs_v1", "champion_v1_vs_v2"]
+    assert sorted(asked) == ["reference-t51-s450051", "search-t51-v0-s450051", "search-t51-v1-s451051",
+                             "search-t51-v2-s452051"] and set(asked.values()) == {1}  # fmt: skip
+
+    ledger = CallLedger(opened.ctx.repo, opened.ctx.artifacts, opened.ctx.cycle_id, opened.ctx.cycle_name)
+    fresh = _TaskSearch(opened.ctx, opened.executor, 51, opened.client, ledger)  # a new process: holds no outcome
+    versions, verdicts = fresh.versions(), fresh.verdicts()
+    from_rows = fresh.history(versions, verdicts)
+    assert [entry.side_b for entry in from_rows] == [f"v{v} (search-t51-v{v}-s45{v}051/a1)" for v in range(3)]
+    held = _TaskSearch(opened.ctx, opened.executor, 51, opened.client, ledger)
+    held.run([held.reference_request()] + [held.version_request(v, held.prompt_of(v, versions)) for v in range(3)])
+    monkeypatch.setattr(opened.ctx.repo, "episodes", lambda *a, **k: pytest.fail("held outcomes name every episode"))
+    assert held.history(versions, verdicts) == from_rows
 
 
 def test_tied_arbitration_keeps_the_older_champion_and_shows_it_to_the_optimizer(inner_loop: InnerLoopEnv) -> None:

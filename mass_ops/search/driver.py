@@ -42,7 +42,7 @@ from mass_ops.search.prompt import (
 )
 from mass_ops.search.proposal import ProposalError, parse_proposal
 from mass_ops.seeds import reference_episode_seed, search_call_seed, version_episode_seed
-from mass_ops.store.models import Comparison, Ledger, WorkflowVersion
+from mass_ops.store.models import Comparison, Ledger, WorkflowVersion, episode_unit_key
 from mass_ops.tasks.catalogue import Task
 from mass_ops.workflow import WorkflowPrompt, design_diff
 
@@ -150,6 +150,15 @@ class Verdicts:
     def state(self, current: int) -> ChampionState:
         return derive_champion(self.baseline(), self.arbitration(), current)
 
+    def including(self, rows: Sequence[Comparison]) -> Verdicts:
+        """This snapshot plus rows just recorded (the rows a re-read would add; a row already held is kept once)."""
+        rhi, champion = list(self.rhi), list(self.champion)
+        for row in rows:
+            held = rhi if row.ledger == Ledger.RHI else champion
+            if not any(old.id == row.id for old in held):
+                held.append(row)
+        return Verdicts(tuple(rhi), tuple(champion))
+
 
 class _TaskSearch:
     """The search state of one task: ids, seeds, prompts and ledgers."""
@@ -179,6 +188,11 @@ class _TaskSearch:
         self.caps = EvidenceCaps.remote(token_model) if config.is_remote_backend else EvidenceCaps.local(token_model)
         # A workspace is judged in several steps (the reference in every one): build its evidence once per process.
         self.evidence: EvidenceCache[tuple[EvidenceBundle, str]] = EvidenceCache(self._build_evidence)
+        # Finished episodes (succeeded or model failure) never change: the reference and the champion are needed
+        # again in later steps, and asking the executor again would only repeat its lookups.
+        self._finished: dict[EpisodeRequest, EpisodeOutcome] = {}
+        # Prompt texts of versions this process stored or verified against their recorded hash.
+        self._prompts: dict[int, str] = {}
 
     def _build_evidence(self, root: Path, source: WorkspaceSource) -> tuple[EvidenceBundle, str]:
         """The judge bundle of a workspace and the optimizer's results/ appendix, from one materialisation."""
@@ -226,6 +240,8 @@ class _TaskSearch:
     def prompt_of(self, version: int, versions: dict[int, WorkflowVersion]) -> str:
         if version == 0:
             return self.task.initial_prompt
+        if version in self._prompts:
+            return self._prompts[version]
         row = versions.get(version)
         if row is None:
             raise SearchError(
@@ -235,6 +251,7 @@ class _TaskSearch:
         text = prompt.decode("utf-8")
         if row.prompt_sha256 and _sha256(text) != row.prompt_sha256:
             raise SearchError(f"task {self.task_id}: stored prompt of v{version} does not match its recorded hash")
+        self._prompts[version] = text
         return text
 
     # -- episodes --------------------------------------------------------------------------------------------------
@@ -250,14 +267,17 @@ class _TaskSearch:
         return EpisodeRequest(unit=unit, condition=version_condition(self.task_id, version), prompt=prompt)
 
     def run(self, requests: list[EpisodeRequest]) -> list[EpisodeOutcome]:
-        outcomes = self.executor.run(requests)
-        for outcome in outcomes:
+        """Outcomes of `requests` in order: finished ones this process already holds, the others from the executor."""
+        todo = [request for request in requests if request not in self._finished]
+        outcomes = self.executor.run(todo) if todo else []
+        for request, outcome in zip(todo, outcomes, strict=True):  # the executor answers in request order
             if outcome.status == "infra_failure":
                 raise SearchEpisodeError(
                     f"task {self.task_id}: episode {outcome.request.unit.slug} ended in an infrastructure failure "
                     f"after {outcome.attempt} attempt(s); rerun the step once the endpoint is healthy"
                 )
-        return outcomes
+            self._finished[request] = outcome
+        return [self._finished[request] for request in requests]
 
     def workspace(self, outcome: EpisodeOutcome) -> ExecutorWorkspace:
         kind = outcome.request.unit.kind
@@ -270,10 +290,10 @@ class _TaskSearch:
     # -- verdicts --------------------------------------------------------------------------------------------------
 
     def verdicts(self) -> Verdicts:
-        repo, cycle = self.ctx.repo, self.ctx.cycle_id
+        rows = self.ctx.repo.task_comparisons(self.ctx.cycle_id, self.task_id, (Ledger.RHI, Ledger.CHAMPION))
         return Verdicts(
-            tuple(repo.comparisons(cycle, Ledger.RHI, task_id=self.task_id)),
-            tuple(repo.comparisons(cycle, Ledger.CHAMPION, task_id=self.task_id)),
+            tuple(row for row in rows if row.ledger == Ledger.RHI),
+            tuple(row for row in rows if row.ledger == Ledger.CHAMPION),
         )
 
     def record_verdict(
@@ -322,17 +342,17 @@ class _TaskSearch:
 
     def judge_baselines(
         self, reference: EpisodeOutcome, by_version: dict[int, EpisodeOutcome], verdicts: Verdicts
-    ) -> int:
-        """Judge every given version against the reference unless already recorded; returns how many were judged."""
+    ) -> list[Comparison]:
+        """Judge every given version against the reference unless already recorded; returns the recorded rows."""
         recorded = {row.key for row in verdicts.rhi}
         todo = [v for v in sorted(by_version) if baseline_key(v) not in recorded]
         if not todo:
-            return 0
+            return []
         reference_bundle = self.bundle(reference)
 
-        def judge_one(version: int) -> None:
+        def judge_one(version: int) -> Comparison:
             outcome = by_version[version]
-            self.record_verdict(
+            return self.record_verdict(
                 Ledger.RHI,
                 baseline_key(version),
                 "judge",
@@ -343,16 +363,13 @@ class _TaskSearch:
             )
 
         if len(todo) == 1:
-            judge_one(todo[0])
-        else:
-            # v0 and v_k against the same reference are independent calls: judge them at the same time.
-            with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix=f"judge-t{self.task_id}") as pool:
-                for future in [pool.submit(judge_one, v) for v in todo]:
-                    future.result()
-        return len(todo)
+            return [judge_one(todo[0])]
+        # v0 and v_k against the same reference are independent calls: judge them at the same time.
+        with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix=f"judge-t{self.task_id}") as pool:
+            return [future.result() for future in [pool.submit(judge_one, v) for v in todo]]
 
-    def arbitrate(self, champion: int, current: int, outcomes: dict[int, EpisodeOutcome]) -> None:
-        self.record_verdict(
+    def arbitrate(self, champion: int, current: int, outcomes: dict[int, EpisodeOutcome]) -> Comparison:
+        return self.record_verdict(
             Ledger.CHAMPION,
             arbitration_key(champion, current),
             "arbitration",
@@ -364,9 +381,28 @@ class _TaskSearch:
 
     # -- proposal --------------------------------------------------------------------------------------------------
 
+    def episode_keys(self, episode_ids: set[int]) -> dict[int, str]:
+        """Unit keys of episode rows: from the outcomes this process holds when they cover `episode_ids`, else read."""
+        held = {
+            outcome.episode_id: episode_unit_key(
+                task_id=str(outcome.request.unit.task_id),
+                kind=outcome.request.unit.kind,
+                seed=outcome.request.unit.seed,
+                attempt=outcome.attempt,
+                version=outcome.request.unit.version,
+                candidate=outcome.request.unit.candidate,
+                generation=outcome.request.generation,
+            )
+            for outcome in self._finished.values()
+        }
+        if episode_ids <= held.keys():
+            return held
+        return {e.id: e.unit_key for e in self.ctx.repo.episodes(self.ctx.cycle_id, task_id=self.task_id)}
+
     def history(self, versions: dict[int, WorkflowVersion], verdicts: Verdicts) -> list[HistoryEntry]:
         entries = []
-        episodes = {e.id: e.unit_key for e in self.ctx.repo.episodes(self.ctx.cycle_id, task_id=self.task_id)}
+        referenced = {i for row in verdicts.rhi for i in (row.episode_a_id, row.episode_b_id) if i is not None}
+        episodes = self.episode_keys(referenced)
         for row in verdicts.rhi:
             found = _BASELINE_KEY.match(row.key)
             if not found:
@@ -443,7 +479,8 @@ class _TaskSearch:
         unit = CallUnit(f"task{self.task_id}/optimizer/v{current}_to_v{current + 1}", "optimizer", self.task_id)
         search = self.ctx.config.search
         guardrails = {"reject_numeric_caps": search.reject_numeric_caps, "max_design_chars": search.max_design_chars}
-        stored = self.ledger.finished(unit)
+        attempts = self.ledger.attempts(unit)
+        stored = self.ledger.finished(unit, attempts)
         if stored is not None:
             proposal = parse_proposal(stored.parsed, self.template, **guardrails)
             call_id = stored.row.id
@@ -451,7 +488,7 @@ class _TaskSearch:
             inputs = self.optimizer_inputs(current, outcome, versions, verdicts)
             system, user = optimizer_system_prompt(), optimizer_user_prompt(inputs)
             try:
-                with self.ledger.attempt(unit) as attempt:
+                with self.ledger.attempt(unit, len(attempts) + 1) as attempt:
                     result = self.client.chat(
                         system,
                         user,
@@ -498,6 +535,7 @@ class _TaskSearch:
             prompt_sha256=_sha256(prompt),
             proposal_call_id=call_id,
         )
+        self._prompts[current + 1] = prompt
         return current + 1
 
     # -- the step --------------------------------------------------------------------------------------------------
@@ -521,21 +559,21 @@ class _TaskSearch:
         by_version = dict(zip(needed, outcomes[1:], strict=True))
         judged = 0
         arbitrated = False
+        # One read of the ledgers per step; what this step records is added to the snapshot as it is recorded.
         verdicts = self.verdicts()
         if current >= 1:
-            judged = self.judge_baselines(reference, by_version, verdicts)
-            if judged:
-                verdicts = self.verdicts()
+            baselines = self.judge_baselines(reference, by_version, verdicts)
+            judged = len(baselines)
+            verdicts = verdicts.including(baselines)
             state = verdicts.state(current)
             if state.arbitration_needed:
                 champion = state.champion
                 if champion not in by_version:
                     champion_prompt = self.prompt_of(champion, versions)
                     by_version[champion] = self.run([self.version_request(champion, champion_prompt)])[0]
-                self.arbitrate(champion, current, by_version)
+                verdicts = verdicts.including([self.arbitrate(champion, current, by_version)])
                 judged += 1
                 arbitrated = True
-                verdicts = self.verdicts()
         state = verdicts.state(current)
         current_outcome = by_version[current]
         if current == self.iterations:

@@ -6,12 +6,16 @@ never expire them on commit.
 
 SQLite is opened in WAL mode with a busy timeout and foreign keys on. Write transactions start with
 ``BEGIN IMMEDIATE`` so that concurrent writers queue on the database lock (and the busy timeout) instead of failing
-with "database is locked" when a read snapshot would have to be upgraded to a write lock.
+with "database is locked" when a read snapshot would have to be upgraded to a write lock. Writers of one process
+also queue on an in-process lock first: SQLite's busy handler polls with sleeps growing to 100 ms, so threads
+contending for the database lock waited up to hundreds of milliseconds for a lock held for one; the in-process
+lock hands over at once, and the busy timeout remains for writers in other processes.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,6 +106,8 @@ class MetadataStore:
         self._reader = sessionmaker(read_engine, expire_on_commit=False, autoflush=False)
         self._write_engine = self.engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
         self._writer = sessionmaker(self._write_engine, expire_on_commit=False, autoflush=False)
+        # Reentrant, so a nested write in one thread behaves as before (it waits on SQLite, not on itself).
+        self._write_lock: threading.RLock | None = threading.RLock() if self.dialect == "sqlite" else None
 
     def __repr__(self) -> str:
         return f"MetadataStore(url={mask_url(self.url)!r})"
@@ -148,14 +154,31 @@ class MetadataStore:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """A session whose work commits when the block ends, or rolls back if it raises."""
-        with self._writer.begin() as session:
+        with self._serialised_writes(), self._writer.begin() as session:
             yield session
 
     @contextmanager
     def transaction(self) -> Iterator[sa.Connection]:
         """A Core connection in a write transaction, committed when the block ends (rolled back if it raises)."""
-        with self._write_engine.begin() as connection:
+        with self._serialised_writes(), self._write_engine.begin() as connection:
             yield connection
+
+    @contextmanager
+    def _serialised_writes(self) -> Iterator[None]:
+        """Holds this process's SQLite writer lock for the block (no-op on Postgres, whose row locks suffice).
+
+        A writer that waited the whole busy timeout goes ahead without it, so a writer stuck behind another fails
+        on the database lock as it always did instead of hanging.
+        """
+        if self._write_lock is None:
+            yield
+            return
+        acquired = self._write_lock.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
+        try:
+            yield
+        finally:
+            if acquired:
+                self._write_lock.release()
 
     def dispose(self) -> None:
         """Close every pooled connection (call before dropping the database or at process exit)."""

@@ -578,6 +578,13 @@ class MetadataRepository:
     def get_llm_call(self, cycle_id: int, unit_key: str) -> LLMCall | None:
         return self._one(sa.select(LLMCall).where(LLMCall.cycle_id == cycle_id, LLMCall.unit_key == unit_key))
 
+    def get_llm_calls(self, cycle_id: int, unit_keys: Sequence[str]) -> dict[str, LLMCall]:
+        """The recorded calls among `unit_keys`, by key (absent keys are missing): one query for many lookups."""
+        if not unit_keys:
+            return {}
+        statement = sa.select(LLMCall).where(LLMCall.cycle_id == cycle_id, LLMCall.unit_key.in_(list(unit_keys)))
+        return {row.unit_key: row for row in self._all(statement)}
+
     def llm_calls(self, cycle_id: int, *, purpose: str | None = None) -> list[LLMCall]:
         statement = sa.select(LLMCall).where(LLMCall.cycle_id == cycle_id).order_by(LLMCall.id)
         if purpose is not None:
@@ -671,6 +678,21 @@ class MetadataRepository:
         )
         if task_id is not None:
             statement = statement.where(Comparison.task_id == _task(task_id))
+        return self._all(statement)
+
+    def task_comparisons(self, cycle_id: int, task_id: TaskId, ledgers: Sequence[str]) -> list[Comparison]:
+        """One task's rows of several ledgers in recording order (one query where `comparisons` would take one per
+        ledger)."""
+        names = [_member(Ledger, ledger, "ledger") for ledger in ledgers]
+        statement = (
+            sa.select(Comparison)
+            .where(
+                Comparison.cycle_id == cycle_id,
+                Comparison.task_id == _task(task_id),
+                Comparison.ledger.in_(names),
+            )
+            .order_by(Comparison.id)
+        )
         return self._all(statement)
 
     # -- ranking and selection -----------------------------------------------------------------------------------
