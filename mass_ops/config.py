@@ -413,13 +413,31 @@ class KubernetesConfig(_Section):
     model_cache_pvc: str = "mass-ops-model-cache"
     episode_cpu: str = "4"
     episode_memory: str = "16Gi"
+    publisher_cpu: str = Field(
+        default="1", description="CPU of the publisher container of an episode pod (uploads artifacts, writes rows)."
+    )
+    publisher_memory: str = Field(default="1Gi", description="Memory of the publisher container of an episode pod.")
     startup_timeout_s: PositiveInt = 1800
     training_priority_class: str = "mass-ops-training"
+    training_launcher: Literal["indexed-job", "trainjob"] = Field(
+        default="indexed-job",
+        description=(
+            "How multi-node training starts: 'indexed-job' (a batch/v1 indexed Job plus a headless Service, nothing "
+            "to install) or 'trainjob' (a Kubeflow Trainer v2 TrainJob on the ClusterTrainingRuntime "
+            "`trainjob_runtime`; needs Trainer and JobSet in the cluster). Export always runs as a Job."
+        ),
+    )
+    trainjob_runtime: str = Field(
+        default="torch-distributed",
+        description="The ClusterTrainingRuntime a TrainJob refers to (Kubeflow Trainer's torch runtime by default).",
+    )
 
     @model_validator(mode="after")
     def _names(self) -> KubernetesConfig:
         if not _K8S_NAME.match(self.namespace):
             raise ValueError(f"namespace: {self.namespace!r} is not a valid Kubernetes name")
+        if not _K8S_NAME.match(self.trainjob_runtime):
+            raise ValueError(f"trainjob_runtime: {self.trainjob_runtime!r} is not a valid Kubernetes name")
         return self
 
 

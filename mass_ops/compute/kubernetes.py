@@ -9,10 +9,15 @@ Contracts with the images:
   file `CONFIG_FILE` through a downward-API volume, so commands take `--config CONFIG_FILE` and no ConfigMap has to
   be created per run;
 - the model cache claim is mounted at `MODEL_MOUNT`; a model key such as `models/L1-fp8` lives at `/models/L1-fp8`;
-- episode pods run `mass-ops episode run --config CONFIG_FILE --kind K --task T [...]`;
+- episode pods run two containers sharing the emptyDir `HANDOFF_MOUNT`: `base` runs `mass-ops episode run --config
+  CONFIG_FILE --kind K --task T [...] --handoff HANDOFF_MOUNT` with the inference key only, and `publisher` runs
+  `mass-ops episode publish --config CONFIG_FILE --handoff HANDOFF_MOUNT` with the store and database credentials
+  (`mass_ops.runtime.handoff`; why two containers and not a native sidecar: `episode_pod`);
 - training and export Jobs run `mass-ops stage train|export --config CONFIG_FILE` with the launch topology in the
   environment (`NNODES`, `NPROC_PER_NODE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`); node rank = the indexed
-  Job's completion index; rendezvous goes through a headless Service named like the Job;
+  Job's completion index; rendezvous goes through a headless Service named like the Job, whose node-0 name the Job
+  sets as `MASTER_ADDR`. With `compute.kubernetes.training_launcher: trainjob` training is a Kubeflow Trainer v2
+  TrainJob instead (`training_trainjob`), whose torch runtime sets the `PET_*` topology itself;
 - the inference image's entry point (`docker/inference/serve.sh`) reads the serving flags from `MASS_SERVE_*`.
 """
 
@@ -37,6 +42,8 @@ CONFIG_MOUNT = "/etc/mass-ops/cycle"
 CONFIG_FILE = f"{CONFIG_MOUNT}/config.json"
 MODEL_MOUNT = "/models"
 RUNTIME_UID = 10001  # the unprivileged user of the episode, trainer and inference images
+HANDOFF_MOUNT = "/handoff"  # the emptyDir an episode's sandbox and publisher containers share
+PUBLISHER_CONTAINER = "publisher"
 MASTER_PORT = 29500
 SETTINGS_DIR_ENV = "MASS_SETTINGS_DIR"
 DEFAULT_SETTINGS_DIR = "/etc/mass-ops/settings"
@@ -45,6 +52,16 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 CYCLE_LABEL = "mass-ops/cycle"
 SCOPE_LABEL = "mass-ops/scope"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+TRAINING_GRACE_S = 120
+# Kubeflow Trainer v2 (facts from its v2.2/v2.3 API): TrainJobs live in trainer.kubeflow.org/v1alpha1; the torch
+# runtimes name their trainer job and container `node`; JobSet labels every pod with the TrainJob's name; a runtime
+# patch names its manager as a domain-prefixed path.
+TRAINJOB_GROUP = "trainer.kubeflow.org"
+TRAINJOB_VERSION = "v1alpha1"
+TRAINJOB_PLURAL = "trainjobs"
+TRAINJOB_NODE = "node"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+TRAINJOB_PATCH_MANAGER = "mass-ops.io/launcher"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # Defaults of the chart installed as release `mass-ops` (helm/mass-ops/templates/configmap-settings.yaml).
 DEFAULT_LABELS: dict[str, dict[str, str]] = {
@@ -52,7 +69,7 @@ DEFAULT_LABELS: dict[str, dict[str, str]] = {
     "inference": {"app.kubernetes.io/component": "inference"},
     "training": {"app.kubernetes.io/component": "training"},
 }
-Consumer = Literal["episode", "inference", "training", "airflow"]
+Consumer = Literal["episode", "publisher", "inference", "training", "airflow"]
 EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
 
 _NAME_CHARS = re.compile(r"[^a-z0-9-]+")
@@ -490,7 +507,21 @@ def episode_pod(
     config: CycleConfig, settings: WorkloadSettings, episode: EpisodeSpec, *, scope: str | None = None
 ) -> dict[str, Any]:
     """The sandbox pod of one episode: non-root, no service-account token, capped resources, the NetworkPolicy's
-    label (egress only to the inference server), the inference key and nothing else of the Secrets."""
+    label, and two containers that share one emptyDir (`HANDOFF_MOUNT`) and nothing else.
+
+    `base` runs the agent (`episode run --handoff`) with the inference key and no other Secret, not even the
+    store's URL: the agent's commands run as that container's user and could read any process's environment there.
+    `publisher` holds the artifact-store and metadata-DB credentials and publishes what `base` hands over
+    (`episode publish --handoff`), artifacts first and the row last.
+
+    Two regular containers, not a native sidecar (an init container with `restartPolicy: Always`, Kubernetes ≥
+    1.29): the kubelet stops a native sidecar as soon as the main container exits — just when the last attempt still
+    has to be published — and a sidecar's exit status does not count towards the pod's phase, so a failed publish
+    would leave a Succeeded pod. As a regular container the publisher runs until everything is published, the pod
+    succeeds only when both containers exit 0, and the pod operator waits for the whole pod before it reads the phase
+    and deletes it. The publisher learns that `base` ended from the hand-off's marker, or that it died from its
+    stopped heartbeat. `shareProcessNamespace` stays off: with it the agent could read the publisher's environment.
+    """
     k8s = config.compute.kubernetes
     scope = scope or config.cycle_name
     labels = {
@@ -503,6 +534,7 @@ def episode_pod(
         "requests": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
         "limits": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
     }
+    handoff_mount = {"name": "handoff", "mountPath": HANDOFF_MOUNT}
     env = [
         {"name": "MASS_EPISODE_SLUG", "value": episode.slug},
         {"name": "EPISODE_CUDA_VISIBLE_DEVICES", "value": config.runtime.episode_cuda_visible_devices},
@@ -510,16 +542,17 @@ def episode_pod(
         {"name": "TMPDIR", "value": "/tmp"},
         *settings.secret_env("episode"),
     ]
-    container = {
+    run = ["mass-ops", "episode", "run", "--config", CONFIG_FILE, *episode.arguments()]
+    sandbox = {
         "name": "base",
         "image": k8s.image_episode,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["mass-ops", "episode", "run", "--config", CONFIG_FILE, *episode.arguments()],
+        "command": [*run, "--handoff", HANDOFF_MOUNT],
         "env": env,
-        "envFrom": settings.env_from(),
         "resources": resources,
         "volumeMounts": [
             _config_mount(),
+            handoff_mount,
             {"name": "workspace", "mountPath": "/workspace"},
             {"name": "home", "mountPath": "/home/mass"},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -529,15 +562,34 @@ def episode_pod(
         "securityContext": _container_security(read_only_root=False),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    publisher_resources = {"cpu": k8s.publisher_cpu, "memory": k8s.publisher_memory}
+    publisher = {
+        "name": PUBLISHER_CONTAINER,
+        "image": k8s.image_episode,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["mass-ops", "episode", "publish", "--config", CONFIG_FILE, "--handoff", HANDOFF_MOUNT],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "TMPDIR", "value": "/tmp"},
+            *settings.secret_env("publisher"),
+        ],
+        "envFrom": settings.env_from(),
+        "resources": {"requests": publisher_resources, "limits": publisher_resources},
+        "volumeMounts": [_config_mount(), handoff_mount, {"name": "publisher-tmp", "mountPath": "/tmp"}],
+        "securityContext": _container_security(read_only_root=True),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
     spec = {
         **_pod_base(config, settings),
         "restartPolicy": "Never",
-        "containers": [container],
+        "containers": [sandbox, publisher],
         "volumes": [
             _config_volume(),
+            {"name": "handoff", "emptyDir": {}},
             {"name": "workspace", "emptyDir": {}},
             {"name": "home", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {}},
+            {"name": "publisher-tmp", "emptyDir": {}},
         ],
         "activeDeadlineSeconds": episode_deadline_s(config),
         "terminationGracePeriodSeconds": 30,
@@ -565,54 +617,87 @@ JobRole = Literal["train", "export"]
 
 
 def job_name(config: CycleConfig, role: JobRole) -> str:
-    """Name of the cycle's training/export Job (short enough for `<job>-<index>` pod hostnames)."""
+    """Name of the cycle's training/export Job or TrainJob (short enough for `<job>-<index>` pod hostnames, and for
+    a TrainJob's `<job>-node-0-<index>`)."""
     return resource_name("mass", config.cycle_name, role, max_length=50)
 
 
-def training_job(config: CycleConfig, settings: WorkloadSettings, *, role: JobRole = "train") -> dict[str, Any]:
-    """An indexed Job: one pod per node, each with one GPU per data-parallel rank, running the stage's launch.
+def _training_labels(config: CycleConfig, settings: WorkloadSettings, role: JobRole) -> dict[str, str]:
+    return {**workload_labels(config, config.cycle_name), **settings.labels_for("training"), "mass-ops/job": role}
 
-    `training.nnodes` pods start together (`training.replicas / nnodes` GPUs each); node rank = completion index
-    (Kubernetes also sets JOB_COMPLETION_INDEX); node 0 is reachable for rendezvous as
-    `<job>-0.<job>` through the headless Service of `rendezvous_service`. A failed pod fails the Job at once
-    (backoffLimit 0): Airflow owns retries, and the stage resumes from its last checkpoint.
-    """
-    k8s = config.compute.kubernetes
-    name = job_name(config, role)
-    nnodes = config.training.nnodes if role == "train" else 1
-    # One data-parallel rank per GPU (ZeRO-3): a node runs replicas / nnodes ranks and asks for that many GPUs.
-    gpus = config.training.ranks_per_node if role == "train" else 1
-    labels = {**workload_labels(config, config.cycle_name), **settings.labels_for("training"), "mass-ops/job": role}
-    env = [
+
+def _training_topology(config: CycleConfig, role: JobRole) -> tuple[int, int]:
+    """(nodes, GPUs per node): one data-parallel rank per GPU (ZeRO-3), `replicas / nnodes` ranks per node."""
+    if role == "train":
+        return config.training.nnodes, config.training.ranks_per_node
+    return 1, 1
+
+
+def _training_env(config: CycleConfig, settings: WorkloadSettings, role: JobRole) -> list[dict[str, Any]]:
+    """The launch topology and paths every node of the stage reads (`mass_ops.training_plan`); node rank = the
+    Job completion index, which both an indexed Job and a TrainJob's JobSet give each node's pod."""
+    nnodes, gpus = _training_topology(config, role)
+    return [
         {"name": "NNODES", "value": str(nnodes)},
         {"name": "NPROC_PER_NODE", "value": str(gpus)},
         {
             "name": "NODE_RANK",
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}},
         },
-        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
         {"name": "MASS_MODEL_DIR", "value": MODEL_MOUNT},
         {"name": "HOME", "value": "/scratch"},
         *settings.secret_env("training"),
     ]
+
+
+def _training_mounts(role: JobRole) -> list[dict[str, Any]]:
+    return [
+        _config_mount(),
+        # Export writes the next generation's weights into the cache, where the inference server loads them.
+        {"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": role == "train"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "scratch", "mountPath": "/scratch"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+
+
+def _training_volumes(config: CycleConfig, role: JobRole) -> list[dict[str, Any]]:
+    return [
+        _config_volume(),
+        _model_cache_volume(config, read_only=role == "train"),
+        _shm_volume(),
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+
+
+def _training_command(role: JobRole) -> list[str]:
+    return ["mass-ops", "stage", role, "--config", CONFIG_FILE]
+
+
+def training_job(config: CycleConfig, settings: WorkloadSettings, *, role: JobRole = "train") -> dict[str, Any]:
+    """An indexed Job: one pod per node, each with one GPU per data-parallel rank, running the stage's launch.
+
+    `training.nnodes` pods start together (`training.replicas / nnodes` GPUs each); node rank = completion index
+    (Kubernetes also sets JOB_COMPLETION_INDEX); node 0 is reachable for rendezvous as `<job>-0.<job>` through the
+    headless Service of `rendezvous_service`, and the pods get that name as `MASTER_ADDR`. A failed pod fails the
+    Job at once (backoffLimit 0): Airflow owns retries, and the stage resumes from its last checkpoint.
+    """
+    k8s = config.compute.kubernetes
+    name = job_name(config, role)
+    nnodes, gpus = _training_topology(config, role)
+    labels = _training_labels(config, settings, role)
     container = {
         "name": "base",
         "image": k8s.image_trainer,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["mass-ops", "stage", role, "--config", CONFIG_FILE],
-        "env": env,
+        "command": _training_command(role),
+        "env": [{"name": "MASTER_ADDR", "value": f"{name}-0.{name}"}, *_training_env(config, settings, role)],
         "envFrom": settings.env_from(),
         "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
         "resources": _gpu_resources(config, gpus),
-        "volumeMounts": [
-            _config_mount(),
-            # Export writes the next generation's weights into the cache, where the inference server loads them.
-            {"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": role == "train"},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "scratch", "mountPath": "/scratch"},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "volumeMounts": _training_mounts(role),
         "securityContext": _container_security(read_only_root=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -623,14 +708,8 @@ def training_job(config: CycleConfig, settings: WorkloadSettings, *, role: JobRo
         "subdomain": name,
         "priorityClassName": k8s.training_priority_class,
         "containers": [container],
-        "volumes": [
-            _config_volume(),
-            _model_cache_volume(config, read_only=role == "train"),
-            _shm_volume(),
-            {"name": "scratch", "emptyDir": {}},
-            {"name": "tmp", "emptyDir": {}},
-        ],
-        "terminationGracePeriodSeconds": 120,
+        "volumes": _training_volumes(config, role),
+        "terminationGracePeriodSeconds": TRAINING_GRACE_S,
     }
     return {
         "apiVersion": "batch/v1",
@@ -650,10 +729,79 @@ def training_job(config: CycleConfig, settings: WorkloadSettings, *, role: JobRo
     }
 
 
+def training_trainjob(config: CycleConfig, settings: WorkloadSettings) -> dict[str, Any]:
+    """The cycle's training as a Kubeflow Trainer v2 TrainJob (`trainer.kubeflow.org/v1alpha1`, Trainer ≥ 2.2).
+
+    The TrainJob names the ClusterTrainingRuntime `compute.kubernetes.trainjob_runtime` (Trainer's
+    `torch-distributed` by default) and sets, through its `trainer` field, what the indexed Job sets: `numNodes`
+    nodes with `resourcesPerNode` GPUs and `numProcPerNode` ranks each, the trainer image, command and environment.
+    The runtime's torch plugin adds the `PET_*` topology (its `PET_MASTER_ADDR` names node 0 of the JobSet it
+    creates, which also brings the headless Service), so no `MASTER_ADDR` and no Service of our own.
+
+    Pod fields the `trainer` field cannot carry go in one `runtimePatches` entry for the runtime's `node` job:
+    labels (the NetworkPolicy's, the scope's), the config annotation, service account, security context, GPU
+    scheduling, volumes, and the `node` container's mounts and security context (its env may only come through
+    `trainer.env`, which must not hold the runtime's reserved `PET_*` names). A TrainJob cannot set the priority
+    class, `enableServiceLinks` or `automountServiceAccountToken`: the runtime decides the first two, and the chart's
+    workload service account already mounts no token.
+    """
+    k8s = config.compute.kubernetes
+    name = job_name(config, "train")
+    nnodes, gpus = _training_topology(config, "train")
+    labels = _training_labels(config, settings, "train")
+    pod_patch: dict[str, Any] = {
+        "serviceAccountName": settings.service_account,
+        "securityContext": _pod_security(config),
+        "volumes": _training_volumes(config, "train"),
+        "containers": [
+            {
+                "name": TRAINJOB_NODE,
+                "volumeMounts": _training_mounts("train"),
+                "securityContext": _container_security(read_only_root=True),
+            }
+        ],
+        "terminationGracePeriodSeconds": TRAINING_GRACE_S,
+        **_gpu_scheduling(config),
+    }
+    node_patch = {
+        "name": TRAINJOB_NODE,
+        "template": {
+            "spec": {
+                "template": {
+                    "metadata": {"labels": labels, "annotations": {CONFIG_ANNOTATION: config_document(config)}},
+                    "spec": pod_patch,
+                }
+            }
+        },
+    }
+    return {
+        "apiVersion": f"{TRAINJOB_GROUP}/{TRAINJOB_VERSION}",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "runtimeRef": {"name": k8s.trainjob_runtime, "apiGroup": TRAINJOB_GROUP, "kind": "ClusterTrainingRuntime"},
+            "trainer": {
+                "image": k8s.image_trainer,
+                "command": _training_command("train"),
+                "env": _training_env(config, settings, "train"),
+                "numNodes": nnodes,
+                "numProcPerNode": gpus,
+                "resourcesPerNode": _gpu_resources(config, gpus),
+            },
+            "runtimePatches": [
+                {
+                    "manager": TRAINJOB_PATCH_MANAGER,
+                    "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node_patch]}}},
+                }
+            ],
+        },
+    }
+
+
 def rendezvous_service(config: CycleConfig, settings: WorkloadSettings, *, role: JobRole = "train") -> dict[str, Any]:
     """Headless Service giving the Job's pods stable DNS names (`<job>-<index>.<job>`) before they are ready."""
     name = job_name(config, role)
-    labels = {**workload_labels(config, config.cycle_name), **settings.labels_for("training"), "mass-ops/job": role}
+    labels = _training_labels(config, settings, role)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -684,6 +832,9 @@ def manifests_of_cycle(config: CycleConfig, settings: WorkloadSettings, episodes
             inference_service(config, settings, target, scope=scope),
         ]
     out += [episode_pod(config, settings, e) for e in episodes]
-    for role in ("train", "export"):
-        out += [training_job(config, settings, role=role), rendezvous_service(config, settings, role=role)]
+    if config.compute.kubernetes.training_launcher == "trainjob":
+        out.append(training_trainjob(config, settings))
+    else:
+        out += [training_job(config, settings, role="train"), rendezvous_service(config, settings, role="train")]
+    out += [training_job(config, settings, role="export"), rendezvous_service(config, settings, role="export")]
     return out

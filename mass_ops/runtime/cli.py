@@ -9,6 +9,12 @@ Exit status: 0 when every unit ended as `succeeded` or `model_failure` (a model 
 3 when any ended as `infra_failure` after all its attempts; 2 for bad input (config, unit, prompt, a changed prompt
 for a recorded unit, an endpoint that does not serve the model); 130 on Ctrl-C, 143 on SIGTERM — in both cases the
 agents and proxies are stopped and nothing is recorded for the interrupted attempts.
+
+`--handoff DIR` (the sandbox container of a Kubernetes episode pod): the run reaches neither the artifact store nor
+the metadata DB; it hands every attempt to `mass-ops episode publish --handoff DIR` running beside it, which holds
+the credentials (`mass_ops.runtime.handoff`). The prompt then comes from `--prompt-file`. `episode publish` exits 0
+when everything handed over was published, 1 when something could not be, 2 for a hand-off that ended without its
+marker or holds something it must not (nothing of that is published).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 from urllib.parse import unquote
 
 import typer
@@ -32,6 +38,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from mass_ops.config import ConfigError, CycleConfig, load_config
 from mass_ops.layout import EpisodeKind, EpisodeUnit, bare_condition, teacher_condition, version_condition
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
+
+if TYPE_CHECKING:
+    from mass_ops.runtime.handoff import SandboxHandoff
 
 episode_app = typer.Typer(no_args_is_help=True, help="Agent episodes: run one episode unit against the endpoint.")
 
@@ -84,10 +93,15 @@ def run_command(
         bool | None, typer.Option("--progress/--no-progress", help="Progress display (default: on a terminal).")
     ] = None,
     log_format: Annotated[str, typer.Option("--log-format", help="Logs on stderr: text or json.")] = "text",
+    handoff: Annotated[
+        Path | None,
+        typer.Option("--handoff", help="Hand attempts to `episode publish --handoff DIR` instead of publishing."),
+    ] = None,
 ) -> None:
     """Run the episode unit(s) and print one JSON outcome line per seed."""
-    with _episode_logging(log_format):
+    with _episode_logging(log_format), _handoff_session(handoff) as session:
         _run(
+            handoff=session,
             task=task,
             kind=kind,
             seed=seed,
@@ -105,8 +119,30 @@ def run_command(
         )
 
 
+@contextlib.contextmanager
+def _handoff_session(root: Path | None) -> Iterator[SandboxHandoff | None]:
+    """The hand-off of a `--handoff` run (None without): it marks the end with the exit status the run ends with."""
+    if root is None:
+        yield None
+        return
+    from mass_ops.runtime.handoff import HandoffError, SandboxHandoff
+
+    session = SandboxHandoff(root)
+    try:
+        session.__enter__()
+    except HandoffError as exc:
+        raise _fail(str(exc)) from None
+    try:
+        yield session
+    except BaseException as exc:
+        session.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    session.__exit__(None, None, None)
+
+
 def _run(
     *,
+    handoff: SandboxHandoff | None = None,
     task: int,
     kind: str,
     seed: list[int],
@@ -132,18 +168,25 @@ def _run(
         raise _fail(str(exc)) from None
 
     from mass_ops.context import attach_cycle
+    from mass_ops.runtime.handoff import HandoffError
     from mass_ops.runtime.pool import EpisodeBatchError, EpisodePool, EpisodePromptConflictError
     from mass_ops.runtime.runner import EpisodePreflightError
 
     try:
-        ctx = attach_cycle(cfg)
-        if kind == "rollout" and generation:
-            # A rollout runs on the server of the generation it evaluates (the cycle's evaluation servers).
-            from mass_ops.evaluation.cycle import evaluation_scope
-            from mass_ops.evaluation.serving import generation_server, serving_context
+        if handoff is not None:
+            # The stores are the publisher's: the cycle, recorded attempts and a rollout's server come in its ledger.
+            if prompt_uri is not None:
+                raise EpisodeInputError("--prompt-uri: a --handoff run reads no artifact store; use --prompt-file")
+            prompt = _read_prompt(None, prompt_file, None)
+        else:
+            ctx = attach_cycle(cfg)
+            if kind == "rollout" and generation:
+                # A rollout runs on the server of the generation it evaluates (the cycle's evaluation servers).
+                from mass_ops.evaluation.cycle import evaluation_scope
+                from mass_ops.evaluation.serving import generation_server, serving_context
 
-            ctx = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(cfg)))
-        prompt = _read_prompt(ctx.artifacts, prompt_file, prompt_uri)
+                ctx = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(cfg)))
+            prompt = _read_prompt(ctx.artifacts, prompt_file, prompt_uri)
     except (EpisodeInputError, ValueError) as exc:
         raise _fail(str(exc)) from None
     chosen_condition = condition or default_condition(cfg, kind, task, version)
@@ -158,9 +201,15 @@ def _run(
         )
         for s in seed
     ]
+    pool_options: dict[str, Any] = {"scratch_dir": scratch_dir, "keep_scratch": keep_scratch}
+    if handoff is not None:
+        try:
+            ctx = handoff.open(cfg, requests)
+        except HandoffError as exc:
+            raise _fail(str(exc), 1) from None
+        pool_options["sink"] = handoff.sink
     display = _Display(len(requests), enabled=progress if progress is not None else _err.is_terminal)
     previous_handler = _install_sigterm()
-    pool_options: dict[str, Any] = {"scratch_dir": scratch_dir, "keep_scratch": keep_scratch}
     try:
         with display, EpisodePool(ctx, on_event=display.on_event, **pool_options) as pool:
             outcomes = pool.run(requests)
@@ -170,6 +219,8 @@ def _run(
         raise _fail(f"episode run: interrupted; {_STOPPED}", EXIT_INTERRUPTED) from None
     except (EpisodePreflightError, EpisodePromptConflictError) as exc:
         raise _fail(str(exc)) from None
+    except HandoffError as exc:
+        raise _fail(str(exc), 1) from None
     except EpisodeBatchError as exc:
         for outcome in exc.outcomes:
             if outcome is not None:
@@ -181,6 +232,44 @@ def _run(
         print(json.dumps(outcome_line(outcome)), flush=True)
     if any(outcome.status == "infra_failure" for outcome in outcomes):
         raise typer.Exit(EXIT_INFRA_FAILURE)
+
+
+@episode_app.command("publish")
+def publish_command(
+    handoff: Annotated[Path, typer.Option("--handoff", help="The folder `episode run --handoff` writes.")],
+    config: Annotated[str, typer.Option("--config", "-c", help="Preset (paper, cycle2, demo) or YAML/JSON file.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key: a.b=c (repeatable).")] = None,
+    stale_after_s: Annotated[
+        float, typer.Option("--stale-after-s", help="Give up when the episode container's heartbeat is this old.")
+    ] = 60.0,
+    start_timeout_s: Annotated[
+        float, typer.Option("--start-timeout-s", help="How long to wait for the episode container's request.")
+    ] = 600.0,
+    log_format: Annotated[str, typer.Option("--log-format", help="Logs on stderr: text or json.")] = "text",
+) -> None:
+    """Publish what `episode run --handoff` hands over: each attempt's artifacts, then its row (one JSON line each)."""
+    with _episode_logging(log_format):
+        try:
+            cfg = load_config(config, set_ or ())
+        except ConfigError as exc:
+            raise _fail("\n".join(exc.problems)) from None
+        from mass_ops.runtime.handoff import HandoffError, HandoffPublisher, IncompleteHandoffError
+
+        publisher = HandoffPublisher(
+            cfg,
+            handoff,
+            start_timeout_s=start_timeout_s,
+            stale_after_s=stale_after_s,
+            on_outcome=lambda outcome: print(json.dumps(outcome_line(outcome)), flush=True),
+        )
+        try:
+            code = publisher.run()
+        except IncompleteHandoffError as exc:
+            raise _fail(f"episode publish: {exc}") from None
+        except (HandoffError, ValueError) as exc:
+            raise _fail(f"episode publish: {exc}", 1) from None
+    if code:
+        raise _fail(f"episode publish: {publisher.failures} attempt(s) could not be published (see the log)", code)
 
 
 def outcome_line(outcome: EpisodeOutcome) -> dict[str, Any]:

@@ -16,9 +16,11 @@ of work"):
    enforced here by stopping the whole process group (TERM, grace, KILL). Leftovers — background jobs, and anything
    that left the group but kept the environment's scope marker — are killed when the agent ends.
 5. Classification (`outcome.classify`), the API key redacted from every file the attempt produced (an agent can
-   echo its environment), the proxy log gzipped, then every artifact published to the store, and last the episode
-   row. A cancelled attempt (task cancellation: Ctrl-C, SIGTERM) stops the agent and the proxy, publishes and
-   records nothing, and removes its folder.
+   echo its environment), the proxy log gzipped: together with the status document and the row's fields this is the
+   attempt's `EpisodePublication`. Its sink publishes it: `StoreSink` (default) puts every artifact in the store and
+   then records the row (`publish_episode`); on Kubernetes `mass_ops.runtime.handoff.HandoffSink` hands it to the
+   pod's publisher container, which runs the same `publish_episode`. A cancelled attempt (task cancellation: Ctrl-C,
+   SIGTERM) stops the agent and the proxy, publishes and records nothing, and removes its folder.
 """
 
 from __future__ import annotations
@@ -42,18 +44,18 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeInt
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
-from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.outcome import (
     EXECUTION_MODE,
-    Classification,
     StatusContext,
     Transcript,
     UsageTotals,
@@ -63,6 +65,7 @@ from mass_ops.runtime.outcome import (
 from mass_ops.runtime.proxy import LoggingProxy
 from mass_ops.runtime.qwen_install import QwenInstall, ensure_qwen_code
 from mass_ops.runtime.settings import SETTINGS_FILE, qwen_settings, write_settings
+from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ LOCAL_HOSTS = "127.0.0.1,localhost"
 MIN_REDACTED_SECRET = 8  # shorter "keys" (e.g. EMPTY) are placeholders; replacing them would corrupt ordinary text
 REDACTION = b"[REDACTED]"
 SCRATCH_ENV = "MASS_EPISODE_SCRATCH_DIR"
+# Publishing order of an attempt's artifacts: the status document last, so a reader that finds it finds the rest.
+PUBLISH_ORDER = ("workspace", "prompt", "stream", "stderr", "api_log", "settings", "status")
 
 
 class EpisodePreflightError(ValueError):
@@ -93,7 +98,7 @@ class EpisodeBusyError(RuntimeError):
     """The same attempt of the same unit is running in another process (its attempt folder is locked)."""
 
 
-class _PublishAborted(Exception):
+class PublishAborted(Exception):
     """The attempt was cancelled while its artifacts were being published: the row must not be written."""
 
 
@@ -159,6 +164,58 @@ class AgentRun:
     exit_code: int | None
     terminated_by: str | None
     duration_s: float
+
+
+class EpisodeRecord(BaseModel):
+    """The result fields of an attempt's row; its identity (cycle, unit, attempt, condition, prompt hash) comes from
+    the unit and the request. Strict: the hand-off reads it back from a file the sandbox wrote."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status: EpisodeStatus
+    model: str
+    exit_code: int | None
+    failure: dict[str, Any] | None
+    prompt_tokens: NonNegativeInt
+    completion_tokens: NonNegativeInt
+    requests: NonNegativeInt
+    max_prompt_tokens: NonNegativeInt
+    started_at: AwareDatetime
+    finished_at: AwareDatetime
+    qwen_code_version: str
+
+
+@dataclass(frozen=True)
+class AttemptFiles:
+    """The files an attempt publishes besides its status document (names as in `layout.EPISODE_FILES`).
+
+    `workspace` is the workspace folder, or — in a hand-off — its deterministic tar.gz (`workspace_archived`), which
+    holds the same bytes `put_dir` would have stored.
+    """
+
+    workspace: Path
+    prompt: Path
+    stream: Path
+    stderr: Path
+    api_log: Path
+    settings: Path
+    workspace_archived: bool = False
+
+    @classmethod
+    def of_attempt(cls, paths: AttemptPaths) -> AttemptFiles:
+        return cls(paths.workspace, paths.prompt, paths.stream, paths.stderr, paths.api_log_gz, paths.settings)
+
+
+@dataclass(frozen=True)
+class EpisodePublication:
+    """Everything one finished attempt publishes: its files, its status document and its row."""
+
+    request: EpisodeRequest
+    unit: EpisodeUnit  # with the attempt number
+    files: AttemptFiles
+    status: dict[str, Any]
+    record: EpisodeRecord
+    retry_of_id: int | None = None
 
 
 # --- preflight --------------------------------------------------------------------------------------------------
@@ -385,8 +442,10 @@ class EpisodeRunner:
         keep_scratch: bool = False,
         kill_grace_s: float = 5.0,
         execution_mode: str = EXECUTION_MODE,
+        sink: PublicationSink | None = None,
     ) -> None:
         self.ctx = ctx
+        self.sink: PublicationSink = sink or StoreSink(ctx)
         self.config = ctx.config
         self._install = install  # resolved on first use: a pool that only reuses finished units needs no agent
         configured = scratch_dir or os.environ.get(SCRATCH_ENV)
@@ -545,7 +604,7 @@ class EpisodeRunner:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(process.wait(), timeout=self.kill_grace_s)
 
-    # -- after the agent: classify, publish, record (blocking I/O, runs on a worker thread) --
+    # -- after the agent: classify, then hand the publication to the sink (blocking I/O, on a worker thread) --
 
     def _finish(
         self,
@@ -563,6 +622,40 @@ class EpisodeRunner:
         durations: dict[str, float],
         abort: threading.Event,
     ) -> EpisodeOutcome:
+        publication = self._publication(
+            request,
+            unit,
+            paths,
+            agent,
+            api_key,
+            retry_of_id=retry_of_id,
+            started_at=started_at,
+            finished_at=finished_at,
+            client_endpoint=client_endpoint,
+            env_policy=env_policy,
+            durations=durations,
+        )
+        try:
+            return self.sink.deliver(publication, abort)
+        except PublishAborted:
+            raise asyncio.CancelledError from None
+
+    def _publication(
+        self,
+        request: EpisodeRequest,
+        unit: EpisodeUnit,
+        paths: AttemptPaths,
+        agent: AgentRun,
+        api_key: str,
+        *,
+        retry_of_id: int | None,
+        started_at: datetime,
+        finished_at: datetime,
+        client_endpoint: str,
+        env_policy: str,
+        durations: dict[str, float],
+    ) -> EpisodePublication:
+        """Redact the key, classify, account tokens and write the status document: what the attempt publishes."""
         redactor = SecretRedactor(api_key)
         if redactor.active:
             changed = [
@@ -614,96 +707,144 @@ class EpisodeRunner:
             terminated_by=agent.terminated_by,
             execution_mode=self.execution_mode,
         )
-        status = status_record(context, classification, usage)
-        try:
-            artifacts = self._publish(unit, paths, status, abort)
-        except _PublishAborted:
-            raise asyncio.CancelledError from None
-        return self._record(request, unit, classification, usage, status, artifacts, retry_of_id, context)
-
-    def _publish(
-        self, unit: EpisodeUnit, paths: AttemptPaths, status: dict[str, Any], abort: threading.Event
-    ) -> dict[str, str]:
-        """Every artifact of the attempt, each published atomically; the status document last."""
-        store = self.ctx.artifacts
+        # Whatever the agent left (a `chmod 000`) must not break the workspace tarball.
         _make_readable(paths.workspace)
-        steps = (
-            ("workspace", lambda key: store.put_dir(key, paths.workspace, skip_escaping_links=True)),
-            ("prompt", lambda key: store.put_file(key, paths.prompt)),
-            ("stream", lambda key: store.put_file(key, paths.stream)),
-            ("stderr", lambda key: store.put_file(key, paths.stderr)),
-            ("api_log", lambda key: store.put_file(key, paths.api_log_gz)),
-            ("settings", lambda key: store.put_file(key, paths.settings)),
-            ("status", lambda key: store.put_json(key, status)),
-        )
-        uris = {}
-        for name, put in steps:
-            if abort.is_set():
-                raise _PublishAborted
-            uris[name] = put(unit.artifact_key(name)).uri
-        if abort.is_set():
-            raise _PublishAborted
-        return uris
-
-    def _record(
-        self,
-        request: EpisodeRequest,
-        unit: EpisodeUnit,
-        classification: Classification,
-        usage: UsageTotals,
-        status: dict[str, Any],
-        artifacts: dict[str, str],
-        retry_of_id: int | None,
-        context: StatusContext,
-    ) -> EpisodeOutcome:
-        row = self.ctx.repo.record_episode(
-            self.ctx.cycle_id,
-            task_id=unit.task_id,
-            kind=unit.kind,
-            seed=unit.seed,
-            status=classification.status,
-            attempt=unit.attempt,
-            version=unit.version,
-            candidate=unit.candidate,
-            generation=request.generation,
-            condition=request.condition,
-            model=context.model,
-            exit_code=context.exit_code,
-            failure=classification.failure,
-            prompt_sha256=request.prompt_sha256,
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            requests=usage.requests,
-            max_prompt_tokens=usage.max_prompt_tokens,
-            started_at=context.started_at,
-            finished_at=context.finished_at,
-            duration_s=(context.finished_at - context.started_at).total_seconds(),
-            artifacts=artifacts,
-            qwen_code_version=context.qwen_code_version,
+        return EpisodePublication(
+            request=request,
+            unit=unit,
+            files=AttemptFiles.of_attempt(paths),
+            status=status_record(context, classification, usage),
+            record=EpisodeRecord(
+                status=classification.status,
+                model=context.model,
+                exit_code=context.exit_code,
+                failure=classification.failure,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                requests=usage.requests,
+                max_prompt_tokens=usage.max_prompt_tokens,
+                started_at=started_at,
+                finished_at=finished_at,
+                qwen_code_version=context.qwen_code_version,
+            ),
             retry_of_id=retry_of_id,
         )
-        recorded_at = row.started_at or context.started_at
-        if row.status != classification.status or abs((recorded_at - context.started_at).total_seconds()) > 0.001:
-            # Another process recorded this attempt first (same key): its row is the truth, report that one.
-            logger.warning("episode %s was recorded by another run (%s); using that record", unit.key, row.status)
-            status = self.ctx.artifacts.get_json(unit.artifact_key("status"))
-        logger.info(
-            "episode %s: %s (requests=%d prompt_tokens=%d completion_tokens=%d)",
-            unit.key,
-            row.status,
-            usage.requests,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            extra={"episode": {"key": unit.key, "status": row.status, "episode_id": row.id}},
-        )
-        return EpisodeOutcome(
-            request=request,
-            episode_id=row.id,
-            attempt=row.attempt,
-            status=row.status,
-            status_record=status,
-            artifacts=dict(row.artifacts or {}),
-        )
+
+
+# --- publishing: artifacts first, the row last ------------------------------------------------------------------
+
+
+class PublicationSink(Protocol):
+    """Where a finished attempt goes: published at once (`StoreSink`), or handed to a publisher container
+    (`mass_ops.runtime.handoff.HandoffSink`). Returns the attempt's recorded outcome."""
+
+    def deliver(self, publication: EpisodePublication, abort: threading.Event) -> EpisodeOutcome: ...
+
+
+class StoreSink:
+    """Publishes each attempt to the cycle's own stores (the local backend, and whoever holds the credentials)."""
+
+    def __init__(self, ctx: CycleContext) -> None:
+        self.ctx = ctx
+
+    def deliver(self, publication: EpisodePublication, abort: threading.Event) -> EpisodeOutcome:
+        return publish_episode(self.ctx, publication, abort)
+
+
+def publish_episode(
+    ctx: CycleContext, publication: EpisodePublication, abort: threading.Event | None = None
+) -> EpisodeOutcome:
+    """Publish every artifact of the attempt (atomically, the status document last), then record its row.
+
+    Idempotent: artifacts of a unit attempt have fixed keys, and recording an attempt that another process already
+    recorded returns that row (see `record_publication`). `abort` stops between artifacts, before the row.
+    """
+    artifacts = publish_artifacts(ctx.artifacts, publication, abort)
+    if abort is not None and abort.is_set():
+        raise PublishAborted
+    return record_publication(ctx, publication, artifacts)
+
+
+def publish_artifacts(
+    store: ArtifactStore, publication: EpisodePublication, abort: threading.Event | None = None
+) -> dict[str, str]:
+    """Every artifact of the attempt, each published atomically, in `PUBLISH_ORDER`; returns name → URI."""
+    files, unit = publication.files, publication.unit
+
+    def put_workspace(key: str) -> ArtifactInfo:
+        if files.workspace_archived:
+            return store.put_file(key, files.workspace)
+        return store.put_dir(key, files.workspace, skip_escaping_links=True)
+
+    puts: dict[str, Callable[[str], ArtifactInfo]] = {
+        "workspace": put_workspace,
+        "prompt": lambda key: store.put_file(key, files.prompt),
+        "stream": lambda key: store.put_file(key, files.stream),
+        "stderr": lambda key: store.put_file(key, files.stderr),
+        "api_log": lambda key: store.put_file(key, files.api_log),
+        "settings": lambda key: store.put_file(key, files.settings),
+        "status": lambda key: store.put_json(key, publication.status),
+    }
+    uris = {}
+    for name in PUBLISH_ORDER:
+        if abort is not None and abort.is_set():
+            raise PublishAborted
+        uris[name] = puts[name](unit.artifact_key(name)).uri
+    return uris
+
+
+def record_publication(ctx: CycleContext, publication: EpisodePublication, artifacts: dict[str, str]) -> EpisodeOutcome:
+    """Commit the attempt's row (after its artifacts are durable) and return the recorded outcome."""
+    request, unit, record = publication.request, publication.unit, publication.record
+    row = ctx.repo.record_episode(
+        ctx.cycle_id,
+        task_id=unit.task_id,
+        kind=unit.kind,
+        seed=unit.seed,
+        status=record.status,
+        attempt=unit.attempt,
+        version=unit.version,
+        candidate=unit.candidate,
+        generation=request.generation,
+        condition=request.condition,
+        model=record.model,
+        exit_code=record.exit_code,
+        failure=record.failure,
+        prompt_sha256=request.prompt_sha256,
+        prompt_tokens=record.prompt_tokens,
+        completion_tokens=record.completion_tokens,
+        requests=record.requests,
+        max_prompt_tokens=record.max_prompt_tokens,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        duration_s=(record.finished_at - record.started_at).total_seconds(),
+        artifacts=artifacts,
+        qwen_code_version=record.qwen_code_version,
+        retry_of_id=publication.retry_of_id,
+    )
+    status = publication.status
+    recorded_at = row.started_at or record.started_at
+    if row.status != record.status or abs((recorded_at - record.started_at).total_seconds()) > 0.001:
+        # Another process recorded this attempt first (same key): its row is the truth, report that one.
+        logger.warning("episode %s was recorded by another run (%s); using that record", unit.key, row.status)
+        status = ctx.artifacts.get_json(unit.artifact_key("status"))
+    logger.info(
+        "episode %s: %s (requests=%d prompt_tokens=%d completion_tokens=%d)",
+        unit.key,
+        row.status,
+        record.requests,
+        record.prompt_tokens,
+        record.completion_tokens,
+        extra={"episode": {"key": unit.key, "status": row.status, "episode_id": row.id}},
+    )
+    return EpisodeOutcome(
+        request=request,
+        episode_id=row.id,
+        attempt=row.attempt,
+        status=row.status,
+        status_record=status,
+        artifacts=dict(row.artifacts or {}),
+    )
 
 
 class _AttemptLock:

@@ -28,11 +28,12 @@ LOG_TAIL_LINES = 40
 
 @dataclass
 class KubeClients:
-    """The three API groups mass-ops workloads live in."""
+    """The API groups mass-ops workloads live in; `custom` (CustomObjectsApi) reaches Kubeflow TrainJobs."""
 
     core: Any
     apps: Any
     batch: Any
+    custom: Any = None
 
 
 def kubernetes_clients(conn_id: str | None) -> KubeClients:
@@ -40,7 +41,12 @@ def kubernetes_clients(conn_id: str | None) -> KubeClients:
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
     hook = KubernetesHook(conn_id=conn_id)
-    return KubeClients(core=hook.core_v1_client, apps=hook.apps_v1_client, batch=hook.batch_v1_client)
+    return KubeClients(
+        core=hook.core_v1_client,
+        apps=hook.apps_v1_client,
+        batch=hook.batch_v1_client,
+        custom=hook.custom_object_client,
+    )
 
 
 def is_not_found(exc: BaseException) -> bool:
@@ -104,12 +110,22 @@ def delete_objects(
     deployments: Iterable[str] = (),
     services: Iterable[str] = (),
     jobs: Iterable[str] = (),
+    trainjobs: Iterable[str] = (),
 ) -> list[str]:
     """Delete the named objects (missing ones are fine); returns `kind/name` of those that existed.
 
-    Deployments and Jobs go with foreground propagation so their pods (and GPUs) are gone before the object is.
+    Deployments, Jobs and TrainJobs go with foreground propagation so their pods (and GPUs) are gone before the
+    object is.
     """
     deleted = []
+    for name in trainjobs:
+        if _delete_quietly(
+            clients.custom.delete_namespaced_custom_object,
+            **_trainjob_api(namespace),
+            name=name,
+            propagation_policy="Foreground",
+        ):
+            deleted.append(f"trainjob/{name}")
     for name in deployments:
         if _delete_quietly(
             clients.apps.delete_namespaced_deployment, name=name, namespace=namespace, propagation_policy="Foreground"
@@ -154,6 +170,61 @@ def wait_gone(
     left = {item.metadata.name for item in list_function(namespace=namespace, label_selector=selector).items}
     if left:
         raise TimeoutError(f"still present after {timeout_s} s: {sorted(left)}")
+
+
+def _trainjob_api(namespace: str) -> dict[str, str]:
+    from mass_ops.compute.kubernetes import TRAINJOB_GROUP, TRAINJOB_PLURAL, TRAINJOB_VERSION
+
+    return {"group": TRAINJOB_GROUP, "version": TRAINJOB_VERSION, "namespace": namespace, "plural": TRAINJOB_PLURAL}
+
+
+def read_trainjob(custom: Any, name: str, namespace: str) -> dict[str, Any] | None:
+    """The TrainJob `name` as a dict (the custom-objects API returns plain JSON), or None when there is none."""
+    api_exception = _api_exception()
+    try:
+        return custom.get_namespaced_custom_object(**_trainjob_api(namespace), name=name)
+    except api_exception as exc:
+        if is_not_found(exc):
+            return None
+        raise
+
+
+def create_trainjob(custom: Any, manifest: dict[str, Any]) -> None:
+    custom.create_namespaced_custom_object(**_trainjob_api(manifest["metadata"]["namespace"]), body=manifest)
+
+
+def trainjob_state(trainjob: dict[str, Any]) -> tuple[str, str]:
+    """(`running` | `succeeded` | `failed`, message) from the TrainJob's conditions (Trainer v2: Complete, Failed)."""
+    for condition in (trainjob.get("status") or {}).get("conditions") or []:
+        if condition.get("status") != "True":
+            continue
+        if condition.get("type") == "Complete":
+            return "succeeded", ""
+        if condition.get("type") == "Failed":
+            reason, message = condition.get("reason") or "Failed", condition.get("message") or ""
+            return "failed", f"{reason}: {message}".rstrip(": ")
+    return "running", ""
+
+
+def wait_trainjob_gone(
+    custom: Any, name: str, namespace: str, *, timeout_s: int, watcher_factory: Callable[[], Any] | None = None
+) -> None:
+    """Block until the TrainJob `name` is gone (a watch, not a poll); TimeoutError after `timeout_s`."""
+    if read_trainjob(custom, name, namespace) is None:
+        return
+    watcher = (watcher_factory or _watch_factory)()
+    selector = f"metadata.name={name}"
+    for event in watcher.stream(
+        custom.list_namespaced_custom_object,
+        **_trainjob_api(namespace),
+        field_selector=selector,
+        timeout_seconds=timeout_s,
+    ):
+        if event["type"] == "DELETED" and event["object"]["metadata"]["name"] == name:
+            watcher.stop()
+            return
+    if read_trainjob(custom, name, namespace) is not None:
+        raise TimeoutError(f"TrainJob {name} still present after {timeout_s} s")
 
 
 def delete_selected(clients: KubeClients, namespace: str, selector: str, *, timeout_s: int = 600) -> list[str]:

@@ -1,4 +1,4 @@
-"""Deferrable waits of the mass-ops operators: model-server readiness and Job completion.
+"""Deferrable waits of the mass-ops operators: model-server readiness, Job and TrainJob completion.
 
 `run()` only observes (HTTP probes, Kubernetes reads) and yields one event; it creates and deletes nothing. Deadlines
 are absolute timestamps so a triggerer restart does not extend a wait. `on_kill()` — called by Airflow 3.3+ only when
@@ -184,6 +184,78 @@ class JobCompletionTrigger(BaseTrigger):
             clients = kube.kubernetes_clients(self.conn_id)
             services = [self.service_name] if self.service_name else []
             return kube.delete_objects(clients, self.namespace, jobs=[self.job_name], services=services)
+
+        deleted = await asyncio.to_thread(delete)
+        self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
+
+
+class TrainJobCompletionTrigger(BaseTrigger):
+    """Wait until a Kubeflow TrainJob completes or fails, failing fast when its pods cannot start.
+
+    :param trainjob_name: the TrainJob (its JobSet labels every pod with this name).
+    :param namespace: its namespace.
+    :param conn_id: Airflow Kubernetes connection id (None: in-cluster).
+    :param schedule_timeout_s: how long a pod may stay unschedulable.
+    :param poll_interval_s: seconds between status reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        trainjob_name: str,
+        namespace: str,
+        conn_id: str | None,
+        schedule_timeout_s: float,
+        poll_interval_s: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.trainjob_name = trainjob_name
+        self.namespace = namespace
+        self.conn_id = conn_id
+        self.schedule_timeout_s = schedule_timeout_s
+        self.poll_interval_s = poll_interval_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "trainjob_name": self.trainjob_name,
+                "namespace": self.namespace,
+                "conn_id": self.conn_id,
+                "schedule_timeout_s": self.schedule_timeout_s,
+                "poll_interval_s": self.poll_interval_s,
+            },
+        )
+
+    def _observe(self) -> tuple[str, str]:
+        from mass_ops.compute.kubernetes import JOBSET_NAME_LABEL
+
+        clients = kube.kubernetes_clients(self.conn_id)
+        trainjob = kube.read_trainjob(clients.custom, self.trainjob_name, self.namespace)
+        if trainjob is None:
+            return "failed", f"TrainJob {self.trainjob_name} disappeared"
+        state, message = kube.trainjob_state(trainjob)
+        if state == "running":
+            selector = f"{JOBSET_NAME_LABEL}={self.trainjob_name}"
+            problem = kube.pods_problem(
+                clients.core, self.namespace, selector, schedule_timeout_s=self.schedule_timeout_s
+            )
+            if problem:
+                return "failed", problem
+        return state, message
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            state, message = await asyncio.to_thread(self._observe)
+            if state != "running":
+                yield TriggerEvent({"status": state, "message": message, "trainjob_name": self.trainjob_name})
+                return
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def on_kill(self) -> None:
+        def delete() -> list[str]:
+            clients = kube.kubernetes_clients(self.conn_id)
+            return kube.delete_objects(clients, self.namespace, trainjobs=[self.trainjob_name])
 
         deleted = await asyncio.to_thread(delete)
         self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")

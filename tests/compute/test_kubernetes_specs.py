@@ -18,6 +18,7 @@ import pytest
 from mass_ops.compute import kubernetes as specs
 from mass_ops.compute.kubernetes import EpisodeSpec, SpecError, WorkloadSettings, load_workload_settings
 from mass_ops.config import load_config
+from mass_ops.training_plan import training_command_for
 from tests.deploy.chart_render import REPO_ROOT, render_chart, validate_manifest
 
 SERVE_SH = REPO_ROOT / "docker" / "inference" / "serve.sh"
@@ -102,7 +103,8 @@ def test_validation_catches_a_broken_manifest(paper, settings):
 def test_episode_pod_is_a_sandbox(paper, settings):
     pod = specs.episode_pod(paper, settings, EpisodeSpec("search", 51, version=3))
     spec = pod["spec"]
-    (container,) = spec["containers"]
+    container, publisher = spec["containers"]
+    assert (container["name"], publisher["name"]) == ("base", specs.PUBLISHER_CONTAINER)
     assert spec["automountServiceAccountToken"] is False
     assert spec["serviceAccountName"] == "mass-ops-workload"
     assert spec["enableServiceLinks"] is False
@@ -126,8 +128,33 @@ def test_episode_pod_is_a_sandbox(paper, settings):
     assert spec["activeDeadlineSeconds"] == paper.runtime.episode_wall_clock_s * paper.runtime.max_infra_attempts + 900
     assert container["command"] == [
         "mass-ops", "episode", "run", "--config", specs.CONFIG_FILE, "--kind", "search", "--task", "51",
-        "--version", "3",
+        "--version", "3", "--handoff", specs.HANDOFF_MOUNT,
     ]  # fmt: skip
+    assert publisher["command"] == [
+        "mass-ops", "episode", "publish", "--config", specs.CONFIG_FILE, "--handoff", specs.HANDOFF_MOUNT,
+    ]  # fmt: skip
+
+
+def test_episode_pod_shares_only_the_handoff_folder(paper, settings):
+    spec = specs.episode_pod(paper, settings, EPISODES[1])["spec"]
+    sandbox, publisher = spec["containers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (sandbox, publisher)}
+    shared = set(mounts["base"]) & set(mounts["publisher"])
+    assert shared == {"handoff", "cycle-config"} and volumes["handoff"] == {"name": "handoff", "emptyDir": {}}
+    assert mounts["base"]["handoff"]["mountPath"] == mounts["publisher"]["handoff"]["mountPath"] == specs.HANDOFF_MOUNT
+    assert mounts["publisher"]["cycle-config"]["readOnly"] is True
+    # Two regular containers (see episode_pod's docstring), no process namespace in common.
+    assert "initContainers" not in spec and not spec.get("shareProcessNamespace", False)
+    for container in (sandbox, publisher):
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False and security["runAsNonRoot"] is True
+        assert security["capabilities"] == {"drop": ["ALL"]} and security["privileged"] is False
+    assert publisher["securityContext"]["readOnlyRootFilesystem"] is True
+    assert mounts["publisher"]["publisher-tmp"]["mountPath"] == "/tmp" and "publisher-tmp" not in mounts["base"]
+    k8s = paper.compute.kubernetes
+    assert publisher["resources"]["limits"] == {"cpu": k8s.publisher_cpu, "memory": k8s.publisher_memory}
+    assert publisher["image"] == sandbox["image"] == k8s.image_episode
 
 
 def test_episode_pod_carries_what_the_network_policy_selects(paper, settings):
@@ -143,13 +170,21 @@ def test_episode_pod_carries_what_the_network_policy_selects(paper, settings):
     assert egress_to.items() <= pod_labels.items(), "episodes must be allowed to reach the inference pods"
 
 
-def test_episode_pod_gets_the_inference_key_and_no_other_secret(paper, settings):
-    container = specs.episode_pod(paper, settings, EPISODES[1])["spec"]["containers"][0]
-    secret_envs = {e["name"] for e in container["env"] if "valueFrom" in e}
+def test_episode_sandbox_gets_the_inference_key_and_the_publisher_the_stores(paper, settings):
+    sandbox, publisher = specs.episode_pod(paper, settings, EPISODES[1])["spec"]["containers"]
+    secret_envs = {e["name"] for e in sandbox["env"] if "valueFrom" in e}
     assert secret_envs == {"VLLM_API_KEY"}
-    key = next(e for e in container["env"] if e["name"] == "VLLM_API_KEY")
+    key = next(e for e in sandbox["env"] if e["name"] == "VLLM_API_KEY")
     assert key["valueFrom"]["secretKeyRef"] == {"name": "mass-ops-inference", "key": "VLLM_API_KEY", "optional": True}
-    assert container["envFrom"] == [{"configMapRef": {"name": "mass-ops-env"}}]
+    # Not even the store's URL: the sandbox learns what it needs from the publisher's ledger.
+    assert "envFrom" not in sandbox
+    assert not {e["name"] for e in sandbox["env"]} & {"MASS_METADATA_URL", "MASS_ARTIFACT_URL", "AWS_ACCESS_KEY_ID"}
+    publisher_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in publisher["env"] if "valueFrom" in e}
+    assert set(publisher_secrets) == {
+        "MASS_METADATA_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3",
+    }  # fmt: skip
+    assert publisher_secrets["MASS_METADATA_URL"]["name"] == "mass-ops-metadata"
+    assert publisher["envFrom"] == [{"configMapRef": {"name": "mass-ops-env"}}]
 
 
 def test_pods_receive_the_config_without_storage(chart_dir, settings):
@@ -162,8 +197,9 @@ def test_pods_receive_the_config_without_storage(chart_dir, settings):
     assert volume["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == (
         f"metadata.annotations['{specs.CONFIG_ANNOTATION}']"
     )
-    mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-    assert str(Path(specs.CONFIG_FILE).parent) in mounts and "/workspace" in mounts
+    for container in pod["spec"]["containers"]:
+        assert str(Path(specs.CONFIG_FILE).parent) in {m["mountPath"] for m in container["volumeMounts"]}
+    assert "/workspace" in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
 
 
 def test_episode_specs_need_their_identity():
@@ -272,6 +308,9 @@ def test_training_is_an_indexed_job_with_a_rendezvous_service(paper, settings):
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     )
     assert env["MASTER_ADDR"]["value"] == f"{name}-0.{service['metadata']['name']}"
+    # The command each node runs takes node 0's address from that variable, not from a name of its own.
+    script = training_command_for(paper, environ={"MASTER_ADDR": env["MASTER_ADDR"]["value"]})[-1]
+    assert f"--master_addr={name}-0.{name}" in script and "JOB_COMPLETION_INDEX" in script
     assert pod["subdomain"] == service["metadata"]["name"] == name
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}

@@ -29,6 +29,7 @@ OPERATOR_VERBS: dict[tuple[str, str], set[str]] = {
     ("apps", "deployments"): {"create", "delete", "get", "list", "watch", "patch"},
     ("", "services"): {"create", "delete", "get", "list", "watch"},
     ("", "events"): {"get", "list", "watch"},
+    ("trainer.kubeflow.org", "trainjobs"): {"create", "delete", "get", "watch"},
 }
 
 SECRET_ENV = {
@@ -166,6 +167,30 @@ def test_chart_lints_without_warnings():
         ({"networkPolicy": {"inferencePort": 70000}}, "/networkPolicy/inferencePort"),
         ({"networkPolicy": {"mirrors": [{"name": "m", "cidr": "10.0.0.1", "ports": [{"port": 443}]}]}}, "cidr"),
         ({"networkPolicy": {"mirrors": [{"name": "m", "cidr": "10.0.0.0/8", "ports": []}]}}, "ports"),
+        ({"networkPolicy": {"publisher": {"storage": [{"name": "s3", "cidr": "10.0.0.1/32"}]}}}, "ports"),
+        (
+            {"networkPolicy": {"publisher": {"metadata": [{"name": "pg", "ports": [{"port": 5432}]}]}}},
+            "/networkPolicy/publisher/metadata/0",
+        ),
+        (
+            {
+                "networkPolicy": {
+                    "publisher": {
+                        "metadata": [
+                            {
+                                "name": "pg",
+                                "cidr": "10.0.0.5/32",
+                                "podSelector": {"app": "pg"},
+                                "ports": [{"port": 5432}],
+                            },
+                        ]
+                    }
+                }
+            },
+            "/networkPolicy/publisher/metadata/0",
+        ),
+        ({"episode": {"publisher": {"memory": "lots"}}}, "/episode/publisher/memory"),
+        ({"training": {"launcher": "mpijob"}}, "/training/launcher"),
         ({"secrets": {"judges": {"keys": {"GITHUB_TOKEN": "t"}}}}, "GITHUB_TOKEN"),
         ({"secrets": {"metadata": {"name": "Bad_Name"}}}, "/secrets/metadata/name"),
         ({"rbac": {"extraSubjects": [{"kind": "User", "name": "alice"}]}}, "/rbac/extraSubjects/0/kind"),
@@ -255,6 +280,50 @@ def test_network_policy_adds_mirrors_and_never_an_open_rule():
         assert rule.get("to") and rule.get("ports"), rule
 
 
+def test_network_policy_opens_the_publishers_targets_and_nothing_wider():
+    values = {
+        "networkPolicy": {
+            "publisher": {
+                "storage": [{"name": "minio", "cidr": "10.50.0.10/32", "ports": [{"port": 9000}]}],
+                "metadata": [
+                    {
+                        "name": "postgres",
+                        "namespaceSelector": {"kubernetes.io/metadata.name": "databases"},
+                        "podSelector": {"cnpg.io/cluster": "mass-ops"},
+                        "ports": [{"port": 5432}],
+                    }
+                ],
+            }
+        }
+    }
+    chart = render_chart(values)
+    policy = chart.one("NetworkPolicy")
+    validate_manifest(policy)
+    _inference, _dns, *publisher = policy["spec"]["egress"]
+    assert publisher == [
+        {
+            "to": [
+                {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "databases"}},
+                    "podSelector": {"matchLabels": {"cnpg.io/cluster": "mass-ops"}},
+                }
+            ],
+            "ports": [{"protocol": "TCP", "port": 5432}],
+        },
+        {"to": [{"ipBlock": {"cidr": "10.50.0.10/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]},
+    ]
+    assert "WARNING" not in chart.notes
+
+
+def test_notes_warn_when_episode_pods_cannot_publish(default_chart):
+    assert "networkPolicy.publisher.storage is empty" in default_chart.notes
+    only_storage = {
+        "networkPolicy": {"publisher": {"storage": [{"name": "s", "cidr": "10.0.0.1/32", "ports": [{"port": 443}]}]}}
+    }
+    assert "networkPolicy.publisher.metadata is empty" in render_chart(only_storage).notes
+    assert "WARNING" not in render_chart(MINIMAL_VALUES).notes, "no policy, nothing blocked"
+
+
 def test_workload_labels_match_what_the_policy_selects(default_chart):
     labels = settings(default_chart, "workloads.yaml")["labels"]
     policy = default_chart.one("NetworkPolicy")["spec"]
@@ -297,8 +366,9 @@ def test_kubernetes_settings_are_a_valid_compute_section_naming_the_rendered_obj
     # Installed as release mass-ops in namespace mass-ops, the chart agrees with the config's own defaults.
     defaults = KubernetesConfig()
     for field in ("namespace", "image_episode", "image_trainer", "image_inference", "gpu_resource",
-                  "model_cache_pvc", "episode_cpu", "episode_memory", "startup_timeout_s",
-                  "training_priority_class"):  # fmt: skip
+                  "model_cache_pvc", "episode_cpu", "episode_memory", "publisher_cpu", "publisher_memory",
+                  "startup_timeout_s", "training_priority_class", "training_launcher",
+                  "trainjob_runtime"):  # fmt: skip
         assert getattr(k8s, field) == getattr(defaults, field), field
     assert k8s.image_episode.endswith(f":{CHART_META['appVersion']}")
     assert CHART_META["appVersion"] == PYPROJECT["project"]["version"]
@@ -324,10 +394,14 @@ def test_secret_refs_cover_every_credential_with_least_privilege(default_chart):
         "secretName": "mass-ops-metadata",
         "key": "MASS_METADATA_URL",
         "optional": False,
-        "consumers": ["airflow", "training"],
+        "consumers": ["airflow", "training", "publisher"],
     }
-    # The agent runs arbitrary commands in episode pods: it gets the model-server key and nothing else.
+    # The agent runs arbitrary commands in episode pods: it gets the model-server key and nothing else; the pod's
+    # publisher container gets the stores' credentials and no key.
     assert {env for env, ref in refs.items() if "episode" in ref["consumers"]} == {"VLLM_API_KEY"}
+    assert {env for env, ref in refs.items() if "publisher" in ref["consumers"]} == {
+        "MASS_METADATA_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3",
+    }  # fmt: skip
     assert {env for env, ref in refs.items() if "inference" in ref["consumers"]} == {"VLLM_API_KEY"}
     assert all("airflow" in ref["consumers"] for ref in refs.values())
     judges = {env for env, ref in refs.items() if ref["secretName"] == "mass-ops-judges"}
@@ -341,7 +415,7 @@ def test_secret_names_and_keys_come_from_values():
         "secretName": "minio-creds",
         "key": "accesskey",
         "optional": False,
-        "consumers": ["airflow", "training"],
+        "consumers": ["airflow", "training", "publisher"],
     }
     assert refs["AWS_SECRET_ACCESS_KEY"]["secretName"] == "minio-creds"
     assert refs["AWS_SECRET_ACCESS_KEY"]["key"] == "AWS_SECRET_ACCESS_KEY"

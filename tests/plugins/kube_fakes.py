@@ -1,10 +1,11 @@
 """A stand-in for the Kubernetes API: one namespace in memory, every call recorded as (API group, resource, verb).
 
 There is no cluster here. This fake implements the CoreV1/AppsV1/BatchV1 methods the mass-ops operators and the
-provider's pod operator call, returns real `kubernetes.client` model objects (so provider code reading `.status.phase`
-and friends works unchanged), raises the client's own `ApiException` for missing objects, and models foreground
-deletion (a deleted Deployment/Job/Service stays listed until a watch observes its DELETED event). The recorded calls
-are what the RBAC test compares with the Helm chart's Role.
+provider's pod operator call, and the CustomObjectsApi methods for Kubeflow TrainJobs; it returns real
+`kubernetes.client` model objects (so provider code reading `.status.phase` and friends works unchanged), plain
+dicts for custom objects as that API does, raises the client's own `ApiException` for missing objects, and models
+foreground deletion (a deleted Deployment/Job/Service/TrainJob stays listed until a watch observes its DELETED
+event). The recorded calls are what the RBAC test compares with the Helm chart's Role.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ KINDS = {
     "services": ("", "V1Service"),
     "deployments": ("apps", "V1Deployment"),
     "jobs": ("batch", "V1Job"),
+    "trainjobs": ("trainer.kubeflow.org", ""),  # a custom resource: the API returns plain dicts
 }
+TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
 
 
 def to_model(manifest: dict[str, Any], model: str) -> Any:
@@ -100,6 +103,8 @@ class FakeCluster:
         return self.objects[kind][name]
 
     def model(self, kind: str, manifest: dict[str, Any]) -> Any:
+        if not KINDS[kind][1]:
+            return json.loads(json.dumps(manifest))
         return to_model(manifest, KINDS[kind][1])
 
     def create(self, kind: str, body: Any) -> Any:
@@ -168,10 +173,21 @@ class FakeCluster:
     def batch(self) -> FakeBatchV1:
         return FakeBatchV1(self)
 
+    @property
+    def custom(self) -> FakeCustomObjects:
+        return FakeCustomObjects(self)
+
     def clients(self) -> Any:
         from mass_ops_airflow.kube import KubeClients
 
-        return KubeClients(core=self.core, apps=self.apps, batch=self.batch)
+        return KubeClients(core=self.core, apps=self.apps, batch=self.batch, custom=self.custom)
+
+    def set_trainjob_condition(self, name: str, condition: str, message: str = "") -> None:
+        """Test helper: the Trainer controller's verdict on a TrainJob."""
+        trainjob = self._get("trainjobs", name)
+        trainjob["status"] = {
+            "conditions": [{"type": condition, "status": "True", "reason": condition, "message": message}]
+        }
 
     def watcher(self) -> FakeWatch:
         return FakeWatch()
@@ -299,3 +315,64 @@ class FakeBatchV1:
         """Test helper: the Job controller's verdict."""
         job = self.cluster._get("jobs", name)
         job["status"] = {"conditions": [{"type": condition, "status": "True", "reason": condition, "message": message}]}
+
+
+class FakeCustomObjects:
+    """CustomObjectsApi for the one custom resource mass-ops uses: Kubeflow TrainJobs."""
+
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+
+    @staticmethod
+    def _check(group: str, version: str, plural: str) -> None:
+        if (group, version, plural) != TRAINJOB_API:
+            raise ApiException(status=404, reason=f"the fake serves no {group}/{version} {plural}")
+
+    def create_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, body: Any, **_: Any
+    ) -> Any:
+        self._check(group, version, plural)
+        self.cluster.record("trainjobs", "create")
+        return self.cluster.create("trainjobs", body)
+
+    def get_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str, **_: Any
+    ) -> Any:
+        self._check(group, version, plural)
+        self.cluster.record("trainjobs", "get")
+        return self.cluster.model("trainjobs", self.cluster._get("trainjobs", name))
+
+    def list_namespaced_custom_object(
+        self,
+        group: str,
+        version: str,
+        namespace: str,
+        plural: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        watch: bool = False,
+        **_: Any,
+    ) -> Any:
+        self._check(group, version, plural)
+        self.cluster.record("trainjobs", "watch" if watch else "list")
+        # The one field selector the operators use: metadata.name=<name>.
+        name = field_selector.removeprefix("metadata.name=") if field_selector else None
+        if watch:
+            events = self.cluster._watch_events("trainjobs", label_selector)
+            return (event for event in events if name in (None, event["object"]["metadata"]["name"]))
+        listed = self.cluster.listing("trainjobs", label_selector)
+        return {"items": [self.cluster.model("trainjobs", m) for m in listed if name in (None, m["metadata"]["name"])]}
+
+    def delete_namespaced_custom_object(
+        self,
+        group: str,
+        version: str,
+        namespace: str,
+        plural: str,
+        name: str,
+        propagation_policy: str | None = None,
+        **_: Any,
+    ) -> None:
+        self._check(group, version, plural)
+        self.cluster.record("trainjobs", "delete")
+        self.cluster.delete("trainjobs", name, foreground=propagation_policy == "Foreground")

@@ -66,6 +66,7 @@ def test_success_runs_the_sandbox_pod_and_checks_the_store(repo, cluster, pod_wa
     assert pod.spec.automount_service_account_token is False
     assert pod.spec.containers[0].security_context.run_as_non_root is True
     assert pod.spec.containers[0].command[:3] == ["mass-ops", "episode", "run"]
+    assert pod.spec.containers[1].command[:3] == ["mass-ops", "episode", "publish"]
     assert start.call_args.kwargs["startup_timeout"] == start.call_args.kwargs["schedule_timeout"] == 1800
 
 
@@ -88,7 +89,9 @@ def test_pod_failure_fails_the_task_with_the_log_tail(repo, cluster, pod_waits):
     message = str(caught.value)
     assert "returned a failure" in message and "last 40 lines of the pod's log" in message
     assert "agent line 99" in message and "agent line 60" in message and "agent line 59" not in message
-    assert ("", "pods/log", "get") in cluster.calls
+    # Both containers' tails: the sandbox's, and the publisher's (a failed publish fails the pod too).
+    assert "container base:" in message and "container publisher:" in message
+    assert cluster.calls.count(("", "pods/log", "get")) >= 2
     assert ("", "pods", "patch") in cluster.calls, "a failed pod is marked checked so a retry never re-attaches"
     assert not cluster.objects["pods"], "and then deleted"
 

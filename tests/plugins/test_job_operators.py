@@ -1,5 +1,5 @@
-"""Training and export Jobs: indexed GPU Job + headless Service, deferred wait, re-attach on retry, log tails on
-failure, deletion on kill, and a post-check of the stores after success."""
+"""Training and export Jobs: indexed GPU Job + headless Service (or a Kubeflow TrainJob), deferred wait, re-attach on
+retry, log tails on failure, deletion on kill, and a post-check of the stores after success."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 from mass_ops_airflow.checks import StageOutputMissing
 from mass_ops_airflow.operators import ExportJobOperator, TrainingJobOperator
-from mass_ops_airflow.triggers import JobCompletionTrigger
+from mass_ops_airflow.triggers import JobCompletionTrigger, TrainJobCompletionTrigger
 
 from mass_ops.compute.kubernetes import job_name
 from mass_ops.store.artifacts import open_artifact_store
 from tests.plugins.conftest import task_context
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "training_nnodes": 3}
+TRAINJOB = {**K8S, "overrides": ["compute.kubernetes.training_launcher=trainjob"]}
 
 
 @pytest.fixture
@@ -21,9 +22,9 @@ def repo(cycle_store, cluster, chart_settings):
     return cycle_store(K8S)
 
 
-def defer(operator) -> TaskDeferred:
+def defer(operator, params=K8S) -> TaskDeferred:
     with pytest.raises(TaskDeferred) as caught:
-        operator.execute(task_context(K8S))
+        operator.execute(task_context(params))
     return caught.value
 
 
@@ -143,3 +144,74 @@ def test_local_backend_calls_the_stage(stages, cluster):
     assert stages.names() == ["train"] and result == {"backend": "local", "result": {"stage": "train"}}
     ExportJobOperator(task_id="export").execute(task_context({"preset": "demo"}))
     assert stages.names() == ["train", "export"] and cluster.calls == []
+
+
+# --- training as a Kubeflow TrainJob ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def trainjob_repo(cycle_store, cluster, chart_settings):
+    return cycle_store(TRAINJOB)
+
+
+def test_trainjob_launcher_creates_a_trainjob_and_nothing_else(trainjob_repo, cluster):
+    deferral = defer(TrainingJobOperator(task_id="train"), TRAINJOB)
+    name = job_name(trainjob_repo.config, "train")
+    assert isinstance(deferral.trigger, TrainJobCompletionTrigger) and deferral.trigger.trainjob_name == name
+    trainjob = cluster.objects["trainjobs"][name]
+    assert trainjob["kind"] == "TrainJob" and trainjob["spec"]["trainer"]["numNodes"] == 3
+    assert [c for c in cluster.calls if c[2] == "create"] == [("trainer.kubeflow.org", "trainjobs", "create")]
+    assert not cluster.objects["jobs"] and not cluster.objects["services"], "the JobSet brings pods and Service"
+
+
+def test_trainjob_success_deletes_it_and_checks_the_store(trainjob_repo, cluster):
+    operator = TrainingJobOperator(task_id="train")
+    defer(operator, TRAINJOB)
+    finished_training(trainjob_repo)
+    result = operator.execute_complete(task_context(TRAINJOB), {"status": "succeeded"})
+    assert result["check"]["best_step"] == 150 and cluster.terminating["trainjobs"] == {result["job"]}
+
+
+def test_trainjob_failure_carries_the_node_pods_log_tails(trainjob_repo, cluster):
+    operator = TrainingJobOperator(task_id="train")
+    defer(operator, TRAINJOB)
+    name = job_name(trainjob_repo.config, "train")
+    pod = f"{name}-node-0-1-x7k"
+    cluster.objects["pods"][pod] = {
+        "metadata": {"name": pod, "labels": {"jobset.sigs.k8s.io/jobset-name": name}},
+        "spec": {"containers": [{"name": "node", "image": "i"}]},
+        "status": {"phase": "Failed"},
+    }
+    cluster.logs[pod] = "torch.OutOfMemoryError: CUDA out of memory"
+    with pytest.raises(RuntimeError) as caught:
+        operator.execute_complete(task_context(TRAINJOB), {"status": "failed", "message": "Failed: node exited 1"})
+    message = str(caught.value)
+    assert (
+        message.startswith(f"train TrainJob {name} failed: Failed: node exited 1") and "CUDA out of memory" in message
+    )
+    assert cluster.terminating["trainjobs"] == {name}
+
+
+def test_trainjob_retry_reattaches_or_replaces(trainjob_repo, cluster):
+    defer(TrainingJobOperator(task_id="train"), TRAINJOB)
+    defer(TrainingJobOperator(task_id="train"), TRAINJOB)
+    creates = [c for c in cluster.calls if c == ("trainer.kubeflow.org", "trainjobs", "create")]
+    assert len(creates) == 1, "a running TrainJob is re-attached"
+    name = job_name(trainjob_repo.config, "train")
+    cluster.set_trainjob_condition(name, "Failed", "DeadlineExceeded")
+    defer(TrainingJobOperator(task_id="train"), TRAINJOB)
+    assert ("trainer.kubeflow.org", "trainjobs", "watch") in cluster.calls, "the failed one is gone first"
+    assert "status" not in cluster.objects["trainjobs"][name], "the new TrainJob starts afresh"
+
+
+def test_trainjob_kill_deletes_it(trainjob_repo, cluster):
+    operator = TrainingJobOperator(task_id="train")
+    defer(operator, TRAINJOB)
+    operator.on_kill()
+    assert cluster.terminating["trainjobs"] == {job_name(trainjob_repo.config, "train")}
+
+
+def test_export_stays_a_job_with_the_trainjob_launcher(trainjob_repo, cluster):
+    defer(ExportJobOperator(task_id="export"), TRAINJOB)
+    assert list(cluster.objects["jobs"]) == [job_name(trainjob_repo.config, "export")]
+    assert not cluster.objects["trainjobs"]

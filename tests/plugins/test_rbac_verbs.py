@@ -29,6 +29,7 @@ from tests.plugins.conftest import task_context
 from tests.plugins.test_triggers import run_trigger
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes"}
+TRAINJOB = {**K8S, "overrides": ["compute.kubernetes.training_launcher=trainjob"]}
 
 UNUSED_GRANTS: dict[tuple[str, str], set[str]] = {
     # The provider's pod trigger streams a deferred pod's events from the triggerer
@@ -93,6 +94,21 @@ def exercise_everything(cluster, repo) -> None:
     cluster.batch.set_job_condition(trigger.job_name, "Complete")
     assert run_trigger(trigger)["status"] == "succeeded"
     export.on_kill()
+    asyncio.run(trigger.on_kill())
+
+    # Training as a Kubeflow TrainJob: create, re-attach, replace a failed one, trigger, failure tails, kill.
+    trainjob = TrainingJobOperator(task_id="train")
+    trigger = deferred(trainjob, TRAINJOB).trigger
+    deferred(TrainingJobOperator(task_id="train"), TRAINJOB)
+    cluster.set_trainjob_condition(trigger.trainjob_name, "Failed", "x")
+    deferred(TrainingJobOperator(task_id="train"), TRAINJOB)
+    with pytest.raises(RuntimeError):
+        trainjob.execute_complete(task_context(TRAINJOB), {"status": "failed", "message": "x"})
+    cluster.objects["trainjobs"].clear()
+    trigger = deferred(trainjob, TRAINJOB).trigger
+    cluster.set_trainjob_condition(trigger.trainjob_name, "Complete")
+    assert run_trigger(trigger)["status"] == "succeeded"
+    trainjob.on_kill()
     asyncio.run(trigger.on_kill())
 
 

@@ -1,4 +1,5 @@
-"""Readiness and Job triggers: events only from observation, absolute deadlines, deletion only on a user kill."""
+"""Readiness, Job and TrainJob triggers: events only from observation, absolute deadlines, deletion only on a user
+kill."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import datetime as dt
 import importlib
 import time
 
-from mass_ops_airflow.triggers import InferenceReadinessTrigger, JobCompletionTrigger
+from mass_ops_airflow.triggers import InferenceReadinessTrigger, JobCompletionTrigger, TrainJobCompletionTrigger
 
 from tests.compute.model_server_stub import serve_in_thread
 
@@ -171,3 +172,48 @@ def test_job_kill_deletes_job_and_service(cluster):
     cluster.create("services", {"metadata": {"name": "mass-c-train"}, "spec": {}})
     asyncio.run(job_trigger().on_kill())
     assert cluster.terminating["jobs"] == {"mass-c-train"} and cluster.terminating["services"] == {"mass-c-train"}
+
+
+def trainjob_trigger() -> TrainJobCompletionTrigger:
+    return round_trip(
+        TrainJobCompletionTrigger(
+            trainjob_name="mass-c-train",
+            namespace="mass-ops",
+            conn_id=None,
+            schedule_timeout_s=60,
+            poll_interval_s=0.05,
+        )
+    )
+
+
+def test_trainjob_trigger_reads_the_trainjob_conditions(cluster):
+    cluster.create("trainjobs", {"metadata": {"name": "mass-c-train"}, "spec": {}})
+
+    async def finish_later():
+        await asyncio.sleep(0.2)
+        cluster.set_trainjob_condition("mass-c-train", "Failed", "node-0 exited 1")
+
+    async def scenario():
+        finisher = asyncio.create_task(finish_later())
+        event = await first_event(trainjob_trigger())
+        await finisher
+        return event
+
+    event = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert event == {"status": "failed", "message": "Failed: node-0 exited 1", "trainjob_name": "mass-c-train"}
+    cluster.set_trainjob_condition("mass-c-train", "Complete")
+    assert run_trigger(trainjob_trigger())["status"] == "succeeded"
+    assert ("trainer.kubeflow.org", "trainjobs", "get") in cluster.calls
+
+
+def test_trainjob_trigger_fails_fast_on_a_node_pod_that_cannot_start(cluster):
+    cluster.create("trainjobs", {"metadata": {"name": "mass-c-train"}, "spec": {}})
+    waiting_pod(cluster, "mass-c-train-node-0-0-x", "ErrImagePull", {"jobset.sigs.k8s.io/jobset-name": "mass-c-train"})
+    event = run_trigger(trainjob_trigger())
+    assert event["status"] == "failed" and "mass-c-train-node-0-0-x" in event["message"]
+
+
+def test_trainjob_kill_deletes_the_trainjob(cluster):
+    cluster.create("trainjobs", {"metadata": {"name": "mass-c-train"}, "spec": {}})
+    asyncio.run(trainjob_trigger().on_kill())
+    assert cluster.terminating["trainjobs"] == {"mass-c-train"}

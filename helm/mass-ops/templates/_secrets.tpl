@@ -1,13 +1,14 @@
 {{/*
 Which environment variable comes from which Secret group, whether the Secret may lack it, and which workloads get
-it. Least privilege is decided here, not in values: episode pods (which run an agent's arbitrary commands) get the
-inference key only; judge keys stay with the Airflow workers that make judge calls.
+it. Least privilege is decided here, not in values: the sandbox container of an episode pod (which runs an agent's
+arbitrary commands) gets the inference key only; the pod's publisher container gets the store and database
+credentials to publish the episode, and no key; judge keys stay with the Airflow workers that make judge calls.
 */}}
 {{- define "mass-ops.secretEnvTable" -}}
-MASS_METADATA_URL: {group: metadata, optional: false, consumers: [airflow, training]}
-AWS_ACCESS_KEY_ID: {group: s3, optional: false, consumers: [airflow, training]}
-AWS_SECRET_ACCESS_KEY: {group: s3, optional: false, consumers: [airflow, training]}
-AWS_ENDPOINT_URL_S3: {group: s3, optional: true, consumers: [airflow, training]}
+MASS_METADATA_URL: {group: metadata, optional: false, consumers: [airflow, training, publisher]}
+AWS_ACCESS_KEY_ID: {group: s3, optional: false, consumers: [airflow, training, publisher]}
+AWS_SECRET_ACCESS_KEY: {group: s3, optional: false, consumers: [airflow, training, publisher]}
+AWS_ENDPOINT_URL_S3: {group: s3, optional: true, consumers: [airflow, training, publisher]}
 OPENAI_API_KEY: {group: judges, optional: true, consumers: [airflow]}
 ANTHROPIC_API_KEY: {group: judges, optional: true, consumers: [airflow]}
 VLLM_API_KEY: {group: inference, optional: true, consumers: [airflow, episode, inference]}

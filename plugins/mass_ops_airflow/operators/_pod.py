@@ -19,31 +19,38 @@ class SandboxPodFailed(AirflowException):
 
 
 class SandboxPodOperator(KubernetesPodOperator):
-    """KubernetesPodOperator whose failure message carries the pod's log tail.
+    """KubernetesPodOperator whose failure message carries the log tail of each of the pod's containers.
 
-    The tail is read before the provider's cleanup deletes the pod, so the evidence survives in the task log and
-    in the exception the task fails with.
+    The tails are read before the provider's cleanup deletes the pod, so the evidence survives in the task log and
+    in the exception the task fails with. An episode pod has two containers (the sandbox `base`, and the publisher
+    that uploads what it hands over); the provider waits for the pod's phase, so both have ended by then.
     """
 
     log_tail_lines = kube.LOG_TAIL_LINES
 
+    def __init__(self, *, tail_containers: tuple[str, ...] = ("base",), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tail_containers = tail_containers
+
     def cleanup(self, pod: Any, remote_pod: Any, xcom_result: dict | None = None, context: Any = None) -> None:
-        tail = None
+        tails: list[str] = []
         phase = getattr(getattr(remote_pod, "status", None), "phase", None)
         if remote_pod is not None and not self._killed and phase != "Succeeded":
-            tail = kube.log_tail(
-                self.client,
-                remote_pod.metadata.name,
-                remote_pod.metadata.namespace,
-                container=self.base_container_name,
-                lines=self.log_tail_lines,
-            )
+            for container in self.tail_containers:
+                tail = kube.log_tail(
+                    self.client,
+                    remote_pod.metadata.name,
+                    remote_pod.metadata.namespace,
+                    container=container,
+                    lines=self.log_tail_lines,
+                )
+                tails.append(f"last {self.log_tail_lines} lines of the pod's log, container {container}:\n{tail}")
         try:
             super().cleanup(pod, remote_pod, xcom_result, context)
         except AirflowException as exc:
-            if tail is None or isinstance(exc, SandboxPodFailed):
+            if not tails or isinstance(exc, SandboxPodFailed):
                 raise
-            raise SandboxPodFailed(f"{exc}\nlast {self.log_tail_lines} lines of the pod's log:\n{tail}") from None
+            raise SandboxPodFailed("\n".join([str(exc), *tails])) from None
 
 
 def sandbox_runner(
@@ -62,6 +69,7 @@ def sandbox_runner(
     """
     metadata = manifest["metadata"]
     return SandboxPodOperator(
+        tail_containers=tuple(container["name"] for container in manifest["spec"]["containers"]),
         task_id=task_id,
         pod_template_dict=manifest,
         name=metadata["name"],

@@ -1,13 +1,15 @@
 """Training and export as Kubernetes Jobs on GPU nodes (or the stage function, on the local backend).
 
 Training runs as an indexed Job: `training.nnodes` pods with `training.gpus_per_node` GPUs each, node rank = the
-completion index, rendezvous through a headless Service named like the Job (`mass_ops.compute.kubernetes`). Export
-runs as a one-pod Job that writes the next generation into the model cache and the artifact store.
+completion index, rendezvous through a headless Service named like the Job (`mass_ops.compute.kubernetes`) — or,
+with `compute.kubernetes.training_launcher: trainjob`, as a Kubeflow Trainer TrainJob created, read and deleted
+through the custom-objects API (its JobSet brings the pods and their Service). Export runs as a one-pod Job that
+writes the next generation into the model cache and the artifact store.
 
-The wait is deferred (`JobCompletionTrigger`), failing early when a pod cannot be scheduled within the cluster's
-`startup_timeout_s` or its image cannot be pulled. A retry re-attaches to a Job still running from the previous
-try and replaces a failed one. After success the stores must hold the stage's outputs (post-check); a failure
-carries the failed pods' log tails. Kill or failure deletes the Job and its Service.
+The wait is deferred (`JobCompletionTrigger`, `TrainJobCompletionTrigger`), failing early when a pod cannot be
+scheduled within the cluster's `startup_timeout_s` or its image cannot be pulled. A retry re-attaches to a Job (or
+TrainJob) still running from the previous try and replaces a failed one. After success the stores must hold the
+stage's outputs (post-check); a failure carries the failed pods' log tails. Kill or failure deletes what was created.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ class GpuJobOperator(BaseOperator):
             return {"backend": "local", "result": call_stage(self.local_stage, config)}
         return self._execute_kubernetes(config)
 
+    def _uses_trainjob(self, config: CycleConfig) -> bool:
+        return self.role == "train" and config.compute.kubernetes.training_launcher == "trainjob"
+
     def _execute_kubernetes(self, config: CycleConfig) -> dict[str, Any]:
+        if self._uses_trainjob(config):
+            return self._execute_trainjob(config)
         from mass_ops.compute import kubernetes as specs
         from mass_ops_airflow import kube
         from mass_ops_airflow.triggers import JobCompletionTrigger
@@ -109,6 +116,42 @@ class GpuJobOperator(BaseOperator):
             method_name="execute_complete",
         )
 
+    def _execute_trainjob(self, config: CycleConfig) -> dict[str, Any]:
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops_airflow import kube
+        from mass_ops_airflow.triggers import TrainJobCompletionTrigger
+
+        manifest = specs.training_trainjob(config, specs.load_workload_settings())
+        name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        self._created = {"trainjob": name, "namespace": namespace}
+        existing = kube.read_trainjob(clients.custom, name, namespace)
+        if existing is not None:
+            state, _ = kube.trainjob_state(existing)
+            if state == "succeeded":
+                self.log.info("TrainJob %s already succeeded in a previous try", name)
+                return self._complete(config, {"status": "succeeded"})
+            if state == "failed":
+                self.log.info("Replacing TrainJob %s, which failed in a previous try", name)
+                kube.delete_objects(clients, namespace, trainjobs=[name])
+                kube.wait_trainjob_gone(clients.custom, name, namespace, timeout_s=self.delete_timeout_s)
+                existing = None
+            else:
+                self.log.info("Re-attaching to TrainJob %s, still running from a previous try", name)
+        if existing is None:
+            kube.create_trainjob(clients.custom, manifest)
+            self.log.info("Created TrainJob %s (%s nodes)", name, manifest["spec"]["trainer"]["numNodes"])
+        self.defer(
+            trigger=TrainJobCompletionTrigger(
+                trainjob_name=name,
+                namespace=namespace,
+                conn_id=self.kubernetes_conn_id,
+                schedule_timeout_s=config.compute.kubernetes.startup_timeout_s,
+                poll_interval_s=self.poll_interval_s,
+            ),
+            method_name="execute_complete",
+        )
+
     @staticmethod
     def _read_job(clients: Any, name: str, namespace: str) -> Any | None:
         from mass_ops_airflow import kube
@@ -131,12 +174,18 @@ class GpuJobOperator(BaseOperator):
         name = specs.job_name(config, self.role)  # type: ignore[arg-type]
         namespace = config.compute.kubernetes.namespace
         clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        trainjob = self._uses_trainjob(config)
+        kind, label = ("TrainJob", specs.JOBSET_NAME_LABEL) if trainjob else ("Job", specs.JOB_NAME_LABEL)
         tails = None
         if event.get("status") != "succeeded":
-            tails = kube.failed_pod_tails(clients.core, namespace, f"{specs.JOB_NAME_LABEL}={name}")
-        kube.delete_objects(clients, namespace, jobs=[name], services=[name])
+            tails = kube.failed_pod_tails(clients.core, namespace, f"{label}={name}")
+        if trainjob:
+            kube.delete_objects(clients, namespace, trainjobs=[name])
+        else:
+            kube.delete_objects(clients, namespace, jobs=[name], services=[name])
         if tails is not None:
-            raise RuntimeError(f"{self.role} Job {name} failed: {event.get('message') or event.get('status')}\n{tails}")
+            message = event.get("message") or event.get("status")
+            raise RuntimeError(f"{self.role} {kind} {name} failed: {message}\n{tails}")
         return {"backend": "kubernetes", "job": name, "check": self._check(config)}
 
     def on_kill(self) -> None:
@@ -146,14 +195,18 @@ class GpuJobOperator(BaseOperator):
 
         clients = kube.kubernetes_clients(self.kubernetes_conn_id)
         created = self._created
-        deleted = kube.delete_objects(
-            clients, created["namespace"], jobs=[created["job"]], services=[created["service"]]
-        )
+        if "trainjob" in created:
+            deleted = kube.delete_objects(clients, created["namespace"], trainjobs=[created["trainjob"]])
+        else:
+            deleted = kube.delete_objects(
+                clients, created["namespace"], jobs=[created["job"]], services=[created["service"]]
+            )
         self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
 
 
 class TrainingJobOperator(GpuJobOperator):
-    """LoRA SFT of the cycle: a (multi-node) GPU Job running `mass-ops stage train`, or the `train` stage locally."""
+    """LoRA SFT of the cycle: a (multi-node) GPU Job — or Kubeflow TrainJob, per `compute.kubernetes.
+    training_launcher` — running `mass-ops stage train`, or the `train` stage locally."""
 
     role = "train"
     local_stage = "train"

@@ -1,0 +1,782 @@
+"""The hand-off between the two containers of a Kubernetes episode pod: the sandbox runs, the publisher publishes.
+
+Why two containers: the agent runs model-written shell commands (yolo mode) as the sandbox container's user, and that
+user can read the environment of every process in its container (`/proc/<pid>/environ`). So the sandbox container
+holds the inference key and nothing else; the artifact-store and metadata-DB credentials live in the pod's second
+container, the publisher, which shares one emptyDir with the sandbox and nothing more (in particular no process
+namespace: `shareProcessNamespace` must stay off, or the agent could read the publisher's environment).
+
+The folder, each file written atomically (temporary name, then rename) and by one side only:
+
+    request.json               sandbox    the units it will run (identity, condition, prompt hash) and the config hash,
+                                          written before any agent starts; the publisher captures it at once
+    ledger.json                publisher  each unit's recorded attempts (reuse, or which attempt comes next), the
+                                          store URL, and for a rollout the server of the generation it evaluates
+    sandbox.alive              sandbox    heartbeat (its mtime) while `mass-ops episode run` lives
+    publisher.alive            publisher  heartbeat while `mass-ops episode publish` lives
+    attempts/<slug>/a<N>/      sandbox    one finished attempt in stored form (workspace.tar.gz, prompt.txt, ...); built
+                                          under a temporary name with `publication.json` (status document and row
+                                          fields) written last, then renamed: a folder under its final name is whole
+    acks/<slug>-a<N>.json      publisher  that attempt's recorded outcome (episode id, artifact URIs), or its error
+    complete.json              sandbox    the marker, written last: `episode run` has ended, with its exit status
+    publisher-failed.json      publisher  the publisher gave up (one line): the sandbox stops waiting
+
+Sequence: the sandbox writes request.json and waits for the ledger; its `EpisodePool` plans from the ledger as it
+would from the database; each finished attempt is handed over (`HandoffSink`) and the sandbox waits for its ack. So,
+as with local publishing, an attempt's artifacts and row are durable before the next attempt of that unit starts, and
+the retry links to the real row. The publisher (`HandoffPublisher`) publishes each attempt with the runner's own
+`publish_episode` — artifacts first, the row last, idempotent — and stops once complete.json is there and every
+handed-over attempt is acknowledged.
+
+Trust: the publisher takes every attempt's identity from request.json as read before any agent ran, derives every
+artifact key itself, reads only regular files of the expected names, and checks the prompt against the announced
+hash. What an attempt measured (status, tokens, files) is the sandbox's word — as much as under local publishing,
+where the agent shares the runner's user too. A hand-off that ends without its marker (the sandbox container died)
+is refused with one line, and nothing of an unfinished attempt is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext, load_task_catalogue
+from mass_ops.layout import EPISODE_FILES, EpisodeKind, EpisodeUnit
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
+from mass_ops.runtime.runner import (
+    AttemptFiles,
+    EpisodePublication,
+    EpisodeRecord,
+    PublishAborted,
+    publish_episode,
+)
+from mass_ops.store.artifacts import ArtifactNotFoundError, ArtifactStore, open_artifact_store, write_tarball
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+REQUEST_FILE = "request.json"
+LEDGER_FILE = "ledger.json"
+COMPLETE_FILE = "complete.json"
+PUBLISHER_FAILED_FILE = "publisher-failed.json"
+PUBLICATION_FILE = "publication.json"
+SANDBOX_ALIVE = "sandbox.alive"
+PUBLISHER_ALIVE = "publisher.alive"
+HEARTBEAT_INTERVAL_S = 2.0
+POLL_S = 0.2
+# A side whose heartbeat is older than this has stopped (a container killed, OOM): the other side gives up.
+DEFAULT_STALE_AFTER_S = 60.0
+# How long each side waits for the other to start: both containers of a pod start together, but Python imports
+# and, for the publisher, the first database round trip take a while on a busy node.
+DEFAULT_START_TIMEOUT_S = 600.0
+# The files of an attempt folder besides publication.json, in stored form (the workspace as its tarball).
+ATTEMPT_FILES = ("workspace", "prompt", "stream", "stderr", "api_log", "settings")
+# The publisher's credentials: never in what it writes to the folder, which the agent's container can read.
+CREDENTIAL_ENV = ("MASS_METADATA_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+MIN_SCRUBBED = 4  # shorter values would also hit ordinary words
+_HEX64 = r"^[0-9a-f]{64}$"
+
+_Model = TypeVar("_Model", bound=BaseModel)
+_T = TypeVar("_T")
+
+
+class HandoffError(RuntimeError):
+    """The other side failed, gave up or broke the protocol; the message is one line."""
+
+
+class IncompleteHandoffError(HandoffError):
+    """The hand-off ended without its marker, or holds something it must not: nothing of it was published."""
+
+
+# --- documents --------------------------------------------------------------------------------------------------
+
+
+class _Document(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class HandoffUnit(_Document):
+    """One unit the sandbox runs, as announced before any agent started."""
+
+    task_id: PositiveInt
+    kind: EpisodeKind
+    seed: NonNegativeInt
+    version: NonNegativeInt | None = None
+    candidate: NonNegativeInt | None = None
+    generation: str | None = None
+    condition: str
+    prompt_sha256: str = Field(pattern=_HEX64)
+
+    @classmethod
+    def of_request(cls, request: EpisodeRequest) -> HandoffUnit:
+        unit = request.unit
+        return cls(
+            task_id=unit.task_id,
+            kind=unit.kind,
+            seed=unit.seed,
+            version=unit.version,
+            candidate=unit.candidate,
+            generation=unit.generation,
+            condition=request.condition,
+            prompt_sha256=request.prompt_sha256,
+        )
+
+    def unit(self, cycle: str, attempt: int = 1) -> EpisodeUnit:
+        return EpisodeUnit(
+            cycle, self.task_id, self.kind, self.seed, self.version, self.candidate, attempt, self.generation
+        )
+
+
+class HandoffRequest(_Document):
+    format: Literal[1] = FORMAT
+    cycle: str
+    config_hash: str = Field(pattern=_HEX64)
+    units: list[HandoffUnit] = Field(min_length=1)
+
+
+class RecordedAttempt(_Document):
+    """One recorded attempt of a unit, as the pool's planning reads it (the fields of the `Episode` row it uses)."""
+
+    id: int
+    attempt: PositiveInt
+    status: str
+    prompt_sha256: str | None
+    artifacts: dict[str, str] = {}
+    status_record: dict[str, Any] | None = None  # only for a final attempt: a reused outcome reports it
+
+
+class ServingTarget(_Document):
+    """The server of the generation a rollout evaluates (`mass_ops.evaluation.serving.GenerationServer`)."""
+
+    generation: str
+    endpoint: str
+    served_name: str
+
+
+class Ledger(_Document):
+    format: Literal[1] = FORMAT
+    cycle_id: int
+    artifact_url: str
+    serving: ServingTarget | None = None
+    attempts: dict[str, list[RecordedAttempt]]  # by unit slug, first attempt first
+
+
+class AttemptHandoff(_Document):
+    """publication.json: what the attempt's row and status document say (its files lie beside it)."""
+
+    format: Literal[1] = FORMAT
+    unit: str
+    attempt: PositiveInt
+    record: EpisodeRecord
+    status: dict[str, Any]
+
+
+class Ack(_Document):
+    unit: str
+    attempt: PositiveInt
+    episode_id: int | None = None
+    status: EpisodeStatus | None = None
+    artifacts: dict[str, str] = {}
+    status_record: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class Completion(_Document):
+    exit_code: int
+    error: str | None = None
+
+
+class PublisherFailure(_Document):
+    error: str
+
+
+# --- the folder -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """The shared folder (see the module docstring for its layout)."""
+
+    root: Path
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def attempt_dir(self, slug: str, attempt: int) -> Path:
+        return self.root / "attempts" / slug / f"a{attempt}"
+
+    def ack_path(self, slug: str, attempt: int) -> Path:
+        return self.root / "acks" / f"{slug}-a{attempt}.json"
+
+    def write(self, path: Path, document: BaseModel) -> None:
+        """Write `document` as JSON at `path` atomically (a reader sees all of it or nothing)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.partial")
+        temp.write_text(document.model_dump_json(), encoding="utf-8")
+        os.replace(temp, path)
+
+    def read(self, path: Path, model: type[_Model]) -> _Model:
+        """The document at `path`; `IncompleteHandoffError` naming it when it is not a valid `model`."""
+        if path.is_symlink() or not path.is_file():
+            raise IncompleteHandoffError(f"hand-off {self.root}: {self._name(path)} is not a regular file")
+        try:
+            return model.model_validate_json(path.read_bytes())
+        except (OSError, ValidationError) as exc:
+            problem = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
+            where = ".".join(str(part) for part in problem["loc"]) or "document"
+            raise IncompleteHandoffError(
+                f"hand-off {self.root}: {self._name(path)} is not a valid {model.__name__}: {where}: {problem['msg']}"
+            ) from None
+
+    def age_s(self, name: str) -> float | None:
+        """Seconds since heartbeat `name` was last touched, or None when it never was."""
+        try:
+            return max(0.0, time.time() - self.path(name).stat().st_mtime)
+        except FileNotFoundError:
+            return None
+
+    def _name(self, path: Path) -> str:
+        try:
+            return str(path.relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+
+class Heartbeat:
+    """Touches a file every `interval_s` seconds on a daemon thread, from `__enter__` to `__exit__`."""
+
+    def __init__(self, path: Path, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{path.name}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with contextlib.suppress(OSError):
+                self.path.touch()
+
+
+def _wait(found: Callable[[], _T | None], problem: Callable[[], str | None], *, timeout_s: float, what: str) -> _T:
+    """Poll until `found()` returns something; `problem()` (the other side failed or stopped) and the timeout end the
+    wait with `HandoffError`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = found()
+        if value is not None:
+            return value
+        reason = problem()
+        if reason is not None:
+            raise HandoffError(f"{what}: {reason}")
+        if time.monotonic() >= deadline:
+            raise HandoffError(f"{what}: nothing after {timeout_s:g} s")
+        time.sleep(POLL_S)
+
+
+# --- the sandbox side: `mass-ops episode run --handoff DIR` -----------------------------------------------------
+
+
+class LedgerRepository:
+    """The one read of the metadata store the sandbox's `EpisodePool` makes (`episode_attempts`), answered from
+    the ledger. Any other call fails: the sandbox has no database."""
+
+    def __init__(self, cycle: str, ledger: Ledger) -> None:
+        self._cycle = cycle
+        self._attempts = ledger.attempts
+
+    def episode_attempts(
+        self,
+        cycle_id: int,
+        *,
+        task_id: int,
+        kind: str,
+        seed: int,
+        version: int | None = None,
+        candidate: int | None = None,
+        generation: str | None = None,
+    ) -> list[RecordedAttempt]:
+        del cycle_id
+        unit = EpisodeUnit(self._cycle, task_id, cast(EpisodeKind, kind), seed, version, candidate, 1, generation)
+        return list(self._attempts.get(unit.slug, []))
+
+
+class LedgerArtifacts:
+    """The publisher's artifact store as the sandbox sees it: URIs (no credentials needed to name an object), and
+    the status documents of final attempts, which the ledger carries. Nothing is read from or written to the store."""
+
+    def __init__(self, store: ArtifactStore, statuses: dict[str, dict[str, Any]]) -> None:
+        self._store = store
+        self._statuses = statuses
+
+    @property
+    def url(self) -> str:
+        return self._store.url
+
+    def uri(self, key: str) -> str:
+        return self._store.uri(key)
+
+    def get_json(self, key: str) -> Any:
+        if key not in self._statuses:
+            raise ArtifactNotFoundError(f"artifact {self.uri(key)} is not in the hand-off ledger")
+        return self._statuses[key]
+
+
+class SandboxHandoff:
+    """The sandbox's end: announce the units, wait for the ledger, hand attempts over, and mark the end.
+
+    Use as a context manager around the whole run: it keeps the heartbeat and, on exit, writes complete.json with
+    the run's exit status (an exception's `exit_code`, as `typer.Exit` carries it, else 1; 0 without exception).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        ack_timeout_s: float | None = None,
+    ) -> None:
+        self.handoff = Handoff(Path(root))
+        self.start_timeout_s = start_timeout_s
+        self.stale_after_s = stale_after_s
+        self.ack_timeout_s = ack_timeout_s
+        self._heartbeat: Heartbeat | None = None
+
+    def __enter__(self) -> SandboxHandoff:
+        handoff = self.handoff
+        used = [name for name in (REQUEST_FILE, COMPLETE_FILE) if handoff.path(name).exists()]
+        if used:
+            raise HandoffError(f"hand-off {handoff.root}: already used by another run ({used[0]} exists)")
+        self._heartbeat = Heartbeat(handoff.path(SANDBOX_ALIVE)).__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        code = 0 if exc is None else getattr(exc, "exit_code", 1)
+        # An exit with a status has said why already; anything else leaves its first line for the publisher's log.
+        error = None if exc is None or hasattr(exc, "exit_code") else (str(exc).splitlines() or [repr(exc)])[0]
+        try:
+            self.handoff.write(self.handoff.path(COMPLETE_FILE), Completion(exit_code=code, error=error))
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.__exit__(None, None, None)
+
+    def publisher_problem(self) -> str | None:
+        """Why the publisher will not answer, or None while it may."""
+        failed = self.handoff.path(PUBLISHER_FAILED_FILE)
+        if failed.exists():
+            with contextlib.suppress(HandoffError):
+                return f"the publisher gave up: {self.handoff.read(failed, PublisherFailure).error}"
+            return "the publisher gave up"
+        age = self.handoff.age_s(PUBLISHER_ALIVE)
+        if age is not None and age > self.stale_after_s:
+            return f"the publisher stopped (no heartbeat for {age:.0f} s)"
+        return None
+
+    def open(self, config: CycleConfig, requests: Sequence[EpisodeRequest]) -> CycleContext:
+        """Announce `requests`, wait for the publisher's ledger, and return the context the pool runs in."""
+        handoff = self.handoff
+        announced = HandoffRequest(
+            cycle=config.cycle_name,
+            config_hash=config.config_hash(),
+            units=[HandoffUnit.of_request(request) for request in requests],
+        )
+        handoff.write(handoff.path(REQUEST_FILE), announced)
+        ledger_path = handoff.path(LEDGER_FILE)
+        ledger = _wait(
+            lambda: handoff.read(ledger_path, Ledger) if ledger_path.exists() else None,
+            self.publisher_problem,
+            timeout_s=self.start_timeout_s,
+            what=f"hand-off {handoff.root}: waiting for the publisher's ledger",
+        )
+        if ledger.serving is not None:
+            # A rollout runs on the server of the generation it evaluates; only the publisher can look it up.
+            from mass_ops.evaluation.serving import GenerationServer, serving_config
+
+            config = serving_config(config, GenerationServer(**ledger.serving.model_dump()))
+        statuses = {}
+        for request in requests:
+            for recorded in ledger.attempts.get(request.unit.slug, []):
+                if recorded.status_record is not None:
+                    unit = dataclasses.replace(request.unit, attempt=recorded.attempt)
+                    statuses[unit.artifact_key("status")] = recorded.status_record
+        return CycleContext(
+            config=config,
+            catalogue=load_task_catalogue(config),
+            repo=cast(Any, LedgerRepository(config.cycle_name, ledger)),
+            artifacts=cast(Any, LedgerArtifacts(open_artifact_store(ledger.artifact_url), statuses)),
+            cycle_id=ledger.cycle_id,
+        )
+
+    @property
+    def sink(self) -> HandoffSink:
+        return HandoffSink(self)
+
+
+class HandoffSink:
+    """A `PublicationSink` that hands each attempt to the publisher and returns the outcome it recorded."""
+
+    def __init__(self, session: SandboxHandoff) -> None:
+        self.session = session
+
+    def deliver(self, publication: EpisodePublication, abort: threading.Event) -> EpisodeOutcome:
+        handoff = self.session.handoff
+        unit = publication.unit
+        folder = handoff.attempt_dir(unit.slug, unit.attempt)
+        if folder.exists():
+            raise HandoffError(f"episode {unit.key}: attempt already handed over in {handoff.root}")
+        staging = folder.with_name(f".{folder.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            self._write_files(publication, staging, abort)
+            handoff.write(
+                staging / PUBLICATION_FILE,
+                AttemptHandoff(
+                    unit=unit.slug, attempt=unit.attempt, record=publication.record, status=publication.status
+                ),
+            )
+            os.rename(staging, folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        # From here the attempt belongs to the publisher: it is published even if this run is cancelled now.
+        ack_path = handoff.ack_path(unit.slug, unit.attempt)
+
+        def problem() -> str | None:
+            if abort.is_set():
+                raise PublishAborted
+            return self.session.publisher_problem()
+
+        ack = _wait(
+            lambda: handoff.read(ack_path, Ack) if ack_path.exists() else None,
+            problem,
+            timeout_s=self.session.ack_timeout_s or float("inf"),
+            what=f"episode {unit.key}: waiting for the publisher",
+        )
+        if ack.error is not None or ack.episode_id is None or ack.status is None:
+            raise HandoffError(f"episode {unit.key}: the publisher could not publish it: {ack.error}")
+        return EpisodeOutcome(
+            request=publication.request,
+            episode_id=ack.episode_id,
+            attempt=ack.attempt,
+            status=ack.status,
+            status_record=ack.status_record or publication.status,
+            artifacts=dict(ack.artifacts),
+        )
+
+    @staticmethod
+    def _write_files(publication: EpisodePublication, folder: Path, abort: threading.Event) -> None:
+        """The attempt's files in stored form: the workspace as the same deterministic tarball `put_dir` stores."""
+        files = publication.files
+        for name in ATTEMPT_FILES:
+            if abort.is_set():
+                raise PublishAborted
+            target = folder / EPISODE_FILES[name]
+            if name == "workspace" and not files.workspace_archived:
+                with target.open("wb") as out:
+                    write_tarball(files.workspace, out, skip_escaping_links=True)
+            else:
+                shutil.copyfile(getattr(files, name), target)
+
+
+# --- the publisher side: `mass-ops episode publish --handoff DIR` -----------------------------------------------
+
+
+class HandoffPublisher:
+    """The publisher's end: capture the request, answer with the ledger, publish each attempt, acknowledge it.
+
+    `run()` returns 0 when every handed-over attempt was published, 1 when any could not be (each error is in its
+    ack and the log); it raises `IncompleteHandoffError` for a hand-off that ended without its marker or holds
+    something invalid, and `HandoffError` when the cycle cannot be reached. Either way publisher-failed.json tells
+    a sandbox that still waits.
+    """
+
+    def __init__(
+        self,
+        config: CycleConfig,
+        root: Path,
+        *,
+        attach: Callable[[CycleConfig], CycleContext] | None = None,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        on_outcome: Callable[[EpisodeOutcome], None] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.handoff = Handoff(Path(root))
+        self.attach = attach
+        self.start_timeout_s = start_timeout_s
+        self.stale_after_s = stale_after_s
+        self.on_outcome = on_outcome
+        self.failures = 0
+        env = os.environ if environ is None else environ
+        values = [env.get(name, "") for name in CREDENTIAL_ENV] + [config.storage.metadata_url]
+        values += [urlsplit(value).password or "" for value in values if "://" in value]
+        # Longest first, so a URL goes whole before its password would cut it.
+        self._secrets = sorted({v for v in values if len(v) >= MIN_SCRUBBED}, key=len, reverse=True)
+
+    def scrubbed(self, message: str) -> str:
+        """`message` without any of the publisher's credentials (it goes where the agent can read)."""
+        for secret in self._secrets:
+            message = message.replace(secret, "[REDACTED]")
+        return message
+
+    def run(self) -> int:
+        handoff = self.handoff
+        handoff.root.mkdir(parents=True, exist_ok=True)
+        try:
+            with Heartbeat(handoff.path(PUBLISHER_ALIVE)):
+                request = self._await_request()
+                if request is None:
+                    logger.info("hand-off %s: the episode container ended before announcing a unit", handoff.root)
+                    return 0
+                ctx = self._attach()
+                ledger = self._ledger(ctx, request)
+                handoff.write(handoff.path(LEDGER_FILE), ledger)
+                self._serve(ctx, request, ledger)
+        except HandoffError as exc:
+            handoff.write(handoff.path(PUBLISHER_FAILED_FILE), PublisherFailure(error=self.scrubbed(str(exc))))
+            raise
+        except BaseException as exc:
+            message = self.scrubbed((str(exc).splitlines() or [""])[0])
+            handoff.write(
+                handoff.path(PUBLISHER_FAILED_FILE), PublisherFailure(error=f"{type(exc).__name__}: {message}")
+            )
+            raise
+        return 1 if self.failures else 0
+
+    # -- steps --
+
+    def _sandbox_problem(self) -> str | None:
+        age = self.handoff.age_s(SANDBOX_ALIVE)
+        if age is not None and age > self.stale_after_s:
+            return f"the episode container stopped (no heartbeat for {age:.0f} s)"
+        return None
+
+    def _await_request(self) -> HandoffRequest | None:
+        """The announced units; None when the run ended without announcing any (it refused its input)."""
+        path, complete = self.handoff.path(REQUEST_FILE), self.handoff.path(COMPLETE_FILE)
+
+        def found() -> HandoffRequest | Literal[False] | None:
+            if path.exists():
+                return self.handoff.read(path, HandoffRequest)
+            return False if complete.exists() else None
+
+        request = _wait(
+            found,
+            self._sandbox_problem,
+            timeout_s=self.start_timeout_s,
+            what=f"hand-off {self.handoff.root}: waiting for the episode container's request",
+        )
+        if request is False:
+            return None
+        if request.cycle != self.config.cycle_name or request.config_hash != self.config.config_hash():
+            raise IncompleteHandoffError(
+                f"hand-off {self.handoff.root}: the episode container runs cycle {request.cycle!r} with config "
+                f"{request.config_hash[:12]}…, this publisher has cycle {self.config.cycle_name!r} with config "
+                f"{self.config.config_hash()[:12]}… (both must read the same config)"
+            )
+        slugs = [unit.unit(request.cycle).slug for unit in request.units]
+        if len(set(slugs)) != len(slugs):
+            raise IncompleteHandoffError(f"hand-off {self.handoff.root}: request.json names a unit twice")
+        return request
+
+    def _attach(self) -> CycleContext:
+        if self.attach is not None:
+            return self.attach(self.config)
+        from mass_ops.context import attach_cycle
+
+        return attach_cycle(self.config)
+
+    def _ledger(self, ctx: CycleContext, request: HandoffRequest) -> Ledger:
+        attempts: dict[str, list[RecordedAttempt]] = {}
+        for announced in request.units:
+            unit = announced.unit(request.cycle)
+            rows = ctx.repo.episode_attempts(
+                ctx.cycle_id,
+                task_id=unit.task_id,
+                kind=unit.kind,
+                seed=unit.seed,
+                version=unit.version,
+                candidate=unit.candidate,
+                generation=unit.generation,
+            )
+            final = next((row for row in reversed(rows) if row.status in ("succeeded", "model_failure")), None)
+            status_record = None
+            if final is not None:
+                key = dataclasses.replace(unit, attempt=final.attempt).artifact_key("status")
+                status_record = ctx.artifacts.get_json(key)
+            attempts[unit.slug] = [
+                RecordedAttempt(
+                    id=row.id,
+                    attempt=row.attempt,
+                    status=row.status,
+                    prompt_sha256=row.prompt_sha256,
+                    artifacts=dict(row.artifacts or {}),
+                    status_record=status_record if row is final else None,
+                )
+                for row in rows
+            ]
+        return Ledger(
+            cycle_id=ctx.cycle_id,
+            artifact_url=ctx.artifacts.url,
+            serving=self._serving(ctx, request),
+            attempts=attempts,
+        )
+
+    @staticmethod
+    def _serving(ctx: CycleContext, request: HandoffRequest) -> ServingTarget | None:
+        generations = {unit.generation for unit in request.units if unit.kind == "rollout" and unit.generation}
+        if not generations:
+            return None
+        if len(generations) > 1:
+            raise IncompleteHandoffError(f"request.json: rollouts of several generations {sorted(generations)}")
+        from mass_ops.evaluation.cycle import evaluation_scope
+        from mass_ops.evaluation.serving import generation_server
+
+        server = generation_server(ctx, generations.pop(), evaluation_scope(ctx.config))
+        return ServingTarget(**server.as_dict())
+
+    def _serve(self, ctx: CycleContext, request: HandoffRequest, ledger: Ledger) -> None:
+        """Publish attempts as they come until the marker is there and nothing is left, or the sandbox stopped."""
+        units = {announced.unit(request.cycle).slug: announced for announced in request.units}
+        expected = {slug: (ledger.attempts[slug][-1].attempt + 1 if ledger.attempts[slug] else 1) for slug in units}
+        complete = self.handoff.path(COMPLETE_FILE)
+        while True:
+            finished = complete.exists()  # read before the scan: what came before the marker is on disk now
+            for slug, announced in units.items():
+                while self.handoff.attempt_dir(slug, expected[slug]).exists():
+                    self._publish(ctx, request.cycle, announced, expected[slug])
+                    expected[slug] += 1
+            if finished:
+                self._check_leftovers(units, expected)
+                return
+            stopped = self._sandbox_problem()
+            if stopped is not None:
+                self._check_leftovers(units, expected)
+                raise IncompleteHandoffError(
+                    f"hand-off {self.handoff.root} is incomplete: {stopped} before writing {COMPLETE_FILE}; "
+                    "what it handed over is published, nothing else"
+                )
+            time.sleep(POLL_S)
+
+    def _check_leftovers(self, units: dict[str, HandoffUnit], expected: dict[str, int]) -> None:
+        """Refuse what lies in attempts/ but was never completed, or does not belong to an announced unit."""
+        attempts_root = self.handoff.root / "attempts"
+        if not attempts_root.is_dir():
+            return
+        for unit_dir in sorted(attempts_root.iterdir()):
+            slug = unit_dir.name
+            for entry in sorted(unit_dir.iterdir()) if unit_dir.is_dir() else [unit_dir]:
+                name = entry.name
+                if slug in units and name.startswith(".") and name.endswith(".partial"):
+                    raise IncompleteHandoffError(
+                        f"hand-off {self.handoff.root} is incomplete: attempt {name[1:].removesuffix('.partial')} "
+                        f"of {slug} was never finished (no {PUBLICATION_FILE}); nothing of it was published"
+                    )
+                known = slug in units and name.startswith("a") and name[1:].isdigit() and int(name[1:]) < expected[slug]
+                if not known:
+                    raise IncompleteHandoffError(
+                        f"hand-off {self.handoff.root}: attempts/{slug}/{name} is not an attempt the episode "
+                        "container announced in order; it was not published"
+                    )
+
+    def _publish(self, ctx: CycleContext, cycle: str, announced: HandoffUnit, attempt: int) -> None:
+        unit = announced.unit(cycle, attempt)
+        ack_path = self.handoff.ack_path(unit.slug, attempt)
+        try:
+            publication = self._publication(ctx, announced, unit)
+            outcome = publish_episode(ctx, publication)
+        except IncompleteHandoffError:
+            raise
+        except Exception as exc:
+            self.failures += 1
+            message = self.scrubbed((str(exc).splitlines() or [""])[0])
+            error = f"{type(exc).__name__}: {message}"
+            logger.error("episode %s: publishing failed: %s", unit.key, error)
+            self.handoff.write(ack_path, Ack(unit=unit.slug, attempt=attempt, error=error))
+            return
+        self.handoff.write(
+            ack_path,
+            Ack(
+                unit=unit.slug,
+                attempt=attempt,
+                episode_id=outcome.episode_id,
+                status=outcome.status,
+                artifacts=outcome.artifacts,
+                status_record=outcome.status_record,
+            ),
+        )
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+
+    def _publication(self, ctx: CycleContext, announced: HandoffUnit, unit: EpisodeUnit) -> EpisodePublication:
+        """The attempt as the runner built it, with identity and keys from the request, files from the folder."""
+        folder = self.handoff.attempt_dir(unit.slug, unit.attempt)
+        document = self.handoff.read(folder / PUBLICATION_FILE, AttemptHandoff)
+        if (document.unit, document.attempt) != (unit.slug, unit.attempt):
+            raise IncompleteHandoffError(
+                f"hand-off {self.handoff.root}: {folder.name} of {unit.slug} describes {document.unit} attempt "
+                f"{document.attempt}"
+            )
+        paths = {}
+        for name in ATTEMPT_FILES:
+            path = folder / EPISODE_FILES[name]
+            if path.is_symlink() or not path.is_file():
+                raise IncompleteHandoffError(
+                    f"hand-off {self.handoff.root}: {unit.slug}/a{unit.attempt}/{path.name} is missing or not a "
+                    "regular file"
+                )
+            paths[name] = path
+        prompt = paths["prompt"].read_bytes()
+        if hashlib.sha256(prompt).hexdigest() != announced.prompt_sha256:
+            raise IncompleteHandoffError(
+                f"hand-off {self.handoff.root}: the prompt of {unit.slug}/a{unit.attempt} differs from the one "
+                "announced before the episode started"
+            )
+        request = EpisodeRequest(unit=announced.unit(unit.cycle), condition=announced.condition, prompt=prompt.decode())
+        previous = [
+            row
+            for row in ctx.repo.episode_attempts(
+                ctx.cycle_id,
+                task_id=unit.task_id,
+                kind=unit.kind,
+                seed=unit.seed,
+                version=unit.version,
+                candidate=unit.candidate,
+                generation=unit.generation,
+            )
+            if row.attempt == unit.attempt - 1
+        ]
+        return EpisodePublication(
+            request=request,
+            unit=unit,
+            files=AttemptFiles(workspace_archived=True, **paths),
+            status=document.status,
+            record=document.record,
+            retry_of_id=previous[0].id if previous else None,
+        )

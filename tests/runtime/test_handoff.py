@@ -1,0 +1,563 @@
+"""The hand-off of a Kubernetes episode pod, run as the pod runs it: two processes sharing one folder.
+
+`mass-ops episode run --handoff DIR` (the sandbox container) gets the inference key and nothing of the stores;
+`mass-ops episode publish --handoff DIR` (the publisher container) gets the store and database settings and no key.
+What the publisher records must equal what a direct local run records, field by field (timings and paths aside).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext
+from mass_ops.layout import EPISODE_FILES, EpisodeUnit
+from mass_ops.runtime import handoff as hand
+from mass_ops.runtime.qwen_install import QwenInstall
+from tests.fixtures.s3 import MotoS3Server
+from tests.policy_server import PolicyServer
+from tests.runtime.conftest import (
+    API_KEY,
+    KEY_VAR,
+    PolicyHost,
+    episode_config,
+    fake_qwen_runtime,
+    open_episode_cycle,
+    process_alive,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+_CLI = (
+    "import sys, typer\n"
+    "from mass_ops.runtime.cli import episode_app\n"
+    "app = typer.Typer()\n"
+    "app.add_typer(episode_app, name='episode')\n"
+    "app(sys.argv[1:], prog_name='mass-ops')\n"
+)
+TASK, SEED = 51, 450051
+# Row columns that differ between two runs of the same unit by nature: identity in its database, and timings.
+ROW_VOLATILE = {"id", "cycle_id", "started_at", "finished_at", "duration_s", "created_at", "artifacts"}
+# Status-document fields that are timings, and in its `hiw` part those naming places (the proxy's port, the store).
+STATUS_VOLATILE = {"started_at", "finished_at", "durations"}
+HIW_PLACES = ("client_endpoint", "prompt_source", "api_log")
+STORE_VARIABLES = ("MASS_METADATA_URL", "MASS_ARTIFACT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """A child's whole environment: nothing inherited but PATH and HOME (so no store credential leaks in)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8"}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def episode_process(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _CLI, "episode", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def pod_config(config: CycleConfig, tmp: Path) -> Path:
+    """The config as a pod receives it: without `storage` (each container takes its stores from its environment)."""
+    path = tmp / "pod-config.json"
+    path.write_text(json.dumps(config.model_dump(mode="json", exclude={"storage"})))
+    return path
+
+
+def unit_args(prompt: Path, scratch: Path, *, seed: int = SEED) -> list[str]:
+    unit = ["--task", str(TASK), "--kind", "reference", "--seed", str(seed), "--prompt-file", str(prompt)]
+    return [*unit, "--scratch-dir", str(scratch), "--log-format", "json"]
+
+
+def store_env(config: CycleConfig, s3: MotoS3Server | None) -> dict[str, str]:
+    env = {"MASS_METADATA_URL": config.storage.metadata_url, "MASS_ARTIFACT_URL": config.storage.artifact_url}
+    if s3 is not None:
+        env |= s3.environment() | {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    return env
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> dict[str, Any]:
+    """What both containers share: the hand-off folder and the scratch folder of the sandbox."""
+    return {"handoff": tmp_path / "handoff", "scratch": tmp_path / "scratch"}
+
+
+def run_pod(
+    config_file: Path,
+    pod: dict[str, Any],
+    run_args: list[str],
+    sandbox_env: dict[str, str],
+    publisher_env: dict[str, str],
+    *,
+    publish_args: tuple[str, ...] = (),
+    while_running: Callable[[subprocess.Popen[str]], None] | None = None,
+    timeout_s: float = 300,
+) -> dict[str, Any]:
+    """The two containers of an episode pod as two processes; returns both exit codes and outputs."""
+    handoff = str(pod["handoff"])
+    publisher = episode_process(
+        ["publish", "--handoff", handoff, "--config", str(config_file), "--log-format", "json", *publish_args],
+        publisher_env,
+    )
+    sandbox = episode_process(["run", "--handoff", handoff, "--config", str(config_file), *run_args], sandbox_env)
+    try:
+        if while_running is not None:
+            while_running(sandbox)
+        run_out, run_err = sandbox.communicate(timeout=timeout_s)
+        pub_out, pub_err = publisher.communicate(timeout=timeout_s)
+    finally:
+        for process in (sandbox, publisher):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    return {
+        "run": (sandbox.returncode, run_out, run_err),
+        "publish": (publisher.returncode, pub_out, pub_err),
+    }
+
+
+def rows(ctx: CycleContext) -> list[dict[str, Any]]:
+    return [
+        {column: getattr(row, column) for column in row.__table__.columns.keys()}  # noqa: SIM118
+        for row in ctx.repo.episodes(ctx.cycle_id)
+    ]
+
+
+def relative(uri: str, store_url: str) -> str:
+    assert uri.startswith(store_url.rstrip("/") + "/"), (uri, store_url)
+    return uri[len(store_url.rstrip("/")) + 1 :]
+
+
+def tree(tarball: bytes) -> dict[str, bytes | None]:
+    with tarfile.open(fileobj=io.BytesIO(tarball), mode="r:gz") as archive:
+        return {m.name: archive.extractfile(m).read() if m.isreg() else None for m in archive.getmembers()}  # type: ignore[union-attr]
+
+
+def recorded(ctx: CycleContext, row: dict[str, Any]) -> dict[str, Any]:
+    """The row and its artifacts in comparable form: volatile fields out, URIs relative to the store root."""
+    store = ctx.artifacts
+    prefix = EpisodeUnit(ctx.cycle_name, TASK, "reference", row["seed"], attempt=row["attempt"]).artifact_prefix()
+    files = {name: store.get_bytes(f"{prefix}/{file}") for name, file in EPISODE_FILES.items()}
+    status = json.loads(files["status"])
+    places = {name: status["hiw"].pop(name) for name in HIW_PLACES}
+    settings = json.loads(files["settings"])
+    for provider in settings["modelProviders"]["openai"]:
+        provider.pop("baseUrl")  # the proxy's ephemeral port
+    api_log = [json.loads(line) for line in gzip.decompress(files["api_log"]).splitlines()]
+    workspace: dict[str, Any] = tree(files["workspace"])
+    if "agent_env.json" in workspace:  # the stand-in's dump of its environment: the scope marker is random per run
+        dumped = json.loads(workspace["agent_env.json"])
+        dumped["env"].pop("MASS_EPISODE_SCOPE")
+        workspace["agent_env.json"] = dumped
+    return {
+        "row": {k: v for k, v in row.items() if k not in ROW_VOLATILE},
+        "artifacts": {name: relative(uri, store.url) for name, uri in row["artifacts"].items()},
+        "status": {k: v for k, v in status.items() if k not in STATUS_VOLATILE},
+        "status_uris": {name: relative(places[name], store.url) for name in ("prompt_source", "api_log")},
+        "prompt": files["prompt"],
+        "workspace": workspace,
+        "settings": settings,
+        "stream_events": [json.loads(line).get("type") for line in files["stream"].splitlines()],
+        "api_requests": [(r["path"], r["status"], r["request"].get("seed")) for r in api_log],
+        "stderr": files["stderr"],
+    }
+
+
+def compare_with_a_direct_run(
+    tmp: Path,
+    server: PolicyServer,
+    s3: MotoS3Server,
+    prompt_text: str,
+    runtime_env: dict[str, str],
+    pod: dict[str, Any],
+    *,
+    inference: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    endpoint = f"{server.base_url}/v1"
+    direct = open_episode_cycle(tmp / "direct", endpoint, inference=inference)
+    s3_url = f"s3://{s3.bucket}/handoff-test/{os.urandom(4).hex()}"
+    published = open_episode_cycle(tmp / "pod", endpoint, artifact_url=s3_url, inference=inference)
+    config_file = pod_config(published.config, tmp)
+    prompt = tmp / "prompt.txt"
+    prompt.write_text(prompt_text)
+
+    # The direct local run: one process with the key and the stores (the same scratch folder, so the same paths).
+    local = episode_process(
+        ["run", "--config", str(config_file), *unit_args(prompt, pod["scratch"])],
+        base_env(**runtime_env, **{KEY_VAR: API_KEY}, **store_env(direct.config, None)),
+    )
+    _, err = local.communicate(timeout=300)
+    assert local.returncode == 0, err
+
+    # The pod: the sandbox without any store setting, the publisher without the key.
+    result = run_pod(
+        config_file,
+        pod,
+        unit_args(prompt, pod["scratch"]),
+        base_env(**runtime_env, **{KEY_VAR: API_KEY}),
+        base_env(**store_env(published.config, s3)),
+    )
+    code, run_out, run_err = result["run"]
+    assert code == 0, run_err
+    code, pub_out, pub_err = result["publish"]
+    assert code == 0, pub_err
+    for text in (run_out, run_err, pub_out, pub_err):
+        assert API_KEY not in text and s3.secret_access_key not in text
+
+    [direct_row], [pod_row] = rows(direct), rows(published)
+    # Both processes print the outcome with the real episode id (the sandbox learns it from the publisher's ack).
+    assert json.loads(run_out)["episode_id"] == json.loads(pub_out)["episode_id"] == pod_row["id"]
+    assert all(uri.startswith(s3_url) for uri in pod_row["artifacts"].values())
+    return recorded(direct, direct_row), recorded(published, pod_row)
+
+
+def assert_same_record(direct: dict[str, Any], via_pod: dict[str, Any]) -> None:
+    for field in direct:  # field by field, so a failure names what differs
+        assert via_pod[field] == direct[field], field
+
+
+def test_handoff_records_what_a_direct_run_records(
+    policy_host: PolicyHost, tmp_path: Path, s3_environment: MotoS3Server, pod: dict[str, Any]
+) -> None:
+    runtime = fake_qwen_runtime(tmp_path / "runtime")  # the stand-in agent, launched the way qwen-code is
+    with policy_host.serve() as server:
+        direct, via_pod = compare_with_a_direct_run(
+            tmp_path,
+            server,
+            s3_environment,
+            "Write the report.\n@agent requests=2 dump=1",
+            {"MASS_RUNTIME_DIR": str(runtime)},
+            pod,
+        )
+    assert_same_record(direct, via_pod)
+    assert via_pod["row"]["status"] == "succeeded" and via_pod["row"]["requests"] == 2
+    # The agent inside the sandbox saw no store setting (its whole environment is an allow-list anyway).
+    seen = via_pod["workspace"]["agent_env.json"]["env"]
+    assert not set(seen) & set(STORE_VARIABLES)
+    assert sorted(os.listdir(pod["handoff"] / "acks")) == [f"reference-t{TASK}-s{SEED}-a1.json"]
+
+
+@pytest.mark.slow
+def test_real_qwen_code_episode_through_the_handoff(
+    policy_host: PolicyHost, tmp_path: Path, s3_environment: MotoS3Server, qwen_install: QwenInstall, pod: dict
+) -> None:
+    runtime_env = {"MASS_RUNTIME_DIR": str(qwen_install.qwen_entry.parents[4])}
+    with policy_host.serve(argument_fragments=4, chunk_chars=16) as server:
+        direct, via_pod = compare_with_a_direct_run(
+            tmp_path,
+            server,
+            s3_environment,
+            "Produce research_report.md and results/metrics.json.",
+            runtime_env,
+            pod,
+            inference={"backend": "vllm"},
+        )
+    assert via_pod["row"]["status"] == "succeeded" and via_pod["row"]["qwen_code_version"] == "0.21.10"
+    assert via_pod["workspace"]["research_report.md"].startswith(b"# Research report")  # type: ignore[union-attr]
+    assert_same_record(direct, via_pod)
+
+
+def test_retries_continue_after_the_recorded_attempts(
+    policy_host: PolicyHost, tmp_path: Path, pod: dict[str, Any]
+) -> None:
+    runtime = fake_qwen_runtime(tmp_path / "runtime")
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path / "pod", f"{server.base_url}/v1")
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text("Write the report.\n@agent requests=1")
+        sha = hashlib.sha256(prompt.read_bytes()).hexdigest()
+        failed = ctx.repo.record_episode(
+            ctx.cycle_id, task_id=TASK, kind="reference", seed=SEED, status="infra_failure", prompt_sha256=sha
+        )
+        config_file = pod_config(ctx.config, tmp_path)
+        sandbox_env = base_env(MASS_RUNTIME_DIR=str(runtime), **{KEY_VAR: API_KEY})
+        publisher_env = base_env(**store_env(ctx.config, None))
+        first = run_pod(config_file, pod, unit_args(prompt, pod["scratch"]), sandbox_env, publisher_env)
+        assert first["run"][0] == 0 and first["publish"][0] == 0, first
+        requests_after_first = server.stats.chat_requests
+
+        # A second pod for the same unit (an Airflow retry after the row was committed) runs nothing.
+        again = {"handoff": tmp_path / "handoff-2", "scratch": pod["scratch"]}
+        second = run_pod(config_file, again, unit_args(prompt, pod["scratch"]), sandbox_env, publisher_env)
+        assert second["run"][0] == 0 and second["publish"][0] == 0, second
+        assert server.stats.chat_requests == requests_after_first
+
+    recorded_rows = {row.attempt: row for row in ctx.repo.episodes(ctx.cycle_id)}
+    assert set(recorded_rows) == {1, 2}
+    assert recorded_rows[2].status == "succeeded" and recorded_rows[2].retry_of_id == failed.id
+    assert json.loads(first["run"][1])["attempt"] == 2
+    reused = json.loads(second["run"][1])
+    assert reused["reused"] is True and reused["episode_id"] == recorded_rows[2].id
+    assert second["publish"][1] == "" and not (again["handoff"] / "attempts").exists()
+
+
+def test_a_sandbox_that_dies_leaves_an_incomplete_handoff_that_is_refused(
+    policy_host: PolicyHost, tmp_path: Path, pod: dict[str, Any]
+) -> None:
+    runtime = fake_qwen_runtime(tmp_path / "runtime")
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path / "pod", f"{server.base_url}/v1")
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text("Work for a while.\n@agent requests=1 sleep=60")
+        config_file = pod_config(ctx.config, tmp_path)
+
+        def kill_once_the_agent_runs(sandbox: subprocess.Popen[str]) -> None:
+            deadline = time.monotonic() + 120
+            while server.stats.chat_requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(sandbox.pid, signal.SIGKILL)  # OOM-killed container: no marker, no more heartbeats
+
+        result = run_pod(
+            config_file,
+            pod,
+            unit_args(prompt, pod["scratch"]),
+            base_env(MASS_RUNTIME_DIR=str(runtime), **{KEY_VAR: API_KEY}),
+            base_env(**store_env(ctx.config, None)),
+            publish_args=("--stale-after-s", "8"),
+            while_running=kill_once_the_agent_runs,
+        )
+    workspace = next(pod["scratch"].glob(f"{ctx.cycle_name}/*/workspace"))
+    for pid in (workspace / "pids.txt").read_text().split():  # the agent's sleepers outlive a SIGKILLed runner
+        if process_alive(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)
+    code, _out, err = result["publish"]
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert lines[-1].startswith(f"episode publish: hand-off {pod['handoff']} is incomplete: the episode container ")
+    assert "before writing complete.json" in lines[-1]
+    assert ctx.repo.episodes(ctx.cycle_id) == [] and ctx.artifacts.list("cycles/") == []
+    assert (pod["handoff"] / hand.PUBLISHER_FAILED_FILE).exists()
+
+
+# --- the protocol, in-process --------------------------------------------------------------------------------
+
+
+class ScriptedSandbox:
+    """The sandbox side written by hand, for hand-offs no honest `episode run` produces."""
+
+    def __init__(self, root: Path, config: CycleConfig, prompt: str) -> None:
+        self.handoff = hand.Handoff(root)
+        self.config = config
+        self.prompt = prompt
+
+    def announce(self) -> hand.Ledger:
+        unit = hand.HandoffUnit(
+            task_id=TASK,
+            kind="reference",
+            seed=SEED,
+            condition=f"t{TASK}_bare",
+            prompt_sha256=hashlib.sha256(self.prompt.encode()).hexdigest(),
+        )
+        request = hand.HandoffRequest(cycle=self.config.cycle_name, config_hash=self.config.config_hash(), units=[unit])
+        self.handoff.write(self.handoff.path(hand.REQUEST_FILE), request)
+        self.handoff.path(hand.SANDBOX_ALIVE).touch()
+        ledger = self.handoff.path(hand.LEDGER_FILE)
+        deadline = time.monotonic() + 60
+        while not ledger.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.handoff.read(ledger, hand.Ledger)
+
+    def attempt(self, attempt: int, *, prompt: str | None = None, finished: bool = True) -> Path:
+        slug = EpisodeUnit(self.config.cycle_name, TASK, "reference", SEED).slug
+        folder = self.handoff.attempt_dir(slug, attempt)
+        target = folder if finished else folder.with_name(f".{folder.name}.partial")
+        target.mkdir(parents=True)
+        for name in hand.ATTEMPT_FILES:
+            (target / EPISODE_FILES[name]).write_bytes(b"")
+        (target / EPISODE_FILES["prompt"]).write_text(prompt or self.prompt)
+        return target
+
+    def complete(self, code: int = 0) -> None:
+        self.handoff.write(self.handoff.path(hand.COMPLETE_FILE), hand.Completion(exit_code=code))
+
+
+def serve_in_thread(publisher: hand.HandoffPublisher) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+
+    def serve() -> None:
+        try:
+            result["code"] = publisher.run()
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def finished_publication(folder: Path, attempt: int) -> None:
+    from datetime import UTC, datetime
+
+    record = {
+        "status": "succeeded",
+        "model": "m",
+        "exit_code": 0,
+        "failure": None,
+        "prompt_tokens": 1,
+        "completion_tokens": 1,
+        "requests": 1,
+        "max_prompt_tokens": 1,
+        "started_at": datetime.now(UTC).isoformat(),
+        "finished_at": datetime.now(UTC).isoformat(),
+        "qwen_code_version": "x",
+    }
+    document = {"unit": folder.parent.name, "attempt": attempt, "record": record, "status": {}}
+    (folder / hand.PUBLICATION_FILE).write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ("unfinished attempt", "attempt a1 of reference-t51-s450051 was never finished (no publication.json)"),
+        ("changed prompt", "the prompt of reference-t51-s450051/a1 differs from the one announced"),
+        ("stray folder", "attempts/reference-t51-s450051/a7 is not an attempt the episode container announced"),
+    ],
+)
+def test_the_publisher_refuses_what_was_not_handed_over_whole(tmp_path: Path, scenario: str, message: str) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    ledger = sandbox.announce()
+    assert ledger.cycle_id == ctx.cycle_id and ledger.artifact_url == ctx.artifacts.url
+    if scenario == "unfinished attempt":
+        sandbox.attempt(1, finished=False)
+    elif scenario == "changed prompt":
+        finished_publication(sandbox.attempt(1, prompt="another prompt"), 1)
+    else:
+        finished_publication(sandbox.attempt(7), 7)
+    sandbox.complete()
+    thread.join(timeout=60)
+    error = result.get("error")
+    assert isinstance(error, hand.IncompleteHandoffError), result
+    assert message in str(error) and "\n" not in str(error)
+    assert ctx.repo.episodes(ctx.cycle_id) == [] and ctx.artifacts.list("cycles/") == []
+    failure = sandbox.handoff.read(sandbox.handoff.path(hand.PUBLISHER_FAILED_FILE), hand.PublisherFailure)
+    assert message in failure.error
+
+
+def test_a_publisher_that_cannot_reach_the_cycle_stops_the_sandbox(
+    policy_host: PolicyHost, tmp_path: Path, pod: dict[str, Any]
+) -> None:
+    runtime = fake_qwen_runtime(tmp_path / "runtime")
+    with policy_host.serve() as server:
+        config = episode_config(tmp_path / "pod", f"{server.base_url}/v1")  # never opened: no cycle row
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text("Write.\n@agent requests=1")
+        result = run_pod(
+            pod_config(config, tmp_path),
+            pod,
+            unit_args(prompt, pod["scratch"]),
+            base_env(MASS_RUNTIME_DIR=str(runtime), **{KEY_VAR: API_KEY}),
+            base_env(**store_env(config, None)),
+        )
+        assert server.stats.chat_requests == 0, "no agent starts before the publisher has answered"
+    run_code, _, run_err = result["run"]
+    pub_code, _, pub_err = result["publish"]
+    assert pub_code == 1 and "is not open: run the validate_config stage first" in pub_err
+    assert run_code == 1 and len(run_err.strip().splitlines()) == 1
+    assert "the publisher gave up" in run_err and "validate_config" in run_err
+    completion = hand.Handoff(pod["handoff"]).read(pod["handoff"] / hand.COMPLETE_FILE, hand.Completion)
+    assert completion.exit_code == 1
+
+
+def test_what_the_publisher_writes_to_the_folder_carries_no_credential(tmp_path: Path) -> None:
+    config = episode_config(tmp_path, "http://127.0.0.1:9/v1", metadata_url="postgresql://mass:pg-pass-9f3@db/mass")
+    environ = {"AWS_SECRET_ACCESS_KEY": "wJalr-secret-71", "AWS_ACCESS_KEY_ID": "AKIA-id-55"}
+    publisher = hand.HandoffPublisher(config, tmp_path / "handoff", environ=environ)
+    leaked = "could not connect to postgresql://mass:pg-pass-9f3@db/mass as AKIA-id-55 / wJalr-secret-71 (pg-pass-9f3)"
+    scrubbed = publisher.scrubbed(leaked)
+    assert not {"pg-pass-9f3", "wJalr-secret-71", "AKIA-id-55"} & set(scrubbed.replace("/", " ").split())
+    assert "pg-pass-9f3" not in scrubbed and scrubbed.startswith("could not connect to [REDACTED] as [REDACTED]")
+
+
+def test_a_sandbox_refusing_its_input_leaves_nothing_to_publish(tmp_path: Path, pod: dict[str, Any]) -> None:
+    ctx = open_episode_cycle(tmp_path / "pod", "http://127.0.0.1:9/v1")
+    args = ["--task", str(TASK), "--kind", "reference", "--seed", "1", "--prompt-uri", "s3://bucket/prompt.txt"]
+    result = run_pod(
+        pod_config(ctx.config, tmp_path),
+        pod,
+        args,
+        base_env(**{KEY_VAR: API_KEY}),
+        base_env(**store_env(ctx.config, None)),
+    )
+    run_code, _, run_err = result["run"]
+    assert run_code == 2 and run_err.strip() == (
+        "--prompt-uri: a --handoff run reads no artifact store; use --prompt-file"
+    )
+    assert result["publish"][0] == 0, result["publish"][2]
+    assert not (pod["handoff"] / hand.REQUEST_FILE).exists() and ctx.repo.episodes(ctx.cycle_id) == []
+
+
+def test_a_failed_upload_is_acknowledged_as_an_error_and_no_row_is_written(tmp_path: Path) -> None:
+    import dataclasses
+
+    from mass_ops.store.artifacts import ArtifactError
+    from mass_ops.store.local_artifacts import LocalArtifactStore
+
+    class FullDisk(LocalArtifactStore):
+        def _publish(self, key: str, staged: Path, sha256: str, size: int) -> Any:
+            if key.endswith("stream.jsonl"):
+                raise ArtifactError(f"cannot store {key}: no space left on device")
+            return super()._publish(key, staged, sha256, size)
+
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    broken = dataclasses.replace(ctx, artifacts=FullDisk(str(tmp_path / "artifacts")))
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: broken)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    finished_publication(sandbox.attempt(1), 1)
+    sandbox.complete()
+    thread.join(timeout=60)
+    assert result == {"code": 1} and publisher.failures == 1
+    unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED)
+    ack = sandbox.handoff.read(sandbox.handoff.ack_path(unit.slug, 1), hand.Ack)
+    assert ack.episode_id is None
+    assert ack.error == f"ArtifactError: cannot store {unit.artifact_key('stream')}: no space left on device"
+    assert ctx.repo.episodes(ctx.cycle_id) == [], "the row comes only after every artifact"
+    assert not ctx.artifacts.exists(unit.artifact_key("status"))
+
+
+def test_a_rollout_runs_on_the_server_the_publisher_looks_up(tmp_path: Path) -> None:
+    from mass_ops.compute.kubernetes import inference_url
+    from mass_ops.config import validate_config
+    from mass_ops.runtime.episode import EpisodeRequest
+    from tests.inner_loop_fakes import open_test_cycle
+
+    data = episode_config(tmp_path, "http://127.0.0.1:9/v1").model_dump(mode="json")
+    data["compute"]["backend"] = "kubernetes"
+    ctx = open_test_cycle(validate_config(data))
+    ctx.repo.register_generation("L1", 1, bf16_uri="models/L1-bf16", served_name="L1")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    unit = EpisodeUnit(ctx.cycle_name, TASK, "rollout", SEED, candidate=2, generation="L1")
+    with hand.SandboxHandoff(tmp_path / "handoff") as session:
+        sandbox_ctx = session.open(ctx.config, [EpisodeRequest(unit=unit, condition=f"t{TASK}_bare", prompt="p")])
+    thread.join(timeout=60)
+    assert result == {"code": 0}
+    assert sandbox_ctx.config.inference.endpoint == inference_url(ctx.config, ctx.cycle_name, "L1")
+    assert sandbox_ctx.config.models.served_name == "L1"
+    assert (
+        sandbox_ctx.repo.episode_attempts(0, task_id=TASK, kind="rollout", seed=SEED, candidate=2, generation="L1")
+        == []
+    )
