@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,6 +65,13 @@ def transformers_serve_argv(model: str, *, port: int, host: str = "127.0.0.1", e
     script = Path(sys.executable).with_name("transformers")
     head = [str(script)] if script.exists() else [sys.executable, "-m", "transformers.cli.transformers"]
     return [*head, "serve", model, "--host", host, "--port", str(port), *extra]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now (the OS picks it; a server started right after can bind it)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -6,8 +6,8 @@ nightly run):
 
 * Kubernetes backend: the inference-server operator runs one vLLM Deployment + Service per generation in the scope;
   a generation is reached at that Service's URL under its registered served name.
-* Local backend: `serve_generations` starts one `transformers serve` per generation on consecutive ports from
-  `inference.server.port`, loading its registered BF16 weights (fetched from the artifact store when they are not a
+* Local backend: `serve_generations` starts one `transformers serve` per generation on a free port, loading its
+  registered BF16 weights (fetched from the artifact store when they are not a
   local folder); each server's state file says where it listens and what it lists.
 
 `serving_context` is the cycle context whose config points the runner and the in-loop client at one generation's
@@ -74,29 +74,44 @@ def local_weights(ctx: CycleContext, row: ModelGeneration) -> Path:
 
 def serve_generations(ctx: CycleContext, names: Sequence[str], scope: str) -> list[GenerationServer]:
     """Local backend: start (or find running) one `transformers serve` per generation and wait until each is ready
-    (`/health` answers and `/v1/models` lists it); a server that never becomes ready stops them all."""
+    (`/health` answers and `/v1/models` lists it); a server that never becomes ready stops them all.
+
+    Each server listens on a port that is free when it starts (on the endpoint's host): the in-loop endpoint's port
+    may still be taken (by your own server, or a stand-in in tests), and the state file records where each one is.
+    """
     from urllib.parse import urlsplit, urlunsplit
 
-    from mass_ops.compute.local import start_server, transformers_serve_argv, wait_ready
+    from mass_ops.compute.local import (
+        free_port,
+        is_alive,
+        read_state,
+        start_server,
+        transformers_serve_argv,
+        wait_ready,
+    )
 
     config = ctx.config
     if config.compute.backend != "local":
         raise ServingError("serve_generations runs the local backend only; Kubernetes uses the inference operator")
     base = urlsplit(config.inference.endpoint)
-    first_port = base.port or config.inference.server.port
+    host = base.hostname or "127.0.0.1"
     servers, states = [], []
     try:
-        for offset, name in enumerate(dict.fromkeys(names)):
+        for name in dict.fromkeys(names):
             folder = local_weights(ctx, registered(ctx, name))
-            port = first_port + offset
-            endpoint = urlunsplit((base.scheme, f"{base.hostname}:{port}", base.path, "", ""))
-            argv = transformers_serve_argv(str(folder), port=port, extra=["--device", "cpu", "--dtype", "float32"])
             path = state_file(scope, name)
-            state = start_server(
-                argv, state_file=path, endpoint=endpoint, served_name=str(folder), log_path=path.with_suffix(".log")
-            )
+            state = read_state(path)
+            if state is None or not is_alive(state) or state.served_name != str(folder):
+                port = free_port(host)
+                endpoint = urlunsplit((base.scheme, f"{host}:{port}", base.path, "", ""))
+                argv = transformers_serve_argv(
+                    str(folder), port=port, host=host, extra=["--device", "cpu", "--dtype", "float32"]
+                )
+                state = start_server(
+                    argv, state_file=path, endpoint=endpoint, served_name=str(folder), log_path=path.with_suffix(".log")
+                )
             states.append(state)
-            servers.append(GenerationServer(name, endpoint, str(folder)))
+            servers.append(GenerationServer(name, state.endpoint, state.served_name))
         for state in states:
             wait_ready(
                 state, timeout_s=config.inference.server.readiness_timeout_s, api_key_env=config.inference.api_key_env

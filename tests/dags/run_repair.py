@@ -66,5 +66,10 @@ def finish_run(dag: Any, run_id: str) -> Any:
             _run_task(ti=ti, task=dag.task_dict[ti.task_id], run_triggerer=True)
         idle = 0 if scheduled else idle + 1
         if idle > MAX_IDLE_ROUNDS:
-            raise AssertionError(f"run {run_id} is stuck: nothing schedulable while it is {run.state}")
+            waiting = sorted(
+                f"{ti.task_id}[{ti.map_index}]={ti.state}"
+                for ti in run.get_task_instances(session=session)
+                if ti.state not in (TaskInstanceState.SUCCESS, TaskInstanceState.SKIPPED)
+            )
+            raise AssertionError(f"run {run_id} is stuck while {run.state}: {', '.join(waiting)}")
     return run

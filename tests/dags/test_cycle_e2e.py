@@ -14,7 +14,6 @@ the cycle with no duplicated episode: the instances that had succeeded are not r
 from __future__ import annotations
 
 import datetime as dt
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -33,21 +32,6 @@ JUDGE_KEY_ENV = "MASS_TEST_JUDGE_KEY"
 FAILING_UNIT = (51, 1)  # (task, candidate) of the collection instance that fails once
 
 
-def _consecutive_free_ports() -> int:
-    """A port p such that p and p + 1 are free now (the two evaluation servers)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _overrides(tmp: Path, endpoint: str) -> list[str]:
     judge = (
         f"[{{name: stand-in-judge, provider: openai-compatible, model: {MODEL}, base_url: '{endpoint}', "
@@ -59,7 +43,6 @@ def _overrides(tmp: Path, endpoint: str) -> list[str]:
         f"inference.endpoint={endpoint}",
         f"models.served_name={MODEL}",
         "compute.local_inference=external",
-        f"inference.server.port={_consecutive_free_ports()}",
         f"evaluation.judges={judge}",
     ]
 

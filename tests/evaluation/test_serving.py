@@ -162,23 +162,6 @@ def test_stopping_a_scope_forgets_servers_that_are_already_gone(eval_env):
         generation_server(eval_env.ctx, "L1", SCOPE)
 
 
-def two_free_ports() -> int:
-    """A port p with p and p + 1 free (the servers of one scope listen on consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port >= 65535:
-            continue
-        with socket.socket() as neighbour:
-            try:
-                neighbour.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.fixture
 def stub_servers(eval_env, monkeypatch) -> Any:
     """The readiness stub in place of `transformers serve` (it lists the model it is started for), tiny published
@@ -203,7 +186,9 @@ def stub_servers(eval_env, monkeypatch) -> Any:
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(f'{{"model": "{name}"}}')
         publish_model(eval_env.ctx.artifacts, f"models/{name}-bf16", folder)
-    port = two_free_ports()
+    with socket.socket() as probe:  # the in-loop endpoint: a port the evaluation servers must not assume is free
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
 
     def context(readiness_timeout_s: int = 30) -> CycleContext:
         config: CycleConfig = eval_env.config
@@ -222,10 +207,12 @@ def test_serve_generations_starts_one_server_per_generation_and_stop_ends_them(s
     ctx = context()
     servers = serve_generations(ctx, ["L1", "L0", "L1"], SCOPE)  # a generation named twice is served once
     weights = {name: f"runs/models/inner-loop-test/{name}-bf16" for name in ("L1", "L0")}
-    assert servers == [
-        GenerationServer("L1", f"http://127.0.0.1:{port}/v1", weights["L1"]),
-        GenerationServer("L0", f"http://127.0.0.1:{port + 1}/v1", weights["L0"]),
+    assert [(server.generation, server.served_name) for server in servers] == [
+        ("L1", weights["L1"]),
+        ("L0", weights["L0"]),
     ]
+    ports = [int(server.endpoint.removeprefix("http://127.0.0.1:").removesuffix("/v1")) for server in servers]
+    assert len(set(ports)) == 2 and port not in ports, "each on a free port of its own, never the in-loop endpoint's"
     # The registered weights were fetched from the artifact store into a local folder each server loads.
     assert (in_tmp / weights["L0"] / "config.json").read_text() == '{"model": "L0"}'
     assert [generation_server(ctx, name, SCOPE) for name in ("L1", "L0")] == servers
