@@ -375,8 +375,22 @@ def stage_cmd(
 
 
 @app.command()
-def demo(set_: SetOption = None) -> None:
+def demo(
+    set_: SetOption = None,
+    ui: Annotated[
+        bool, typer.Option("--ui", help="Serve the demo's Airflow web UI (airflow standalone) until Ctrl-C.")
+    ] = False,
+    port: Annotated[
+        int | None, typer.Option("--port", min=1, max=65535, help="Port of the UI on 127.0.0.1 (default 8080).")
+    ] = None,
+) -> None:
     """A whole demo cycle on the embedded default: tiny random Qwen3 on CPU, SQLite, a local artifact folder."""
+    if port is not None and not ui:
+        raise fail("demo: --port is the port of the web UI; use it with --ui")
+    if ui:
+        from mass_ops.demo_ui import DEFAULT_PORT, run_ui
+
+        raise typer.Exit(run_ui(set_, port=port or DEFAULT_PORT, console=console, err_console=err_console))
     from mass_ops.demo import demo_config, run_demo
     from mass_ops.plan import build_plan
     from mass_ops.training_plan import training_command_for
@@ -388,7 +402,7 @@ def demo(set_: SetOption = None) -> None:
     cycle_plan = build_plan(cfg, training_command_for(cfg))
     console.print(f"demo cycle {cfg.cycle_name}: planned totals {cycle_plan.totals}", markup=False)
     try:
-        result = run_demo(cfg, console)
+        result = run_demo(cfg, console, set_)
     except ValueError as exc:
         raise fail(f"demo: {exc}") from None
     except RuntimeError as exc:
@@ -396,6 +410,8 @@ def demo(set_: SetOption = None) -> None:
     console.rule("[bold]done")
     console.print(f"report: {result['report']}", markup=False)
     console.print(f"new model: {result['generation']}", markup=False)
+    console.print(f"evaluation: {result['evaluation']}", markup=False)
+    console.print(f"DAG run {result['run_id']}: task states {result['task_states']}", markup=False)
     console.print(f"stage wall-clock (s): {result['timings_s']}", markup=False)
     console.print(f"total run time: {result['total_s']} s", markup=False)
 

@@ -36,7 +36,9 @@ def validate_config(config: CycleConfig) -> dict[str, Any]:
 
 def _server_state_file(config: CycleConfig) -> Path:
     """Where the local backend records the model server it started (pid, argv, endpoint)."""
-    return Path("runs") / "servers" / f"{config.cycle_name}-inference.json"
+    from mass_ops.compute.local import SERVERS_DIR
+
+    return SERVERS_DIR / f"{config.cycle_name}-inference.json"
 
 
 def inference_up(config: CycleConfig, *, model_dir: str | None = None) -> dict[str, Any]:
@@ -121,14 +123,13 @@ def collection_units(config: CycleConfig) -> list[list[int]]:
 
 def collect_candidate(config: CycleConfig, task_id: int, candidate: int) -> dict[str, Any]:
     """One teacher candidate of one task (the DAG maps this over `collection_units`)."""
-    from mass_ops.collect import collection_requests, eligibility, freeze_teacher_prompt
+    from mass_ops.collect import CollectionSkipped, candidate_request
 
     ctx = attach_cycle(config)
-    decision = eligibility(ctx, task_id)
-    if not decision.collects or decision.version_used is None:
-        return {"task_id": task_id, "candidate": candidate, "skipped": True, "reason": decision.reason}
-    prompt = freeze_teacher_prompt(ctx, task_id, decision.version_used)
-    request = collection_requests(ctx, task_id, prompt)[candidate]
+    try:
+        request = candidate_request(ctx, task_id, candidate)
+    except CollectionSkipped as skipped:
+        return {"task_id": task_id, "candidate": candidate, "skipped": True, "reason": skipped.decision.reason}
     with episode_executor(ctx) as executor:
         (outcome,) = executor.run([request])
     return {

@@ -67,6 +67,10 @@ def transformers_serve_argv(model: str, *, port: int, host: str = "127.0.0.1", e
     return [*head, "serve", model, "--host", host, "--port", str(port), *extra]
 
 
+# Where the local backend records the model servers it starts (relative to the working directory, like runs/).
+SERVERS_DIR = Path("runs") / "servers"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on `host` now (the OS picks it; a server started right after can bind it)."""
     with socket.socket() as probe:

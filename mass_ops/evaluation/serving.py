@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.store.models import ModelGeneration
 
-SERVERS_DIR = Path("runs") / "servers"
 LOCAL_MODELS_DIR = Path("runs") / "models"
 
 

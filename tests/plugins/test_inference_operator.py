@@ -100,6 +100,19 @@ def test_local_backend_calls_the_stages(stages, tmp_path):
     assert stages.names() == ["inference_up", "inference_down"] and down["backend"] == "local"
 
 
+def test_a_local_server_the_stage_already_made_ready_needs_no_deferral(stages):
+    from tests.compute.model_server_stub import serve_in_thread
+
+    server = serve_in_thread("mass-tiny-L0")
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        stages.results["inference_up"] = {"servers": [{"endpoint": endpoint, "served_name": "mass-tiny-L0"}]}
+        result = InferenceServerOperator(task_id="inference_up").execute(task_context({"preset": "demo"}))
+    finally:
+        server.shutdown()
+    assert result == {"backend": "local", "servers": [{"endpoint": endpoint, "served_name": "mass-tiny-L0"}]}
+
+
 def test_local_server_that_never_gets_ready_is_stopped(stages):
     operator = InferenceServerOperator(task_id="inference_up")
     trigger = deferred(operator, task_context({"preset": "demo"})).trigger

@@ -90,6 +90,10 @@ class InferenceServerOperator(BaseOperator):
             servers = [{"endpoint": config.inference.endpoint, "served_name": config.models.served_name}]
         if not servers:
             return {"backend": "local", "servers": []}
+        if all(_ready_now(server, config.inference.api_key_env) for server in servers):
+            # The local stages wait for readiness themselves; deferring a task that is already done only meets
+            # Airflow's race between a fast trigger and the deferral (apache/airflow#67287).
+            return {"backend": "local", "servers": servers}
         self.defer(
             trigger=InferenceReadinessTrigger(
                 servers=servers,
@@ -176,6 +180,13 @@ class InferenceServerOperator(BaseOperator):
     def on_kill(self) -> None:
         if self._created:
             self._delete(self._created)
+
+
+def _ready_now(server: dict[str, str], api_key_env: str) -> bool:
+    """One readiness probe of a local server (health OK and the served name listed)."""
+    from mass_ops.compute.readiness import probe
+
+    return probe(server["endpoint"], server["served_name"], api_key_env=api_key_env, timeout_s=2.0).ready
 
 
 class InferenceServerTeardownOperator(BaseOperator):
