@@ -31,6 +31,14 @@ class CollectionError(ValueError):
     """Collection cannot run for a task: not a training task, search unfinished, or a changed teacher prompt."""
 
 
+class CollectionSkipped(CollectionError):
+    """The task's teacher trajectories are not collected (`decision` says why): its candidates have no episode."""
+
+    def __init__(self, decision: Eligibility) -> None:
+        super().__init__(f"task {decision.task_id}: {decision.reason}")
+        self.decision = decision
+
+
 def eligibility_key(cycle: str, task_id: int) -> str:
     """Artifact key of a task's collection decision (read by the report)."""
     return f"{cycle_prefix(cycle)}/collection/task{task_id}/eligibility.json"
@@ -140,6 +148,24 @@ def collection_requests(ctx: CycleContext, task_id: int, prompt: str) -> list[Ep
         unit = EpisodeUnit(cycle=ctx.cycle_name, task_id=task_id, kind="collection", seed=seed, candidate=candidate)
         requests.append(EpisodeRequest(unit=unit, condition=condition, prompt=prompt))
     return requests
+
+
+def candidate_request(ctx: CycleContext, task_id: int, candidate: int) -> EpisodeRequest:
+    """Teacher candidate i of task q (one unit of the collection stage), its teacher prompt frozen on first use.
+
+    CollectionSkipped when the task is not collected; CollectionError for a candidate outside the budget or a task
+    whose search has not finished.
+    """
+    decision = eligibility(ctx, task_id)
+    if not decision.collects or decision.version_used is None:
+        raise CollectionSkipped(decision)
+    count = ctx.config.collection.candidates
+    if not 0 <= candidate < count:
+        raise CollectionError(
+            f"task {task_id}: candidate {candidate} is outside 0..{count - 1} (collection.candidates)"
+        )
+    prompt = freeze_teacher_prompt(ctx, task_id, decision.version_used)
+    return collection_requests(ctx, task_id, prompt)[candidate]
 
 
 @dataclass(frozen=True)

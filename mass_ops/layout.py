@@ -108,6 +108,13 @@ def teacher_prompt_key(cycle: str, task_id: int) -> str:
     return f"{cycle_prefix(cycle)}/collection/task{task_id}/teacher_prompt.txt"
 
 
+def episode_prompt_key(cycle: str, prompt_sha256: str) -> str:
+    """A prompt handed to an episode pod, content-addressed by its SHA-256 (the same prompt is stored once)."""
+    if len(prompt_sha256) != 64 or any(c not in "0123456789abcdef" for c in prompt_sha256):
+        raise ValueError(f"episode prompt: {prompt_sha256!r} is not a lowercase hex SHA-256")
+    return f"{cycle_prefix(cycle)}/prompts/{prompt_sha256}.txt"
+
+
 def dataset_key(cycle: str, split: str, shard: int) -> str:
     """One JSONL shard of the rendered windows of a split."""
     return f"{cycle_prefix(cycle)}/datasets/{split}/windows-{shard:05d}.jsonl.gz"

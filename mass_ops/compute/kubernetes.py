@@ -10,8 +10,10 @@ Contracts with the images:
   be created per run;
 - the model cache claim is mounted at `MODEL_MOUNT`; a model key such as `models/L1-fp8` lives at `/models/L1-fp8`;
 - episode pods run two containers sharing the emptyDir `HANDOFF_MOUNT`: `base` runs `mass-ops episode run --config
-  CONFIG_FILE --kind K --task T [...] --handoff HANDOFF_MOUNT` with the inference key only, and `publisher` runs
-  `mass-ops episode publish --config CONFIG_FILE --handoff HANDOFF_MOUNT` with the store and database credentials
+  CONFIG_FILE --kind K --task T --seed S [...] --condition C --prompt-file HANDOFF_MOUNT/prompt.txt --handoff
+  HANDOFF_MOUNT` with the inference key only, and `publisher` runs `mass-ops episode publish --config CONFIG_FILE
+  --handoff HANDOFF_MOUNT --prompt-uri URI --prompt-sha256 H` with the store and database credentials: it fetches
+  the prompt the operator stored, checks its hash and writes it into the folder before the sandbox reads it
   (`mass_ops.runtime.handoff`; why two containers and not a native sidecar: `episode_pod`);
 - training and export Jobs run `mass-ops stage train|export --config CONFIG_FILE` with the launch topology in the
   environment (`NNODES`, `NPROC_PER_NODE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`); node rank = the indexed
@@ -29,13 +31,16 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
 from mass_ops.config import CycleConfig
+
+if TYPE_CHECKING:
+    from mass_ops.runtime.episode import EpisodeRequest
 
 CONFIG_ANNOTATION = "mass-ops/cycle-config"
 CONFIG_MOUNT = "/etc/mass-ops/cycle"
@@ -455,7 +460,12 @@ def inference_service(
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """Which episode a pod runs: the arguments of `mass-ops episode run`."""
+    """Which episode a pod runs: its identity (kind, task, version / candidate / replicate, generation) and, once
+    bound to the request its stage runs (`bound`), that request's seed, condition and prompt — the prompt as the
+    URI of the artifact the publisher fetches and its SHA-256, which the publisher checks.
+
+    An identity alone names the unit (slug, labels, the post-check); only a bound spec can become a pod.
+    """
 
     kind: EpisodeKind
     task_id: int
@@ -463,6 +473,10 @@ class EpisodeSpec:
     candidate: int | None = None
     replicate: int | None = None
     generation: str | None = None
+    seed: int | None = None
+    condition: str | None = None
+    prompt_uri: str | None = None
+    prompt_sha256: str | None = None
 
     def __post_init__(self) -> None:
         needs = {"search": "version", "collection": "candidate", "rollout": "replicate"}
@@ -471,6 +485,38 @@ class EpisodeSpec:
             raise SpecError(f"episode: a {self.kind} episode needs {wanted}")
         if self.task_id <= 0:
             raise SpecError(f"episode: task_id must be positive (got {self.task_id})")
+        run = (self.seed, self.condition, self.prompt_uri, self.prompt_sha256)
+        if any(value is not None for value in run) and any(value is None for value in run):
+            raise SpecError(f"episode {self.slug}: seed, condition, prompt_uri and prompt_sha256 come together")
+        if self.seed is not None and self.seed < 0:
+            raise SpecError(f"episode {self.slug}: seed must be non-negative (got {self.seed})")
+        if self.prompt_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.prompt_sha256):
+            raise SpecError(f"episode {self.slug}: prompt_sha256 {self.prompt_sha256!r} is not a hex SHA-256")
+
+    @property
+    def unit_candidate(self) -> int | None:
+        """The unit's `candidate` slot: a collection candidate, or a rollout's replicate (rollouts keep it there)."""
+        return self.replicate if self.kind == "rollout" else self.candidate
+
+    def bound(self, request: EpisodeRequest, prompt_uri: str) -> EpisodeSpec:
+        """This identity with the seed, condition and prompt of `request` (what its stage runs), the prompt stored
+        at `prompt_uri`; SpecError when `request` is another unit's."""
+        unit = request.unit
+        mine = (self.kind, self.task_id, self.version, self.unit_candidate, self.generation)
+        theirs = (unit.kind, unit.task_id, unit.version, unit.candidate, unit.generation)
+        if mine != theirs:
+            raise SpecError(f"episode {self.slug}: the request is for another unit ({unit.slug})")
+        return replace(
+            self,
+            seed=unit.seed,
+            condition=request.condition,
+            prompt_uri=prompt_uri,
+            prompt_sha256=request.prompt_sha256,
+        )
+
+    @property
+    def is_bound(self) -> bool:
+        return self.seed is not None
 
     @property
     def slug(self) -> str:
@@ -484,17 +530,33 @@ class EpisodeSpec:
                 parts.append(f"{prefix}{value}")
         return "-".join(parts)
 
+    def _require_bound(self) -> None:
+        if not self.is_bound:
+            raise SpecError(
+                f"episode {self.slug}: no seed, condition or prompt yet; bind the spec to the request its stage runs "
+                "(EpisodeSpec.bound)"
+            )
+
     def arguments(self) -> list[str]:
-        args = ["--kind", self.kind, "--task", str(self.task_id)]
+        """The unit's arguments of `mass-ops episode run` in the sandbox container: identity, seed, condition, and
+        the prompt as the file the publisher writes into the hand-off folder."""
+        from mass_ops.runtime.handoff import PROMPT_FILE
+
+        self._require_bound()
+        args = ["--kind", self.kind, "--task", str(self.task_id), "--seed", str(self.seed)]
         for flag, value in (
             ("--version", self.version),
-            ("--candidate", self.candidate),
-            ("--replicate", self.replicate),
+            ("--candidate", self.unit_candidate),
             ("--generation", self.generation),
         ):
             if value is not None:
                 args += [flag, str(value)]
-        return args
+        return [*args, "--condition", str(self.condition), "--prompt-file", f"{HANDOFF_MOUNT}/{PROMPT_FILE}"]
+
+    def publisher_arguments(self) -> list[str]:
+        """The prompt arguments of `mass-ops episode publish`: which artifact to hand over, and its SHA-256."""
+        self._require_bound()
+        return ["--prompt-uri", str(self.prompt_uri), "--prompt-sha256", str(self.prompt_sha256)]
 
 
 def episode_deadline_s(config: CycleConfig) -> int:
@@ -512,7 +574,9 @@ def episode_pod(
     `base` runs the agent (`episode run --handoff`) with the inference key and no other Secret, not even the
     store's URL: the agent's commands run as that container's user and could read any process's environment there.
     `publisher` holds the artifact-store and metadata-DB credentials and publishes what `base` hands over
-    (`episode publish --handoff`), artifacts first and the row last.
+    (`episode publish --handoff`), artifacts first and the row last. `episode` must be bound (`EpisodeSpec.bound`):
+    `base` runs exactly the unit its stage would run, reading the prompt the publisher first fetches from the store,
+    checks against its SHA-256 and writes into the shared folder.
 
     Two regular containers, not a native sidecar (an init container with `restartPolicy: Always`, Kubernetes ≥
     1.29): the kubelet stops a native sidecar as soon as the main container exits — just when the last attempt still
@@ -567,7 +631,10 @@ def episode_pod(
         "name": PUBLISHER_CONTAINER,
         "image": k8s.image_episode,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["mass-ops", "episode", "publish", "--config", CONFIG_FILE, "--handoff", HANDOFF_MOUNT],
+        "command": [
+            *("mass-ops", "episode", "publish", "--config", CONFIG_FILE, "--handoff", HANDOFF_MOUNT),
+            *episode.publisher_arguments(),
+        ],
         "env": [
             {"name": "HOME", "value": "/tmp"},
             {"name": "TMPDIR", "value": "/tmp"},

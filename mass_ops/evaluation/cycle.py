@@ -21,6 +21,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.external import SELF_JUDGE, ReportJudge, external_judges, self_judge
 from mass_ops.evaluation.rollouts import (
+    RolloutError,
     Split,
     default_label,
     resolve_rollout_tasks,
@@ -29,7 +30,7 @@ from mass_ops.evaluation.rollouts import (
 )
 from mass_ops.evaluation.serving import GenerationServer, generation_server, serving_context
 from mass_ops.evaluation.stage import judge_pairs, pair_rollouts, summarize
-from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 
 STAND_IN_JUDGE_PREFIX = "in-loop-"
 
@@ -63,22 +64,30 @@ def episode_pool(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
         yield pool
 
 
+def rollout_unit_request(ctx: CycleContext, generation: str, task: int, replicate: int) -> EpisodeRequest:
+    """The request of one evaluation rollout of the cycle: replicate i of task q run by `generation` (the request
+    names no server: the episode runs on the generation's, see `run_rollout_unit`). RolloutError for a generation
+    the cycle does not evaluate, a task outside the rollout pool or a replicate outside the count."""
+    new, parent = evaluated_generations(ctx.config)
+    if generation not in (new, parent):
+        raise RolloutError(f"rollout: this cycle evaluates {new} and {parent}, not {generation!r}")
+    pool = resolve_rollout_tasks(ctx.config)
+    if task not in pool:
+        # A train candidate outside the pool would be rolled out and recorded, but no rollout set would use it.
+        raise RolloutError(f"rollout: task {task} is not in this cycle's rollout pool {pool}")
+    count = ctx.config.evaluation.rollout_count
+    if not 0 <= replicate < count:
+        raise RolloutError(f"rollout: replicate {replicate} is outside 0..{count - 1} (evaluation.rollout_count)")
+    (request,) = [r for r in rollout_requests(ctx, generation, [task], count) if r.unit.candidate == replicate]
+    return request
+
+
 def run_rollout_unit(
     ctx: CycleContext, generation: str, task: int, replicate: int, *, executor: ExecutorFactory = episode_pool
 ) -> EpisodeOutcome:
     """One rollout episode of `generation` on its server (reused when already recorded)."""
-    new, parent = evaluated_generations(ctx.config)
-    if generation not in (new, parent):
-        raise ValueError(f"rollout: this cycle evaluates {new} and {parent}, not {generation!r}")
-    pool = resolve_rollout_tasks(ctx.config)
-    if task not in pool:
-        # A train candidate outside the pool would be rolled out and recorded, but no rollout set would use it.
-        raise ValueError(f"rollout: task {task} is not in this cycle's rollout pool {pool}")
-    count = ctx.config.evaluation.rollout_count
-    if not 0 <= replicate < count:
-        raise ValueError(f"rollout: replicate {replicate} is outside 0..{count - 1} (evaluation.rollout_count)")
+    request = rollout_unit_request(ctx, generation, task, replicate)
     served = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(ctx.config)))
-    (request,) = [r for r in rollout_requests(served, generation, [task], count) if r.unit.candidate == replicate]
     with executor(served) as pool:
         (outcome,) = pool.run([request])
     return outcome

@@ -12,9 +12,11 @@ agents and proxies are stopped and nothing is recorded for the interrupted attem
 
 `--handoff DIR` (the sandbox container of a Kubernetes episode pod): the run reaches neither the artifact store nor
 the metadata DB; it hands every attempt to `mass-ops episode publish --handoff DIR` running beside it, which holds
-the credentials (`mass_ops.runtime.handoff`). The prompt then comes from `--prompt-file`. `episode publish` exits 0
-when everything handed over was published, 1 when something could not be, 2 for a hand-off that ended without its
-marker or holds something it must not (nothing of that is published).
+the credentials (`mass_ops.runtime.handoff`). The prompt then comes from `--prompt-file`; a prompt file in the
+hand-off folder (`DIR/prompt.txt`) is the one the publisher delivers (`episode publish --prompt-uri URI
+--prompt-sha256 H`: fetched from the store and checked against the hash), and the run waits for it. `episode publish`
+exits 0 when everything handed over was published, 1 when something could not be, 2 for a prompt it cannot deliver
+or a hand-off that ended without its marker or holds something it must not (nothing of that is published).
 """
 
 from __future__ import annotations
@@ -177,6 +179,8 @@ def _run(
             # The stores are the publisher's: the cycle, recorded attempts and a rollout's server come in its ledger.
             if prompt_uri is not None:
                 raise EpisodeInputError("--prompt-uri: a --handoff run reads no artifact store; use --prompt-file")
+            if prompt_file is not None:
+                handoff.await_prompt(prompt_file)  # the publisher's to write when it lies in the hand-off folder
             prompt = _read_prompt(None, prompt_file, None)
         else:
             ctx = attach_cycle(cfg)
@@ -189,6 +193,8 @@ def _run(
             prompt = _read_prompt(ctx.artifacts, prompt_file, prompt_uri)
     except (EpisodeInputError, ValueError) as exc:
         raise _fail(str(exc)) from None
+    except HandoffError as exc:
+        raise _fail(str(exc), 1) from None
     chosen_condition = condition or default_condition(cfg, kind, task, version)
     unit_kind = cast(EpisodeKind, kind)  # checked by _check_unit
     requests = [
@@ -246,6 +252,13 @@ def publish_command(
         float, typer.Option("--start-timeout-s", help="How long to wait for the episode container's request.")
     ] = 600.0,
     log_format: Annotated[str, typer.Option("--log-format", help="Logs on stderr: text or json.")] = "text",
+    prompt_uri: Annotated[
+        str | None,
+        typer.Option("--prompt-uri", help="Prompt artifact to write into the hand-off folder for the episode."),
+    ] = None,
+    prompt_sha256: Annotated[
+        str | None, typer.Option("--prompt-sha256", help="SHA-256 the prompt artifact must have (with --prompt-uri).")
+    ] = None,
 ) -> None:
     """Publish what `episode run --handoff` hands over: each attempt's artifacts, then its row (one JSON line each)."""
     with _episode_logging(log_format):
@@ -253,14 +266,17 @@ def publish_command(
             cfg = load_config(config, set_ or ())
         except ConfigError as exc:
             raise _fail("\n".join(exc.problems)) from None
-        from mass_ops.runtime.handoff import HandoffError, HandoffPublisher, IncompleteHandoffError
+        from mass_ops.runtime.handoff import HandoffError, HandoffPublisher, IncompleteHandoffError, PromptDelivery
 
+        if (prompt_uri is None) != (prompt_sha256 is None):
+            raise _fail("episode publish: give --prompt-uri and --prompt-sha256 together")
         publisher = HandoffPublisher(
             cfg,
             handoff,
             start_timeout_s=start_timeout_s,
             stale_after_s=stale_after_s,
             on_outcome=lambda outcome: print(json.dumps(outcome_line(outcome)), flush=True),
+            prompt=PromptDelivery(prompt_uri, prompt_sha256) if prompt_uri and prompt_sha256 else None,
         )
         try:
             code = publisher.run()

@@ -8,6 +8,9 @@ namespace: `shareProcessNamespace` must stay off, or the agent could read the pu
 
 The folder, each file written atomically (temporary name, then rename) and by one side only:
 
+    prompt.txt                 publisher  the prompt of the pod's unit, when the publisher was given one (`--prompt-uri
+                                          --prompt-sha256`): fetched from the store and checked against the hash the
+                                          operator computed, written first; the sandbox waits for it, then reads it
     request.json               sandbox    the units it will run (identity, condition, prompt hash) and the config hash,
                                           written before any agent starts; the publisher captures it at once
     ledger.json                publisher  each unit's recorded attempts (reuse, or which attempt comes next), the
@@ -21,18 +24,21 @@ The folder, each file written atomically (temporary name, then rename) and by on
     complete.json              sandbox    the marker, written last: `episode run` has ended, with its exit status
     publisher-failed.json      publisher  the publisher gave up (one line): the sandbox stops waiting
 
-Sequence: the sandbox writes request.json and waits for the ledger; its `EpisodePool` plans from the ledger as it
-would from the database; each finished attempt is handed over (`HandoffSink`) and the sandbox waits for its ack. So,
-as with local publishing, an attempt's artifacts and row are durable before the next attempt of that unit starts, and
-the retry links to the real row. The publisher (`HandoffPublisher`) publishes each attempt with the runner's own
-`publish_episode` — artifacts first, the row last, idempotent — and stops once complete.json is there and every
-handed-over attempt is acknowledged.
+Sequence: the publisher writes prompt.txt when it has a prompt to deliver (the sandbox, which reaches no store, cannot
+fetch it); the sandbox reads its prompt, writes request.json and waits for the ledger; its `EpisodePool` plans from
+the ledger as it would from the database; each finished attempt is handed over (`HandoffSink`) and the sandbox waits
+for its ack. So, as with local publishing, an attempt's artifacts and row are durable before the next attempt of that
+unit starts, and the retry links to the real row. The publisher (`HandoffPublisher`) publishes each attempt with the
+runner's own `publish_episode` — artifacts first, the row last, idempotent — and stops once complete.json is there and
+every handed-over attempt is acknowledged.
 
 Trust: the publisher takes every attempt's identity from request.json as read before any agent ran, derives every
-artifact key itself, reads only regular files of the expected names, and checks the prompt against the announced
-hash. What an attempt measured (status, tokens, files) is the sandbox's word — as much as under local publishing,
-where the agent shares the runner's user too. A hand-off that ends without its marker (the sandbox container died)
-is refused with one line, and nothing of an unfinished attempt is published.
+artifact key itself (the delivered prompt's too: a URI other than the cycle's prompt artifact of that hash is
+refused), reads only regular files of the expected names, refuses a request announcing another prompt than the one
+it delivered, and checks each attempt's prompt against the announced hash. What an attempt measured (status, tokens,
+files) is the sandbox's word — as much as under local publishing, where the agent shares the runner's user too. A
+hand-off that ends without its marker (the sandbox container died) is refused with one line, and nothing of an
+unfinished attempt is published.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from mass_ops.store.artifacts import ArtifactNotFoundError, ArtifactStore, open_
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+PROMPT_FILE = "prompt.txt"
 REQUEST_FILE = "request.json"
 LEDGER_FILE = "ledger.json"
 COMPLETE_FILE = "complete.json"
@@ -100,6 +107,19 @@ class HandoffError(RuntimeError):
 
 class IncompleteHandoffError(HandoffError):
     """The hand-off ended without its marker, or holds something it must not: nothing of it was published."""
+
+
+class PromptDeliveryError(IncompleteHandoffError):
+    """The prompt the publisher was given cannot be handed over (not the cycle's prompt artifact of that hash, missing,
+    or other bytes): no agent starts, nothing is published."""
+
+
+@dataclass(frozen=True)
+class PromptDelivery:
+    """The prompt the publisher hands to the sandbox: its artifact URI and the SHA-256 the operator computed."""
+
+    uri: str
+    sha256: str
 
 
 # --- documents --------------------------------------------------------------------------------------------------
@@ -224,9 +244,13 @@ class Handoff:
 
     def write(self, path: Path, document: BaseModel) -> None:
         """Write `document` as JSON at `path` atomically (a reader sees all of it or nothing)."""
+        self.write_bytes(path, document.model_dump_json().encode("utf-8"))
+
+    def write_bytes(self, path: Path, data: bytes) -> None:
+        """Write `data` at `path` atomically."""
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.name}.partial")
-        temp.write_text(document.model_dump_json(), encoding="utf-8")
+        temp.write_bytes(data)
         os.replace(temp, path)
 
     def read(self, path: Path, model: type[_Model]) -> _Model:
@@ -396,6 +420,18 @@ class SandboxHandoff:
             return f"the publisher stopped (no heartbeat for {age:.0f} s)"
         return None
 
+    def await_prompt(self, path: Path) -> None:
+        """Wait until the publisher has written `path` when it is the hand-off's prompt file (a prompt file elsewhere
+        is the caller's own); HandoffError when the publisher gives up or stops first, or after the start timeout."""
+        if Path(path).absolute() != self.handoff.path(PROMPT_FILE).absolute():
+            return
+        _wait(
+            lambda: True if path.is_file() else None,
+            self.publisher_problem,
+            timeout_s=self.start_timeout_s,
+            what=f"hand-off {self.handoff.root}: waiting for the publisher's {PROMPT_FILE}",
+        )
+
     def open(self, config: CycleConfig, requests: Sequence[EpisodeRequest]) -> CycleContext:
         """Announce `requests`, wait for the publisher's ledger, and return the context the pool runs in."""
         handoff = self.handoff
@@ -525,9 +561,11 @@ class HandoffPublisher:
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         on_outcome: Callable[[EpisodeOutcome], None] | None = None,
         environ: Mapping[str, str] | None = None,
+        prompt: PromptDelivery | None = None,
     ) -> None:
         self.config = config
         self.handoff = Handoff(Path(root))
+        self.prompt = prompt
         self.attach = attach
         self.start_timeout_s = start_timeout_s
         self.stale_after_s = stale_after_s
@@ -550,11 +588,15 @@ class HandoffPublisher:
         handoff.root.mkdir(parents=True, exist_ok=True)
         try:
             with Heartbeat(handoff.path(PUBLISHER_ALIVE)):
+                ctx = None
+                if self.prompt is not None:
+                    ctx = self._attach()
+                    self._deliver_prompt(ctx, self.prompt)
                 request = self._await_request()
                 if request is None:
                     logger.info("hand-off %s: the episode container ended before announcing a unit", handoff.root)
                     return 0
-                ctx = self._attach()
+                ctx = ctx or self._attach()
                 ledger = self._ledger(ctx, request)
                 handoff.write(handoff.path(LEDGER_FILE), ledger)
                 self._serve(ctx, request, ledger)
@@ -570,6 +612,27 @@ class HandoffPublisher:
         return 1 if self.failures else 0
 
     # -- steps --
+
+    def _deliver_prompt(self, ctx: CycleContext, prompt: PromptDelivery) -> None:
+        """Fetch the prompt from the cycle's content-addressed key of its hash, check the bytes, write prompt.txt."""
+        from mass_ops.layout import episode_prompt_key
+
+        try:
+            key = episode_prompt_key(ctx.cycle_name, prompt.sha256)
+        except ValueError as exc:
+            raise PromptDeliveryError(f"--prompt-sha256: {exc}") from None
+        if ctx.artifacts.uri(key) != prompt.uri:
+            raise PromptDeliveryError(
+                f"--prompt-uri: {prompt.uri} is not the prompt artifact of cycle {ctx.cycle_name} with SHA-256 "
+                f"{prompt.sha256[:12]}… (expected {ctx.artifacts.uri(key)})"
+            )
+        try:
+            data = ctx.artifacts.get_bytes(key)
+        except ArtifactNotFoundError:
+            raise PromptDeliveryError(f"--prompt-uri: {prompt.uri} does not exist") from None
+        if hashlib.sha256(data).hexdigest() != prompt.sha256:
+            raise PromptDeliveryError(f"--prompt-uri: {prompt.uri} does not hold the prompt of SHA-256 {prompt.sha256}")
+        self.handoff.write_bytes(self.handoff.path(PROMPT_FILE), data)
 
     def _sandbox_problem(self) -> str | None:
         age = self.handoff.age_s(SANDBOX_ALIVE)
@@ -603,6 +666,14 @@ class HandoffPublisher:
         slugs = [unit.unit(request.cycle).slug for unit in request.units]
         if len(set(slugs)) != len(slugs):
             raise IncompleteHandoffError(f"hand-off {self.handoff.root}: request.json names a unit twice")
+        if self.prompt is not None:
+            for unit, slug in zip(request.units, slugs, strict=True):
+                if unit.prompt_sha256 != self.prompt.sha256:
+                    raise IncompleteHandoffError(
+                        f"hand-off {self.handoff.root}: request.json announces {slug} with prompt "
+                        f"{unit.prompt_sha256[:12]}…, not the prompt {self.prompt.sha256[:12]}… this publisher "
+                        f"delivered in {PROMPT_FILE}"
+                    )
         return request
 
     def _attach(self) -> CycleContext:

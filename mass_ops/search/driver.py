@@ -124,6 +124,52 @@ def search_task_ids(config: CycleConfig, task_ids: Sequence[int] | None) -> list
     return list(dict.fromkeys(chosen))
 
 
+def check_step(config: CycleConfig, task_id: int, version: int) -> None:
+    """SearchError unless `version` is a step of the configured budget (0..search.iterations)."""
+    if not 0 <= version <= config.search.iterations:
+        raise SearchError(
+            f"task {task_id}: step {version} is outside 0..{config.search.iterations} (search.iterations)"
+        )
+
+
+def reference_request(ctx: CycleContext, task_id: int) -> EpisodeRequest:
+    """The bare reference episode of task q's search (seed `reference_episode_seed`)."""
+    seed = reference_episode_seed(ctx.config.search.seed_base, task_id)
+    unit = EpisodeUnit(cycle=ctx.cycle_name, task_id=task_id, kind="reference", seed=seed)
+    return EpisodeRequest(unit=unit, condition=bare_condition(task_id), prompt=ctx.catalogue.task(task_id).bare_prompt)
+
+
+def version_request(ctx: CycleContext, task_id: int, version: int, prompt: str) -> EpisodeRequest:
+    """The episode of workflow version k of task q, given v_k's full prompt (seed `version_episode_seed`)."""
+    seed = version_episode_seed(ctx.config.search.seed_base, task_id, version)
+    unit = EpisodeUnit(cycle=ctx.cycle_name, task_id=task_id, kind="search", seed=seed, version=version)
+    return EpisodeRequest(unit=unit, condition=version_condition(task_id, version), prompt=prompt)
+
+
+def recorded_version_prompt(ctx: CycleContext, task_id: int, version: int, row: WorkflowVersion | None) -> str:
+    """The full prompt of v_k: v0 from the catalogue, a later version as stored when step k-1 proposed it (`row`),
+    checked against its recorded hash. SearchError when v_k has not been proposed yet."""
+    if version == 0:
+        return ctx.catalogue.task(task_id).initial_prompt
+    if row is None:
+        raise SearchError(
+            f"task {task_id}: workflow version v{version} does not exist yet; run step {version - 1} first"
+        )
+    text = ctx.artifacts.get_bytes(workflow_version_key(ctx.cycle_name, task_id, version)).decode("utf-8")
+    if row.prompt_sha256 and _sha256(text) != row.prompt_sha256:
+        raise SearchError(f"task {task_id}: stored prompt of v{version} does not match its recorded hash")
+    return text
+
+
+def search_episode_request(ctx: CycleContext, task_id: int, version: int) -> EpisodeRequest:
+    """The episode of v_k that step k of task q runs (what an episode pod runs before the step); SearchError for a
+    task outside the search, a step outside the budget, or a version not proposed yet."""
+    search_task_ids(ctx.config, [task_id])
+    check_step(ctx.config, task_id, version)
+    rows = {row.version: row for row in ctx.repo.workflow_versions(ctx.cycle_id, task_id)}
+    return version_request(ctx, task_id, version, recorded_version_prompt(ctx, task_id, version, rows.get(version)))
+
+
 @dataclass(frozen=True)
 class Verdicts:
     """A snapshot of a task's two ledgers: verdicts against the reference and champion arbitrations."""
@@ -238,33 +284,17 @@ class _TaskSearch:
         return {row.version: row for row in self.ctx.repo.workflow_versions(self.ctx.cycle_id, self.task_id)}
 
     def prompt_of(self, version: int, versions: dict[int, WorkflowVersion]) -> str:
-        if version == 0:
-            return self.task.initial_prompt
-        if version in self._prompts:
-            return self._prompts[version]
-        row = versions.get(version)
-        if row is None:
-            raise SearchError(
-                f"task {self.task_id}: workflow version v{version} does not exist yet; run step {version - 1} first"
-            )
-        prompt = self.ctx.artifacts.get_bytes(workflow_version_key(self.ctx.cycle_name, self.task_id, version))
-        text = prompt.decode("utf-8")
-        if row.prompt_sha256 and _sha256(text) != row.prompt_sha256:
-            raise SearchError(f"task {self.task_id}: stored prompt of v{version} does not match its recorded hash")
-        self._prompts[version] = text
-        return text
+        if version not in self._prompts:
+            self._prompts[version] = recorded_version_prompt(self.ctx, self.task_id, version, versions.get(version))
+        return self._prompts[version]
 
     # -- episodes --------------------------------------------------------------------------------------------------
 
     def reference_request(self) -> EpisodeRequest:
-        seed = reference_episode_seed(self.seed_base, self.task_id)
-        unit = EpisodeUnit(cycle=self.ctx.cycle_name, task_id=self.task_id, kind="reference", seed=seed)
-        return EpisodeRequest(unit=unit, condition=bare_condition(self.task_id), prompt=self.task.bare_prompt)
+        return reference_request(self.ctx, self.task_id)
 
     def version_request(self, version: int, prompt: str) -> EpisodeRequest:
-        seed = version_episode_seed(self.seed_base, self.task_id, version)
-        unit = EpisodeUnit(cycle=self.ctx.cycle_name, task_id=self.task_id, kind="search", seed=seed, version=version)
-        return EpisodeRequest(unit=unit, condition=version_condition(self.task_id, version), prompt=prompt)
+        return version_request(self.ctx, self.task_id, version, prompt)
 
     def run(self, requests: list[EpisodeRequest]) -> list[EpisodeOutcome]:
         """Outcomes of `requests` in order: finished ones this process already holds, the others from the executor."""
@@ -541,10 +571,7 @@ class _TaskSearch:
     # -- the step --------------------------------------------------------------------------------------------------
 
     def step(self, current: int) -> StepResult:
-        if not 0 <= current <= self.iterations:
-            raise SearchError(
-                f"task {self.task_id}: step {current} is outside 0..{self.iterations} (search.iterations)"
-            )
+        check_step(self.ctx.config, self.task_id, current)
         versions = self.versions()
         if 0 not in versions:
             versions[0] = self.ensure_v0()

@@ -18,6 +18,8 @@ import pytest
 from mass_ops.compute import kubernetes as specs
 from mass_ops.compute.kubernetes import EpisodeSpec, SpecError, WorkloadSettings, load_workload_settings
 from mass_ops.config import load_config
+from mass_ops.layout import EpisodeUnit
+from mass_ops.runtime.episode import EpisodeRequest
 from mass_ops.training_plan import training_command_for
 from tests.deploy.chart_render import REPO_ROOT, render_chart, validate_manifest
 
@@ -31,11 +33,26 @@ GPU_VALUES = {
         },
     },
 }
+
+
+def stage_request(spec: EpisodeSpec, seed: int, condition: str) -> EpisodeRequest:
+    """A request as a stage builds it for the unit `spec` names (rollout replicates sit in the unit's candidate)."""
+    unit = EpisodeUnit(
+        "c", spec.task_id, spec.kind, seed, spec.version, spec.unit_candidate, generation=spec.generation
+    )
+    return EpisodeRequest(unit, condition, f"the prompt of {spec.slug}\n")
+
+
+def bound(spec: EpisodeSpec, seed: int, condition: str) -> EpisodeSpec:
+    request = stage_request(spec, seed, condition)
+    return spec.bound(request, f"s3://bucket/mass/cycles/c/prompts/{request.prompt_sha256}.txt")
+
+
 EPISODES = [
-    EpisodeSpec("reference", 51),
-    EpisodeSpec("search", 51, version=3),
-    EpisodeSpec("collection", 202, candidate=17),
-    EpisodeSpec("rollout", 60, replicate=9, generation="L1"),
+    bound(EpisodeSpec("reference", 51), 450051, "t51_bare"),
+    bound(EpisodeSpec("search", 51, version=3), 453051, "t51_v3"),
+    bound(EpisodeSpec("collection", 202, candidate=17), 700 + 20217, "t202_L0"),
+    bound(EpisodeSpec("rollout", 60, replicate=9, generation="L1"), 916009, "t60_bare"),
 ]
 
 
@@ -101,7 +118,7 @@ def test_validation_catches_a_broken_manifest(paper, settings):
 
 
 def test_episode_pod_is_a_sandbox(paper, settings):
-    pod = specs.episode_pod(paper, settings, EpisodeSpec("search", 51, version=3))
+    pod = specs.episode_pod(paper, settings, EPISODES[1])
     spec = pod["spec"]
     container, publisher = spec["containers"]
     assert (container["name"], publisher["name"]) == ("base", specs.PUBLISHER_CONTAINER)
@@ -126,12 +143,15 @@ def test_episode_pod_is_a_sandbox(paper, settings):
     }
     assert "tolerations" not in spec and spec["nodeSelector"] == {"pool": "cpu"}  # CPU nodes, no GPU
     assert spec["activeDeadlineSeconds"] == paper.runtime.episode_wall_clock_s * paper.runtime.max_infra_attempts + 900
+    sha = EPISODES[1].prompt_sha256
     assert container["command"] == [
         "mass-ops", "episode", "run", "--config", specs.CONFIG_FILE, "--kind", "search", "--task", "51",
-        "--version", "3", "--handoff", specs.HANDOFF_MOUNT,
+        "--seed", "453051", "--version", "3", "--condition", "t51_v3", "--prompt-file", "/handoff/prompt.txt",
+        "--handoff", specs.HANDOFF_MOUNT,
     ]  # fmt: skip
     assert publisher["command"] == [
         "mass-ops", "episode", "publish", "--config", specs.CONFIG_FILE, "--handoff", specs.HANDOFF_MOUNT,
+        "--prompt-uri", f"s3://bucket/mass/cycles/c/prompts/{sha}.txt", "--prompt-sha256", sha,
     ]  # fmt: skip
 
 
@@ -208,6 +228,49 @@ def test_episode_specs_need_their_identity():
     with pytest.raises(SpecError, match="rollout episode needs replicate"):
         EpisodeSpec("rollout", 51, generation="L1")
     assert EpisodeSpec("rollout", 60, replicate=2, generation="L1").slug == "rollout-L1-t60-r2"
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    """`--flag value` pairs of a container command (every flag of `episode run/publish` here takes a value)."""
+    start = next(i for i, arg in enumerate(command) if arg.startswith("--"))
+    pairs = command[start:]
+    assert len(pairs) % 2 == 0 and all(flag.startswith("--") for flag in pairs[::2]), command
+    return dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
+@pytest.mark.parametrize("episode", EPISODES, ids=lambda e: e.kind)
+def test_each_kind_runs_the_seed_condition_and_prompt_it_was_bound_to(paper, settings, episode):
+    sandbox, publisher = specs.episode_pod(paper, settings, episode)["spec"]["containers"]
+    run, publish = flags(sandbox["command"]), flags(publisher["command"])
+    # What the sandbox's `episode run` rebuilds from its flags is the request the spec was bound to.
+    request = stage_request(episode, episode.seed, episode.condition)  # type: ignore[arg-type]
+    unit = EpisodeUnit(
+        "c",
+        int(run["--task"]),
+        run["--kind"],  # type: ignore[arg-type]
+        int(run["--seed"]),
+        int(run["--version"]) if "--version" in run else None,
+        int(run["--candidate"]) if "--candidate" in run else None,
+        generation=run.get("--generation"),
+    )
+    assert unit == request.unit and run["--condition"] == request.condition
+    assert "--replicate" not in run, "episode run has no --replicate: a rollout's replicate is the unit's candidate"
+    assert run["--prompt-file"] == f"{specs.HANDOFF_MOUNT}/prompt.txt" and run["--handoff"] == specs.HANDOFF_MOUNT
+    assert publish["--prompt-sha256"] == request.prompt_sha256 == episode.prompt_sha256
+    assert publish["--prompt-uri"] == episode.prompt_uri and publish["--handoff"] == specs.HANDOFF_MOUNT
+
+
+def test_only_a_bound_spec_becomes_a_pod(paper, settings):
+    identity = EpisodeSpec("collection", 202, candidate=17)
+    with pytest.raises(SpecError, match=r"collection-t202-c17: no seed, condition or prompt yet"):
+        specs.episode_pod(paper, settings, identity)
+    other = stage_request(EpisodeSpec("collection", 202, candidate=16), 20216, "t202_L0")
+    with pytest.raises(SpecError, match=r"collection-t202-c17: the request is for another unit \(collection-t202-c16"):
+        identity.bound(other, "s3://b/p.txt")
+    with pytest.raises(SpecError, match="come together"):
+        EpisodeSpec("reference", 51, seed=1)
+    with pytest.raises(SpecError, match="not a hex SHA-256"):
+        EpisodeSpec("reference", 51, seed=1, condition="t51_bare", prompt_uri="s3://b/p.txt", prompt_sha256="abc")
 
 
 # --- inference server ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 from mass_ops.compute import kubernetes as specs
 from mass_ops.training_plan import MASTER_ADDR_ENVS, UNSET_MASTER_ADDR, master_address, training_command_for
-from tests.compute.test_kubernetes_specs import GPU_VALUES, chart_settings_dir, cluster_config
+from tests.compute.test_kubernetes_specs import EPISODES, GPU_VALUES, chart_settings_dir, cluster_config
 from tests.deploy.chart_render import validate_manifest
 
 # Field names per object of the TrainJob API (json tags); a key outside these is one the API server would drop or
@@ -200,7 +200,7 @@ def test_trainjob_core_parts_validate_as_kubernetes_objects(config, settings):
 
 
 def test_a_cycle_on_trainjob_creates_no_training_job_or_service(config, settings):
-    manifests = specs.manifests_of_cycle(config, settings, [specs.EpisodeSpec("reference", 51)])
+    manifests = specs.manifests_of_cycle(config, settings, EPISODES[:1])
     kinds = [(m["kind"], m["metadata"]["name"]) for m in manifests]
     train = specs.job_name(config, "train")
     assert ("TrainJob", train) in kinds and ("Job", train) not in kinds and ("Service", train) not in kinds

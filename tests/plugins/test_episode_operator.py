@@ -1,8 +1,13 @@
 """The episode operator, tested the way the provider tests its pod operator: the pod manager's waits patched, the
-Kubernetes API faked, everything else (pod building, reattach, cleanup, failure handling) the provider's own code."""
+Kubernetes API faked, everything else (pod building, reattach, cleanup, failure handling) the provider's own code.
+
+Before its pod, the operator computes the request the unit's stage runs, so the cycle holds what those stages would
+have recorded by then: search v3 proposed (for the search episodes), task 202's retained workflow (for collection)."""
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -13,14 +18,52 @@ from mass_ops_airflow.checks import StageOutputMissing
 from mass_ops_airflow.operators import EpisodePodOperator, EpisodeStageOperator
 from mass_ops_airflow.operators._pod import SandboxPodFailed
 
+from mass_ops.compute import kubernetes as specs
+from mass_ops.episode_units import EpisodeUnitError
+from mass_ops.layout import workflow_version_key
 from tests.plugins.conftest import task_context
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes"}
 
 
+def propose(repo, task: int, version: int) -> str:
+    """Record workflow version `version` of `task` as step version-1 does (prompt stored, row with its hash)."""
+    from mass_ops.context import attach_cycle
+
+    ctx = attach_cycle(repo.config)
+    prompt = ctx.catalogue.task(task).initial_prompt + f"\n(revised design v{version})\n"
+    ctx.artifacts.put_bytes(workflow_version_key(ctx.cycle_name, task, version), prompt.encode())
+    sha = hashlib.sha256(prompt.encode()).hexdigest()
+    repo.record_workflow_version(repo.cycle_id, task, version, design=f"design v{version}", prompt_sha256=sha)
+    return prompt
+
+
+def retain_v0(repo, task: int) -> None:
+    """Record that `task`'s search retained v0 (and that v0 beat the reference): its teacher candidates collect."""
+    repo.record_workflow_version(repo.cycle_id, task, 0, design="design v0")
+    repo.record_retained_workflow(repo.cycle_id, task, version=0, beats_reference=True, last_evaluated_version=0)
+
+
 @pytest.fixture
 def repo(cycle_store, cluster, chart_settings):
-    return cycle_store(K8S)
+    repository = cycle_store(K8S)
+    propose(repository, 51, 3)
+    retain_v0(repository, 202)
+    return repository
+
+
+def created_pods(cluster) -> list[dict[str, Any]]:
+    """Record the manifest of every pod the operator creates."""
+    pods: list[dict[str, Any]] = []
+    previous = cluster.on_pod_created
+
+    def created(manifest: dict[str, Any]) -> None:
+        pods.append(manifest)
+        if previous is not None:
+            previous(manifest)
+
+    cluster.on_pod_created = created
+    return pods
 
 
 LOG = "\n".join(f"agent line {i}" for i in range(100))
@@ -206,3 +249,74 @@ def test_stage_operator_on_the_local_backend_only_calls_the_stage(cluster, stage
     ((name, args),) = stages.calls
     assert (name, args[1:]) == (stage, arguments)
     assert cluster.calls == []
+
+
+# --- what the pod runs ------------------------------------------------------------------------------------------
+
+
+def stage_request(config, kwargs: dict[str, Any]) -> Any:
+    """The request the unit's stage builds, from the stage modules' own builders (not through the operator)."""
+    from mass_ops.collect import collection_requests, freeze_teacher_prompt
+    from mass_ops.context import attach_cycle
+    from mass_ops.evaluation.rollouts import rollout_requests
+    from mass_ops.search.driver import reference_request, version_request
+
+    ctx = attach_cycle(config)
+    task = int(kwargs["task"])
+    if kwargs["kind"] == "reference":
+        return reference_request(ctx, task)
+    if kwargs["kind"] == "search":
+        prompt = ctx.artifacts.get_bytes(workflow_version_key(ctx.cycle_name, task, kwargs["version"])).decode()
+        return version_request(ctx, task, kwargs["version"], prompt)
+    if kwargs["kind"] == "collection":
+        return collection_requests(ctx, task, freeze_teacher_prompt(ctx, task, 0))[kwargs["candidate"]]
+    (request,) = [
+        r for r in rollout_requests(ctx, kwargs["generation"], [task]) if r.unit.candidate == kwargs["replicate"]
+    ]
+    return request
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kind": "reference", "task": 51},
+        {"kind": "search", "task": 51, "version": 3},
+        {"kind": "collection", "task": 202, "candidate": 4},
+        {"kind": "rollout", "task": 60, "replicate": 2, "generation": "L1"},
+    ],
+    ids=lambda kwargs: kwargs["kind"],
+)
+def test_the_pod_runs_the_request_its_stage_runs(repo, cluster, pod_waits, kwargs):
+    from mass_ops.context import attach_cycle
+    from tests.compute.test_kubernetes_specs import flags
+
+    pods = created_pods(cluster)
+    EpisodePodOperator(task_id="t", deferrable=False, check_outputs=False, **kwargs).execute(task_context(K8S))
+    ((manifest,),) = [pods]
+    sandbox, publisher = manifest["spec"]["containers"]
+    run, publish = flags(sandbox["command"]), flags(publisher["command"])
+    expected = stage_request(repo.config, kwargs)
+    unit = expected.unit
+    assert (run["--kind"], int(run["--task"]), int(run["--seed"]), run["--condition"]) == (
+        unit.kind, unit.task_id, unit.seed, expected.condition,
+    )  # fmt: skip
+    assert run.get("--version") == (None if unit.version is None else str(unit.version))
+    assert run.get("--candidate") == (None if unit.candidate is None else str(unit.candidate))
+    assert run.get("--generation") == unit.generation
+    assert run["--prompt-file"] == f"{specs.HANDOFF_MOUNT}/prompt.txt"
+    # The publisher fetches exactly the stage's prompt: the artifact at the URI it gets holds it, under its hash.
+    artifacts = attach_cycle(repo.config).artifacts
+    key = publish["--prompt-uri"].removeprefix(artifacts.url.rstrip("/") + "/")
+    assert artifacts.uri(key) == publish["--prompt-uri"] and key.endswith(f"/prompts/{expected.prompt_sha256}.txt")
+    assert artifacts.get_bytes(key).decode() == expected.prompt
+    assert publish["--prompt-sha256"] == expected.prompt_sha256
+
+
+def test_a_unit_whose_prompt_is_not_known_yet_fails_before_any_pod(repo, cluster, pod_waits, stages):
+    operator = EpisodeStageOperator(task_id="t", kind="search", task=51, version=4, stage="search_step")
+    operator.deferrable = False
+    with pytest.raises(EpisodeUnitError) as caught:
+        operator.execute(task_context(K8S))
+    expected = "search episode t51 v4: task 51: workflow version v4 does not exist yet; run step 3 first"
+    assert str(caught.value) == expected
+    assert ("", "pods", "create") not in cluster.calls and stages.calls == []

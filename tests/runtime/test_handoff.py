@@ -28,6 +28,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
 from mass_ops.runtime import handoff as hand
+from mass_ops.runtime.episode import EpisodeRequest
 from mass_ops.runtime.qwen_install import QwenInstall
 from tests.fixtures.s3 import MotoS3Server
 from tests.policy_server import PolicyServer
@@ -114,11 +115,28 @@ def run_pod(
 ) -> dict[str, Any]:
     """The two containers of an episode pod as two processes; returns both exit codes and outputs."""
     handoff = str(pod["handoff"])
-    publisher = episode_process(
+    return run_containers(
+        ["run", "--handoff", handoff, "--config", str(config_file), *run_args],
         ["publish", "--handoff", handoff, "--config", str(config_file), "--log-format", "json", *publish_args],
+        sandbox_env,
         publisher_env,
+        while_running=while_running,
+        timeout_s=timeout_s,
     )
-    sandbox = episode_process(["run", "--handoff", handoff, "--config", str(config_file), *run_args], sandbox_env)
+
+
+def run_containers(
+    run_args: list[str],
+    publish_args: list[str],
+    sandbox_env: dict[str, str],
+    publisher_env: dict[str, str],
+    *,
+    while_running: Callable[[subprocess.Popen[str]], None] | None = None,
+    timeout_s: float = 300,
+) -> dict[str, Any]:
+    """`mass-ops episode <run_args>` and `mass-ops episode <publish_args>` side by side, the publisher first."""
+    publisher = episode_process(publish_args, publisher_env)
+    sandbox = episode_process(run_args, sandbox_env)
     try:
         if while_running is not None:
             while_running(sandbox)
@@ -348,6 +366,69 @@ def test_a_sandbox_that_dies_leaves_an_incomplete_handoff_that_is_refused(
     assert (pod["handoff"] / hand.PUBLISHER_FAILED_FILE).exists()
 
 
+# --- a pod built by the operator's code, then its stage -------------------------------------------------------
+
+
+def local_command(command: list[str], config_file: Path, handoff: Path) -> list[str]:
+    """A container command of an episode pod manifest as a local `episode` command line: the mounted config file
+    and hand-off folder replaced by their local places."""
+    from mass_ops.compute import kubernetes as specs
+
+    assert command[:2] == ["mass-ops", "episode"], command
+    local = []
+    for arg in command[2:]:
+        if arg == specs.CONFIG_FILE:
+            arg = str(config_file)
+        elif arg == specs.HANDOFF_MOUNT or arg.startswith(f"{specs.HANDOFF_MOUNT}/"):
+            arg = str(handoff) + arg.removeprefix(specs.HANDOFF_MOUNT)
+        local.append(arg)
+    return local
+
+
+def test_a_collection_pod_records_the_episode_its_stage_then_reuses(
+    policy_host: PolicyHost, tmp_path: Path, pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mass_ops import stages
+    from mass_ops.compute import kubernetes as specs
+    from mass_ops.episode_units import episode_request, publish_prompt
+
+    runtime = fake_qwen_runtime(tmp_path / "runtime")
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path / "pod", f"{server.base_url}/v1")
+        # The search retained v0 of the task (it beat the reference): its teacher candidates are collected.
+        ctx.repo.record_workflow_version(ctx.cycle_id, TASK, 0, design="v0")
+        ctx.repo.record_retained_workflow(ctx.cycle_id, TASK, version=0, beats_reference=True, last_evaluated_version=0)
+        # What EpisodeStageOperator does in the Airflow worker, then the pod's two containers as two processes.
+        identity = specs.EpisodeSpec("collection", TASK, candidate=1)
+        request = episode_request(ctx, identity)
+        bound = identity.bound(request, publish_prompt(ctx, request))
+        sandbox, publisher = specs.episode_pod(ctx.config, specs.WorkloadSettings(), bound)["spec"]["containers"]
+        config_file = pod_config(ctx.config, tmp_path)
+        result = run_containers(
+            [*local_command(sandbox["command"], config_file, pod["handoff"]), "--scratch-dir", str(pod["scratch"])],
+            local_command(publisher["command"], config_file, pod["handoff"]),
+            base_env(MASS_RUNTIME_DIR=str(runtime), **{KEY_VAR: API_KEY}),
+            base_env(**store_env(ctx.config, None)),
+        )
+        assert result["run"][0] == 0 and result["publish"][0] == 0, result
+        [row] = ctx.repo.episodes(ctx.cycle_id)
+        assert (row.kind, int(row.task_id), row.candidate, row.seed, row.condition, row.status) == (
+            "collection", TASK, 1, request.unit.seed, request.condition, "succeeded",
+        )  # fmt: skip
+        assert row.prompt_sha256 == request.prompt_sha256
+        assert (pod["handoff"] / hand.PROMPT_FILE).read_text() == request.prompt
+        agent_requests = server.stats.chat_requests
+        assert agent_requests > 0
+
+        # Then the stage, in the worker: it finds the episode recorded and reuses it.
+        monkeypatch.setenv("MASS_RUNTIME_DIR", str(runtime))
+        monkeypatch.setenv(KEY_VAR, API_KEY)
+        done = stages.collect_candidate(ctx.config, TASK, 1)
+        assert done == {"task_id": TASK, "candidate": 1, "episode_id": row.id, "status": "succeeded", "attempt": 1}
+        assert server.stats.chat_requests == agent_requests, "no second agent run"
+    assert [r.id for r in ctx.repo.episodes(ctx.cycle_id)] == [row.id], "no second episode row"
+
+
 # --- the protocol, in-process --------------------------------------------------------------------------------
 
 
@@ -359,7 +440,8 @@ class ScriptedSandbox:
         self.config = config
         self.prompt = prompt
 
-    def announce(self) -> hand.Ledger:
+    def announce_only(self) -> None:
+        """Write request.json (and a heartbeat) as the sandbox does before it waits for the ledger."""
         unit = hand.HandoffUnit(
             task_id=TASK,
             kind="reference",
@@ -370,6 +452,9 @@ class ScriptedSandbox:
         request = hand.HandoffRequest(cycle=self.config.cycle_name, config_hash=self.config.config_hash(), units=[unit])
         self.handoff.write(self.handoff.path(hand.REQUEST_FILE), request)
         self.handoff.path(hand.SANDBOX_ALIVE).touch()
+
+    def announce(self) -> hand.Ledger:
+        self.announce_only()
         ledger = self.handoff.path(hand.LEDGER_FILE)
         deadline = time.monotonic() + 60
         while not ledger.exists() and time.monotonic() < deadline:
@@ -541,7 +626,6 @@ def test_a_failed_upload_is_acknowledged_as_an_error_and_no_row_is_written(tmp_p
 def test_a_rollout_runs_on_the_server_the_publisher_looks_up(tmp_path: Path) -> None:
     from mass_ops.compute.kubernetes import inference_url
     from mass_ops.config import validate_config
-    from mass_ops.runtime.episode import EpisodeRequest
     from tests.inner_loop_fakes import open_test_cycle
 
     data = episode_config(tmp_path, "http://127.0.0.1:9/v1").model_dump(mode="json")
@@ -561,3 +645,80 @@ def test_a_rollout_runs_on_the_server_the_publisher_looks_up(tmp_path: Path) -> 
         sandbox_ctx.repo.episode_attempts(0, task_id=TASK, kind="rollout", seed=SEED, candidate=2, generation="L1")
         == []
     )
+
+
+def delivering_publisher(
+    ctx: CycleContext, root: Path, prompt: str, *, stored: bytes | None = None, uri: str | None = None
+) -> hand.HandoffPublisher:
+    """A publisher told to deliver `prompt`: stored as the operator stores it (or `stored` bytes under its key, or
+    nothing when `stored` is b""), announced under `uri` (default: the artifact's own)."""
+    from mass_ops.layout import episode_prompt_key
+
+    sha = hashlib.sha256(prompt.encode()).hexdigest()
+    key = episode_prompt_key(ctx.cycle_name, sha)
+    data = prompt.encode() if stored is None else stored
+    if data:
+        ctx.artifacts.put_bytes(key, data)
+    delivery = hand.PromptDelivery(uri or ctx.artifacts.uri(key), sha)
+    return hand.HandoffPublisher(ctx.config, root, attach=lambda _config: ctx, prompt=delivery)
+
+
+def test_the_publisher_writes_the_prompt_before_the_sandbox_reads_it(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    prompt = "the prompt of the unit\n"
+    thread, result = serve_in_thread(delivering_publisher(ctx, tmp_path / "handoff", prompt))
+    sandbox = hand.SandboxHandoff(tmp_path / "handoff")
+    with sandbox:
+        sandbox.await_prompt(tmp_path / "handoff" / hand.PROMPT_FILE)
+        assert (tmp_path / "handoff" / hand.PROMPT_FILE).read_text() == prompt
+        sandbox.await_prompt(tmp_path / "elsewhere.txt")  # a prompt file of its own: nothing to wait for
+        unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED)
+        sandbox.open(ctx.config, [EpisodeRequest(unit=unit, condition=f"t{TASK}_bare", prompt=prompt)])
+    thread.join(timeout=60)
+    assert result == {"code": 0}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ("missing", "does not exist"),
+        ("other bytes", "does not hold the prompt of SHA-256"),
+        ("another uri", "is not the prompt artifact of cycle episode-test with SHA-256"),
+    ],
+)
+def test_a_prompt_the_publisher_cannot_vouch_for_stops_the_pod(tmp_path: Path, scenario: str, message: str) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    options: dict[str, Any] = {
+        "missing": {"stored": b""},
+        "other bytes": {"stored": b"a prompt the operator never computed"},
+        "another uri": {"uri": ctx.artifacts.uri("cycles/elsewhere/prompt.txt")},
+    }[scenario]
+    thread, result = serve_in_thread(delivering_publisher(ctx, tmp_path / "handoff", "the prompt", **options))
+    sandbox = hand.SandboxHandoff(tmp_path / "handoff")
+    with pytest.raises(hand.HandoffError) as caught, sandbox:
+        sandbox.await_prompt(tmp_path / "handoff" / hand.PROMPT_FILE)
+    thread.join(timeout=60)
+    assert isinstance(result.get("error"), hand.PromptDeliveryError) and message in str(result["error"])
+    assert "the publisher gave up" in str(caught.value) and message in str(caught.value)
+    assert not (tmp_path / "handoff" / hand.PROMPT_FILE).exists()
+
+
+def test_a_request_announcing_another_prompt_is_refused(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    publisher = delivering_publisher(ctx, tmp_path / "handoff", "the delivered prompt")
+    thread, result = serve_in_thread(publisher)
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "a prompt of its own")
+    sandbox.announce_only()
+    thread.join(timeout=60)
+    error = result.get("error")
+    assert isinstance(error, hand.IncompleteHandoffError), result
+    assert "request.json announces reference-t51-s450051 with prompt" in str(error)
+    assert "not the prompt" in str(error) and not (tmp_path / "handoff" / hand.LEDGER_FILE).exists()
+
+
+def test_publish_needs_the_prompt_uri_and_its_hash_together(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
+    args = ["publish", "--handoff", str(tmp_path / "handoff"), "--config", str(pod_config(ctx.config, tmp_path))]
+    process = episode_process([*args, "--prompt-uri", "s3://bucket/p.txt"], base_env(**store_env(ctx.config, None)))
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == 2 and err.strip() == "episode publish: give --prompt-uri and --prompt-sha256 together"

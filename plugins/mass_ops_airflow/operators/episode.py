@@ -2,9 +2,13 @@
 
 On Kubernetes the pod runs `mass-ops episode run …` (see `mass_ops.compute.kubernetes.episode_pod`): non-root, no
 service-account token, CPU/memory limits, the label the sandbox NetworkPolicy selects, and of the Secrets only the
-inference key. The wait is deferred to the triggerer; a retry re-attaches to a pod that is still running; a kill
-deletes the pod; a failure carries the pod's log tail. After the pod exits 0 the metadata store must hold the
-episode's final attempt (the post-check), else the task fails.
+inference key. Before creating it, the operator (which holds the store credentials) computes the request the stage
+runs for this unit (`mass_ops.episode_units.episode_request`: seed, condition, prompt), stores the prompt as a
+content-addressed artifact and gives the pod the seed and condition, and its publisher the prompt's URI and SHA-256;
+a unit whose prompt is not known yet (a search version not proposed) fails here, before any pod exists. The wait is
+deferred to the triggerer; a retry re-attaches to a pod that is still running; a kill deletes the pod; a failure
+carries the pod's log tail. After the pod exits 0 the metadata store must hold the episode's final attempt (the
+post-check), else the task fails.
 
 On the local backend the stage function that follows (search step, collection, rollout) runs the episode itself,
 so this task only records that there was nothing to launch. `EpisodeStageOperator` joins the two in one task: the
@@ -89,11 +93,24 @@ class EpisodePodOperator(BaseOperator):
             generation=self.generation or None,
         )
 
+    @staticmethod
+    def bound_episode(config: CycleConfig, episode: EpisodeSpec) -> EpisodeSpec:
+        """`episode` bound to the request its stage runs, with the prompt stored where the pod's publisher fetches
+        it; `EpisodeUnitError` (one line) when the unit's prompt is not known yet."""
+        from mass_ops.context import attach_cycle
+        from mass_ops.episode_units import episode_request, publish_prompt
+
+        ctx = attach_cycle(config)
+        request = episode_request(ctx, episode)
+        return episode.bound(request, publish_prompt(ctx, request))
+
     def _build_runner(self, config: CycleConfig, episode: EpisodeSpec) -> Any:
         from mass_ops.compute import kubernetes as specs
         from mass_ops_airflow.operators._pod import sandbox_runner
 
-        manifest = specs.episode_pod(config, specs.load_workload_settings(), episode)
+        # A re-entry binds again: the request is deterministic and the prompt artifact content-addressed.
+        bound = self.bound_episode(config, episode)
+        manifest = specs.episode_pod(config, specs.load_workload_settings(), bound)
         self._runner = sandbox_runner(
             task_id=self.task_id,
             manifest=manifest,

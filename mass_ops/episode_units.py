@@ -1,0 +1,92 @@
+"""The episode a stage runs for one unit of its work, as a request an episode pod can run ahead of the stage.
+
+On Kubernetes an episode runs in its own pod before the stage function that uses it (a search step, a teacher
+candidate, an evaluation rollout), and the stage then finds it recorded and reuses it. That works only if the pod
+runs exactly the unit the stage would run: the same identity, seed, condition and prompt. So `episode_request` builds
+no request of its own: it asks the stage's domain module for the request that stage runs —
+`mass_ops.search.driver` for reference and search episodes, `mass_ops.collect` for teacher candidates,
+`mass_ops.evaluation.cycle` for rollouts — and `publish_prompt` stores its prompt where the pod's publisher fetches
+it (`mass_ops.layout.episode_prompt_key`, content-addressed).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mass_ops.collect import CollectionError, candidate_request
+from mass_ops.context import CycleContext
+from mass_ops.evaluation.cycle import rollout_unit_request
+from mass_ops.evaluation.rollouts import RolloutError
+from mass_ops.layout import episode_prompt_key
+from mass_ops.runtime.episode import EpisodeRequest
+from mass_ops.search.driver import SearchError, reference_request, search_episode_request
+
+
+class EpisodeIdentity(Protocol):
+    """Which unit of a stage an episode is (what `mass_ops.compute.kubernetes.EpisodeSpec` carries)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def task_id(self) -> int: ...
+    @property
+    def version(self) -> int | None: ...
+    @property
+    def candidate(self) -> int | None: ...
+    @property
+    def replicate(self) -> int | None: ...
+    @property
+    def generation(self) -> str | None: ...
+
+
+class EpisodeUnitError(ValueError):
+    """No request for this unit: its prompt is not known yet (a search version not proposed, a search not finished),
+    the task is not collected, or the identity names no unit of the cycle. The message is one line."""
+
+
+def describe(identity: EpisodeIdentity) -> str:
+    """`search episode t51 v3`, `rollout episode t60 r2 of L1`: the identity in error messages."""
+    parts = [f"{identity.kind} episode t{identity.task_id}"]
+    for prefix, value in (("v", identity.version), ("c", identity.candidate), ("r", identity.replicate)):
+        if value is not None:
+            parts.append(f"{prefix}{value}")
+    if identity.generation:
+        parts.append(f"of {identity.generation}")
+    return " ".join(parts)
+
+
+def _required(identity: EpisodeIdentity, field: str) -> int:
+    value = getattr(identity, field)
+    if value is None:
+        raise EpisodeUnitError(f"{describe(identity)}: a {identity.kind} episode needs {field}")
+    return int(value)
+
+
+def episode_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRequest:
+    """The request the stage of `identity` runs for it — reference and search: the RHI step's (v_k's prompt exists
+    once step k-1 has proposed it); collection: the candidate's, teacher prompt frozen on first use as collection
+    does; rollout: the cycle's rollout of that generation. EpisodeUnitError when there is none (yet)."""
+    kind = identity.kind
+    try:
+        if kind == "reference":
+            return reference_request(ctx, identity.task_id)
+        if kind == "search":
+            return search_episode_request(ctx, identity.task_id, _required(identity, "version"))
+        if kind == "collection":
+            return candidate_request(ctx, identity.task_id, _required(identity, "candidate"))
+        if kind == "rollout":
+            if not identity.generation:
+                raise EpisodeUnitError(f"{describe(identity)}: a rollout episode needs the generation it evaluates")
+            replicate = _required(identity, "replicate")
+            return rollout_unit_request(ctx, identity.generation, identity.task_id, replicate)
+    except (SearchError, CollectionError, RolloutError) as exc:
+        raise EpisodeUnitError(f"{describe(identity)}: {exc}") from None
+    raise EpisodeUnitError(f"{describe(identity)}: {kind} episodes are not run one unit at a time by a stage")
+
+
+def publish_prompt(ctx: CycleContext, request: EpisodeRequest) -> str:
+    """Store the request's prompt under its content-addressed key (once) and return its URI."""
+    key = episode_prompt_key(ctx.cycle_name, request.prompt_sha256)
+    if ctx.artifacts.exists(key):
+        return ctx.artifacts.uri(key)
+    return ctx.artifacts.put_bytes(key, request.prompt.encode("utf-8")).uri
