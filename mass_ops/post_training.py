@@ -943,41 +943,43 @@ def export(config: CycleConfig) -> dict[str, Any]:
     if result["reused"]:
         return result
 
-    from mass_ops.export import export_fp8, merge_lora
+    from mass_ops.export import export_fp8, merge_and_export_fp8, merge_lora
     from mass_ops.export.fp8 import QUANT_INFO_NAME
     from mass_ops.export.merge import MERGE_INFO_NAME
 
     with tempfile.TemporaryDirectory(prefix="mass-export-") as scratch_name:
         scratch = Path(scratch_name)
         bf16_dir = scratch / "bf16"
+        fp8_due = "fp8" in targets and "fp8" not in done
+        reference_dir = None
+        if fp8_due and config.models.fp8_reference:
+            reference_dir = fetch_model(ctx.artifacts, config.models.fp8_reference, scratch / "fp8_reference")
+        merge_record = {"base": provenance["parent"]["uri"], "lora": f"{selected['checkpoint']}/{LORA_STATE_FILE}"}
         if "bf16" in done:
             if "fp8" in targets:
                 bf16_dir = fetch_model(ctx.artifacts, targets["bf16"], bf16_dir)
+            if fp8_due:
+                export_fp8(bf16_dir, scratch / "fp8", reference_dir=reference_dir)
         else:
             parent_dir = fetch_model(ctx.artifacts, config.models.parent_bf16, scratch / "parent")
             adapter_dir = fetch_model(
                 ctx.artifacts, selected["checkpoint"], scratch / "adapter", include=lambda n: n == LORA_STATE_FILE
             )
-            merge_lora(
-                parent_dir,
-                adapter_dir / LORA_STATE_FILE,
-                bf16_dir,
-                r=config.training.lora_r,
-                alpha=config.training.lora_alpha,
-            )
-            _restate(
-                bf16_dir / MERGE_INFO_NAME,
-                base=provenance["parent"]["uri"],
-                lora=f"{selected['checkpoint']}/{LORA_STATE_FILE}",
-            )
+            adapter = adapter_dir / LORA_STATE_FILE
+            r, alpha = config.training.lora_r, config.training.lora_alpha
+            if fp8_due:
+                # One pass reads the parent once and writes both models (the same bytes as merging, then quantising).
+                merge_and_export_fp8(
+                    parent_dir, adapter, bf16_dir, scratch / "fp8", r=r, alpha=alpha, reference_dir=reference_dir
+                )
+                _restate(scratch / "fp8" / MERGE_INFO_NAME, **merge_record)
+            else:
+                merge_lora(parent_dir, adapter, bf16_dir, r=r, alpha=alpha)
+            _restate(bf16_dir / MERGE_INFO_NAME, **merge_record)
             publish_model(
                 ctx.artifacts, targets["bf16"], bf16_dir, metadata={"format": "bf16", "provenance": provenance}
             )
-        if "fp8" in targets and "fp8" not in done:
-            reference_dir = None
-            if config.models.fp8_reference:
-                reference_dir = fetch_model(ctx.artifacts, config.models.fp8_reference, scratch / "fp8_reference")
-            export_fp8(bf16_dir, scratch / "fp8", reference_dir=reference_dir)
+        if fp8_due:
             reference = provenance["fp8_reference"]
             _restate(
                 scratch / "fp8" / QUANT_INFO_NAME, src=result["bf16_uri"], ref=reference["uri"] if reference else None

@@ -1,7 +1,7 @@
 """Export of a trained generation: LoRA merge into the BF16 base, then block-wise FP8 for serving (MASS_SPEC §9).
 
-Both steps stream shard by shard and publish their output folder atomically; ``ExportError`` (a ``ValueError``)
-names the tensor, file or folder at fault.
+Both steps stream shard by shard and publish their output folder atomically; ``merge_and_export_fp8`` runs them as
+one pass with the same results. ``ExportError`` (a ``ValueError``) names the tensor, file or folder at fault.
 """
 
 from mass_ops.export.fp8 import (
@@ -15,6 +15,7 @@ from mass_ops.export.fp8 import (
 )
 from mass_ops.export.merge import LoraAdapter, MergeInfo, merge_lora, read_adapter
 from mass_ops.export.safetensors_io import ExportError
+from mass_ops.export.single_pass import merge_and_export_fp8
 
 __all__ = [
     "ExportError",
@@ -25,6 +26,7 @@ __all__ = [
     "TensorCheck",
     "dequantize_blockwise",
     "export_fp8",
+    "merge_and_export_fp8",
     "merge_lora",
     "quantize_blockwise",
     "read_adapter",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,16 +26,19 @@ from mass_ops.export.safetensors_io import (
     TensorSpec,
     copy_side_files,
     read_layout,
+    row_chunks,
     staged_output_dir,
 )
+from mass_ops.export.threads import export_threads
 
 MERGE_INFO_NAME = "merge_info.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT key of one LoRA factor, with or without the "base_model.model." wrapper and the ".default" adapter name.
 LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.*)\.lora_(A|B)\.(?:default\.)?weight$")
-# Elements of one fp32 row chunk of a merged weight (64 MiB).
-CHUNK_ELEMENTS = 16 * 1024 * 1024
+# A merged weight is produced in row chunks of whole 128-row FP8 block rows, so the fused merge+FP8 pass can quantize
+# each chunk as it comes while splitting the weight exactly as this merge does (see ``row_chunks``).
+ROW_ALIGN = 128
 # fp32 accumulation is exact enough for these; an fp64 weight would lose precision, so it is refused.
 _FLOAT_CODES = {"BF16", "F16", "F32"}
 
@@ -134,32 +138,98 @@ def read_adapter(lora_path: str | Path, *, r: int | None = None, alpha: float | 
     return LoraAdapter(weights, modules, r, float(alpha), scale)
 
 
-def _merge_tensor(
+def merged_chunks(
     reader: ShardReader,
     name: str,
-    writer: ShardWriter,
-    a: torch.Tensor,
-    b: torch.Tensor,
+    factors: tuple[torch.Tensor, torch.Tensor],
     scale: float,
     scratch: ScratchBuffers,
-) -> None:
-    """Write W + scale·B·A for one weight, a row chunk at a time, summed in fp32 and cast to W's dtype."""
+    *,
+    turns: int = 1,
+) -> Iterator[torch.Tensor]:
+    """W + scale·B·A for weight ``name``, summed in fp32 and cast to W's dtype, in consecutive row chunks of whole
+    ``ROW_ALIGN`` rows (``row_chunks``); ``factors`` is (A, B) in fp32.
+
+    Each chunk is a view of ``scratch``, one of ``turns`` buffers used in rotation (``ScratchBuffers.take_turn``):
+    it stays valid until ``turns`` more chunks have been merged with that ``scratch``, so a consumer on another
+    thread can still be reading it while the next is merged.
+    """
+    a, b = factors
     entry = reader.entry(name)
     rows, cols = entry.shape
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
+    for start, stop in row_chunks(rows, cols, ROW_ALIGN):
         count = (stop - start) * cols
         raw = scratch.take("merge.raw", (stop - start) * entry.row_bytes, torch.uint8)
         w = reader.read_rows(name, start, stop, into=raw)
         acc = scratch.take("merge.fp32", count, torch.float32).view(stop - start, cols)
         acc.copy_(w)
         acc.addmm_(b[start:stop], a, alpha=scale)
-        out = scratch.take("merge.out", count, entry.torch_dtype).view(stop - start, cols)
+        out = scratch.take_turn("merge.out", count, entry.torch_dtype, turns).view(stop - start, cols)
         out.copy_(acc)
-        writer.write(name, out)
+        yield out
 
 
+def merge_targets(
+    adapter: LoraAdapter, entries: dict[str, TensorEntry], lora: ShardReader, base_dir: Path
+) -> dict[str, tuple[str, str]]:
+    """Base weight name -> (A key, B key) for every adapter module; an error unless each module has a float
+    ``<module>.weight`` of the shape B·A has."""
+    targets: dict[str, tuple[str, str]] = {}
+    for module, (a_key, b_key) in adapter.modules.items():
+        weight = f"{module}.weight"
+        entry = entries.get(weight)
+        if entry is None:
+            raise ExportError(f"LoRA module {module} from {adapter.path} has no {weight} in base {base_dir}")
+        expected = (lora.entry(b_key).shape[0], lora.entry(a_key).shape[1])
+        if entry.shape != expected or entry.dtype not in _FLOAT_CODES:
+            raise ExportError(
+                f"LoRA module {module}: base {weight} is {entry.dtype}{list(entry.shape)}, "
+                f"the adapter needs a float {list(expected)}"
+            )
+        targets[weight] = (a_key, b_key)
+    return targets
+
+
+def merged_shard_writer(path: Path, reader: ShardReader) -> ShardWriter:
+    """The merged counterpart of base shard ``reader``, at ``path``: same tensors, dtypes, shapes and metadata
+    (tensors the index assigns elsewhere included: the merge keeps files whole)."""
+    specs = [TensorSpec.like(entry) for entry in reader.entries.values()]
+    return ShardWriter(path, specs, metadata=reader.metadata)
+
+
+def read_factors(lora: ShardReader, keys: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one module in fp32."""
+    a_key, b_key = keys
+    return lora.read(a_key).to(torch.float32), lora.read(b_key).to(torch.float32)
+
+
+def finish_merge(
+    stage: Path, base_dir: Path, shard_files: list[str], adapter: LoraAdapter, lora_path: Path, out_dir: str | Path
+) -> MergeInfo:
+    """Copy the base's side files into ``stage`` and write merge_info.json there."""
+    copy_side_files(base_dir, stage, skip=set(shard_files) | {MERGE_INFO_NAME})
+    info = MergeInfo(
+        base=str(base_dir.resolve()),
+        lora=str(lora_path.resolve()),
+        out_dir=str(Path(out_dir).resolve()),
+        r=adapter.r,
+        alpha=adapter.alpha,
+        scale=adapter.scale,
+        merged_modules=sorted(adapter.modules),
+    )
+    record = {
+        "base": info.base,
+        "lora": info.lora,
+        "r": info.r,
+        "alpha": info.alpha,
+        "scale": info.scale,
+        "merged_modules": info.merged_modules,
+    }
+    (stage / MERGE_INFO_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    return info
+
+
+@export_threads()
 def merge_lora(
     base_dir: str | Path,
     lora_path: str | Path,
@@ -176,56 +246,18 @@ def merge_lora(
     base_dir = Path(base_dir)
     adapter = read_adapter(lora_path, r=r, alpha=alpha)
     layout = read_layout(base_dir)
-    entries = layout.entries()
     with ShardReader(adapter.path) as lora:
-        targets: dict[str, tuple[str, str]] = {}
-        for module, (a_key, b_key) in adapter.modules.items():
-            weight = f"{module}.weight"
-            entry = entries.get(weight)
-            if entry is None:
-                raise ExportError(f"LoRA module {module} from {adapter.path} has no {weight} in base {base_dir}")
-            expected = (lora.entry(b_key).shape[0], lora.entry(a_key).shape[1])
-            if entry.shape != expected or entry.dtype not in _FLOAT_CODES:
-                raise ExportError(
-                    f"LoRA module {module}: base {weight} is {entry.dtype}{list(entry.shape)}, "
-                    f"the adapter needs a float {list(expected)}"
-                )
-            targets[weight] = (a_key, b_key)
-
+        targets = merge_targets(adapter, layout.entries(), lora, base_dir)
         with staged_output_dir(out_dir) as stage:
             scratch = ScratchBuffers()
             for shard in layout.shard_files:
-                with (
-                    ShardReader(base_dir / shard) as reader,
-                    ShardWriter(
-                        stage / shard, [TensorSpec.like(e) for e in reader.entries.values()], metadata=reader.metadata
-                    ) as writer,
-                ):
+                with ShardReader(base_dir / shard) as reader, merged_shard_writer(stage / shard, reader) as writer:
                     for name in reader.entries:
                         if layout.weight_map.get(name) == shard and name in targets:
-                            a_key, b_key = targets[name]
-                            a = lora.read(a_key).to(torch.float32)
-                            b = lora.read(b_key).to(torch.float32)
-                            _merge_tensor(reader, name, writer, a, b, adapter.scale, scratch)
+                            factors = read_factors(lora, targets[name])
+                            for rows in merged_chunks(reader, name, factors, adapter.scale, scratch):
+                                writer.write(name, rows)
                         else:
                             writer.copy_from(reader, name)
-            copy_side_files(base_dir, stage, skip=set(layout.shard_files) | {MERGE_INFO_NAME})
-            info = MergeInfo(
-                base=str(base_dir.resolve()),
-                lora=str(Path(lora_path).resolve()),
-                out_dir=str(Path(out_dir).resolve()),
-                r=adapter.r,
-                alpha=adapter.alpha,
-                scale=adapter.scale,
-                merged_modules=sorted(adapter.modules),
-            )
-            record = {
-                "base": info.base,
-                "lora": info.lora,
-                "r": info.r,
-                "alpha": info.alpha,
-                "scale": info.scale,
-                "merged_modules": info.merged_modules,
-            }
-            (stage / MERGE_INFO_NAME).write_text(json.dumps(record, indent=2) + "\n")
+            info = finish_merge(stage, base_dir, layout.shard_files, adapter, Path(lora_path), out_dir)
     return info

@@ -52,10 +52,26 @@ _ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in DTYPES.item
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # Bytes moved per read/write call when copying or streaming; large enough for full disk bandwidth, small for RSS.
 COPY_CHUNK_BYTES = 64 * 1024 * 1024
+# Elements of one streamed row chunk of a weight being merged or quantized (fp32: 4 MiB); memory stays bounded by a
+# chunk, not by the tensor or the shard. Fastest in benchmarks/export_throughput.py: at 4x this size the buffers fall
+# out of cache between the several conversions done on each chunk, at 1/4 the per-call overhead shows.
+CHUNK_ELEMENTS = 1024 * 1024
 
 
 class ExportError(ValueError):
     """A checkpoint, adapter or output directory that export cannot process; the message names what and where."""
+
+
+def row_chunks(rows: int, cols: int, align: int) -> Iterator[tuple[int, int]]:
+    """Consecutive row ranges ``[start, stop)`` covering ``rows``, each about ``CHUNK_ELEMENTS`` elements and a whole
+    number of ``align`` rows (only the last may be shorter).
+
+    The LoRA merge, the FP8 export and the fused pass all split a weight with this one function: a gemm's rounding
+    can depend on how many rows it is given, so the same split is what makes their results bit-identical.
+    """
+    step = max(align, (CHUNK_ELEMENTS // max(cols, 1)) // align * align)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
 
 
 class ScratchBuffers:
@@ -67,6 +83,7 @@ class ScratchBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._turns: dict[str, int] = {}
 
     def take(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor of ``numel`` elements; its content is garbage and it is valid until ``key`` is taken again."""
@@ -75,6 +92,14 @@ class ScratchBuffers:
             buffer = torch.empty(numel, dtype=dtype)
             self._buffers[key] = buffer
         return buffer[:numel]
+
+    def take_turn(self, key: str, numel: int, dtype: torch.dtype, turns: int) -> torch.Tensor:
+        """Like ``take``, but each call under ``key`` gets the next of ``turns`` buffers in rotation, so a result
+        stays valid until ``turns`` more calls with that key (a consumer on another thread may still be reading it).
+        """
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        return self.take(f"{key}#{turn % turns}", numel, dtype)
 
 
 @dataclass(frozen=True)
@@ -126,6 +151,12 @@ class TensorSpec:
     @classmethod
     def like(cls, entry: TensorEntry) -> TensorSpec:
         return cls(entry.name, entry.dtype, entry.shape)
+
+
+def storage_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """The order a shard stores its tensors in: larger elements first (stable), so every tensor starts at an offset
+    aligned to its own element size (the header is padded to 8 bytes)."""
+    return sorted(specs, key=lambda spec: -_ITEMSIZE.get(spec.dtype, 1))
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, where: str) -> None:
@@ -224,6 +255,16 @@ class ShardReader:
         )
         return buffer.view(entry.torch_dtype).reshape((stop - start, *entry.shape[1:]))
 
+    def read_chunks(self, name: str, align: int, scratch: ScratchBuffers, key: str) -> Iterator[torch.Tensor]:
+        """A 2-D tensor's rows in the chunks of ``row_chunks``, each read into scratch buffer ``key`` and valid until
+        the next one is produced."""
+        entry = self.entry(name)
+        rows, cols = entry.shape
+        for start, stop in row_chunks(rows, cols, align):
+            yield self.read_rows(
+                name, start, stop, into=scratch.take(key, (stop - start) * entry.row_bytes, torch.uint8)
+            )
+
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor as a fresh tensor (not a view of the file)."""
         entry = self.entry(name)
@@ -251,8 +292,7 @@ class ShardWriter:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ExportError(f"{self.path}: duplicate tensor names in the planned shard")
-        # Larger elements first keeps every tensor aligned to its element size (the header is padded to 8 bytes).
-        ordered = sorted(specs, key=lambda spec: -_ITEMSIZE.get(spec.dtype, 1))
+        ordered = storage_order(specs)
         header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self._layout: dict[str, tuple[TensorSpec, int]] = {}
         offset = 0
@@ -414,6 +454,12 @@ def copy_side_files(src: Path, dst: Path, *, skip: set[str]) -> list[str]:
     return copied
 
 
+def refuse_populated(out_dir: Path) -> None:
+    """An error unless ``out_dir`` is absent or an empty folder (a finished export is never overwritten)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir}: output directory exists and is not empty; refusing to overwrite it")
+
+
 @contextmanager
 def staged_output_dir(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     """A temp folder next to ``out_dir`` that becomes ``out_dir`` only if the block succeeds.
@@ -422,8 +468,7 @@ def staged_output_dir(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     partial one; on failure the temp folder is removed and ``out_dir`` is left as it was.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ExportError(f"{out_dir}: output directory exists and is not empty; refusing to overwrite it")
+    refuse_populated(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:

@@ -78,11 +78,55 @@ def test_values_on_the_fp8_grid_round_trip_exactly():
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
 
 
-def test_quantize_refuses_non_finite_weights():
-    w = torch.ones(128, 128)
-    w[3, 4] = float("nan")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_quantize_refuses_non_finite_weights(dtype, bad):
+    w = torch.ones(128, 256, dtype=dtype)
+    w[3, 200] = bad
     with pytest.raises(ExportError, match="NaN"):
         quantize_blockwise(w)
+
+
+def naive_quantize(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """MASS_SPEC §9 written out on whole blocks: scale = amax/448 as stored, q = e4m3(clamp(w/scale, ±448))."""
+    x = w.float()
+    amax = naive_block_amax(x).clamp(min=1e-12)
+    scale = (amax / 448).to(scale_dtype)
+    q = (x / expand(scale, x.shape)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_bf16_weights_quantize_as_the_spec_formula_says(scale_dtype):
+    generator = torch.Generator().manual_seed(3)
+    # Magnitudes from 1e-9 (e4m3 subnormals and zeros after scaling) to 1e3, signed zeros and an all-zero block.
+    w = torch.randn(384, 512, generator=generator) * torch.logspace(-9, 3, 512).unsqueeze(0)
+    w[:, 7] = -0.0
+    w[128:256, 256:384] = 0
+    w = w.to(torch.bfloat16)
+
+    q, scale = quantize_blockwise(w, scale_dtype=scale_dtype)  # BF16 of whole blocks: amax from the bit patterns
+    q32, scale32 = quantize_blockwise(w.float(), scale_dtype=scale_dtype)  # the fp32 route
+    expected_q, expected_scale = naive_quantize(w, scale_dtype)
+
+    assert scale.dtype == scale_dtype and torch.equal(scale, expected_scale) and torch.equal(scale32, expected_scale)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(q32.view(torch.uint8), expected_q.view(torch.uint8))
+    ratio = naive_block_amax(w.float()).clamp(min=1e-12) / scale.float()
+    if scale_dtype == torch.float16:
+        # fp16 scales of the tiny blocks underflow: quotients far beyond 448 that only the clamp brings back.
+        assert (ratio > 464).any()
+    else:
+        assert (ratio < 464).all()
+    if scale_dtype == torch.bfloat16:
+        # Scales rounded below amax/448 push quotients past 448, where the clamp-free path must still give 448.
+        assert (ratio > 448).any()
+
+
+def test_e4m3_conversion_rounds_quotients_below_464_to_448():
+    """The clamp-free path relies on this: 480 would be the next e4m3 step, and float8_e4m3fn has no 480."""
+    x = torch.tensor([448.0, 449.75, 463.9, 464.0, -450.0, -463.9])
+    assert x.to(torch.float8_e4m3fn).float().tolist() == [448.0, 448.0, 448.0, 448.0, -448.0, -448.0]
 
 
 def test_export_is_loaded_by_transformers_which_generates(tiny_checkpoint, tmp_path):
