@@ -5,7 +5,7 @@ temp file with raw SSE kept, as in episodes) and client each run in their own pr
 logging compete with nothing but the machine. Targets (shared/ARCHITECTURE.md): throughput ratio >= 0.5, added
 latency < 5 ms.
 
-    .venv/bin/python benchmarks/proxy_overhead.py [--events 20000] [--repeats 5] [--requests 400]
+    .venv/bin/python benchmarks/proxy_overhead.py [--events 200000] [--repeats 7] [--requests 400]
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ async def _latencies(bases: list[str], requests: int) -> list[list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--events", type=int, default=20000, help="SSE events per throughput stream")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--events", type=int, default=200000, help="SSE events per throughput stream (~50 MB)")
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--requests", type=int, default=400, help="small requests per latency sample")
     parser.add_argument("--serve-upstream", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -80,6 +80,9 @@ def _end_to_end_headers(headers: Any) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP_HEADERS and k.lower() not in named]
 
 
+RELAY_READ_BUFFER = 2**18  # bytes
+
+
 class _RecordLog:
     """Append-only JSONL file; one `os.write` per record so concurrent records never interleave."""
 
@@ -148,6 +151,9 @@ class LoggingProxy:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
+            # Larger reads mean fewer relay iterations per megabyte; each chunk is still sent on as soon as it
+            # arrives (a read returns whatever is buffered, never waiting to fill the buffer).
+            read_bufsize=RELAY_READ_BUFFER,
         )
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_route("*", "/{tail:.*}", self._handle)
