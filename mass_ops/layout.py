@@ -8,7 +8,7 @@ reference release (MASS_SPEC §1) so that rendered datasets and compatibility ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
 
@@ -78,6 +78,17 @@ class EpisodeUnit:
     def key(self) -> str:
         """Unique key of this attempt within the metadata store."""
         return f"{self.cycle}/{self.slug}/a{self.attempt}"
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that identify the unit across its attempts (the filter of `episode_attempts`)."""
+        return {
+            "task_id": self.task_id,
+            "kind": self.kind,
+            "seed": self.seed,
+            "version": self.version,
+            "candidate": self.candidate,
+            "generation": self.generation,
+        }
 
     def artifact_prefix(self) -> str:
         """Artifact folder of this attempt."""

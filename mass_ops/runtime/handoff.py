@@ -687,15 +687,7 @@ class HandoffPublisher:
         attempts: dict[str, list[RecordedAttempt]] = {}
         for announced in request.units:
             unit = announced.unit(request.cycle)
-            rows = ctx.repo.episode_attempts(
-                ctx.cycle_id,
-                task_id=unit.task_id,
-                kind=unit.kind,
-                seed=unit.seed,
-                version=unit.version,
-                candidate=unit.candidate,
-                generation=unit.generation,
-            )
+            rows = ctx.repo.episode_attempts(ctx.cycle_id, **unit.identity())
             final = next((row for row in reversed(rows) if row.status in ("succeeded", "model_failure")), None)
             status_record = None
             if final is not None:
@@ -831,17 +823,7 @@ class HandoffPublisher:
             )
         request = EpisodeRequest(unit=announced.unit(unit.cycle), condition=announced.condition, prompt=prompt.decode())
         previous = [
-            row
-            for row in ctx.repo.episode_attempts(
-                ctx.cycle_id,
-                task_id=unit.task_id,
-                kind=unit.kind,
-                seed=unit.seed,
-                version=unit.version,
-                candidate=unit.candidate,
-                generation=unit.generation,
-            )
-            if row.attempt == unit.attempt - 1
+            row for row in ctx.repo.episode_attempts(ctx.cycle_id, **unit.identity()) if row.attempt == unit.attempt - 1
         ]
         return EpisodePublication(
             request=request,

@@ -362,15 +362,7 @@ class EpisodePool:
         conflicts = []
         for request in requests:
             unit = request.unit
-            attempts = self.ctx.repo.episode_attempts(
-                self.ctx.cycle_id,
-                task_id=unit.task_id,
-                kind=unit.kind,
-                seed=unit.seed,
-                version=unit.version,
-                candidate=unit.candidate,
-                generation=request.generation,
-            )
+            attempts = self.ctx.repo.episode_attempts(self.ctx.cycle_id, **unit.identity())
             stored = {a.prompt_sha256 for a in attempts if a.prompt_sha256}
             if stored and stored != {request.prompt_sha256}:
                 conflicts.append(
