@@ -13,7 +13,8 @@ the validated config from these params (the config never travels through XCom, w
 5. **render** → **train** (GPU Job) → **select_checkpoint** → **export** (GPU Job) → **register** (an asset event
    `mass-ops://generations/<name>` through the alias `mass-ops-generations`).
 6. Evaluation servers up (current + new generation) → **rollout** (mapped) → **evaluate** → servers down →
-   **report** → **continue_cycle** (triggers the next cycle when `auto_continue` is set).
+   **report** (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`)
+   → **continue_cycle** (triggers the next cycle when `auto_continue` is set).
 
 `compute.backend` decides at run time where work runs: `local` calls each stage in the task's process (the stage
 runs its episodes as local processes), `kubernetes` launches episode pods, GPU Jobs and vLLM Deployments and calls
@@ -34,6 +35,7 @@ from mass_ops_airflow.operators import (
     ExportJobOperator,
     InferenceServerOperator,
     InferenceServerTeardownOperator,
+    ReportOperator,
     TrainingJobOperator,
 )
 from mass_ops_airflow.params import MAX_SEARCH_ITERATIONS, cycle_params
@@ -202,11 +204,6 @@ with DAG(
         """External pairwise judging of the rollouts, judge agreement."""
         return _stage("evaluate", params or {})
 
-    @task(execution_timeout=2 * HOUR)
-    def report(params: dict[str, Any] | None = None) -> Any:
-        """The cycle report: scoreboards, win rates with intervals, agreement, loss curves, cost."""
-        return _stage("report", params or {})
-
     @task(retries=0, execution_timeout=SHORT_TIMEOUT)
     def continue_cycle(params: dict[str, Any] | None = None) -> dict[str, Any]:
         """With `auto_continue`, trigger the next cycle on the new generation (once: its run id is fixed)."""
@@ -287,5 +284,6 @@ with DAG(
     evaluated = evaluate()
     registered >> evaluation_up >> rollout_list >> rolled >> evaluated >> evaluation_down
     evaluation_down.as_teardown(setups=evaluation_up)
-    reported = report()
+    # The cycle report (scoreboards, win rates with intervals, agreement, loss curves, cost); the task links it.
+    reported = ReportOperator(task_id="report", stage="report", execution_timeout=2 * HOUR)
     [evaluated, evaluation_down] >> reported >> continue_cycle()

@@ -9,7 +9,8 @@ dates; because results are keyed by logical date and generation, a backfill (or 
 missing evaluations. `catchup` is off: a paused deployment does not wake up to a burst of old runs.
 
 The model servers of the evaluated generations are a setup/teardown pair around the evaluations, so they stop even
-when an evaluation fails.
+when an evaluation fails. **nightly_report** writes the report of the nightly results' cycle beside the regression
+gate (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from airflow.sdk import DAG, get_current_context, task
-from mass_ops_airflow.operators import InferenceServerOperator, InferenceServerTeardownOperator
+from airflow.sdk import DAG, TriggerRule, get_current_context, task
+from mass_ops_airflow.operators import InferenceServerOperator, InferenceServerTeardownOperator, ReportOperator
 from mass_ops_airflow.params import NIGHTLY_KNOBS, cycle_params
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
@@ -112,3 +113,9 @@ with DAG(
     servers >> up >> results >> down
     down.as_teardown(setups=up)
     check_regression(results)
+    # Beside the gate, not after it: a regression still fails the run, and the night's report is written anyway (also
+    # when an evaluation failed); skipped only when there was nothing to evaluate.
+    report = ReportOperator(
+        task_id="nightly_report", stage="nightly_report", trigger_rule=TriggerRule.NONE_SKIPPED, execution_timeout=HOUR
+    )
+    results >> report

@@ -54,6 +54,8 @@ Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
 TaskId = Annotated[StrictInt, Field(gt=0)]
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# A cycle name is one path segment of artifact keys and of report URLs (the Airflow plugin checks it with this).
+CYCLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 class ConfigError(ValueError):
@@ -492,7 +494,7 @@ class CycleConfig(_Section):
         problems = []
         if self.preset in PAPER_PRESETS and self.training.windows_per_step != 3:
             problems.append("training.windows_per_step: the paper presets average exactly 3 windows per step")
-        if self.name is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", self.name):
+        if self.name is not None and not CYCLE_NAME.match(self.name):
             problems.append("name: must be 1-63 letters, digits, '.', '_' or '-'")
         pool = self.evaluation.tasks or []
         known = set(self.tasks.train_candidates) | set(self.tasks.test)

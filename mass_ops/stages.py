@@ -341,7 +341,24 @@ def report(config: CycleConfig) -> dict[str, Any]:
     from mass_ops.evaluation.stage import write_report
 
     uris = write_report(attach_cycle(config))
-    return {"markdown": uris["markdown"], "html": uris["html"], "figures": len(uris["figures"])}
+    return {
+        "cycle": config.cycle_name,
+        "markdown": uris["markdown"],
+        "html": uris["html"],
+        "figures": len(uris["figures"]),
+    }
+
+
+def nightly_report(config: CycleConfig) -> dict[str, Any]:
+    """Render the report of the nightly results' own cycle (`nightly_config`), named under `cycle` since it is not
+    the run's cycle (the Airflow link to the report needs it)."""
+    from mass_ops.evaluation.nightly import nightly_config
+    from mass_ops.evaluation.stage import write_report
+
+    ctx = open_cycle(nightly_config(config))
+    uris = write_report(ctx)
+    written = {"markdown": uris["markdown"], "html": uris["html"], "figures": len(uris["figures"])}
+    return {"cycle": ctx.cycle_name, **written}
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:

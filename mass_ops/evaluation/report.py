@@ -7,19 +7,22 @@ stage, wall-clock and GPU-hours per stage — and an explicit note for every tas
 collection although its workflow never beat the reference (the demo preset does this).
 
 Everything is read from the metadata store and the artifact store; nothing is recomputed by calling a model. The
-page needs no network: inline CSS, figures next to it under ``figures/`` (published before the page, so it never
-references a missing file). matplotlib is imported only here, on the Agg canvas, without pyplot's global state.
+page stands alone (opened from S3, mailed as an attachment): inline CSS, no scripts, every figure embedded as a
+``data:image/png;base64`` image. Each embedded figure is also a link to its PNG, published next to the page under
+``figures/`` before the page (so the page never references a missing file); the Markdown references those files.
+matplotlib is imported only here, on the Agg canvas, without pyplot's global state.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import math
 import re
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -998,8 +1001,9 @@ figcaption { font-size: 0.85em; color: #555; }
 """
 
 
-def render_html(blocks: Sequence[Block], figure_dir: str = "figures") -> str:
-    """A standalone page: inline CSS, no scripts, figures referenced next to it."""
+def render_html(blocks: Sequence[Block], figures: Mapping[str, bytes], figure_dir: str = "figures") -> str:
+    """A self-contained page: inline CSS, no scripts, each figure's PNG (`figures[name]`) embedded as a data URI and
+    wrapped in a link to the published file `<figure_dir>/<name>.png`; a figure missing from `figures` is a KeyError."""
     titles = dict(FIGURES)
     body: list[str] = []
     title = "MASS cycle report"
@@ -1020,8 +1024,12 @@ def render_html(blocks: Sequence[Block], figure_dir: str = "figures") -> str:
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
         elif block.kind == "figure":
             caption = html.escape(titles[block.text])
-            source = html.escape(f"{figure_dir}/{block.text}.png")
-            body.append(f'<figure><img src="{source}" alt="{caption}"><figcaption>{caption}</figcaption></figure>')
+            target = html.escape(f"{figure_dir}/{block.text}.png")
+            embedded = "data:image/png;base64," + base64.b64encode(figures[block.text]).decode("ascii")
+            body.append(
+                f'<figure><a href="{target}"><img src="{embedded}" alt="{caption}"></a>'
+                f"<figcaption>{caption}</figcaption></figure>"
+            )
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n<main>\n"
@@ -1039,10 +1047,9 @@ def write_report(ctx: CycleContext, out_prefix: str | None = None) -> dict[str, 
     data = collect_report_data(ctx)
     blocks = build_blocks(data)
     with tempfile.TemporaryDirectory(prefix="mass-report-") as scratch:
-        paths = render_figures(data, Path(scratch) / "figures")
-        figures = {
-            name: ctx.artifacts.put_file(f"{prefix}/figures/{name}.png", path).uri for name, path in paths.items()
-        }
+        pngs = {name: path.read_bytes() for name, path in render_figures(data, Path(scratch) / "figures").items()}
+    # The page embeds the very bytes published as files, so its images and its links show the same figures.
+    figures = {name: ctx.artifacts.put_bytes(f"{prefix}/figures/{name}.png", png).uri for name, png in pngs.items()}
     markdown = ctx.artifacts.put_bytes(f"{prefix}/report.md", render_markdown(blocks).encode("utf-8"))
-    page = ctx.artifacts.put_bytes(f"{prefix}/report.html", render_html(blocks).encode("utf-8"))
+    page = ctx.artifacts.put_bytes(f"{prefix}/report.html", render_html(blocks, pngs).encode("utf-8"))
     return {"markdown": markdown.uri, "html": page.uri, "figures": figures}

@@ -135,3 +135,10 @@ def test_operators_pick_the_backend_at_run_time(dag):
     assert dag.get_task("collect_candidate").operator_class.__name__ == "EpisodeStageOperator"
     assert dag.get_task("rollout").partial_kwargs["kind"] == "rollout"
     assert dag.get_task("evaluation_inference_up").serve == "evaluation"
+
+
+def test_the_report_step_writes_the_run_s_cycle_report_and_links_it(dag):
+    report = dag.get_task("report")
+    assert type(report).__name__ == "ReportOperator" and report.stage == "report"
+    assert [link.name for link in report.operator_extra_links] == ["Cycle report"]
+    assert report.trigger_rule == TriggerRule.ALL_SUCCESS

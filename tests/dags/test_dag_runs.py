@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from mass_ops_airflow.params import build_config
 
 from tests.compute.model_server_stub import serve_in_thread
 from tests.dags.dag_files import fresh_dag_module
@@ -70,6 +71,8 @@ def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
     assert labels == {"collection-t51-c0", "collection-t51-c1"}
     rollouts = sorted(args[1:] for name, args in stages.calls if name == "rollout_unit")
     assert rollouts == [("L0", 51, 0), ("L1", 51, 0)]
+    cycle = build_config(conf).cycle_name
+    assert ui_links(run, "report") == {"Cycle report": f"/mass-ops/reports/{cycle}/"}, "the run's own cycle"
 
 
 def test_teardown_runs_when_the_work_fails(airflow_db, stages, model_server):
@@ -87,3 +90,38 @@ def test_teardown_runs_when_the_work_fails(airflow_db, stages, model_server):
     assert counted[("nightly_inference_down", "success")] == 1, "the servers are stopped anyway"
     assert counted[("check_regression", "upstream_failed")] == 1
     assert stages.names().count("nightly_down") == 1
+    assert counted[("nightly_report", "success")] == 1, "the night's report shows what was recorded anyway"
+
+
+def ui_links(run, task_id: str) -> dict[str, str | None]:
+    """A task instance's extra links as the API server computes them: the stored (serialized) DAG's task and what
+    the worker recorded for the link when the task instance finished."""
+    from airflow.models.dagbag import DBDagBag
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        task = DBDagBag().get_dag_for_run(run, session=session).get_task(task_id)
+        ti = run.get_task_instance(task_id, session=session)
+        return {name: task.get_extra_links(ti, name) for name in task.extra_links}
+
+
+def test_a_regression_fails_the_night_and_its_report_is_still_written_and_linked(airflow_db, stages, model_server):
+    night = "nightly-0123456789"
+    stages.results.update(
+        {
+            "nightly_targets": ["L1"],
+            "nightly_evaluate": {"generation": "L1", "win_rate": 0.3},
+            "check_regression": {"regressions": ["L1: 0.30 is below the floor 0.45"]},
+            "nightly_report": {"cycle": night, "markdown": "file:///r/report.md", "html": "file:///r/report.html"},
+        }
+    )
+    dag = fresh_dag_module("mass_nightly_eval").dag
+    for task in dag.tasks:
+        task.retries = 0
+    run = dag.test(run_conf={"preset": "demo"})
+    assert run.state == "failed", "a regression fails the run"
+    counted = states(run)
+    assert counted[("check_regression", "failed")] == 1
+    assert counted[("nightly_report", "success")] == 1
+    assert stages.names().count("nightly_report") == 1
+    assert ui_links(run, "nightly_report") == {"Cycle report": f"/mass-ops/reports/{night}/"}

@@ -33,3 +33,14 @@ def test_graph(dag):
     gate = dag.get_task("check_regression")
     assert gate.upstream_task_ids == {"nightly_evaluate"} and gate.retries == 0
     assert "serving_targets" in up.upstream_task_ids
+
+
+def test_the_report_runs_beside_the_regression_gate(dag):
+    report = dag.get_task("nightly_report")
+    assert type(report).__name__ == "ReportOperator" and report.stage == "nightly_report"
+    assert [link.name for link in report.operator_extra_links] == ["Cycle report"]
+    # Not downstream of the gate: a regression fails the run and the report is still written.
+    assert report.upstream_task_ids == {"nightly_evaluate"}
+    assert "check_regression" not in report.get_flat_relative_ids(upstream=True)
+    # Written when an evaluation failed too; skipped only when there was nothing to evaluate.
+    assert report.trigger_rule == TriggerRule.NONE_SKIPPED

@@ -71,8 +71,10 @@ def test_every_in_process_task_calls_its_stage(cycle_dag, stages):
     ]  # fmt: skip
     assert call(cycle_dag, "ranking_tasks", params=DEMO) == [51, 202]
     call(cycle_dag, "rank_task", {}, task_no=202, params=DEMO)
-    for task_id in ("select", "render", "select_checkpoint", "evaluate", "report"):
+    for task_id in ("select", "render", "select_checkpoint", "evaluate"):
         call(cycle_dag, task_id, params=DEMO)
+    # The report step is an operator (it carries the report link); it returns the stage's result and the cycle.
+    assert cycle_dag.get_task("report").execute({"params": DEMO}) == {"stage": "report", "cycle": "demo-L2"}
     assert call(cycle_dag, "rollout_units", params=DEMO) == [
         {"generation": "L2", "task": 51, "replicate": 0}, {"generation": "L3", "task": 60, "replicate": 1},
     ]  # fmt: skip

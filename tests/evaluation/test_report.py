@@ -3,6 +3,7 @@ task, a pairwise evaluation with self-judge agreement, benchmark trials, a train
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from datetime import UTC, datetime, timedelta
@@ -144,10 +145,13 @@ def test_report_renders_every_figure_and_section(eval_env):
         data = read(uri)
         assert data.startswith(PNG_SIGNATURE) and len(data) > 5000
     page = read(uris["html"]).decode()
-    sources = re.findall(r'<img src="([^"]+)"', page)
-    assert sorted(sources) == sorted(f"figures/{name}.png" for name, _ in FIGURES)
+    # Self-contained: each figure is embedded as a data URI (the very bytes published), inside a link to its file.
+    embedded = dict(re.findall(r'<a href="(figures/[a-z_]+\.png)"><img src="data:image/png;base64,([^"]+)"', page))
+    assert sorted(embedded) == sorted(f"figures/{name}.png" for name, _ in FIGURES)
+    assert page.count("<img ") == len(FIGURES), "no figure is only referenced"
     html_dir = Path(uris["html"].removeprefix("file://")).parent
-    assert all((html_dir / source).is_file() for source in sources)
+    for target, encoded in embedded.items():
+        assert base64.b64decode(encoded, validate=True) == (html_dir / target).read_bytes(), target
     assert "<script" not in page and "http://" not in page and "https://" not in page
 
     markdown = read(uris["markdown"]).decode()
@@ -201,6 +205,21 @@ def test_an_empty_cycle_still_renders_every_figure(eval_env):
     assert "reports/empty/report.html" in uris["html"]
     for uri in uris["figures"].values():
         assert read(uri).startswith(PNG_SIGNATURE)
+    assert read(uris["html"]).decode().count("data:image/png;base64,") == len(FIGURES)
     markdown = read(uris["markdown"]).decode()
     assert "No pairwise evaluation of this cycle is recorded yet" in markdown
     assert "No benchmark trial is recorded" in markdown
+
+
+def test_the_nightly_report_is_written_for_the_nightly_cycle(eval_env):
+    from mass_ops import stages
+    from mass_ops.evaluation.nightly import nightly_config
+    from mass_ops.layout import report_prefix
+
+    nightly = nightly_config(eval_env.config).cycle_name
+    assert nightly != eval_env.config.cycle_name
+    result = stages.nightly_report(eval_env.config)
+    assert result["cycle"] == nightly and result["figures"] == len(FIGURES)
+    assert result["html"] == eval_env.ctx.artifacts.uri(f"{report_prefix(nightly)}/report.html")
+    page = read(result["html"]).decode()
+    assert f"MASS cycle report: {nightly}" in page

@@ -1,0 +1,152 @@
+"""The plugin's web app: cycle reports, served by the Airflow API server under `/mass-ops`.
+
+Routes (below the mount point `mass_ops_airflow.reports.URL_PREFIX`):
+
+- `GET /reports/{cycle}` → 307 to `/reports/{cycle}/` (the folder URL, so the page's relative figure links resolve);
+- `GET /reports/{cycle}/` → that cycle's `report.html`;
+- `GET /reports/{cycle}/figures/{name}.png` → one of its figures.
+
+A name is checked before any artifact key is built from it (the config's cycle-name rule: one path segment, never
+`..`); a bad name is a 400, a missing report or figure a 404, an unreachable store a 503, each with one line of
+text. No OpenAPI schema or docs page is exposed.
+
+Authentication: Airflow 3.3 attaches a plugin app with `app.mount()`, and neither the core API's router-level
+authentication nor any middleware of the API server covers a mounted app, so its routes would be open to anonymous
+callers. Every route here depends on Airflow's own `get_user` (the UI's session cookie, or an `Authorization:
+Bearer` token from `POST /auth/token`): no credential is a 401, an invalid token a 403. Any authenticated user may
+read every report (no per-DAG permission is checked): a report shows what the runs recorded (scores, token counts,
+costs, notes), never a credential.
+
+Store: the deployment's artifact store as the tasks see it (`cycle_config({})`): the `mass_artifacts` connection's
+URL and credentials, else `MASS_ARTIFACT_URL` or the default preset's storage. It is opened once per API-server
+process, on first use (the S3 client resolves the connection's credentials then; a changed connection takes effect
+when the API server restarts); a failed open is tried again on the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse, RedirectResponse, Response
+
+from mass_ops.layout import report_prefix
+from mass_ops_airflow.reports import ReportNameError, check_cycle, check_figure
+
+if TYPE_CHECKING:
+    from mass_ops.store.artifacts import ArtifactStore
+
+log = logging.getLogger(__name__)
+
+# The page is self-contained (inline CSS, data: images, links to its figure files): nothing to fetch, no script.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; img-src data: 'self'; style-src 'unsafe-inline'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",  # a rerun of the report step rewrites it
+}
+FIGURE_HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+
+class StoreUnavailable(RuntimeError):
+    """The artifact store could not be opened or read (not a missing report)."""
+
+
+def deployment_store() -> ArtifactStore:
+    """The artifact store the deployment's tasks write to, opened with the `mass_artifacts` connection's
+    credentials exported for the duration of the open."""
+    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops_airflow.cycle import cycle_config
+    from mass_ops_airflow.hooks import MassArtifactHook
+
+    with MassArtifactHook().credentials_env():
+        return open_artifact_store(cycle_config({}).storage.artifact_url)
+
+
+class ReportReader:
+    """Reads report artifacts from a store opened on first use; `None` for a missing artifact."""
+
+    def __init__(self, open_store: Callable[[], ArtifactStore]) -> None:
+        self._open_store = open_store
+        self._store: ArtifactStore | None = None
+        self._lock = threading.Lock()
+
+    def _opened(self) -> ArtifactStore:
+        with self._lock:
+            if self._store is None:
+                try:
+                    self._store = self._open_store()
+                except Exception as exc:
+                    log.exception("mass-ops reports: cannot open the artifact store")
+                    raise StoreUnavailable(f"the artifact store cannot be opened: {_one_line(exc)}") from exc
+            return self._store
+
+    def read(self, key: str) -> bytes | None:
+        from mass_ops.store.artifacts import ArtifactError, ArtifactNotFoundError
+
+        store = self._opened()
+        try:
+            return store.get_bytes(key)
+        except ArtifactNotFoundError:
+            return None
+        except (ArtifactError, OSError) as exc:
+            log.exception("mass-ops reports: cannot read %s", key)
+            raise StoreUnavailable(f"{key} cannot be read from the artifact store: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _text(status: int, line: str) -> PlainTextResponse:
+    return PlainTextResponse(line + "\n", status_code=status)
+
+
+def create_app(open_store: Callable[[], ArtifactStore] = deployment_store) -> FastAPI:
+    """The reports app; every route requires an authenticated Airflow user (see the module docstring)."""
+    # Imported here: Airflow's API security module is heavy and only the API server builds this app.
+    from airflow.api_fastapi.core_api.security import get_user
+
+    app = FastAPI(
+        title="mass-ops reports",
+        dependencies=[Depends(get_user)],
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    reader = ReportReader(open_store)
+
+    @app.exception_handler(ReportNameError)
+    def bad_name(request: Request, exc: ReportNameError) -> Response:
+        return _text(400, str(exc))
+
+    @app.exception_handler(StoreUnavailable)
+    def unavailable(request: Request, exc: StoreUnavailable) -> Response:
+        return _text(503, str(exc))
+
+    @app.get("/reports/{cycle}")
+    def report_folder(cycle: str) -> Response:
+        """Redirect to the folder URL (relative, so it holds behind any proxy prefix)."""
+        return RedirectResponse(f"{quote(check_cycle(cycle), safe='')}/", status_code=307)
+
+    @app.get("/reports/{cycle}/")
+    def report_page(cycle: str) -> Response:
+        """The cycle's report.html."""
+        data = reader.read(f"{report_prefix(check_cycle(cycle))}/report.html")
+        if data is None:
+            return _text(404, f"cycle {cycle} has no report yet (its report step has not written report.html)")
+        return Response(data, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    @app.get("/reports/{cycle}/figures/{name}.png")
+    def report_figure(cycle: str, name: str) -> Response:
+        """One PNG figure of the cycle's report."""
+        data = reader.read(f"{report_prefix(check_cycle(cycle))}/figures/{check_figure(name)}.png")
+        if data is None:
+            return _text(404, f"cycle {cycle} has no report figure {name}.png")
+        return Response(data, media_type="image/png", headers=FIGURE_HEADERS)
+
+    return app
