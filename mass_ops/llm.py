@@ -237,6 +237,39 @@ class RetryPolicy:
         return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (failures - 1))
 
 
+def send_with_retries(
+    action: Callable[[], Any],
+    classify: Callable[[Exception], LLMRequestError | str | None],
+    retry: RetryPolicy,
+    sleep: Callable[[float], None],
+    *,
+    what: str,
+    where: str,
+) -> tuple[Any, int, Exception | None]:
+    """The retry rule of every LLM client: run `action`; `classify` turns a failure into a permanent error (returned
+    at once, never retried), a transient reason (retried with `retry`'s backoff until its attempts are spent, then an
+    LLMUnavailableError) or None (not ours: re-raised). Returns (result, attempts, None) or (None, attempts, error)."""
+    failures = 0
+    while True:
+        try:
+            return action(), failures + 1, None
+        except Exception as error:
+            verdict = classify(error)
+            if verdict is None:
+                raise
+            if isinstance(verdict, LLMRequestError):
+                return None, failures + 1, verdict
+            reason = verdict
+        failures += 1
+        if failures >= retry.max_attempts:
+            return (
+                None,
+                failures,
+                LLMUnavailableError(f"{what} failed after {failures} attempts at {where}: {reason}", failures),
+            )
+        sleep(retry.backoff_s(failures))
+
+
 @dataclass(frozen=True)
 class ChatResult:
     """A successful call: final content apart from reasoning, the parsed JSON object for JSON calls, accounting."""
@@ -443,30 +476,16 @@ class LLMClient:
         """Run `action`, retrying transient failures; returns (result, attempts, None) or (None, attempts, error)."""
         import openai
 
-        failures = 0
-        while True:
-            try:
-                return action(), failures + 1, None
-            except openai.APIStatusError as error:
+        def classify(error: Exception) -> LLMRequestError | str | None:
+            if isinstance(error, openai.APIStatusError):
                 if error.status_code < 500:
-                    return (
-                        None,
-                        failures + 1,
-                        LLMRequestError(f"{what} rejected: {_status_message(error)}", error.status_code),
-                    )
-                reason = _status_message(error)
-            except openai.APIConnectionError as error:  # includes timeouts
-                reason = f"{type(error).__name__}: {error}"
-            failures += 1
-            if failures >= self.retry.max_attempts:
-                return (
-                    None,
-                    failures,
-                    LLMUnavailableError(
-                        f"{what} failed after {failures} attempts at {self.endpoint.base_url}: {reason}", failures
-                    ),
-                )
-            self._sleep(self.retry.backoff_s(failures))
+                    return LLMRequestError(f"{what} rejected: {_status_message(error)}", error.status_code)
+                return _status_message(error)
+            if isinstance(error, openai.APIConnectionError):  # includes timeouts
+                return f"{type(error).__name__}: {error}"
+            return None
+
+        return send_with_retries(action, classify, self.retry, self._sleep, what=what, where=self.endpoint.base_url)
 
     def chat(
         self,

@@ -40,10 +40,10 @@ from mass_ops.llm import (
     LLMEndpoint,
     LLMOutputError,
     LLMRequestError,
-    LLMUnavailableError,
     RetryPolicy,
     SamplingParams,
     extract_json_object,
+    send_with_retries,
 )
 from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling
 from mass_ops.seeds import presentation_swapped
@@ -194,33 +194,25 @@ class AnthropicChatClient:
         import anthropic
         import httpx2  # the SDK's HTTP layer: a stream cut mid-message surfaces as its transport error
 
-        failures = 0
-        while True:
-            try:
-                with sdk.messages.stream(**request) as stream:
-                    return stream.get_final_message(), failures + 1, None
-            except anthropic.APIStatusError as error:
-                if error.status_code < 500 and error.status_code != 429:
+        def final_message() -> Any:
+            with sdk.messages.stream(**request) as stream:
+                return stream.get_final_message()
+
+        def classify(error: Exception) -> LLMRequestError | str | None:
+            if isinstance(error, anthropic.APIStatusError):
+                if error.status_code < 500 and error.status_code != 429:  # 429: rate limited, worth a retry
                     detail = json.dumps(error.body, default=str) if error.body is not None else str(error)
-                    return (
-                        None,
-                        failures + 1,
-                        LLMRequestError(
-                            f"{purpose} rejected: HTTP {error.status_code}: {detail}"[:2000], error.status_code
-                        ),
+                    return LLMRequestError(
+                        f"{purpose} rejected: HTTP {error.status_code}: {detail}"[:2000], error.status_code
                     )
-                reason = f"HTTP {error.status_code}"
-            except (anthropic.APIConnectionError, httpx2.TransportError) as error:
-                reason = f"{type(error).__name__}: {error}"
-            failures += 1
-            if failures >= self.retry.max_attempts:
-                where = self.base_url or "the Anthropic API"
-                return (
-                    None,
-                    failures,
-                    LLMUnavailableError(f"{purpose} failed after {failures} attempts at {where}: {reason}", failures),
-                )
-            self._sleep(self.retry.backoff_s(failures))
+                return f"HTTP {error.status_code}"
+            if isinstance(error, anthropic.APIConnectionError | httpx2.TransportError):
+                return f"{type(error).__name__}: {error}"
+            return None
+
+        return send_with_retries(
+            final_message, classify, self.retry, self._sleep, what=purpose, where=self.base_url or "the Anthropic API"
+        )
 
     def chat(
         self,

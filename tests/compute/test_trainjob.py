@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import kubernetes_validate
 import pytest
 
 from mass_ops.compute import kubernetes as specs
@@ -196,7 +197,11 @@ def test_trainjob_core_parts_validate_as_kubernetes_objects(config, settings):
         }
     ]
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "n", **template["metadata"]}, "spec": pod_spec}
-    validate_manifest(pod)
+    validate_manifest(pod)  # raises on any invalid or unknown field
+    # The check has teeth: a misspelt field in the patch would be refused.
+    broken = {**pod, "spec": {**pod_spec, "volumeMount": node["volumeMounts"]}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_manifest(broken)
 
 
 def test_a_cycle_on_trainjob_creates_no_training_job_or_service(config, settings):
