@@ -270,6 +270,9 @@ def publish_command(
 
         if (prompt_uri is None) != (prompt_sha256 is None):
             raise _fail("episode publish: give --prompt-uri and --prompt-sha256 together")
+        if not handoff.is_dir():
+            # The pod mounts the shared folder before either container starts; a missing one is a wrong path.
+            raise _fail(f"episode publish: --handoff {handoff} is not a folder (the volume both containers share)")
         publisher = HandoffPublisher(
             cfg,
             handoff,

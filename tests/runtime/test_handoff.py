@@ -722,3 +722,14 @@ def test_publish_needs_the_prompt_uri_and_its_hash_together(tmp_path: Path) -> N
     process = episode_process([*args, "--prompt-uri", "s3://bucket/p.txt"], base_env(**store_env(ctx.config, None)))
     _out, err = process.communicate(timeout=120)
     assert process.returncode == 2 and err.strip() == "episode publish: give --prompt-uri and --prompt-sha256 together"
+
+
+def test_publish_refuses_a_handoff_folder_that_does_not_exist(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
+    missing = tmp_path / "no-such-volume"
+    args = ["publish", "--handoff", str(missing), "--config", str(pod_config(ctx.config, tmp_path))]
+    process = episode_process(args, base_env(**store_env(ctx.config, None)))
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == 2
+    assert err.strip() == f"episode publish: --handoff {missing} is not a folder (the volume both containers share)"
+    assert not missing.exists(), "nothing created"
