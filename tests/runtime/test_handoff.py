@@ -51,6 +51,9 @@ _CLI = (
     "app(sys.argv[1:], prog_name='mass-ops')\n"
 )
 TASK, SEED = 51, 450051
+# How long a sandbox may outlive a failed publisher before the test gives up on it (it reads publisher-failed.json
+# within a poll when the publisher could write it).
+PUBLISHER_GRACE_S = 30
 # Row columns that differ between two runs of the same unit by nature: identity in its database, and timings.
 ROW_VOLATILE = {"id", "cycle_id", "started_at", "finished_at", "duration_s", "created_at", "artifacts"}
 # Status-document fields that are timings, and in its `hiw` part those naming places (the proxy's port, the store).
@@ -98,7 +101,9 @@ def store_env(config: CycleConfig, s3: MotoS3Server | None) -> dict[str, str]:
 
 @pytest.fixture
 def pod(tmp_path: Path) -> dict[str, Any]:
-    """What both containers share: the hand-off folder and the scratch folder of the sandbox."""
+    """What both containers share: the hand-off folder (an emptyDir: there before either container starts) and the
+    scratch folder of the sandbox."""
+    (tmp_path / "handoff").mkdir()
     return {"handoff": tmp_path / "handoff", "scratch": tmp_path / "scratch"}
 
 
@@ -140,8 +145,19 @@ def run_containers(
     try:
         if while_running is not None:
             while_running(sandbox)
-        run_out, run_err = sandbox.communicate(timeout=timeout_s)
-        pub_out, pub_err = publisher.communicate(timeout=timeout_s)
+        stranded_since = None
+        deadline = time.monotonic() + timeout_s
+        while sandbox.poll() is None and time.monotonic() < deadline:
+            # A publisher that died without a word leaves the sandbox waiting for its start timeout (minutes):
+            # end the run early and show the publisher's own message instead of a bare timeout.
+            if publisher.poll() not in (None, 0):
+                stranded_since = stranded_since or time.monotonic()
+                if time.monotonic() - stranded_since > PUBLISHER_GRACE_S:
+                    os.killpg(sandbox.pid, signal.SIGKILL)
+                    pytest.fail(f"the publisher exited {publisher.returncode}: {publisher.communicate()[1]}")
+            time.sleep(0.1)
+        run_out, run_err = sandbox.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        pub_out, pub_err = publisher.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for process in (sandbox, publisher):
             if process.poll() is None:
