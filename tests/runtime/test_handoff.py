@@ -331,6 +331,7 @@ def test_retries_continue_after_the_recorded_attempts(
 
         # A second pod for the same unit (an Airflow retry after the row was committed) runs nothing.
         again = {"handoff": tmp_path / "handoff-2", "scratch": pod["scratch"]}
+        again["handoff"].mkdir()  # the new pod's own emptyDir
         second = run_pod(config_file, again, unit_args(prompt, pod["scratch"]), sandbox_env, publisher_env)
         assert second["run"][0] == 0 and second["publish"][0] == 0, second
         assert server.stats.chat_requests == requests_after_first
