@@ -67,6 +67,7 @@ def run_demo(config: CycleConfig, console: Console | None = None, overrides: lis
     step("build and publish the tiny L0 model", lambda: prepare_parent(config))
     step("Airflow database and pools", demo_airflow.prepare_database)
     dag = demo_airflow.load_dag()
+    demo_airflow.quiet_waiting_notes()
     run = step("mass_cycle DAG run", lambda: dag.test(run_conf=demo_airflow.demo_run_conf(overrides)))
     states = demo_airflow.task_states(run)
     if str(run.state) != "success":

@@ -9,6 +9,7 @@ Airflow reads its configuration once, at first import: `use_demo_airflow` must r
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -24,8 +25,33 @@ CYCLE_DAG_ID = "mass_cycle"
 DEMO_POOLS = {"mass_inference": 2, "mass_gpu": 1}
 
 
+# The logger of `dag.test()`, and its note while nothing can run (a deferred task waiting for its trigger).
+DAG_TEST_LOGGER = "airflow.sdk.definitions.dag"
+_NOTHING_TO_RUN = "No tasks to run."
+WAITING_NOTE = "waiting: %d task instances cannot run yet (a deferred task is waiting for its trigger)"
+
+
 class DemoAirflowError(RuntimeError):
     """The demo's Airflow cannot be prepared (Airflow already imported with another home, DAG folder missing)."""
+
+
+class WaitingNote(logging.Filter):
+    """Shortens the warning `dag.test()` logs every second while nothing can run: it lists every unfinished task
+    instance in full (kilobytes a line) though nothing is wrong; the demo shows how many, at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(_NOTHING_TO_RUN) and record.args:
+            waiting = record.args[0] if isinstance(record.args, tuple) else record.args
+            record.msg, record.args = WAITING_NOTE, (len(waiting) if hasattr(waiting, "__len__") else 0,)
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+def quiet_waiting_notes() -> None:
+    """Install `WaitingNote` on the logger of `dag.test()` (once)."""
+    logger = logging.getLogger(DAG_TEST_LOGGER)
+    if not any(isinstance(f, WaitingNote) for f in logger.filters):
+        logger.addFilter(WaitingNote())
 
 
 def airflow_environment(home: Path = DEMO_AIRFLOW_HOME) -> dict[str, str]:

@@ -580,6 +580,9 @@ def _rate_point(rate: WinRate) -> tuple[float, float, float] | None:
     return rate.win_rate, rate.win_rate - low, high - rate.win_rate
 
 
+NO_DECISIVE_PAIR = "no decisive judgment yet (all ties or invalid): no win rate"
+
+
 def _win_rate_figure(data: ReportData) -> Any:
     evaluations = data.evaluations
     figure = _new_figure(max(6.0, 1.5 + 1.4 * len(evaluations)), 3.8)
@@ -592,6 +595,7 @@ def _win_rate_figure(data: ReportData) -> Any:
         ("train tasks", lambda e: e.summary.by_split.get("train"), "#3d6f94", -0.18),
         ("test tasks", lambda e: e.summary.by_split.get("test"), "#c8553d", 0.18),
     ]
+    plotted = False
     for name, pick, colour, offset in groups:
         xs, ys, lows, highs = [], [], [], []
         for index, evaluation in enumerate(evaluations):
@@ -604,12 +608,16 @@ def _win_rate_figure(data: ReportData) -> Any:
                 highs.append(point[2])
         if xs:
             ax.errorbar(xs, ys, yerr=[lows, highs], fmt="o", capsize=4, color=colour, label=name)
+            plotted = True
     ax.axhline(0.5, color="#999999", linestyle="--", linewidth=1)
     ax.set_ylim(-0.04, 1.06)  # room for markers and caps at 0 and 1
     ax.set_xlim(-0.6, len(evaluations) - 0.4)
     ax.set_xticks(range(len(evaluations)), [f"{e.generation_a} vs {e.generation_b}" for e in evaluations])
     ax.set_ylabel("win rate W/(W+L) of the newer model")
-    ax.legend(fontsize=8, loc="lower right")
+    if plotted:
+        ax.legend(fontsize=8, loc="lower right")
+    else:  # every judgment a tie or invalid: there is no win rate to draw
+        ax.text(0.5, 0.75, NO_DECISIVE_PAIR, ha="center", fontsize=10, color="#666666", transform=ax.transAxes)
     ax.set_title("External judges; bars: pair-bootstrap 95% interval", fontsize=10)
     return figure
 

@@ -223,3 +223,30 @@ def test_the_nightly_report_is_written_for_the_nightly_cycle(eval_env):
     assert result["html"] == eval_env.ctx.artifacts.uri(f"{report_prefix(nightly)}/report.html")
     page = read(result["html"]).decode()
     assert f"MASS cycle report: {nightly}" in page
+
+
+def test_an_evaluation_without_a_decisive_judgment_draws_a_note_not_an_empty_legend():
+    import warnings
+
+    from mass_ops.evaluation import report
+    from mass_ops.evaluation.stats import PairwiseSummary, WinRate
+
+    # What a random demo model gives: every verdict invalid, so counted as a tie, so no win rate anywhere.
+    ties = WinRate(
+        wins=0, losses=0, ties=2, invalid=2, judgments=2, pairs=2, win_rate=None, wilson=None, bootstrap=None
+    )
+    summary = PairwiseSummary(overall=ties, by_task={"60": ties}, by_split={"test": ties}, by_judge={"self": ties})
+    evaluation = report.PairwiseEvaluation(
+        key="k", label="L1_vs_L0", cycle="demo-L0", generation_a="L1", generation_b="L0", order=(1, 0, 0), pairs=2,
+        judges=["self"], seeds=[42], summary=summary, agreement={},
+    )  # fmt: skip
+    data = report.ReportData(
+        cycle="demo-L0", preset="demo", generation=0, served_model="m", config_hash="h", generated_at="now",
+        evaluations=[evaluation],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns when asked for a legend of nothing
+        figure = report.FIGURE_BUILDERS["win_rate_by_generation"](data)
+    [ax] = figure.axes
+    assert [text.get_text() for text in ax.texts] == [report.NO_DECISIVE_PAIR]
+    assert ax.get_legend() is None and not ax.containers  # no error bars drawn
