@@ -25,10 +25,11 @@ CYCLE_DAG_ID = "mass_cycle"
 DEMO_POOLS = {"mass_inference": 2, "mass_gpu": 1}
 
 
-# The logger of `dag.test()`, and its note while nothing can run (a deferred task waiting for its trigger).
+# The logger of `dag.test()`, and its note for a second in which no task instance can run (one is deferred, or the
+# scheduling logic is still skipping or expanding the rest).
 DAG_TEST_LOGGER = "airflow.sdk.definitions.dag"
 _NOTHING_TO_RUN = "No tasks to run."
-WAITING_NOTE = "waiting: %d task instances cannot run yet (a deferred task is waiting for its trigger)"
+WAITING_NOTE = "waiting: %d unfinished task instances, none runnable yet"
 
 
 class DemoAirflowError(RuntimeError):
@@ -36,7 +37,7 @@ class DemoAirflowError(RuntimeError):
 
 
 class WaitingNote(logging.Filter):
-    """Shortens the warning `dag.test()` logs every second while nothing can run: it lists every unfinished task
+    """Shortens the warning `dag.test()` logs each second in which nothing can run: it lists every unfinished task
     instance in full (kilobytes a line) though nothing is wrong; the demo shows how many, at INFO."""
 
     def filter(self, record: logging.LogRecord) -> bool:
