@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,8 @@ class WaitingNote(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and record.msg.startswith(_NOTHING_TO_RUN) and record.args:
-            waiting = record.args[0] if isinstance(record.args, tuple) else record.args
-            record.msg, record.args = WAITING_NOTE, (len(waiting) if hasattr(waiting, "__len__") else 0,)
+            waiting = record.args[0] if isinstance(record.args, tuple) else record.args  # a set of task instances
+            record.msg, record.args = WAITING_NOTE, (len(waiting) if isinstance(waiting, Sized) else 0,)
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
         return True
 

@@ -145,18 +145,21 @@ def run_containers(
     try:
         if while_running is not None:
             while_running(sandbox)
-        stranded_since = None
         deadline = time.monotonic() + timeout_s
-        while sandbox.poll() is None and time.monotonic() < deadline:
+        stranded_since: float | None = None
+        while True:
+            try:  # in slices: a retried communicate() loses no output, and it keeps the sandbox's pipes drained
+                run_out, run_err = sandbox.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    raise
             # A publisher that died without a word leaves the sandbox waiting for its start timeout (minutes):
             # end the run early and show the publisher's own message instead of a bare timeout.
             if publisher.poll() not in (None, 0):
                 stranded_since = stranded_since or time.monotonic()
                 if time.monotonic() - stranded_since > PUBLISHER_GRACE_S:
-                    os.killpg(sandbox.pid, signal.SIGKILL)
                     pytest.fail(f"the publisher exited {publisher.returncode}: {publisher.communicate()[1]}")
-            time.sleep(0.1)
-        run_out, run_err = sandbox.communicate(timeout=max(1.0, deadline - time.monotonic()))
         pub_out, pub_err = publisher.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for process in (sandbox, publisher):
