@@ -35,7 +35,7 @@ def demo_config(overrides: list[str] | None = None) -> CycleConfig:
 
 def prepare_parent(config: CycleConfig) -> Path:
     """Build the tiny L0 (idempotent) and publish it to the artifact store under `models.parent_bf16`."""
-    from mass_ops.model_store import publish_model
+    from mass_ops.store.model_folders import publish_model
     from mass_ops.models.tiny import build_tiny_qwen3
     from mass_ops.store.artifacts import open_artifact_store
 

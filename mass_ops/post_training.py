@@ -55,7 +55,7 @@ from mass_ops.layout import (
     teacher_prompt_key,
     training_prefix,
 )
-from mass_ops.model_store import (
+from mass_ops.store.model_folders import (
     MANIFEST_NAME,
     ModelManifest,
     fetch_model,
@@ -73,7 +73,7 @@ from mass_ops.render import (
     iter_episode_renders,
 )
 from mass_ops.store.artifacts import ArtifactStore
-from mass_ops.store.models import Dataset, Ledger, RunStatus, TrainingRun
+from mass_ops.store.schema import Dataset, Ledger, RunStatus, TrainingRun
 from mass_ops.train.checkpoints import (
     CRITERION,
     LORA_STATE_FILE,

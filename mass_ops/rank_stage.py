@@ -29,7 +29,7 @@ from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling, open_clie
 from mass_ops.ranking import MatchResult, RankedEntry, bootstrap_intervals, bradley_terry, rank, tournament_pairs
 from mass_ops.seeds import match_seed, schedule_seed
 from mass_ops.selection import Selection, select_trajectories
-from mass_ops.store.models import Comparison, Ledger
+from mass_ops.store.schema import Comparison, Ledger
 
 logger = logging.getLogger(__name__)
 

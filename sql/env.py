@@ -13,7 +13,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from mass_ops.store.metadata import MetadataStore, resolve_url
-from mass_ops.store.models import Base
+from mass_ops.store.schema import Base
 
 config = context.config
 target_metadata = Base.metadata

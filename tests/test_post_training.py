@@ -22,7 +22,7 @@ from mass_ops.collect import freeze_teacher_prompt
 from mass_ops.config import CycleConfig, load_config
 from mass_ops.context import CycleContext
 from mass_ops.layout import EpisodeUnit, teacher_condition
-from mass_ops.model_store import MANIFEST_NAME, fetch_model, publish_model, read_manifest
+from mass_ops.store.model_folders import MANIFEST_NAME, fetch_model, publish_model, read_manifest
 from mass_ops.post_training import (
     PostTrainingError,
     export,

@@ -23,7 +23,7 @@ from mass_ops.rank_stage import (
 from mass_ops.ranking import tournament_pairs
 from mass_ops.search import run_search
 from mass_ops.seeds import match_seed, schedule_seed
-from mass_ops.store.models import CallStatus, Comparison, LLMCall, Ranking
+from mass_ops.store.schema import CallStatus, Comparison, LLMCall, Ranking
 from tests.fixtures.postgres import postgres_url  # noqa: F401
 from tests.fixtures.s3 import moto_s3_server, s3_artifact_url, s3_environment  # noqa: F401
 from tests.inner_loop_fakes import (  # noqa: F401

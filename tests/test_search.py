@@ -33,7 +33,7 @@ from mass_ops.search.prompt import (
     scoreboard_line,
     takeaways,
 )
-from mass_ops.store.models import CallStatus
+from mass_ops.store.schema import CallStatus
 from mass_ops.workflow import END_MARKER, START_MARKER, parse_prompt
 from tests.inner_loop_fakes import (  # noqa: F401
     FailurePlan,

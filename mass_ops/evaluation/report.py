@@ -40,7 +40,7 @@ from mass_ops.evaluation.stats import PairwiseSummary, WinRate, format_rate
 from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.layout import report_prefix, training_prefix
 from mass_ops.search.champion import BASELINE_WIN, derive_champion
-from mass_ops.store.models import TrainingRun
+from mass_ops.store.schema import TrainingRun
 
 FIGURES = (
     ("rhi_scoreboard", "RHI scoreboard per task"),

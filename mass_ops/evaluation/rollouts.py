@@ -25,7 +25,7 @@ from mass_ops.context import CycleContext
 from mass_ops.layout import EpisodeUnit, bare_condition, report_prefix
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import rollout_seed
-from mass_ops.store.models import Evaluation
+from mass_ops.store.schema import Evaluation
 
 ROLLOUT_SET_KIND = "rollouts"
 Split = Literal["train", "test", "all"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
-from mass_ops.store.models import ModelGeneration
+from mass_ops.store.schema import ModelGeneration
 
 LOCAL_MODELS_DIR = Path("runs") / "models"
 
@@ -65,7 +65,7 @@ def registered(ctx: CycleContext, name: str) -> ModelGeneration:
 
 def local_weights(ctx: CycleContext, row: ModelGeneration) -> Path:
     """A local folder with the generation's BF16 weights (the registered folder itself, or a verified download)."""
-    from mass_ops.model_store import fetch_model
+    from mass_ops.store.model_folders import fetch_model
 
     if not row.bf16_uri:
         raise ServingError(f"generation {row.name} has no BF16 weights registered")

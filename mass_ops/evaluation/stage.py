@@ -40,7 +40,7 @@ from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace, WorkspaceS
 from mass_ops.layout import report_prefix
 from mass_ops.llm_calls import CallLedger, CallUnit
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeRequest
-from mass_ops.store.models import Comparison, Ledger
+from mass_ops.store.schema import Comparison, Ledger
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.runner import EndpointUnreachableError, EpisodeRunner
 from mass_ops.store.artifacts import ArtifactNotFoundError
-from mass_ops.store.models import Episode
+from mass_ops.store.schema import Episode
 
 logger = logging.getLogger(__name__)
 

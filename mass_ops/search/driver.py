@@ -42,7 +42,7 @@ from mass_ops.search.prompt import (
 )
 from mass_ops.search.proposal import ProposalError, parse_proposal
 from mass_ops.seeds import reference_episode_seed, search_call_seed, version_episode_seed
-from mass_ops.store.models import Comparison, Ledger, WorkflowVersion, episode_unit_key
+from mass_ops.store.schema import Comparison, Ledger, WorkflowVersion, episode_unit_key
 from mass_ops.tasks.catalogue import Task
 from mass_ops.workflow import WorkflowPrompt, design_diff
 

@@ -23,7 +23,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from mass_ops.store.metadata import MetadataStore
-from mass_ops.store.models import (
+from mass_ops.store.schema import (
     Base,
     CallPurpose,
     CallStatus,

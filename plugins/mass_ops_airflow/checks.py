@@ -53,7 +53,7 @@ def training_recorded(config: CycleConfig) -> dict[str, Any]:
     """The cycle's succeeded training run and its checkpoints with a validation loss (step 0 excluded)."""
     import sqlalchemy as sa
 
-    from mass_ops.store.models import TrainingRun
+    from mass_ops.store.schema import TrainingRun
 
     repo, cycle_id = _cycle_id(config)
     with repo.store.read() as session:

@@ -1,7 +1,7 @@
 """Initial metadata schema: cycles, tasks, workflow versions, episodes, LLM calls, comparisons, rankings,
 selections, datasets and windows, training runs and checkpoints, model generations and evaluations.
 
-Written by hand and kept equal to `mass_ops.store.models` (tests compare the migrated schema with the models).
+Written by hand and kept equal to `mass_ops.store.schema` (tests compare the migrated schema with the models).
 Values of the CHECK constraints are frozen here on purpose: a later change of an enumeration is a new revision.
 
 Revision ID: 0001

@@ -18,7 +18,7 @@ from mass_ops.evaluation.rollouts import (
 )
 from mass_ops.layout import EpisodeUnit, bare_condition
 from mass_ops.seeds import rollout_seed
-from mass_ops.store.models import episode_unit_key
+from mass_ops.store.schema import episode_unit_key
 from tests.inner_loop_fakes import FailurePlan
 
 

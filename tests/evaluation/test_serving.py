@@ -28,7 +28,7 @@ from mass_ops.evaluation.serving import (
     state_file,
     stop_generations,
 )
-from mass_ops.model_store import publish_model
+from mass_ops.store.model_folders import publish_model
 from tests.evaluation.fakes import EvalEnv, record_local_server
 from tests.inner_loop_fakes import FakeExecutor
 

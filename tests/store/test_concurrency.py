@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from mass_ops.store.metadata import MetadataStore
-from mass_ops.store.models import Comparison, Cycle, Dataset, Episode, LLMCall, TrainingWindow
+from mass_ops.store.schema import Comparison, Cycle, Dataset, Episode, LLMCall, TrainingWindow
 from mass_ops.store.repository import MetadataRepository
 
 PROCESSES = 4

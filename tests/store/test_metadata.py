@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from mass_ops.store import migrations
 from mass_ops.store.metadata import MetadataStore, MetadataURLError, mask_url
-from mass_ops.store.models import Base, Episode, ModelGeneration, episode_unit_key
+from mass_ops.store.schema import Base, Episode, ModelGeneration, episode_unit_key
 from mass_ops.store.repository import (
     ConfigChangedError,
     InvalidRecordError,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mass_ops.model_store import (
+from mass_ops.store.model_folders import (
     MANIFEST_NAME,
     ModelManifest,
     ModelStoreError,
