@@ -30,8 +30,8 @@ from sqlalchemy.orm import Session
 
 from mass_ops.store import migrations
 from mass_ops.store.metadata import MetadataStore, mask_url, resolve_url
-from mass_ops.store.schema import Base
 from mass_ops.store.repository import MetadataRepository
+from mass_ops.store.schema import Base
 
 DEFAULT_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 

@@ -46,12 +46,12 @@ from urllib.parse import urlsplit
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from mass_ops.collect import collect  # noqa: E402
 from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
 from mass_ops.context import open_cycle  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
-from mass_ops.llm_calls import open_client  # noqa: E402
+from mass_ops.llm.calls import open_client  # noqa: E402
 from mass_ops.search import search_task, search_tasks  # noqa: E402
+from mass_ops.stages.collect import collect  # noqa: E402
 from tests.inner_loop_fakes import FakeExecutor  # noqa: E402
 
 MODEL = "bench-policy"

@@ -86,8 +86,8 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Print the validated config, the stage graph with planned counts, the training command and resources."""
-    from mass_ops.plan import build_plan
-    from mass_ops.training_plan import training_command_for
+    from mass_ops.stages.plan import build_plan
+    from mass_ops.train.plan import training_command_for
 
     cfg = resolve_config(config, set_)
     cycle_plan = build_plan(cfg, training_command_for(cfg))
@@ -297,7 +297,7 @@ def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 @app.command("render")
 def render_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Render the selected trajectories into training windows."""
-    from mass_ops.post_training import run_render
+    from mass_ops.stages.render import run_render
 
     cfg = resolve_config(config, set_)
     _stage("render", lambda: run_render(cfg))
@@ -306,7 +306,7 @@ def render_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 @app.command("train")
 def train_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Fine-tune a fresh LoRA (DeepSpeed ZeRO-3); resumes from the newest published checkpoint."""
-    from mass_ops.post_training import run_train
+    from mass_ops.stages.train import run_train
 
     cfg = resolve_config(config, set_)
     _stage("training", lambda: run_train(cfg))
@@ -315,7 +315,7 @@ def train_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 @app.command("export")
 def export_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Select the checkpoint, merge to BF16, quantise to FP8 and register the next generation."""
-    from mass_ops.post_training import run_export
+    from mass_ops.stages.register import run_export
 
     cfg = resolve_config(config, set_)
     _stage("export", lambda: run_export(cfg))
@@ -388,12 +388,13 @@ def demo(
     if port is not None and not ui:
         raise fail("demo: --port is the port of the web UI; use it with --ui")
     if ui:
-        from mass_ops.demo_ui import DEFAULT_PORT, run_ui
+        from mass_ops_airflow.demo.ui import DEFAULT_PORT, run_ui
 
         raise typer.Exit(run_ui(set_, port=port or DEFAULT_PORT, console=console, err_console=err_console))
-    from mass_ops.demo import demo_config, run_demo
-    from mass_ops.plan import build_plan
-    from mass_ops.training_plan import training_command_for
+    from mass_ops_airflow.demo import demo_config, run_demo
+
+    from mass_ops.stages.plan import build_plan
+    from mass_ops.train.plan import training_command_for
 
     try:
         cfg = demo_config(set_)

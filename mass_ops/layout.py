@@ -22,6 +22,10 @@ EPISODE_FILES = {
     "prompt": "prompt.txt",
     "settings": "settings.json",
 }
+# Kind of the `evaluations` row of a pairwise evaluation (L(k+1) against L(k)).
+PAIRWISE_KIND = "pairwise"
+# The prompt an episode pod's publisher container writes into the shared hand-off folder for its sandbox.
+HANDOFF_PROMPT_FILE = "prompt.txt"
 
 
 def bare_condition(task_id: int) -> str:

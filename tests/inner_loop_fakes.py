@@ -39,7 +39,7 @@ from mass_ops.context import CycleContext, attach_cycle, open_cycle
 from mass_ops.judge.evidence import task_plot_paths
 from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.llm import LLMClient, RetryPolicy
-from mass_ops.llm_calls import open_client
+from mass_ops.llm.calls import open_client
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.store.artifacts import ArtifactStore
 from mass_ops.store.migrations import upgrade
@@ -466,9 +466,9 @@ def _child(argv: Sequence[str] | None = None) -> None:
         with fast_client(config) as client:
             search_tasks(ctx, executor, client=client)
     else:
-        from mass_ops.collect import collect
+        from mass_ops.stages.collect import collect_batch
 
-        collect(ctx, executor)
+        collect_batch(ctx, executor)
     print("done", flush=True)
 
 

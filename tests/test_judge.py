@@ -31,7 +31,7 @@ from mass_ops.judge.prompts import (
     parse_verdict,
     persona,
 )
-from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling
+from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling
 from mass_ops.store.schema import CallStatus
 from tests.inner_loop_fakes import InnerLoopEnv, inner_loop_fixture  # noqa: F401
 from tests.policy_server import Fault, FaultRule, PolicyReply, RequestKind, classify_request

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mass_ops.llm_calls import CallLedger, CallUnit
+from mass_ops.llm.calls import CallLedger, CallUnit
 from mass_ops.search import (
     ProposalError,
     SearchEpisodeError,

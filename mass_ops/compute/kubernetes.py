@@ -33,14 +33,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 
 from mass_ops.config import CycleConfig
-
-if TYPE_CHECKING:
-    from mass_ops.runtime.episode import EpisodeRequest
+from mass_ops.layout import HANDOFF_PROMPT_FILE, EpisodeUnit
 
 CONFIG_ANNOTATION = "mass-ops/cycle-config"
 CONFIG_MOUNT = "/etc/mass-ops/cycle"
@@ -458,6 +456,20 @@ def inference_service(
 # Episode pods
 
 
+class UnitRequest(Protocol):
+    """What an episode spec binds to: the unit, condition and prompt hash of the request its stage runs (an
+    `EpisodeRequest` of the runtime; compute sits below the runtime, so it names only the fields it reads)."""
+
+    @property
+    def unit(self) -> EpisodeUnit: ...
+
+    @property
+    def condition(self) -> str: ...
+
+    @property
+    def prompt_sha256(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class EpisodeSpec:
     """Which episode a pod runs: its identity (kind, task, version / candidate / replicate, generation) and, once
@@ -498,7 +510,7 @@ class EpisodeSpec:
         """The unit's `candidate` slot: a collection candidate, or a rollout's replicate (rollouts keep it there)."""
         return self.replicate if self.kind == "rollout" else self.candidate
 
-    def bound(self, request: EpisodeRequest, prompt_uri: str) -> EpisodeSpec:
+    def bound(self, request: UnitRequest, prompt_uri: str) -> EpisodeSpec:
         """This identity with the seed, condition and prompt of `request` (what its stage runs), the prompt stored
         at `prompt_uri`; SpecError when `request` is another unit's."""
         unit = request.unit
@@ -540,8 +552,6 @@ class EpisodeSpec:
     def arguments(self) -> list[str]:
         """The unit's arguments of `mass-ops episode run` in the sandbox container: identity, seed, condition, and
         the prompt as the file the publisher writes into the hand-off folder."""
-        from mass_ops.runtime.handoff import PROMPT_FILE
-
         self._require_bound()
         args = ["--kind", self.kind, "--task", str(self.task_id), "--seed", str(self.seed)]
         for flag, value in (
@@ -551,7 +561,7 @@ class EpisodeSpec:
         ):
             if value is not None:
                 args += [flag, str(value)]
-        return [*args, "--condition", str(self.condition), "--prompt-file", f"{HANDOFF_MOUNT}/{PROMPT_FILE}"]
+        return [*args, "--condition", str(self.condition), "--prompt-file", f"{HANDOFF_MOUNT}/{HANDOFF_PROMPT_FILE}"]
 
     def publisher_arguments(self) -> list[str]:
         """The prompt arguments of `mass-ops episode publish`: which artifact to hand over, and its SHA-256."""
@@ -701,7 +711,7 @@ def _training_topology(config: CycleConfig, role: JobRole) -> tuple[int, int]:
 
 
 def _training_env(config: CycleConfig, settings: WorkloadSettings, role: JobRole) -> list[dict[str, Any]]:
-    """The launch topology and paths every node of the stage reads (`mass_ops.training_plan`); node rank = the
+    """The launch topology and paths every node of the stage reads (`mass_ops.train.plan`); node rank = the
     Job completion index, which both an indexed Job and a TrainJob's JobSet give each node's pod."""
     nnodes, gpus = _training_topology(config, role)
     return [

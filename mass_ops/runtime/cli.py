@@ -186,8 +186,7 @@ def _run(
             ctx = attach_cycle(cfg)
             if kind == "rollout" and generation:
                 # A rollout runs on the server of the generation it evaluates (the cycle's evaluation servers).
-                from mass_ops.evaluation.cycle import evaluation_scope
-                from mass_ops.evaluation.serving import generation_server, serving_context
+                from mass_ops.serving import evaluation_scope, generation_server, serving_context
 
                 ctx = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(cfg)))
             prompt = _read_prompt(ctx.artifacts, prompt_file, prompt_uri)

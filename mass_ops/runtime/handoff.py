@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, load_task_catalogue
-from mass_ops.layout import EPISODE_FILES, EpisodeKind, EpisodeUnit
+from mass_ops.layout import EPISODE_FILES, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.runner import (
     AttemptFiles,
@@ -75,7 +75,7 @@ from mass_ops.store.artifacts import ArtifactNotFoundError, ArtifactStore, open_
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
-PROMPT_FILE = "prompt.txt"
+PROMPT_FILE = HANDOFF_PROMPT_FILE
 REQUEST_FILE = "request.json"
 LEDGER_FILE = "ledger.json"
 COMPLETE_FILE = "complete.json"
@@ -180,7 +180,7 @@ class RecordedAttempt(_Document):
 
 
 class ServingTarget(_Document):
-    """The server of the generation a rollout evaluates (`mass_ops.evaluation.serving.GenerationServer`)."""
+    """The server of the generation a rollout evaluates (`mass_ops.serving.GenerationServer`)."""
 
     generation: str
     endpoint: str
@@ -450,7 +450,7 @@ class SandboxHandoff:
         )
         if ledger.serving is not None:
             # A rollout runs on the server of the generation it evaluates; only the publisher can look it up.
-            from mass_ops.evaluation.serving import GenerationServer, serving_config
+            from mass_ops.serving import GenerationServer, serving_config
 
             config = serving_config(config, GenerationServer(**ledger.serving.model_dump()))
         statuses = {}
@@ -718,8 +718,7 @@ class HandoffPublisher:
             return None
         if len(generations) > 1:
             raise IncompleteHandoffError(f"request.json: rollouts of several generations {sorted(generations)}")
-        from mass_ops.evaluation.cycle import evaluation_scope
-        from mass_ops.evaluation.serving import generation_server
+        from mass_ops.serving import evaluation_scope, generation_server
 
         server = generation_server(ctx, generations.pop(), evaluation_scope(ctx.config))
         return ServingTarget(**server.as_dict())

@@ -6,7 +6,7 @@ release, 0.15.10, is five minors behind); inside 0.21 we take the last patch, 0.
 bugs and this one is known to run on Node 22 against `transformers serve`. The pin lives in `QWEN_CODE_VERSION` only;
 every episode records it in its status.
 
-Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or ``<repo>/.runtime``)::
+Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or the user's cache folder, see `runtime.installs`)::
 
     node/   npm prefix holding node-<os>-<arch>@22 (its package ships the `node` binary), only if needed
     qwen/   npm prefix holding @qwen-code/qwen-code@<pin>
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mass_ops.runtime_dir import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
+from mass_ops.runtime.installs import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
 
 QWEN_CODE_PACKAGE = "@qwen-code/qwen-code"
 QWEN_CODE_VERSION = "0.21.10"

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.config import CycleConfig
-from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.context import CycleContext
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, results_json_appendix
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import REFERENCE_LABEL, version_label
 from mass_ops.judge.workspaces import EvidenceCache, ExecutorWorkspace, WorkspaceSource
 from mass_ops.layout import EpisodeUnit, bare_condition, version_condition, workflow_version_key
 from mass_ops.llm import LLMClient, LLMOutputError
-from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling, open_client
+from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling, open_client
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.search.champion import ChampionState, arbitration_key, baseline_key, derive_champion
 from mass_ops.search.prompt import (
@@ -718,14 +718,3 @@ def search_tasks(
         raise SearchFailedError(results)
     return results
 
-
-def run_search(
-    config: CycleConfig,
-    tasks: Sequence[int] | None = None,
-    *,
-    executor: EpisodeExecutor,
-    client: LLMClient | None = None,
-) -> list[dict[str, Any]]:
-    """The `search` command: RHI for the given tasks (default: the train candidates); one summary row per task."""
-    ctx = attach_cycle(config)
-    return [result.as_row() for result in search_tasks(ctx, executor, tasks, client=client)]

@@ -20,7 +20,7 @@ from mass_ops.compute.kubernetes import EpisodeSpec, SpecError, WorkloadSettings
 from mass_ops.config import load_config
 from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.episode import EpisodeRequest
-from mass_ops.training_plan import training_command_for
+from mass_ops.train.plan import training_command_for
 from tests.deploy.chart_render import REPO_ROOT, render_chart, validate_manifest
 
 SERVE_SH = REPO_ROOT / "docker" / "inference" / "serve.sh"

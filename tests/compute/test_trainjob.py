@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 
 from mass_ops.compute import kubernetes as specs
-from mass_ops.training_plan import MASTER_ADDR_ENVS, UNSET_MASTER_ADDR, master_address, training_command_for
+from mass_ops.train.plan import MASTER_ADDR_ENVS, UNSET_MASTER_ADDR, master_address, training_command_for
 from tests.compute.test_kubernetes_specs import EPISODES, GPU_VALUES, chart_settings_dir, cluster_config
 from tests.deploy.chart_render import validate_manifest
 

@@ -62,9 +62,10 @@ def _episode_identities(ctx) -> Counter:
 
 
 def test_a_cycle_runs_end_to_end_and_a_cleared_failure_reruns_only_what_is_missing(airflow_db, tmp_path, monkeypatch):
+    from mass_ops_airflow.demo import prepare_parent
+    from mass_ops_airflow.demo.airflow_home import failed_tasks, load_dag
+
     from mass_ops import stages
-    from mass_ops.demo import prepare_parent
-    from mass_ops.demo_airflow import failed_tasks, load_dag
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(JUDGE_KEY_ENV, "test-judge-key")
@@ -143,8 +144,9 @@ def test_a_cycle_runs_end_to_end_and_a_cleared_failure_reruns_only_what_is_missi
 def _nights(overrides: list[str], policy) -> tuple[list[dict], list[tuple[int, int]]]:
     """Run the nightly DAG for 28 November twice; returns its evaluation results and, after each run,
     the judge stand-in's chat-call count and the number of nightly episodes."""
-    from mass_ops.demo_airflow import failed_tasks, load_dag
-    from mass_ops.evaluation.nightly import nightly_config
+    from mass_ops_airflow.demo.airflow_home import failed_tasks, load_dag
+
+    from mass_ops.stages.nightly import nightly_config
 
     nightly = load_dag("mass_nightly_eval")
     for task in nightly.tasks:

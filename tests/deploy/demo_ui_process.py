@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from mass_ops.demo_airflow import DEMO_AIRFLOW_HOME
-from mass_ops.demo_ui import AirflowApi, DemoUi, read_passwords
+from mass_ops_airflow.demo.airflow_home import DEMO_AIRFLOW_HOME
+from mass_ops_airflow.demo.ui import AirflowApi, DemoUi, read_passwords
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAND_IN_SITE = Path(__file__).with_name("stand_in_site")

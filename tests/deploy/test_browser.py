@@ -20,9 +20,9 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from mass_ops_airflow.demo.airflow_home import CYCLE_DAG_ID
+from mass_ops_airflow.demo.ui import AirflowApi
 
-from mass_ops.demo_airflow import CYCLE_DAG_ID
-from mass_ops.demo_ui import AirflowApi
 from tests.deploy.demo_ui_process import REPO_ROOT, DemoUiProcess, chromium_executable, free_port
 
 ARTIFACTS = REPO_ROOT / "runs" / "test-artifacts" / "browser"

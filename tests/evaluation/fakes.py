@@ -34,10 +34,10 @@ import pytest
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.pairing import RolloutPair, pairs_document, pairs_from_document
-from mass_ops.evaluation.stage import workspace_alias
 from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.llm import LLMClient
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
+from mass_ops.stages.evaluate import workspace_alias
 from mass_ops.store.repository import MetadataRepository
 from tests.inner_loop_fakes import (
     FakeExecutor,
@@ -351,7 +351,7 @@ def record_local_server(scope: str, generation: str, *, endpoint: str, served_na
     The recorded process has already exited and its start time can never match, so `stop_generations` treats it as
     gone and never signals anything."""
     from mass_ops.compute.local import ServerState
-    from mass_ops.evaluation.serving import state_file
+    from mass_ops.serving import state_file
 
     finished = subprocess.Popen(["true"])
     finished.wait()
@@ -482,7 +482,7 @@ def spawn_judging(config: CycleConfig, pairs: Sequence[RolloutPair], tmp: Path) 
 def _child(argv: Sequence[str] | None = None) -> None:
     from mass_ops.context import attach_cycle
     from mass_ops.evaluation.external import external_judges
-    from mass_ops.evaluation.stage import judge_pairs
+    from mass_ops.stages.evaluate import judge_pairs
 
     config_file, pairs_file = (Path(arg) for arg in (argv or sys.argv[1:]))
     config = validate_config(json.loads(config_file.read_text()))

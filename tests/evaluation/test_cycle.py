@@ -13,20 +13,19 @@ import pytest
 from mass_ops import stages
 from mass_ops.config import validate_config
 from mass_ops.context import CycleContext
-from mass_ops.evaluation.cycle import (
+from mass_ops.evaluation.report import build_blocks, collect_report_data, render_markdown
+from mass_ops.evaluation.rollouts import ROLLOUT_SET_KIND, default_label
+from mass_ops.evaluation.stats import ledger_key
+from mass_ops.seeds import rollout_seed
+from mass_ops.serving import ServingError, evaluation_scope
+from mass_ops.stages.evaluate import (
+    PAIRWISE_KIND,
     evaluate,
     evaluated_generations,
-    evaluation_scope,
     rollout_units,
     run_rollout_unit,
     stand_in_note,
 )
-from mass_ops.evaluation.report import build_blocks, collect_report_data, render_markdown
-from mass_ops.evaluation.rollouts import ROLLOUT_SET_KIND, default_label
-from mass_ops.evaluation.serving import ServingError
-from mass_ops.evaluation.stage import PAIRWISE_KIND
-from mass_ops.evaluation.stats import ledger_key
-from mass_ops.seeds import rollout_seed
 from tests.evaluation.fakes import (
     CLAUDE_JUDGE,
     GPT_JUDGE,

@@ -12,7 +12,10 @@ import pytest
 from mass_ops import stages
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.context import CycleContext
-from mass_ops.evaluation.nightly import (
+from mass_ops.evaluation.rollouts import ROLLOUT_SET_KIND
+from mass_ops.serving import ServingError
+from mass_ops.layout import PAIRWISE_KIND
+from mass_ops.stages.nightly import (
     NIGHTLY_SCOPE,
     NightlyError,
     check_regression,
@@ -21,9 +24,6 @@ from mass_ops.evaluation.nightly import (
     nightly_targets,
     served_generations,
 )
-from mass_ops.evaluation.rollouts import ROLLOUT_SET_KIND
-from mass_ops.evaluation.serving import ServingError
-from mass_ops.evaluation.stage import PAIRWISE_KIND
 from tests.evaluation.fakes import (
     CLAUDE_JUDGE,
     GPT_JUDGE,

@@ -16,7 +16,10 @@ from mass_ops.context import CycleContext
 from mass_ops.evaluation.benchmarks import TaskScore, TrialResult, record_trial, run_trial
 from mass_ops.evaluation.external import open_external_judge, self_judge
 from mass_ops.evaluation.report import FIGURES, collect_report_data
-from mass_ops.evaluation.stage import (
+from mass_ops.evaluation.stats import Judgment, summarize_judgments
+from mass_ops.layout import training_prefix
+from mass_ops.llm import RetryPolicy
+from mass_ops.stages.evaluate import (
     judge_pairs,
     pair_rollouts,
     run_rollouts,
@@ -24,9 +27,6 @@ from mass_ops.evaluation.stage import (
     workspace_alias,
     write_report,
 )
-from mass_ops.evaluation.stats import Judgment, summarize_judgments
-from mass_ops.layout import training_prefix
-from mass_ops.llm import RetryPolicy
 from tests.evaluation.fakes import GPT_JUDGE, BenchmarkExecutor, EvalEnv, alias_judge, aliases_of, preferring
 from tests.inner_loop_fakes import FakeExecutor, open_test_cycle
 
@@ -213,8 +213,8 @@ def test_an_empty_cycle_still_renders_every_figure(eval_env):
 
 def test_the_nightly_report_is_written_for_the_nightly_cycle(eval_env):
     from mass_ops import stages
-    from mass_ops.evaluation.nightly import nightly_config
     from mass_ops.layout import report_prefix
+    from mass_ops.stages.nightly import nightly_config
 
     nightly = nightly_config(eval_env.config).cycle_name
     assert nightly != eval_env.config.cycle_name

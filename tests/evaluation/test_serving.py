@@ -18,7 +18,7 @@ from mass_ops.compute.local import LocalServerError, ServerState, is_alive, read
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.evaluation.rollouts import rollout_requests
-from mass_ops.evaluation.serving import (
+from mass_ops.serving import (
     GenerationServer,
     ServingError,
     generation_server,

@@ -11,7 +11,10 @@ import pytest
 
 from mass_ops.evaluation.external import external_judges, open_external_judge, self_judge
 from mass_ops.evaluation.pairing import RolloutPair
-from mass_ops.evaluation.stage import (
+from mass_ops.evaluation.stats import ledger_key
+from mass_ops.llm import RetryPolicy
+from mass_ops.seeds import presentation_swapped
+from mass_ops.stages.evaluate import (
     EvaluationStageError,
     judge_pairs,
     pair_rollouts,
@@ -20,9 +23,6 @@ from mass_ops.evaluation.stage import (
     summarize,
     workspace_alias,
 )
-from mass_ops.evaluation.stats import ledger_key
-from mass_ops.llm import RetryPolicy
-from mass_ops.seeds import presentation_swapped
 from tests.evaluation.fakes import (
     CLAUDE_JUDGE,
     CLAUDE_KEY,

@@ -19,8 +19,8 @@ from mass_ops_airflow.operators import EpisodePodOperator, EpisodeStageOperator
 from mass_ops_airflow.operators._pod import SandboxPodFailed
 
 from mass_ops.compute import kubernetes as specs
-from mass_ops.episode_units import EpisodeUnitError
 from mass_ops.layout import workflow_version_key
+from mass_ops.stages.units import EpisodeUnitError
 from tests.plugins.conftest import task_context
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes"}
@@ -256,10 +256,10 @@ def test_stage_operator_on_the_local_backend_only_calls_the_stage(cluster, stage
 
 def stage_request(config, kwargs: dict[str, Any]) -> Any:
     """The request the unit's stage builds, from the stage modules' own builders (not through the operator)."""
-    from mass_ops.collect import collection_requests, freeze_teacher_prompt
     from mass_ops.context import attach_cycle
     from mass_ops.evaluation.rollouts import rollout_requests
     from mass_ops.search.driver import reference_request, version_request
+    from mass_ops.stages.collect import collection_requests, freeze_teacher_prompt
 
     ctx = attach_cycle(config)
     task = int(kwargs["task"])

@@ -410,7 +410,7 @@ def test_a_collection_pod_records_the_episode_its_stage_then_reuses(
 ) -> None:
     from mass_ops import stages
     from mass_ops.compute import kubernetes as specs
-    from mass_ops.episode_units import episode_request, publish_prompt
+    from mass_ops.stages.units import episode_request, publish_prompt
 
     runtime = fake_qwen_runtime(tmp_path / "runtime")
     with policy_host.serve() as server:

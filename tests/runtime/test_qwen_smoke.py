@@ -122,7 +122,9 @@ def test_runtime_dir_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     monkeypatch.setenv(RUNTIME_DIR_ENV, str(tmp_path / "rt"))
     assert default_runtime_dir() == (tmp_path / "rt").resolve()
     monkeypatch.delenv(RUNTIME_DIR_ENV)
-    assert default_runtime_dir() == Path(__file__).resolve().parents[2] / ".runtime"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # Not the package's own folder: that is site-packages when mass-ops is installed from a wheel.
+    assert default_runtime_dir() == (tmp_path / "cache" / "mass-ops" / "runtime").resolve()
 
 
 def test_missing_npm_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from mass_ops.store.metadata import MetadataStore
-from mass_ops.store.schema import Comparison, Cycle, Dataset, Episode, LLMCall, TrainingWindow
 from mass_ops.store.repository import MetadataRepository
+from mass_ops.store.schema import Comparison, Cycle, Dataset, Episode, LLMCall, TrainingWindow
 
 PROCESSES = 4
 UNITS = 50

@@ -10,13 +10,13 @@ import sqlalchemy as sa
 
 from mass_ops.store import migrations
 from mass_ops.store.metadata import MetadataStore, MetadataURLError, mask_url
-from mass_ops.store.schema import Base, Episode, ModelGeneration, episode_unit_key
 from mass_ops.store.repository import (
     ConfigChangedError,
     InvalidRecordError,
     MetadataRepository,
     UnitConflictError,
 )
+from mass_ops.store.schema import Base, Episode, ModelGeneration, episode_unit_key
 
 CONFIG = {"name": "paper-L0", "search": {"iterations": 11, "seed_base": 450000}}
 HASH = "a" * 64

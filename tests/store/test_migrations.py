@@ -13,8 +13,8 @@ from alembic.runtime.migration import MigrationContext
 
 from mass_ops.store import migrations
 from mass_ops.store.metadata import MetadataStore
-from mass_ops.store.schema import Base
 from mass_ops.store.repository import MetadataRepository
+from mass_ops.store.schema import Base
 
 MODEL_TABLES = set(Base.metadata.tables)
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore, open_artifact_store
+from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.model_folders import (
     MANIFEST_NAME,
     ModelManifest,
@@ -20,8 +22,6 @@ from mass_ops.store.model_folders import (
     read_manifest,
     resolve_model_location,
 )
-from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore, open_artifact_store
-from mass_ops.store.local_artifacts import LocalArtifactStore
 
 
 def make_model(folder: Path, *, seed: int = 0) -> Path:

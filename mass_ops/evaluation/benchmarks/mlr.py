@@ -33,7 +33,7 @@ from mass_ops.evaluation.benchmarks.scoring import (
 )
 from mass_ops.evaluation.external import ReportJudge
 from mass_ops.llm import LLMOutputError, SamplingParams
-from mass_ops.llm_calls import CallLedger, CallUnit
+from mass_ops.llm.calls import CallLedger, CallUnit
 from mass_ops.runtime.episode import EpisodeOutcome
 
 MLR = "mlr"

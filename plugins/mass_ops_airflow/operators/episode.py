@@ -3,7 +3,7 @@
 On Kubernetes the pod runs `mass-ops episode run …` (see `mass_ops.compute.kubernetes.episode_pod`): non-root, no
 service-account token, CPU/memory limits, the label the sandbox NetworkPolicy selects, and of the Secrets only the
 inference key. Before creating it, the operator (which holds the store credentials) computes the request the stage
-runs for this unit (`mass_ops.episode_units.episode_request`: seed, condition, prompt), stores the prompt as a
+runs for this unit (`mass_ops.stages.units.episode_request`: seed, condition, prompt), stores the prompt as a
 content-addressed artifact and gives the pod the seed and condition, and its publisher the prompt's URI and SHA-256;
 a unit whose prompt is not known yet (a search version not proposed) fails here, before any pod exists. The wait is
 deferred to the triggerer; a retry re-attaches to a pod that is still running; a kill deletes the pod; a failure
@@ -98,7 +98,7 @@ class EpisodePodOperator(BaseOperator):
         """`episode` bound to the request its stage runs, with the prompt stored where the pod's publisher fetches
         it; `EpisodeUnitError` (one line) when the unit's prompt is not known yet."""
         from mass_ops.context import attach_cycle
-        from mass_ops.episode_units import episode_request, publish_prompt
+        from mass_ops.stages.units import episode_request, publish_prompt
 
         ctx = attach_cycle(config)
         request = episode_request(ctx, episode)

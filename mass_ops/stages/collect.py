@@ -185,7 +185,7 @@ class CollectionResult:
         return asdict(self)
 
 
-def collect(
+def collect_batch(
     ctx: CycleContext, executor: EpisodeExecutor, task_ids: Sequence[int] | None = None
 ) -> list[CollectionResult]:
     """Run the teacher candidates of every eligible task in one executor batch (done episodes are reused)."""
@@ -228,4 +228,4 @@ def run_collect(
     config: CycleConfig, tasks: Sequence[int] | None = None, *, executor: EpisodeExecutor
 ) -> list[dict[str, Any]]:
     """The `collect` command: teacher candidates for the training tasks; one summary row per task."""
-    return [result.as_row() for result in collect(attach_cycle(config), executor, tasks)]
+    return [result.as_row() for result in collect_batch(attach_cycle(config), executor, tasks)]

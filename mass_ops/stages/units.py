@@ -4,8 +4,8 @@ On Kubernetes an episode runs in its own pod before the stage function that uses
 candidate, an evaluation rollout), and the stage then finds it recorded and reuses it. That works only if the pod
 runs exactly the unit the stage would run: the same identity, seed, condition and prompt. So `episode_request` builds
 no request of its own: it asks the stage's domain module for the request that stage runs —
-`mass_ops.search.driver` for reference and search episodes, `mass_ops.collect` for teacher candidates,
-`mass_ops.evaluation.cycle` for rollouts — and `publish_prompt` stores its prompt where the pod's publisher fetches
+`mass_ops.search.driver` for reference and search episodes, `mass_ops.stages.collect` for teacher candidates,
+`mass_ops.stages.evaluate` for rollouts — and `publish_prompt` stores its prompt where the pod's publisher fetches
 it (`mass_ops.layout.episode_prompt_key`, content-addressed).
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from mass_ops.collect import CollectionError, candidate_request
 from mass_ops.context import CycleContext
-from mass_ops.evaluation.cycle import rollout_unit_request
 from mass_ops.evaluation.rollouts import RolloutError
 from mass_ops.layout import episode_prompt_key
 from mass_ops.runtime.episode import EpisodeRequest
 from mass_ops.search.driver import SearchError, reference_request, search_episode_request
+from mass_ops.stages.collect import CollectionError, candidate_request
+from mass_ops.stages.evaluate import rollout_unit_request
 
 
 class EpisodeIdentity(Protocol):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from mass_ops import demo_airflow
+from mass_ops_airflow.demo import airflow_home as demo_airflow
 
 
 def test_the_nothing_to_run_warning_becomes_one_short_info_line(caplog: pytest.LogCaptureFixture) -> None:

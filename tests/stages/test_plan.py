@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.config import load_config
-from mass_ops.plan import build_plan, count_checkpoints, count_validations
-from mass_ops.training_plan import training_command_for
+from mass_ops.stages.plan import build_plan, count_checkpoints, count_validations
+from mass_ops.train.plan import training_command_for
 
 runner = CliRunner()
 

@@ -1,6 +1,8 @@
 """Where the tools mass-ops installs for itself live: Node 22, qwen-code, the Qwen3 tokenizer.
 
-`$MASS_RUNTIME_DIR` when set (container images use /opt/mass-runtime), else `<repo>/.runtime`.
+`$MASS_RUNTIME_DIR` when set (container images use /opt/mass-runtime; the repository's scripts use `./.runtime`),
+else the user's cache folder (`$XDG_CACHE_HOME/mass-ops/runtime`, by default `~/.cache/mass-ops/runtime`), which
+works the same from a source checkout and from an installed wheel.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ import os
 from pathlib import Path
 
 RUNTIME_DIR_ENV = "MASS_RUNTIME_DIR"
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_runtime_dir() -> Path:
-    """`$MASS_RUNTIME_DIR` if set, else `<repo>/.runtime`."""
+    """`$MASS_RUNTIME_DIR` if set, else `$XDG_CACHE_HOME/mass-ops/runtime` (default `~/.cache/mass-ops/runtime`)."""
     configured = os.environ.get(RUNTIME_DIR_ENV)
-    return Path(configured).expanduser().resolve() if configured else _REPO_ROOT / ".runtime"
+    if configured:
+        return Path(configured).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser().resolve() / "mass-ops" / "runtime"
 
 
 def installed_npm_version(package_dir: Path) -> str | None:

@@ -1,8 +1,9 @@
 """`mass-ops demo --ui`: the demo's Airflow with its web UI (`airflow standalone`), on 127.0.0.1 only.
 
 It prepares what a run of `mass_cycle` needs — the tiny L0 model published to the demo's artifact folder, the
-demo's Airflow home, database and pools (`mass_ops.demo_airflow`) — then runs `airflow standalone` (scheduler,
-DAG processor, triggerer, API server) in its own process group until Ctrl-C, which stops the whole group and any
+demo's Airflow home, database and pools (`airflow_home` beside this file) — then runs `airflow standalone`
+(scheduler, DAG processor, triggerer, API server) in its own process group until Ctrl-C, which stops the whole group
+and any
 local model server the UI's runs left behind.
 
 - Login: Airflow 3's simple auth manager with one admin user. Its password is generated here into a 0600 JSON file
@@ -39,7 +40,7 @@ from rich.console import Console
 
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
-from mass_ops.demo_airflow import CYCLE_DAG_ID, DEMO_AIRFLOW_HOME, airflow_environment
+from mass_ops_airflow.demo.airflow_home import CYCLE_DAG_ID, DEMO_AIRFLOW_HOME, airflow_environment
 
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -379,7 +380,7 @@ def lock_home(ui: DemoUi) -> int:
 
 def validate(ui: DemoUi, overrides: list[str] | None) -> CycleConfig:
     """The checks that need nothing written: the port is free and the demo config with `overrides` is valid."""
-    from mass_ops.demo import demo_config
+    from mass_ops_airflow.demo import demo_config
 
     check_port_free(ui.port)
     return demo_config(overrides)
@@ -387,8 +388,8 @@ def validate(ui: DemoUi, overrides: list[str] | None) -> CycleConfig:
 
 def prepare(ui: DemoUi, config: CycleConfig, console: Console) -> dict[str, str]:
     """Everything the UI's runs need, in order; returns the environment of `airflow standalone`."""
-    from mass_ops.demo import prepare_parent
-    from mass_ops.demo_airflow import prepare_database, use_demo_airflow
+    from mass_ops_airflow.demo import prepare_parent
+    from mass_ops_airflow.demo.airflow_home import prepare_database, use_demo_airflow
 
     console.print(f"building and publishing the tiny L0 model ({config.models.served_name})", markup=False)
     prepare_parent(config)
@@ -462,7 +463,7 @@ def run_ui(overrides: list[str] | None, *, port: int, console: Console, err_cons
     """`mass-ops demo --ui`: validate, prepare, serve until Ctrl-C; returns the exit status (2: bad input or a UI
     already running, 1: failure)."""
     from mass_ops.config import ConfigError
-    from mass_ops.demo_airflow import DemoAirflowError
+    from mass_ops_airflow.demo.airflow_home import DemoAirflowError
 
     def problem(text: str) -> None:
         err_console.print(f"demo --ui: {text}", markup=False, highlight=False, soft_wrap=True)

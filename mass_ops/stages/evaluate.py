@@ -1,13 +1,20 @@
-"""The evaluation stage as plain functions (MASS_SPEC §10; ARCHITECTURE step 10), for the CLI and the DAG tasks.
+"""Evaluation stages of a cycle: L(k+1) against its parent L(k) on held-out rollouts (MASS_SPEC §10; ARCHITECTURE
+step 10), for the CLI and the DAG tasks.
 
-1. `run_rollouts` — bare-task rollouts of a generation, recorded as a rollout set (see `rollouts`).
-2. `pair_rollouts` — two sets paired by (task, replicate); the pairs document is published.
-3. `judge_pairs` — every (pair, judge, presentation seed) judged once and recorded in the ``external`` ledger under
+1. `rollout_units` — one unit per (generation, task, replicate) of the rollout pool, for both generations; the DAG
+   maps one task instance over each; `run_rollout_unit` runs one bare-task rollout on that generation's server.
+2. `run_rollouts` — bare-task rollouts of a generation, recorded as a rollout set (see `evaluation.rollouts`).
+3. `pair_rollouts` — two sets paired by (task, replicate); the pairs document is published.
+4. `judge_pairs` — every (pair, judge, presentation seed) judged once and recorded in the ``external`` ledger under
    ``<pair_id>/<judge>/<seed>``. Resumable: recorded keys are skipped, and a judgment whose call finished but whose
    row was never written (a kill in between) reuses the stored answer, so no judgment is ever made twice.
-4. `summarize` — win rates with intervals per task / split / judge / overall over exactly these pairs and judges,
+5. `summarize` — win rates with intervals per task / split / judge / overall over exactly these pairs and judges,
    plus self-judge agreement when self-judgments exist; recorded as an ``evaluations`` row (kind ``pairwise``).
-5. `write_report` — Markdown + HTML with figures in the artifact store.
+6. `evaluate` — the cycle's evaluation: records both rollout sets (every episode is already recorded, so nothing
+   runs again), pairs, judges (every external judge, and the new generation's in-loop judge for the agreement
+   table), summarizes. With no external judge configured (the demo has no keys), the parent's in-loop judge stands in
+   as the external judge; the summary says so (`stand_in_judge`).
+7. `write_report` — Markdown + HTML with figures in the artifact store.
 """
 
 from __future__ import annotations
@@ -15,19 +22,28 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.evaluation import rollouts as _rollouts
 from mass_ops.evaluation.agreement import judge_agreement
-from mass_ops.evaluation.external import SELF_JUDGE, ReportJudge, judge_presentation
+from mass_ops.evaluation.external import SELF_JUDGE, ReportJudge, external_judges, judge_presentation, self_judge
 from mass_ops.evaluation.pairing import RolloutPair, pairs_document
 from mass_ops.evaluation.pairing import pair_rollouts as _pair_sets
-from mass_ops.evaluation.rollouts import RolloutSet, Split, load_rollout_set
+from mass_ops.evaluation.rollouts import (
+    RolloutError,
+    RolloutSet,
+    Split,
+    default_label,
+    load_rollout_set,
+    resolve_rollout_tasks,
+)
 from mass_ops.evaluation.stats import (
     DEFAULT_BOOTSTRAP_SAMPLES,
     Judgment,
@@ -37,14 +53,14 @@ from mass_ops.evaluation.stats import (
 )
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
 from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace, WorkspaceSource
-from mass_ops.layout import report_prefix
-from mass_ops.llm_calls import CallLedger, CallUnit
-from mass_ops.runtime.episode import EpisodeExecutor, EpisodeRequest
+from mass_ops.layout import PAIRWISE_KIND, report_prefix
+from mass_ops.llm.calls import CallLedger, CallUnit
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
+from mass_ops.serving import GenerationServer, evaluation_scope, generation_server, serving_context
 from mass_ops.store.schema import Comparison, Ledger
 
 logger = logging.getLogger(__name__)
 
-PAIRWISE_KIND = "pairwise"
 # External reporting caps of the reference: no report token cap, JSON 50000 and code 10000 tokens, o200k counting.
 REPORT_TOKEN_MODEL = "gpt-5.5"
 DEFAULT_JUDGE_WORKERS = 4
@@ -378,3 +394,130 @@ def write_report(ctx: CycleContext, out_prefix: str | None = None) -> dict[str, 
     from mass_ops.evaluation.report import write_report as render
 
     return render(ctx, out_prefix)
+
+
+STAND_IN_JUDGE_PREFIX = "in-loop-"
+
+
+
+def evaluated_generations(config: CycleConfig) -> tuple[str, str]:
+    """(new generation, parent): ``L<g+1>`` and ``L<g>``."""
+    return f"L{config.generation + 1}", f"L{config.generation}"
+
+
+def rollout_units(config: CycleConfig) -> list[tuple[str, int, int]]:
+    """Every (generation, task, replicate) the evaluation needs, the new generation first."""
+    tasks = resolve_rollout_tasks(config)
+    count = config.evaluation.rollout_count
+    return [(g, t, r) for g in evaluated_generations(config) for t in tasks for r in range(count)]
+
+
+ExecutorFactory = Callable[[CycleContext], AbstractContextManager[EpisodeExecutor]]
+
+
+@contextmanager
+def episode_pool(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
+    """The local executor for `ctx` (qwen-code processes behind an EpisodePool)."""
+    from mass_ops.runtime.pool import EpisodePool
+
+    with EpisodePool(ctx) as pool:
+        yield pool
+
+
+def rollout_unit_request(ctx: CycleContext, generation: str, task: int, replicate: int) -> EpisodeRequest:
+    """The request of one evaluation rollout of the cycle: replicate i of task q run by `generation` (the request
+    names no server: the episode runs on the generation's, see `run_rollout_unit`). RolloutError for a generation
+    the cycle does not evaluate, a task outside the rollout pool or a replicate outside the count."""
+    new, parent = evaluated_generations(ctx.config)
+    if generation not in (new, parent):
+        raise RolloutError(f"rollout: this cycle evaluates {new} and {parent}, not {generation!r}")
+    pool = resolve_rollout_tasks(ctx.config)
+    if task not in pool:
+        # A train candidate outside the pool would be rolled out and recorded, but no rollout set would use it.
+        raise RolloutError(f"rollout: task {task} is not in this cycle's rollout pool {pool}")
+    count = ctx.config.evaluation.rollout_count
+    if not 0 <= replicate < count:
+        raise RolloutError(f"rollout: replicate {replicate} is outside 0..{count - 1} (evaluation.rollout_count)")
+    (request,) = [r for r in rollout_requests(ctx, generation, [task], count) if r.unit.candidate == replicate]
+    return request
+
+
+def run_rollout_unit(
+    ctx: CycleContext, generation: str, task: int, replicate: int, *, executor: ExecutorFactory = episode_pool
+) -> EpisodeOutcome:
+    """One rollout episode of `generation` on its server (reused when already recorded)."""
+    request = rollout_unit_request(ctx, generation, task, replicate)
+    served = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(ctx.config)))
+    with executor(served) as pool:
+        (outcome,) = pool.run([request])
+    return outcome
+
+
+def rollout_set(
+    ctx: CycleContext,
+    server: GenerationServer,
+    executor: ExecutorFactory,
+    *,
+    split: Split | None = None,
+    label: str | None = None,
+) -> str:
+    """Record (or find) the generation's rollout set over the configured pool (or `split`); returns its label."""
+    served = serving_context(ctx, server)
+    pool = resolve_rollout_tasks(ctx.config, split=split)
+    label = label or default_label(server.generation, pool, ctx.config.evaluation.rollout_count)
+    with executor(served) as runner:
+        return run_rollouts(served, runner, server.generation, split=split, label=label).label
+
+
+def _in_loop_judge(ctx: CycleContext, server: GenerationServer, name: str, stack: ExitStack) -> ReportJudge:
+    from mass_ops.llm.calls import open_client
+
+    served = serving_context(ctx, server)
+    client = stack.enter_context(open_client(served.config))
+    return self_judge(served.config, client, name=name)
+
+
+def stand_in_note(parent: str) -> str:
+    return f"no external judge is configured: {parent}'s in-loop judge stands in (not an independent verdict)"
+
+
+def open_judges(
+    ctx: CycleContext, new: GenerationServer, parent: GenerationServer, stack: ExitStack
+) -> tuple[list[ReportJudge], ReportJudge, bool]:
+    """(external judges — or the parent's in-loop judge standing in —, the new generation's in-loop judge,
+    whether a stand-in is used); clients close with `stack`."""
+    externals = stack.enter_context(external_judges(ctx.config))
+    stand_in = not externals
+    if stand_in:
+        externals = [_in_loop_judge(ctx, parent, f"{STAND_IN_JUDGE_PREFIX}{parent.generation}", stack)]
+    return externals, _in_loop_judge(ctx, new, SELF_JUDGE, stack), stand_in
+
+
+def evaluate(ctx: CycleContext, *, executor: ExecutorFactory = episode_pool) -> dict[str, Any]:
+    """Judge L(k+1) against L(k) on the paired rollouts and record the summary (idempotent: reruns judge only what
+    is missing and return the recorded summary)."""
+    scope = evaluation_scope(ctx.config)
+    new, parent = evaluated_generations(ctx.config)
+    servers = {name: generation_server(ctx, name, scope) for name in (new, parent)}
+    labels = {name: rollout_set(ctx, server, executor) for name, server in servers.items()}
+    pairs = pair_rollouts(ctx, labels[new], labels[parent])
+    with ExitStack() as stack:
+        externals, own, stand_in = open_judges(ctx, servers[new], servers[parent], stack)
+        judged = judge_pairs(ctx, pairs, [*externals, own])
+        summary = summarize(
+            ctx,
+            pairs,
+            judges=[judge.name for judge in externals],
+            extra={"note": stand_in_note(parent)} if stand_in else None,
+        )
+    overall = summary.results["summary"]["overall"]
+    return {
+        "evaluation": summary.key,
+        "generation": new,
+        "baseline": parent,
+        "pairs": len(pairs),
+        "judged_now": judged.judged,
+        "win_rate": overall["win_rate"],
+        "stand_in_judge": stand_in,
+        "results_uri": summary.results_uri,
+    }

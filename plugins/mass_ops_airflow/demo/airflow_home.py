@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sized
 from pathlib import Path
 from typing import Any
 
-from mass_ops.demo import DEMO_MODEL_DIR, DEMO_STORAGE
+from mass_ops_airflow.demo import DEMO_MODEL_DIR, DEMO_STORAGE
 
 DEMO_AIRFLOW_HOME = Path("runs/demo/airflow")
-DAGS_FOLDER = Path(__file__).resolve().parents[1] / "dags"
+DAGS_DIR_ENV = "MASS_DAGS_DIR"
 CYCLE_DAG_ID = "mass_cycle"
 # Pool slots of the demo: the tiny model server takes 2 requests at once (inference.max_concurrent_requests).
 DEMO_POOLS = {"mass_inference": 2, "mass_gpu": 1}
@@ -48,6 +48,14 @@ class WaitingNote(logging.Filter):
         return True
 
 
+def dags_folder(environ: Mapping[str, str] | None = None) -> Path:
+    """The folder of the DAG files the demo's Airflow loads: `$MASS_DAGS_DIR` when set, else `dags/` of the working
+    directory (the demo runs from a clone of mass-ops, like its `runs/demo/` folder). An installed wheel carries no
+    DAG files, so a demo started elsewhere names its DAG folder with `MASS_DAGS_DIR`."""
+    configured = (os.environ if environ is None else environ).get(DAGS_DIR_ENV)
+    return Path(configured).expanduser().resolve() if configured else Path("dags").resolve()
+
+
 def quiet_waiting_notes() -> None:
     """Install `WaitingNote` on the logger of `dag.test()` (once)."""
     logger = logging.getLogger(DAG_TEST_LOGGER)
@@ -60,7 +68,7 @@ def airflow_environment(home: Path = DEMO_AIRFLOW_HOME) -> dict[str, str]:
     root = home.resolve()
     return {
         "AIRFLOW_HOME": str(root),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder()),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{root / 'airflow.db'}",
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         # The demo's DAG runs one cycle: each stage gets the whole laptop.
@@ -77,8 +85,11 @@ def demo_run_conf(overrides: list[str] | None = None) -> dict[str, Any]:
 def use_demo_airflow(home: Path = DEMO_AIRFLOW_HOME, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Export the demo's Airflow environment into this process; refuse when Airflow is already imported elsewhere."""
     env = airflow_environment(home)
-    if not DAGS_FOLDER.is_dir():
-        raise DemoAirflowError(f"the DAG folder {DAGS_FOLDER} is missing: run the demo from a clone of mass-ops")
+    if not (dags_folder() / f"{CYCLE_DAG_ID}.py").is_file():
+        raise DemoAirflowError(
+            f"no {CYCLE_DAG_ID}.py in the DAG folder {dags_folder()}: run the demo from a clone of mass-ops or set "
+            f"{DAGS_DIR_ENV} to the folder of mass-ops' DAG files"
+        )
     if "airflow" in sys.modules and os.environ.get("AIRFLOW_HOME") != env["AIRFLOW_HOME"]:
         raise DemoAirflowError("Airflow was imported before the demo could point it at its own home")
     home.mkdir(parents=True, exist_ok=True)
@@ -101,7 +112,7 @@ def load_dag(dag_id: str = CYCLE_DAG_ID) -> Any:
     """Execute `dags/<dag_id>.py` and return its DAG (the file Airflow's DAG processor parses)."""
     import importlib.util
 
-    path = DAGS_FOLDER / f"{dag_id}.py"
+    path = dags_folder() / f"{dag_id}.py"
     spec = importlib.util.spec_from_file_location(f"mass_ops_dag_{dag_id}", path)
     if spec is None or spec.loader is None:
         raise DemoAirflowError(f"cannot load the DAG file {path}")

@@ -22,10 +22,19 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
-from mass_ops.evaluation.cycle import ExecutorFactory, episode_pool, open_judges, rollout_set, stand_in_note
-from mass_ops.evaluation.serving import generation_server, registered
-from mass_ops.evaluation.stage import PAIRWISE_KIND, judge_pairs, pair_rollouts, summarize
 from mass_ops.seeds import nightly_rollout_seed_base
+from mass_ops.serving import generation_server, registered
+from mass_ops.stages.evaluate import (
+    PAIRWISE_KIND,
+    ExecutorFactory,
+    episode_pool,
+    judge_pairs,
+    open_judges,
+    pair_rollouts,
+    rollout_set,
+    stand_in_note,
+    summarize,
+)
 
 NIGHTLY_SCOPE = "nightly"
 NIGHTLY_LABEL = "nightly"

@@ -50,6 +50,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
+def evaluation_scope(config: CycleConfig) -> str:
+    """The serving scope of a cycle's evaluation servers (the inference operator's default scope: the cycle)."""
+    return config.cycle_name
+
+
 def state_file(scope: str, generation: str) -> Path:
     """The local server state file of `generation` in `scope`."""
     return SERVERS_DIR / _slug(scope) / f"{_slug(generation)}.json"

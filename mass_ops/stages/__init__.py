@@ -1,31 +1,28 @@
-"""One function per stage of a cycle, shared by the CLI and the Airflow DAG tasks.
+"""The stage layer: one function per stage of a cycle, shared by the CLI, the Airflow DAG tasks and Python callers.
 
-Every stage takes the validated `CycleConfig` first (each process or pod rebuilds it from the same preset and
-overrides) and returns a small JSON-able dict of ids and URIs — never big data, so it can travel through XCom.
+Every function here takes the validated `CycleConfig` first (each process or pod rebuilds it from the same preset and
+overrides), attaches the cycle once, calls the stage family's module with that context, and returns a small JSON-able
+dict of ids and URIs — never big data, so it can travel through XCom. The families live beside this file, one module
+each: `plan` (plan, validate), `serve` (model servers), `search`, `collect`, `rank` (rank, select), `render`,
+`train` (train, select checkpoint), `export`, `register`, `evaluate` (rollouts, judging, report), `nightly`, and
+`units` (the episode a stage runs for one unit, for episode pods). Domain packages (`search/`, `judge/`, `render/`,
+`train/`, `export/`, `evaluation/`) hold the algorithms and never import this layer.
+
 Stages are idempotent: a rerun skips finished units (episodes, judge calls, proposals, rows), which is what makes an
-Airflow retry, a cleared task instance or a backfill redo only what is missing.
+Airflow retry, a cleared task instance or a backfill redo only what is missing. Family modules are imported inside
+the functions so that importing `mass_ops.stages` (a DAG file, the CLI) stays cheap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from mass_ops.config import CycleConfig
-from mass_ops.context import CycleContext, attach_cycle, open_cycle
-from mass_ops.runtime.episode import EpisodeExecutor
-
-
-@contextmanager
-def episode_executor(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
-    """The executor of the configured compute backend: local qwen-code processes behind an EpisodePool."""
-    from mass_ops.runtime.pool import EpisodePool
-
-    with EpisodePool(ctx) as pool:
-        yield pool
+from mass_ops.context import attach_cycle, open_cycle
+from mass_ops.stages.common import episode_executor, jsonable
 
 
 def validate_config(config: CycleConfig) -> dict[str, Any]:
@@ -96,21 +93,21 @@ def search_step(config: CycleConfig, task_id: int, version: int) -> dict[str, An
     ctx = attach_cycle(config)
     with episode_executor(ctx) as executor:
         result = run_step(ctx, executor, task_id, version)
-    return _jsonable(asdict(result))
+    return jsonable(asdict(result))
 
 
 def search(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """The whole RHI search: every task's chain concurrently, each chain sequential; one summary row per task."""
-    from mass_ops.search.driver import run_search
+    from mass_ops.search.driver import search_tasks as run_tasks
 
     ctx = attach_cycle(config)
     with episode_executor(ctx) as executor:
-        return run_search(config, tasks, executor=executor)
+        return [result.as_row() for result in run_tasks(ctx, executor, tasks)]
 
 
 def collection_units(config: CycleConfig) -> list[list[int]]:
     """(task, candidate) pairs of the eligible training tasks, known once the search has finished."""
-    from mass_ops.collect import eligible_tasks
+    from mass_ops.stages.collect import eligible_tasks
 
     ctx = attach_cycle(config)
     return [
@@ -123,7 +120,7 @@ def collection_units(config: CycleConfig) -> list[list[int]]:
 
 def collect_candidate(config: CycleConfig, task_id: int, candidate: int) -> dict[str, Any]:
     """One teacher candidate of one task (the DAG maps this over `collection_units`)."""
-    from mass_ops.collect import CollectionSkipped, candidate_request
+    from mass_ops.stages.collect import CollectionSkipped, candidate_request
 
     ctx = attach_cycle(config)
     try:
@@ -143,74 +140,74 @@ def collect_candidate(config: CycleConfig, task_id: int, candidate: int) -> dict
 
 def collect(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Every teacher candidate of the eligible tasks in one batch; one summary row per task."""
-    from mass_ops.collect import run_collect
+    from mass_ops.stages.collect import collect_batch
 
     ctx = attach_cycle(config)
     with episode_executor(ctx) as executor:
-        return run_collect(config, tasks, executor=executor)
+        return [result.as_row() for result in collect_batch(ctx, executor, tasks)]
 
 
 def ranking_tasks(config: CycleConfig) -> list[int]:
     """Training tasks whose candidates are ranked (the eligible ones)."""
-    from mass_ops.collect import eligible_tasks
+    from mass_ops.stages.collect import eligible_tasks
 
     return [d.task_id for d in eligible_tasks(attach_cycle(config)) if d.collects]
 
 
 def rank_task(config: CycleConfig, task_id: int) -> dict[str, Any]:
     """Tournament, self-judge and Bradley–Terry for one task."""
-    from mass_ops.rank_stage import run_rank
+    from mass_ops.stages.rank import run_rank
 
     (row,) = run_rank(config, [task_id])
-    return _jsonable(row)
+    return jsonable(row)
 
 
 def rank(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Rank every eligible task; one row per task."""
-    from mass_ops.rank_stage import run_rank
+    from mass_ops.stages.rank import run_rank
 
-    return [_jsonable(row) for row in run_rank(config, tasks)]
+    return [jsonable(row) for row in run_rank(config, tasks)]
 
 
 def select(config: CycleConfig) -> dict[str, Any]:
     """Ranks 1..train_ranks → training, validation_rank → validation, per eligible task."""
-    from mass_ops.rank_stage import run_select
+    from mass_ops.stages.rank import run_select
 
     rows = run_select(config)
-    return {"tasks": [_jsonable(r) for r in rows]}
+    return {"tasks": [jsonable(r) for r in rows]}
 
 
 def render(config: CycleConfig) -> dict[str, Any]:
     """Selected trajectories → windows with assistant-only masks → dataset shards and rows (MASS_SPEC §7)."""
-    from mass_ops.post_training import render as run
+    from mass_ops.stages.render import render as run
 
     return run(config)
 
 
 def train(config: CycleConfig) -> dict[str, Any]:
     """A fresh LoRA on the BF16 parent under DeepSpeed ZeRO-3; checkpoints published and recorded."""
-    from mass_ops.post_training import train as run
+    from mass_ops.stages.train import train as run
 
     return run(config)
 
 
 def select_checkpoint(config: CycleConfig) -> dict[str, Any]:
     """Minimum validation loss over saved steps > 0."""
-    from mass_ops.post_training import select_checkpoint as run
+    from mass_ops.stages.train import select_checkpoint as run
 
     return run(config)
 
 
 def export(config: CycleConfig) -> dict[str, Any]:
     """Merge the selected adapter into BF16, quantise block-wise FP8, publish both."""
-    from mass_ops.post_training import export as run
+    from mass_ops.stages.export import export as run
 
     return run(config)
 
 
 def register(config: CycleConfig) -> dict[str, Any]:
     """Register L(k+1) with its lineage."""
-    from mass_ops.post_training import register as run
+    from mass_ops.stages.register import register as run
 
     return run(config)
 
@@ -225,7 +222,7 @@ def rollout(
     label: str | None = None,
 ) -> dict[str, Any]:
     """Bare-task evaluation rollouts of a registered generation (a new label = a new set; never overwritten)."""
-    from mass_ops.evaluation.stage import run_rollouts
+    from mass_ops.stages.evaluate import run_rollouts
 
     ctx = attach_cycle(config)
     with episode_executor(ctx) as executor:
@@ -242,8 +239,8 @@ def rollout(
 def evaluation_up(config: CycleConfig) -> dict[str, Any]:
     """Local backend: serve L(k+1) and its parent L(k) from their registered weights (one `transformers serve`
     each) and wait until both are ready; on Kubernetes the inference-server operator does this."""
-    from mass_ops.evaluation.cycle import evaluated_generations, evaluation_scope
-    from mass_ops.evaluation.serving import serve_generations
+    from mass_ops.serving import evaluation_scope, serve_generations
+    from mass_ops.stages.evaluate import evaluated_generations
 
     ctx = attach_cycle(config)
     servers = serve_generations(ctx, list(evaluated_generations(config)), evaluation_scope(config))
@@ -252,22 +249,21 @@ def evaluation_up(config: CycleConfig) -> dict[str, Any]:
 
 def evaluation_down(config: CycleConfig) -> dict[str, Any]:
     """Stop the local evaluation servers of the cycle (a no-op when none runs)."""
-    from mass_ops.evaluation.cycle import evaluation_scope
-    from mass_ops.evaluation.serving import stop_generations
+    from mass_ops.serving import evaluation_scope, stop_generations
 
     return {"stopped": stop_generations(evaluation_scope(config))}
 
 
 def rollout_units(config: CycleConfig) -> list[list[Any]]:
     """(generation, task, replicate) of every evaluation rollout: L(k+1) and L(k) over the rollout pool."""
-    from mass_ops.evaluation.cycle import rollout_units as units
+    from mass_ops.stages.evaluate import rollout_units as units
 
     return [[generation, task, replicate] for generation, task, replicate in units(config)]
 
 
 def rollout_unit(config: CycleConfig, generation: str, task_id: int, replicate: int) -> dict[str, Any]:
     """One evaluation rollout episode (the DAG maps this over `rollout_units`)."""
-    from mass_ops.evaluation.cycle import run_rollout_unit
+    from mass_ops.stages.evaluate import run_rollout_unit
 
     outcome = run_rollout_unit(attach_cycle(config), generation, int(task_id), int(replicate))
     return {
@@ -282,30 +278,30 @@ def rollout_unit(config: CycleConfig, generation: str, task_id: int, replicate: 
 def evaluate(config: CycleConfig) -> dict[str, Any]:
     """Rollout sets of L(k+1) and L(k), paired, judged by every external judge (and the in-loop judge for the
     agreement table), summarized and recorded."""
-    from mass_ops.evaluation.cycle import evaluate as run
+    from mass_ops.stages.evaluate import evaluate as run
 
     return run(attach_cycle(config))
 
 
 def nightly_targets(config: CycleConfig) -> list[str]:
     """The generations tonight's evaluation covers (the newest registered one that has a parent)."""
-    from mass_ops.evaluation.nightly import nightly_config
-    from mass_ops.evaluation.nightly import nightly_targets as targets
+    from mass_ops.stages.nightly import nightly_config
+    from mass_ops.stages.nightly import nightly_targets as targets
 
     return targets(open_cycle(nightly_config(config)))
 
 
 def nightly_serving(config: CycleConfig, generations: Sequence[str]) -> list[str]:
     """The generations tonight's servers serve: the evaluated ones and their parents."""
-    from mass_ops.evaluation.nightly import nightly_config, served_generations
+    from mass_ops.stages.nightly import nightly_config, served_generations
 
     return served_generations(open_cycle(nightly_config(config)), list(generations))
 
 
 def nightly_up(config: CycleConfig) -> dict[str, Any]:
     """Local backend: serve tonight's generations and their parents."""
-    from mass_ops.evaluation.nightly import NIGHTLY_SCOPE, nightly_config, nightly_targets, served_generations
-    from mass_ops.evaluation.serving import serve_generations
+    from mass_ops.serving import serve_generations
+    from mass_ops.stages.nightly import NIGHTLY_SCOPE, nightly_config, nightly_targets, served_generations
 
     ctx = open_cycle(nightly_config(config))
     names = served_generations(ctx, nightly_targets(ctx))
@@ -314,31 +310,31 @@ def nightly_up(config: CycleConfig) -> dict[str, Any]:
 
 def nightly_down(config: CycleConfig) -> dict[str, Any]:
     """Stop the local nightly servers."""
-    from mass_ops.evaluation.nightly import NIGHTLY_SCOPE
-    from mass_ops.evaluation.serving import stop_generations
+    from mass_ops.serving import stop_generations
+    from mass_ops.stages.nightly import NIGHTLY_SCOPE
 
     return {"stopped": stop_generations(NIGHTLY_SCOPE)}
 
 
 def nightly_evaluate(config: CycleConfig, generation: str, date: str) -> dict[str, Any]:
     """Evaluate `generation` against its parent on the test split for the logical date `date`."""
-    from mass_ops.evaluation.nightly import nightly_config
-    from mass_ops.evaluation.nightly import nightly_evaluate as run
+    from mass_ops.stages.nightly import nightly_config
+    from mass_ops.stages.nightly import nightly_evaluate as run
 
     return run(open_cycle(nightly_config(config)), generation, date)
 
 
 def check_regression(config: CycleConfig, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Tonight's results against the floor (0.5 − threshold) and the previous night; lists the regressions."""
-    from mass_ops.evaluation.nightly import check_regression as check
-    from mass_ops.evaluation.nightly import nightly_config
+    from mass_ops.stages.nightly import check_regression as check
+    from mass_ops.stages.nightly import nightly_config
 
     return check(open_cycle(nightly_config(config)), [dict(r) for r in results])
 
 
 def report(config: CycleConfig) -> dict[str, Any]:
     """Render the cycle's report (Markdown, self-contained HTML, figures) into the artifact store."""
-    from mass_ops.evaluation.stage import write_report
+    from mass_ops.stages.evaluate import write_report
 
     uris = write_report(attach_cycle(config))
     return {
@@ -352,26 +348,11 @@ def report(config: CycleConfig) -> dict[str, Any]:
 def nightly_report(config: CycleConfig) -> dict[str, Any]:
     """Render the report of the nightly results' own cycle (`nightly_config`), named under `cycle` since it is not
     the run's cycle (the Airflow link to the report needs it)."""
-    from mass_ops.evaluation.nightly import nightly_config
-    from mass_ops.evaluation.stage import write_report
+    from mass_ops.stages.evaluate import write_report
+    from mass_ops.stages.nightly import nightly_config
 
     ctx = open_cycle(nightly_config(config))
     uris = write_report(ctx)
     written = {"markdown": uris["markdown"], "html": uris["html"], "figures": len(uris["figures"])}
     return {"cycle": ctx.cycle_name, **written}
 
-
-def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
-    """Keep XCom payloads plain: drop anything that is not JSON-native."""
-    plain = (str, int, float, bool, type(None))
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, plain):
-            return value
-        if isinstance(value, dict):
-            return {str(k): clean(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [clean(v) for v in value]
-        return str(value)
-
-    return {str(k): clean(v) for k, v in row.items()}

@@ -22,8 +22,8 @@ from mass_ops.config import CycleConfig
 from mass_ops.layout import llm_call_prefix
 from mass_ops.llm import CallRecord, LLMClient, LLMEndpoint, LLMOutputError, RetryPolicy, SamplingParams
 from mass_ops.store.artifacts import ArtifactStore
-from mass_ops.store.schema import CallPurpose, CallStatus, LLMCall
 from mass_ops.store.repository import MetadataRepository
+from mass_ops.store.schema import CallPurpose, CallStatus, LLMCall
 
 PROMPT_FILE = "prompt.json"
 RESULT_FILE = "result.json"

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mass_ops.collect import eligible_tasks
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
@@ -25,10 +24,11 @@ from mass_ops.judge.prompts import CANDIDATE_A_LABEL, CANDIDATE_B_LABEL
 from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace
 from mass_ops.layout import episode_name, teacher_condition
 from mass_ops.llm import LLMClient
-from mass_ops.llm_calls import CallLedger, CallUnit, in_loop_sampling, open_client
+from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling, open_client
 from mass_ops.ranking import MatchResult, RankedEntry, bootstrap_intervals, bradley_terry, rank, tournament_pairs
 from mass_ops.seeds import match_seed, schedule_seed
 from mass_ops.selection import Selection, select_trajectories
+from mass_ops.stages.collect import eligible_tasks
 from mass_ops.store.schema import Comparison, Ledger
 
 logger = logging.getLogger(__name__)

@@ -8,10 +8,12 @@ from collections import Counter
 import pytest
 import sqlalchemy as sa
 
-from mass_ops.collect import collect, run_collect
 from mass_ops.layout import teacher_prompt_key, workflow_version_key
-from mass_ops.llm_calls import CallLedger, CallUnit
-from mass_ops.rank_stage import (
+from mass_ops.llm.calls import CallLedger, CallUnit
+from mass_ops.ranking import tournament_pairs
+from mass_ops.seeds import match_seed, schedule_seed
+from mass_ops.stages.collect import collect_batch, run_collect
+from mass_ops.stages.rank import (
     RankStageError,
     match_key,
     rank_tasks,
@@ -20,9 +22,7 @@ from mass_ops.rank_stage import (
     run_select,
     select,
 )
-from mass_ops.ranking import tournament_pairs
-from mass_ops.search import run_search
-from mass_ops.seeds import match_seed, schedule_seed
+from mass_ops.stages.search import run_search
 from mass_ops.store.schema import CallStatus, Comparison, LLMCall, Ranking
 from tests.fixtures.postgres import postgres_url  # noqa: F401
 from tests.fixtures.s3 import moto_s3_server, s3_artifact_url, s3_environment  # noqa: F401
@@ -136,7 +136,7 @@ def test_too_few_completed_candidates_is_a_clear_error(inner_loop: InnerLoopEnv)
     failures = {f"collection-t51-c{i}-s{715100 + i}": FailurePlan(model_failure=True) for i in (0, 3)}
     opened = inner_loop.open(tasks=(51,), candidates=4, train_ranks=2, executor_options={"failures": failures})
     retain(opened.ctx, 51, 1)
-    collect(opened.ctx, opened.executor)
+    collect_batch(opened.ctx, opened.executor)
     with pytest.raises(
         RankStageError, match="task 51: 2 completed collection episodes, need at least validation_rank = 3"
     ):
@@ -154,7 +154,7 @@ def test_invalid_self_judge_verdicts_count_as_ties_and_are_visible(inner_loop: I
     inner_loop.server.config.faults.append(FaultRule(Fault.WRONG_SCHEMA, kind=RequestKind.JUDGE))
     opened = inner_loop.open(tasks=(51,), candidates=4, train_ranks=2, judge_invalid_retries=0)
     retain(opened.ctx, 51, 1)
-    collect(opened.ctx, opened.executor)
+    collect_batch(opened.ctx, opened.executor)
     (result,) = rank_tasks(opened.ctx, client=opened.client)
     assert (result.matches, result.invalid) == (4, 4)
     assert {r.verdict for r in opened.ctx.repo.comparisons(opened.ctx.cycle_id, "ranking")} == {"invalid"}
@@ -168,7 +168,7 @@ def test_invalid_self_judge_verdicts_count_as_ties_and_are_visible(inner_loop: I
 def test_an_interrupted_ranking_judges_only_the_missing_matches(inner_loop: InnerLoopEnv) -> None:
     opened = inner_loop.open(tasks=(51,), candidates=4, train_ranks=2)
     retain(opened.ctx, 51, 1)
-    collect(opened.ctx, opened.executor)
+    collect_batch(opened.ctx, opened.executor)
     ctx = opened.ctx
     (first,) = rank_tasks(ctx, client=opened.client)
     assert first.judged_now == 4
@@ -198,7 +198,7 @@ def test_skipped_tasks_are_not_ranked_or_selected(inner_loop: InnerLoopEnv) -> N
     opened = inner_loop.open(tasks=TASKS, candidates=3, train_ranks=2)
     retain(opened.ctx, 51, None)
     retain(opened.ctx, 202, 1)
-    collect(opened.ctx, opened.executor)
+    collect_batch(opened.ctx, opened.executor)
     assert [r.task_id for r in rank_tasks(opened.ctx, client=opened.client)] == [202]
     selection = select(opened.ctx)
     assert selection.counts_by_task() == {202: (2, 1)}

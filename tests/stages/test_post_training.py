@@ -18,22 +18,17 @@ from typing import Any
 
 import pytest
 
-from mass_ops.collect import freeze_teacher_prompt
 from mass_ops.config import CycleConfig, load_config
 from mass_ops.context import CycleContext
 from mass_ops.layout import EpisodeUnit, teacher_condition
-from mass_ops.store.model_folders import MANIFEST_NAME, fetch_model, publish_model, read_manifest
-from mass_ops.post_training import (
-    PostTrainingError,
-    export,
-    register,
-    render,
-    run_export,
-    run_render,
-    select_checkpoint,
-    train,
-)
 from mass_ops.seeds import collection_seed
+from mass_ops.stages.collect import freeze_teacher_prompt
+from mass_ops.stages.common import PostTrainingError
+from mass_ops.stages.export import export
+from mass_ops.stages.register import register, run_export
+from mass_ops.stages.render import render, run_render
+from mass_ops.stages.train import select_checkpoint, train
+from mass_ops.store.model_folders import MANIFEST_NAME, fetch_model, publish_model, read_manifest
 from tests.inner_loop_fakes import migrated_sqlite, open_test_cycle
 from tests.render.proxy_logs import (
     ORCHESTRATOR_SYSTEM,
@@ -247,7 +242,7 @@ def test_train_needs_rendered_datasets_and_the_local_backend(seeded: SeededCycle
 
 
 def test_the_trainer_environment_carries_no_api_key(seeded: SeededCycle, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mass_ops.post_training import _training_env
+    from mass_ops.stages.train import _training_env
 
     monkeypatch.setenv(seeded.config.inference.api_key_env, "sk-not-for-training")
     env = _training_env(seeded.config, "cpu")
@@ -510,7 +505,7 @@ def test_render_train_select_export_register_on_cpu_with_a_resume_and_idempotent
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mass_ops.export import dequantize_blockwise
-    from mass_ops.post_training import _TrainingProgress
+    from mass_ops.stages.train import _TrainingProgress
 
     cycle = seed_cycle(tmp_path, tiny_parent)
     ctx = cycle.ctx

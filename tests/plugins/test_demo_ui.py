@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
+from mass_ops_airflow.demo import demo_config
+from mass_ops_airflow.demo import ui as demo_ui
+from mass_ops_airflow.demo.ui import DemoUi, DemoUiError
 from rich.console import Console
 from typer.testing import CliRunner
 
-from mass_ops import demo_ui
 from mass_ops.cli import app
 from mass_ops.compute.local import is_alive, read_state, start_server, stop_server
 from mass_ops.config import read_config_source, validate_config
-from mass_ops.demo import demo_config
-from mass_ops.demo_ui import DemoUi, DemoUiError
 
 runner = CliRunner()
 
@@ -133,7 +133,7 @@ def test_environment_points_airflow_at_the_demo_home_port_and_form(tmp_path):
     env = demo_ui.ui_environment(ui, base)
     home = str((tmp_path / "airflow").resolve())
     assert env["AIRFLOW_HOME"] == home and env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == f"sqlite:///{home}/airflow.db"
-    assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(Path(demo_ui.__file__).resolve().parents[1] / "dags")
+    assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(Path("dags").resolve())
     assert (env["AIRFLOW__API__HOST"], env["AIRFLOW__API__PORT"]) == ("127.0.0.1", "8123")
     assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:8123/execution/"
     assert env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"] == "admin:admin"
@@ -248,7 +248,7 @@ SERVE_CHILD = textwrap.dedent(
     import sys
     from pathlib import Path
     from rich.console import Console
-    from mass_ops import demo_ui
+    from mass_ops_airflow.demo import ui as demo_ui
 
     home, child_file, fake_tree = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     demo_ui.wait_until_ready = lambda *args, **kwargs: None  # no Airflow here: the fake tree is "ready" at once

@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 
-from mass_ops.collect import collect
 from mass_ops.compute.kubernetes import EpisodeSpec
-from mass_ops.episode_units import EpisodeUnitError, episode_request, publish_prompt
-from mass_ops.evaluation.cycle import evaluation_scope, run_rollout_unit
 from mass_ops.layout import cycle_prefix
 from mass_ops.runtime.episode import EpisodeRequest
 from mass_ops.search import search_step
+from mass_ops.serving import evaluation_scope
+from mass_ops.stages.collect import collect_batch
+from mass_ops.stages.evaluate import run_rollout_unit
+from mass_ops.stages.units import EpisodeUnitError, episode_request, publish_prompt
 from tests.evaluation.fakes import record_local_server, register_generations
 from tests.inner_loop_fakes import FakeExecutor, InnerLoopEnv, inner_loop_fixture  # noqa: F401
 from tests.test_collect import retain
@@ -68,7 +69,7 @@ def test_collection_units_are_the_candidates_collection_runs(inner_loop: InnerLo
         episode_request(ctx, EpisodeSpec("collection", 51, candidate=3))
     ran: list[EpisodeRequest] = []
     opened.executor.on_episode = ran.append
-    collect(ctx, opened.executor)
+    collect_batch(ctx, opened.executor)
     assert by_slug(ran) == by_slug(units)
 
 

@@ -4,11 +4,12 @@ It builds a tiny Qwen3-architecture model with random weights and the real Qwen3
 local artifact folder, serves it with `transformers serve`, and runs the cycle's stages in order with the `demo`
 preset: RHI search, teacher collection, ranking, selection, render, ZeRO-3 LoRA training on CPU, checkpoint
 selection, BF16 merge + FP8 export, registration of L1, rollouts of L1 and L0, their pairwise evaluation, and the
-report. A random model's outputs are noise: the
-demo shows that every part is real and connected, not that the model improves.
+report. A random model's outputs are noise: the demo shows that every part is real and connected, not that the
+model improves.
 
-The cycle runs as one run of the `mass_cycle` DAG through Airflow's machinery (see `mass_ops.demo_airflow`): the
-same DAG file, operators and stage functions a production deployment uses, on the local backend.
+The cycle runs as one run of the `mass_cycle` DAG through Airflow's machinery (see `airflow_home` beside this file):
+the same DAG file, operators and stage functions a production deployment uses, on the local backend. This package
+is the Airflow side of the demo; `mass-ops demo` imports it lazily, so the core package never imports Airflow.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def demo_config(overrides: list[str] | None = None) -> CycleConfig:
 
 def prepare_parent(config: CycleConfig) -> Path:
     """Build the tiny L0 (idempotent) and publish it to the artifact store under `models.parent_bf16`."""
-    from mass_ops.store.model_folders import publish_model
     from mass_ops.models.tiny import build_tiny_qwen3
     from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.model_folders import publish_model
 
     model_dir = build_tiny_qwen3(Path(DEMO_MODEL_DIR), max_position_embeddings=config.inference.context_window_tokens)
     publish_model(open_artifact_store(config.storage.artifact_url), config.models.parent_bf16, model_dir)
@@ -51,7 +52,7 @@ def run_demo(config: CycleConfig, console: Console | None = None, overrides: lis
     Raises RuntimeError naming the failed tasks when the run does not succeed (rerunning resumes: every stage skips
     the units it already finished).
     """
-    from mass_ops import demo_airflow
+    from mass_ops_airflow.demo import airflow_home as demo_airflow
 
     console = console or Console()
     started = time.monotonic()

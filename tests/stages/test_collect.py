@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from mass_ops.collect import (
+from mass_ops.context import CycleContext
+from mass_ops.layout import teacher_prompt_key, workflow_version_key
+from mass_ops.stages.collect import (
     CollectionError,
-    collect,
+    collect_batch,
     eligibility,
     eligibility_key,
     freeze_teacher_prompt,
     run_collect,
 )
-from mass_ops.context import CycleContext
-from mass_ops.layout import teacher_prompt_key, workflow_version_key
 from mass_ops.workflow import START_MARKER
 from tests.inner_loop_fakes import (  # noqa: F401
     FailurePlan,
@@ -58,7 +58,7 @@ def test_teacher_candidates_run_with_reference_seeds_and_the_frozen_teacher_prom
     run = opened.executor.run
     opened.executor.run = lambda requests: batches.append(len(requests)) or run(requests)  # type: ignore[method-assign]
 
-    results = collect(ctx, opened.executor)
+    results = collect_batch(ctx, opened.executor)
     assert batches == [8]  # every task's candidates in one batch
     assert [(r.task_id, r.decision, r.version_used, r.succeeded) for r in results] == [
         (51, "collect", 1, 4),
@@ -77,7 +77,7 @@ def test_teacher_candidates_run_with_reference_seeds_and_the_frozen_teacher_prom
         assert {e.prompt_sha256 for e in episodes if e.task_id == str(task_id)} == {expected_hash}
 
     executed = list(opened.executor.executed)
-    assert collect(ctx, opened.executor)[0].succeeded == 4
+    assert collect_batch(ctx, opened.executor)[0].succeeded == 4
     assert opened.executor.executed == executed  # a rerun reuses every finished episode
 
 
@@ -102,7 +102,7 @@ def test_the_demo_setting_lets_a_task_through_with_its_last_version_and_says_so(
     decision = eligibility(opened.ctx, 51)
     assert (decision.decision, decision.version_used, decision.collects) == ("let_through", 2, True)
     assert "require_beats_reference is false" in decision.reason
-    (result,) = collect(opened.ctx, opened.executor)
+    (result,) = collect_batch(opened.ctx, opened.executor)
     assert (result.decision, result.version_used, result.succeeded) == ("let_through", 2, 3)
     stored = opened.ctx.artifacts.get_bytes(teacher_prompt_key(opened.ctx.cycle_name, 51)).decode()
     assert stored.startswith(last_prompt.rstrip())
@@ -117,16 +117,16 @@ def test_a_changed_teacher_prompt_is_refused(inner_loop: InnerLoopEnv) -> None:
     with pytest.raises(CollectionError, match="differs from the one built from workflow v1"):
         freeze_teacher_prompt(opened.ctx, 51, 1)
     with pytest.raises(CollectionError):
-        collect(opened.ctx, opened.executor)
+        collect_batch(opened.ctx, opened.executor)
     assert opened.ctx.repo.episodes(opened.ctx.cycle_id, kind="collection") == []
 
 
 def test_bad_task_sets_and_unfinished_searches_are_refused(inner_loop: InnerLoopEnv) -> None:
     opened = inner_loop.open(tasks=(51, 202), candidates=3, train_ranks=2)
     with pytest.raises(CollectionError, match=r"tasks \[60\] are not training tasks"):
-        collect(opened.ctx, opened.executor, [60])
+        collect_batch(opened.ctx, opened.executor, [60])
     with pytest.raises(CollectionError, match="task 51: no retained workflow yet"):
-        collect(opened.ctx, opened.executor, [51])
+        collect_batch(opened.ctx, opened.executor, [51])
 
 
 def test_failed_candidates_are_counted_and_kept(inner_loop: InnerLoopEnv) -> None:
@@ -136,7 +136,7 @@ def test_failed_candidates_are_counted_and_kept(inner_loop: InnerLoopEnv) -> Non
     }
     opened = inner_loop.open(tasks=(51,), candidates=4, train_ranks=2, executor_options={"failures": failures})
     retain(opened.ctx, 51, 1)
-    (result,) = collect(opened.ctx, opened.executor)
+    (result,) = collect_batch(opened.ctx, opened.executor)
     assert (result.succeeded, result.model_failures, result.infra_failures) == (2, 1, 1)
     statuses = Counter(e.status for e in opened.ctx.repo.episodes(opened.ctx.cycle_id, kind="collection"))
     assert statuses == Counter({"succeeded": 2, "model_failure": 1, "infra_failure": 2})  # max_infra_attempts = 2
@@ -153,7 +153,7 @@ def test_a_collection_killed_mid_run_resumes_without_duplicates_or_losses(
     kill_when(child, lambda: len(repo.episodes(cycle, kind="collection")) >= 3)
     assert len(repo.episodes(cycle, kind="collection")) < 12
 
-    results = collect(opened.ctx, opened.executor)
+    results = collect_batch(opened.ctx, opened.executor)
     assert [r.succeeded for r in results] == [6, 6]
     episodes = repo.episodes(cycle, kind="collection")
     keys: Counter[Any] = Counter((e.task_id, e.candidate) for e in episodes)

@@ -1,0 +1,153 @@
+"""The layering of ARCHITECTURE.md, checked from the source: imports of `mass_ops` point one way.
+
+Imports are read with `ast` from every module, at any depth (inside functions and `if TYPE_CHECKING:` blocks too),
+so an import cycle cannot hide behind a function-level import.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mass_ops"
+MAX_ROOT_MODULES = 12
+# Domain packages keep the algorithms; they take what they need as arguments and never reach up into the stage layer.
+DOMAIN_PACKAGES = ("search", "judge", "render", "train", "export", "evaluation", "runtime", "store", "compute", "llm")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> Iterator[tuple[str, ast.AST]]:
+    """Every module `path` imports (absolute name), with the node, wherever the import statement stands."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield target, node
+            for alias in node.names:  # `from mass_ops import stages` imports the submodule
+                yield f"{target}.{alias.name}", node
+
+
+def child_of(module: str) -> str | None:
+    """The direct child of `mass_ops` that `module` belongs to (`mass_ops.search.driver` → `search`)."""
+    parts = module.split(".")
+    if parts[0] != "mass_ops" or len(parts) < 2:
+        return None
+    child = parts[1]
+    exists = (PACKAGE / child).is_dir() or (PACKAGE / f"{child}.py").is_file()
+    return child if exists else None
+
+
+def child_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        source = child_of(module_name(path))
+        if source is None:
+            continue
+        for target, _ in imported_modules(path):
+            child = child_of(target)
+            if child and child != source:
+                edges[source].add(child)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(set(edges) | {n for targets in edges.values() for n in targets}):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_between_the_parts_of_mass_ops():
+    edges = child_graph()
+    assert edges["stages"], "the graph reader found no imports at all"
+    assert cycles(edges) == []
+
+
+def test_domain_packages_never_import_the_stage_layer():
+    offenders = []
+    for package in DOMAIN_PACKAGES:
+        for path in (PACKAGE / package).rglob("*.py"):
+            offenders += [
+                f"{path.relative_to(PACKAGE)}:{node.lineno} imports {target}"
+                for target, node in imported_modules(path)
+                if child_of(target) == "stages"
+            ]
+    assert offenders == []
+
+
+def test_mass_ops_never_imports_airflow_except_the_lazy_demo_command():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        tree_functions = {
+            node.lineno: node
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef)
+        }
+        for target, node in imported_modules(path):
+            if target.split(".")[0] not in {"airflow", "mass_ops_airflow"}:
+                continue
+            inside_demo = path.name == "cli.py" and any(
+                fn.name == "demo" and fn.lineno <= node.lineno <= (fn.end_lineno or 0) for fn in tree_functions.values()
+            )
+            if not inside_demo:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports {target}")
+    assert offenders == []
+
+
+def test_at_most_twelve_modules_at_the_root_and_the_stage_layer_in_stages():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= MAX_ROOT_MODULES, modules
+    stage_families = {p.stem for p in (PACKAGE / "stages").glob("*.py")}
+    assert {"search", "collect", "rank", "render", "train", "export", "register", "evaluate", "nightly", "units"} <= (
+        stage_families
+    )
+
