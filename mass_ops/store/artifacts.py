@@ -5,7 +5,13 @@ Contract shared by every backend:
 - A key is a relative POSIX path such as ``cycles/c1/episodes/e3/status.json`` (rules: `validate_key`). The store
   maps it to a URI under its root: ``s3://bucket/prefix/<key>`` or ``file:///root/<key>``.
 - Every put returns an `ArtifactInfo` whose SHA-256 is computed from the bytes as they stream in and is recorded
-  with the artifact. Reads verify it when they reach the end of the data (`ArtifactIntegrityError` otherwise).
+  with the artifact. Reads hash the bytes as they stream out and verify them when they reach the end of the data
+  (`ArtifactIntegrityError` otherwise); a caller holding the hash from a metadata row passes it as ``sha256=`` and
+  the bytes must match it too.
+- A store that cannot be reached or written raises `ArtifactUnavailableError`, a `StorageError` (one line, exit 1);
+  clients get the timeouts and retry policy of `mass_ops.store.timeouts`.
+- `probe()` writes, reads back and deletes a small object under the reserved ``.probe/`` prefix: the check that the
+  store is reachable and writable.
 - Publishing is atomic: an artifact becomes visible (`exists`, `list`, `get_*`) only when complete. A failed or
   interrupted put leaves the previous version or nothing, never part of the new one.
 - `put_dir` stores a folder as a deterministic ``tar.gz`` (the same tree always gives the same SHA-256); `get_dir`
@@ -16,6 +22,7 @@ Contract shared by every backend:
 
 from __future__ import annotations
 
+import contextvars
 import gzip
 import hashlib
 import io
@@ -30,20 +37,27 @@ import tempfile
 import unicodedata
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, cast
 from urllib.parse import unquote, urlsplit
+
+from mass_ops.errors import InfrastructureError, InputError
+from mass_ops.store.errors import StorageError, storage_error
 
 logger = logging.getLogger(__name__)
 
 CHUNK_SIZE = 1024 * 1024
 MAX_KEY_BYTES = 1024  # S3's limit on the length of an object key
 MAX_SEGMENT_BYTES = 255  # NAME_MAX of the usual local filesystems
-# Top-level names the local backend keeps for itself; refused on every backend so a key works on both.
-RESERVED_TOP_LEVEL = frozenset({".partial", ".meta"})
+STORE = "artifact store"
+PROBE_DIR = ".probe"  # probe objects of `ArtifactStore.probe`; stale ones are removed by `mass_ops.store.gc`
+# Top-level names the stores keep for themselves; refused on every backend so a key works on both.
+RESERVED_TOP_LEVEL = frozenset({".partial", ".meta", PROBE_DIR})
+# Set only inside `ArtifactStore.probe`: lets the store's own calls use keys under PROBE_DIR.
+_PROBE_KEYS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("mass_ops_probe_keys", default=False)
 
 
 class ArtifactError(Exception):
@@ -58,8 +72,12 @@ class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
     """No artifact is stored under the key."""
 
 
-class ArtifactIntegrityError(ArtifactError):
-    """Stored bytes do not match their recorded SHA-256 or size."""
+class ArtifactIntegrityError(ArtifactError, InfrastructureError):
+    """Stored bytes do not match their recorded SHA-256 or size (edited, truncated or rotted in place)."""
+
+
+class ArtifactUnavailableError(ArtifactError, StorageError):
+    """The store did not answer in time, refused the request, or could not be written (one line, exit 1)."""
 
 
 class ArtifactFormatError(ArtifactError, ValueError):
@@ -74,7 +92,7 @@ class ArtifactSourceError(ArtifactError, ValueError):
     """The local input of a put (file, folder, stream) is missing, of the wrong kind, or changed while read."""
 
 
-class ArtifactStoreConfigError(ArtifactError, ValueError):
+class ArtifactStoreConfigError(ArtifactError, InputError):
     """The store URL or a store setting is invalid."""
 
 
@@ -129,7 +147,12 @@ def key_problem(path: object) -> str | None:
 def validate_key(key: object) -> str:
     """Return `key` if it is a valid artifact key, else raise `ArtifactKeyError` saying why."""
     problem = key_problem(key)
-    if problem is None and isinstance(key, str) and key.split("/", 1)[0] in RESERVED_TOP_LEVEL:
+    if (
+        problem is None
+        and isinstance(key, str)
+        and key.split("/", 1)[0] in RESERVED_TOP_LEVEL
+        and not (key.startswith(f"{PROBE_DIR}/") and _PROBE_KEYS_ALLOWED.get())
+    ):
         problem = f"starts with a reserved name ({', '.join(sorted(RESERVED_TOP_LEVEL))})"
     if problem is not None or not isinstance(key, str):
         raise ArtifactKeyError(f"invalid artifact key {key!r}: {problem}")
@@ -216,19 +239,39 @@ class _HashingWriter:
 class VerifiedStream(io.RawIOBase):
     """Raw read stream over stored bytes that checks size and SHA-256 when the end of the data is reached.
 
-    `expected_sha256` may be None (no record to check against); the digest is still computed and available as
-    `sha256` once the stream is exhausted. A consumer that stops early gets no check.
+    `expected_sha256` is the store's record: one hash, a collection of acceptable hashes (the local store's recent
+    versions of a key), or None (no record; the digest is still computed and available as `sha256` once the stream
+    is exhausted). `require` adds a hash the bytes must equal besides (the one a metadata row recorded). A consumer
+    that stops early gets no check.
     """
 
-    def __init__(self, source: Any, *, uri: str, expected_sha256: str | None, expected_size: int | None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        uri: str,
+        expected_sha256: str | Collection[str] | None,
+        expected_size: int | None,
+    ) -> None:
         super().__init__()
         self._source = source
         self._uri = uri
-        self._expected_sha256 = expected_sha256
+        self._expected_sha256: frozenset[str] | None = (
+            None
+            if expected_sha256 is None
+            else frozenset([expected_sha256] if isinstance(expected_sha256, str) else expected_sha256)
+        )
+        self._required_sha256: str | None = None
         self._expected_size = expected_size
         self._digest = hashlib.sha256()
         self._size = 0
         self._finished = False
+
+    def require(self, sha256: str | None) -> VerifiedStream:
+        """Also demand that the bytes hash to `sha256` (no-op for None); returns the stream."""
+        if sha256 is not None:
+            self._required_sha256 = sha256.lower()
+        return self
 
     def readable(self) -> bool:
         return True
@@ -255,10 +298,17 @@ class VerifiedStream(io.RawIOBase):
             raise ArtifactIntegrityError(
                 f"{self._uri} ended after {self._size} of its recorded {self._expected_size} bytes"
             )
-        if self._expected_sha256 is not None and self._digest.hexdigest() != self._expected_sha256:
+        actual = self._digest.hexdigest()
+        if self._expected_sha256 is not None and actual not in self._expected_sha256:
+            recorded = " or ".join(sorted(self._expected_sha256))
             raise ArtifactIntegrityError(
-                f"{self._uri} does not match its recorded SHA-256 {self._expected_sha256} "
-                f"(read {self._digest.hexdigest()})"
+                f"{self._uri} does not match its recorded SHA-256 {recorded} (read {actual}): "
+                "it was changed outside the store"
+            )
+        if self._required_sha256 is not None and actual != self._required_sha256:
+            raise ArtifactIntegrityError(
+                f"{self._uri} does not match its recorded SHA-256 {self._required_sha256} in the metadata store "
+                f"(read {actual})"
             )
 
     @property
@@ -493,28 +543,49 @@ class ArtifactStore(ABC):
     def _publish(self, key: str, staged: Path, sha256: str, size: int) -> ArtifactInfo:
         """Make the complete file `staged` visible under `key` atomically. May move or consume `staged`."""
 
-    def _staging_dir(self) -> Path | None:
-        """Where puts build their bytes before publishing; None means the system temp folder."""
-        return None
+    def _staging_dir(self) -> Path:
+        """Where puts build their bytes before publishing (a folder of the store's own, so `gc` can sweep it)."""
+        return default_staging_dir()
+
+    def _unavailable(self, action: str, target: str, cause: BaseException) -> ArtifactUnavailableError:
+        """The one-line error for a store that could not do `action` on `target` (a key's URI or the store URL)."""
+        error = storage_error(action, STORE, target, cause)
+        return ArtifactUnavailableError(str(error))
 
     @contextmanager
-    def _staging_file(self) -> Iterator[Path]:
-        directory = self._staging_dir() or Path(tempfile.gettempdir())
-        fd, path = create_temp_file(directory, "put-")
+    def _staging_file(self, key: str) -> Iterator[Path]:
+        directory = self._staging_dir()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, path = create_temp_file(directory, "put-")
+        except OSError as exc:
+            raise self._unavailable(f"staging {key!r} in {directory}", self.url, exc) from exc
         os.close(fd)
         try:
             yield path
         finally:
             path.unlink(missing_ok=True)
 
+    @contextmanager
+    def _staging_writer(self, key: str, staged: Path) -> Iterator[_StagingWriter]:
+        """`staged` open for writing; a failed write (disk full, read-only) is `ArtifactUnavailableError`."""
+        try:
+            handle = staged.open("wb")
+        except OSError as exc:
+            raise self._unavailable(f"staging {key!r}", self.url, exc) from exc
+        with handle:
+            writer = _StagingWriter(handle, lambda exc: self._unavailable(f"staging {key!r}", self.url, exc))
+            yield writer
+            writer.flush()
+
     # --- writing ---
 
     def put_stream(self, key: str, stream: ReadableStream) -> ArtifactInfo:
         """Store everything `stream` yields until EOF. If reading fails midway, nothing becomes visible."""
         key = validate_key(key)
-        with self._staging_file() as staged:
-            with staged.open("wb") as out:
-                sha256, size = copy_and_hash(stream, out)
+        with self._staging_file(key) as staged:
+            with self._staging_writer(key, staged) as out:
+                sha256, size = copy_and_hash(stream, cast(BinaryIO, out))
             return self._publish(key, staged, sha256, size)
 
     def put_bytes(self, key: str, data: bytes | bytearray | memoryview) -> ArtifactInfo:
@@ -546,37 +617,39 @@ class ArtifactStore(ABC):
     ) -> ArtifactInfo:
         """Store the folder `directory` as a deterministic tar.gz (see `write_tarball`)."""
         key = validate_key(key)
-        with self._staging_file() as staged:
-            with staged.open("wb") as out:
-                writer = _HashingWriter(out)
+        with self._staging_file(key) as staged:
+            with self._staging_writer(key, staged) as out:
+                writer = _HashingWriter(cast(BinaryIO, out))
                 write_tarball(Path(directory), writer, skip_escaping_links=skip_escaping_links)
             return self._publish(key, staged, writer.sha256, writer.size)
 
     # --- reading ---
 
-    def open_read(self, key: str) -> BinaryIO:
-        """Open the artifact for streaming reads (use as a context manager). Reading to the end verifies SHA-256."""
-        return io.BufferedReader(self._open_verified(key), buffer_size=CHUNK_SIZE)
+    def open_read(self, key: str, *, sha256: str | None = None) -> BinaryIO:
+        """Open the artifact for streaming reads (use as a context manager). Reading to the end verifies SHA-256
+        (the store's record, and `sha256` when given)."""
+        return io.BufferedReader(self._open_verified(key).require(sha256), buffer_size=CHUNK_SIZE)
 
-    def get_bytes(self, key: str) -> bytes:
-        """The artifact's bytes, verified against the recorded SHA-256."""
+    def get_bytes(self, key: str, *, sha256: str | None = None) -> bytes:
+        """The artifact's bytes, verified against the recorded SHA-256 (and `sha256`, e.g. from a metadata row)."""
         buffer = io.BytesIO()
-        with self._open_verified(key) as stream:
+        with self._open_verified(key).require(sha256) as stream:
             copy_stream(stream, buffer)
         return buffer.getvalue()
 
-    def get_json(self, key: str) -> Any:
+    def get_json(self, key: str, *, sha256: str | None = None) -> Any:
         """The artifact parsed as JSON; `ArtifactFormatError` naming the URI if it is not JSON."""
-        data = self.get_bytes(key)
+        data = self.get_bytes(key, sha256=sha256)
         try:
             return json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ArtifactFormatError(f"{self.uri(key)} is not valid JSON: {exc}") from exc
 
-    def get_file(self, key: str, dest: str | os.PathLike[str]) -> ArtifactInfo:
-        """Download to `dest` atomically (temp file beside it, then rename); `dest` is untouched on any failure."""
+    def get_file(self, key: str, dest: str | os.PathLike[str], *, sha256: str | None = None) -> ArtifactInfo:
+        """Download to `dest` atomically (temp file beside it, then rename); `dest` is untouched on any failure,
+        including bytes that do not match the recorded SHA-256 (or `sha256`)."""
         target = Path(dest)
-        with self._open_verified(key) as stream:
+        with self._open_verified(key).require(sha256) as stream:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, temp = create_temp_file(target.parent, f".{target.name}.")
             try:
@@ -590,7 +663,7 @@ class ArtifactStore(ABC):
                 raise
             return ArtifactInfo(uri=self.uri(key), key=key, sha256=stream.sha256, size=stream.size)
 
-    def get_dir(self, key: str, dest_dir: str | os.PathLike[str]) -> ArtifactInfo:
+    def get_dir(self, key: str, dest_dir: str | os.PathLike[str], *, sha256: str | None = None) -> ArtifactInfo:
         """Extract a `put_dir` artifact into `dest_dir`, which must be absent or an empty folder.
 
         The tree appears at `dest_dir` in one rename once fully extracted and checked; unsafe archives raise
@@ -605,7 +678,7 @@ class ArtifactStore(ABC):
         scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
         try:
             archive = scratch / "archive.tar.gz"
-            info = self.get_file(key, archive)
+            info = self.get_file(key, archive, sha256=sha256)
             tree = scratch / "tree"
             extract_tarball(archive, tree, uri=info.uri)
             if target.is_dir():
@@ -615,10 +688,61 @@ class ArtifactStore(ABC):
             shutil.rmtree(scratch, ignore_errors=True)
         return info
 
+    # --- health ---
+
+    def probe(self) -> None:
+        """Check the store is reachable and writable: put a small object under ``.probe/``, read it back (verified),
+        delete it. Raises `ArtifactUnavailableError` (one line) or `ArtifactIntegrityError`; returns None when fine.
+        """
+        token = secrets.token_hex(8)
+        key = f"{PROBE_DIR}/{token}"
+        payload = f"mass-ops probe {token}\n".encode()
+        allowed = _PROBE_KEYS_ALLOWED.set(True)
+        try:
+            self.put_bytes(key, payload)
+            try:
+                if self.get_bytes(key) != payload:
+                    raise ArtifactIntegrityError(f"{self.uri(key)} read back other bytes than the probe wrote")
+            finally:
+                self.delete(key)
+        except ArtifactNotFoundError as exc:
+            # Written, then not there: an eventually consistent or misbehaving endpoint.
+            raise self._unavailable("probe read-back", self.url, exc) from exc
+        finally:
+            _PROBE_KEYS_ALLOWED.reset(allowed)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
     __str__ = __repr__
+
+
+class _StagingWriter:
+    """Write-only file wrapper whose `OSError`s (disk full, read-only folder) become the store's error."""
+
+    def __init__(self, target: BinaryIO, wrap: Any) -> None:
+        self._target = target
+        self._wrap = wrap
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._target.write(data)
+        except OSError as exc:
+            raise self._wrap(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._target.flush()
+        except OSError as exc:
+            raise self._wrap(exc) from exc
+
+
+STAGING_DIR_NAME = "mass-ops-staging"
+
+
+def default_staging_dir() -> Path:
+    """Where stores without a staging folder of their own (S3) build uploads: ``<tmp>/mass-ops-staging``."""
+    return Path(tempfile.gettempdir()) / STAGING_DIR_NAME
 
 
 def require_source_file(path: str | os.PathLike[str], key: str) -> Path:

@@ -5,16 +5,24 @@ Layout under the root:
 - ``<key>``: the artifact's bytes, so the folder can be browsed and copied with ordinary tools.
 - ``.partial/``: staging files of puts in progress. Publishing is one ``os.replace`` from here to ``<key>`` (same
   filesystem, so the rename is atomic): a reader sees the old file or the new one, never a half-written one, and
-  `list` never looks in here. A crashed put leaves only an orphan staging file.
-- ``.meta/<h[:2]>/<h>.json`` with ``h = sha256(key)``: the record of the artifact's SHA-256 and size.
+  `list` never looks in here. A crashed put leaves only an orphan staging file (`mass_ops.store.gc` sweeps them).
+- ``.meta/<h[:2]>/<h>/<sha256>.json`` with ``h = sha256(key)``: one record per version published under the key:
+  its SHA-256 and the inode, device, size and mtime of the file it was computed from.
+- ``.probe/``: objects of `probe()` while it runs.
 
-Why a sidecar record and not extended attributes: xattrs are dropped by many copy tools, archives and network
-filesystems. Naming the record by a hash of the key keeps it out of the key namespace (no key can collide with it).
-The record is written before the data rename and names the inode, device, size and mtime of the staged file, which
-the rename preserves; a record that does not match the file currently under the key (a put between the two renames,
-a crash, a folder copied elsewhere, an edit made outside the store) is ignored and the hash recomputed from the
-bytes, then recorded again. So the data rename alone decides what is published, and a record never vouches for
-bytes it was not computed from.
+Why sidecar records and not extended attributes: xattrs are dropped by many copy tools, archives and network
+filesystems. Naming the records by a hash of the key keeps them out of the key namespace.
+
+Integrity: a record is written before the data rename, so a reader may meet a record whose rename has not happened
+(a put in flight, or one that crashed in between) next to the previous version's file. Hence one record *per
+version* rather than one per key: the previous version keeps its record. Reading a key picks the record that names
+exactly the file being read (the fast, common case) and checks the bytes against its hash while they stream; when
+no record names the file (it was replaced, edited or truncated in place, or the folder was copied elsewhere) the
+bytes must hash to one of the key's recorded versions, else `ArtifactIntegrityError`. So an edit made outside the
+store is refused, never re-recorded; a copied folder still reads. Records of other versions are pruned when a put
+publishes, once older than `RECORD_GRACE_S` (a concurrent writer's record must outlive its rename). A key with no
+record at all (written by another tool, or by a version of mass-ops before records) is hashed and recorded on first
+`info`. Records of the layout before per-version records (``.meta/<h[:2]>/<h>.json``) are still read.
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +44,6 @@ from mass_ops.store.artifacts import (
     ArtifactKeyError,
     ArtifactNotFoundError,
     ArtifactStore,
-    ArtifactStoreConfigError,
     VerifiedStream,
     copy_and_hash,
     create_temp_file,
@@ -46,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 PARTIAL_DIR = ".partial"
 META_DIR = ".meta"
+PROBE_DIR = ".probe"
+RECORD_GRACE_S = 3600.0
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class LocalArtifactStore(ArtifactStore):
@@ -57,9 +70,7 @@ class LocalArtifactStore(ArtifactStore):
             for folder in (self._root, self._root / PARTIAL_DIR, self._root / META_DIR):
                 folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ArtifactStoreConfigError(
-                f"cannot use {self._root} as an artifact folder: {exc.strerror or exc}"
-            ) from exc
+            raise self._unavailable("opening the folder", self.url, exc) from exc
 
     @property
     def root(self) -> Path:
@@ -76,7 +87,11 @@ class LocalArtifactStore(ArtifactStore):
     def _data_path(self, key: str) -> Path:
         return self._root / key
 
-    def _record_path(self, key: str) -> Path:
+    def _records_dir(self, key: str) -> Path:
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        return self._root / META_DIR / digest[:2] / digest
+
+    def _legacy_record_path(self, key: str) -> Path:
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
         return self._root / META_DIR / digest[:2] / f"{digest}.json"
 
@@ -90,37 +105,82 @@ class LocalArtifactStore(ArtifactStore):
         return {"inode": stat.st_ino, "device": stat.st_dev, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
     def _write_record(self, key: str, sha256: str, stat: os.stat_result) -> None:
+        """Record `sha256` as a version of `key`, naming the file `stat` describes (replaces that version's record)."""
         record = {"key": key, "sha256": sha256, **self._identity(stat)}
-        path = self._record_path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = create_temp_file(self._root / PARTIAL_DIR, "record-")
+        path = self._records_dir(key) / f"{sha256}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp = create_temp_file(self._root / PARTIAL_DIR, "record-")
+        except OSError as exc:
+            raise self._unavailable(f"recording the SHA-256 of {key!r}", self.url, exc) from exc
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 json.dump(record, out, sort_keys=True)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temp, path)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise self._unavailable(f"recording the SHA-256 of {key!r}", self.url, exc) from exc
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
 
-    def _recorded_sha256(self, key: str, stat: os.stat_result) -> str | None:
-        """The recorded SHA-256 if the record describes exactly the file `stat` was taken from."""
+    def _record_files(self, key: str) -> list[Path]:
+        folder = self._records_dir(key)
         try:
-            record: dict[str, Any] = json.loads(self._record_path(key).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            files = [entry for entry in folder.iterdir() if entry.suffix == ".json"]
+        except (FileNotFoundError, NotADirectoryError):
+            files = []
+        legacy = self._legacy_record_path(key)
+        return [*files, legacy] if legacy.is_file() else files
+
+    def _records(self, key: str) -> list[dict[str, Any]]:
+        """The readable records of `key`'s versions (unreadable or foreign ones are skipped)."""
+        records = []
+        for path in self._record_files(key):
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and record.get("key") == key and _SHA256.match(str(record.get("sha256"))):
+                records.append(record)
+        return records
+
+    def _expected_sha256(self, key: str, stat: os.stat_result) -> str | frozenset[str] | None:
+        """What the bytes of the file `stat` describes must hash to.
+
+        The hash of the record naming exactly this file; else any recorded version's hash (the file is not the one
+        a record was computed from, so its bytes must prove they are a published version); None with no record.
+        """
+        records = self._records(key)
+        if not records:
             return None
-        if record.get("key") != key or any(record.get(name) != value for name, value in self._identity(stat).items()):
-            return None
-        sha256 = record.get("sha256")
-        return sha256 if isinstance(sha256, str) else None
+        identity = self._identity(stat)
+        exact = {r["sha256"] for r in records if all(r.get(name) == value for name, value in identity.items())}
+        if len(exact) == 1:
+            return exact.pop()
+        return frozenset(r["sha256"] for r in records)
+
+    def _prune_records(self, key: str, keep: str) -> None:
+        """Drop records of other versions than `keep` once older than the grace period (and the legacy record)."""
+        cutoff = time.time() - RECORD_GRACE_S
+        for path in self._record_files(key):
+            if path.name == f"{keep}.json":
+                continue
+            with contextlib.suppress(OSError):
+                if path == self._legacy_record_path(key) or path.stat().st_mtime < cutoff:
+                    path.unlink()
 
     # --- publishing ---
 
     def _publish(self, key: str, staged: Path, sha256: str, size: int) -> ArtifactInfo:
-        with staged.open("rb") as handle:
-            os.fsync(handle.fileno())
-            stat = os.fstat(handle.fileno())
+        try:
+            with staged.open("rb") as handle:
+                os.fsync(handle.fileno())
+                stat = os.fstat(handle.fileno())
+        except OSError as exc:
+            raise self._unavailable(f"publishing {key!r}", self.url, exc) from exc
         if stat.st_size != size:
             raise ArtifactIntegrityError(f"staged bytes for {key!r} changed size before publishing")
         self._write_record(key, sha256, stat)
@@ -142,7 +202,10 @@ class LocalArtifactStore(ArtifactStore):
                 raise ArtifactKeyError(
                     f"cannot store {key!r} in {self._root}: it is already a folder of other artifacts"
                 ) from exc
+            except OSError as exc:
+                raise self._unavailable(f"publishing {key!r}", self.url, exc) from exc
         fsync_directory(target.parent)
+        self._prune_records(key, keep=sha256)
         info = ArtifactInfo(uri=target.as_uri(), key=key, sha256=sha256, size=size)
         logger.debug("stored %s (%d bytes, sha256 %s)", info.uri, size, sha256)
         return info
@@ -155,14 +218,16 @@ class LocalArtifactStore(ArtifactStore):
             handle = path.open("rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise ArtifactNotFoundError(f"artifact {path.as_uri()} does not exist") from exc
-        return handle
+        except OSError as exc:
+            raise self._unavailable("reading", path.as_uri(), exc) from exc
+        return _ReadErrors(handle, lambda error: self._unavailable("reading", path.as_uri(), error))
 
     def _open_verified(self, key: str) -> VerifiedStream:
         handle = self._open_file(key)
         # The record is checked against the open file, so a concurrent replace cannot pair old bytes with a new hash.
         stat = os.fstat(handle.fileno())
         return VerifiedStream(
-            handle, uri=self.uri(key), expected_sha256=self._recorded_sha256(key, stat), expected_size=stat.st_size
+            handle, uri=self.uri(key), expected_sha256=self._expected_sha256(key, stat), expected_size=stat.st_size
         )
 
     def exists(self, key: str) -> bool:
@@ -171,23 +236,33 @@ class LocalArtifactStore(ArtifactStore):
     def info(self, key: str) -> ArtifactInfo:
         with self._open_file(key) as handle:
             stat = os.fstat(handle.fileno())
-            sha256 = self._recorded_sha256(key, stat)
-            if sha256 is None:
-                sha256, size = copy_and_hash(handle)
-                # Record only if the file did not change while it was hashed.
-                if self._identity(os.fstat(handle.fileno())) == self._identity(stat) and size == stat.st_size:
-                    self._write_record(key, sha256, stat)
+            expected = self._expected_sha256(key, stat)
+            if isinstance(expected, str):
+                return ArtifactInfo(uri=self.uri(key), key=key, sha256=expected, size=stat.st_size)
+            sha256, size = copy_and_hash(handle)
+            if expected is not None and sha256 not in expected:
+                raise ArtifactIntegrityError(
+                    f"{self.uri(key)} does not match its recorded SHA-256 {' or '.join(sorted(expected))} "
+                    f"(read {sha256}): it was changed outside the store"
+                )
+            # A published version under a new identity (copied folder, touched file), or a key never recorded:
+            # record it, but only if the file did not change while it was hashed.
+            if self._identity(os.fstat(handle.fileno())) == self._identity(stat) and size == stat.st_size:
+                self._write_record(key, sha256, stat)
         return ArtifactInfo(uri=self.uri(key), key=key, sha256=sha256, size=stat.st_size)
 
     def list(self, prefix: str = "") -> list[str]:
         prefix = validate_prefix(prefix)
         start_rel = prefix.rpartition("/")[0]
         keys: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(self._root / start_rel if start_rel else self._root):
+        start = self._root / start_rel if start_rel else self._root
+        failures: list[OSError] = []
+        # os.walk skips folders it cannot read unless told otherwise: a listing must not silently miss artifacts.
+        for dirpath, dirnames, filenames in os.walk(start, onerror=failures.append):
             relative = Path(dirpath).relative_to(self._root).as_posix()
             relative = "" if relative == "." else relative
             if not relative:
-                dirnames[:] = [name for name in dirnames if name not in (PARTIAL_DIR, META_DIR)]
+                dirnames[:] = [name for name in dirnames if name not in (PARTIAL_DIR, META_DIR, PROBE_DIR)]
             # Descend only into folders that can hold keys with this prefix.
             dirnames[:] = sorted(
                 name
@@ -199,13 +274,21 @@ class LocalArtifactStore(ArtifactStore):
                 key = f"{relative}/{name}" if relative else name
                 if key.startswith(prefix):
                     keys.append(key)
+        unreadable = [exc for exc in failures if not isinstance(exc, FileNotFoundError | NotADirectoryError)]
+        if unreadable:
+            raise self._unavailable(f"listing {prefix!r}", self.url, unreadable[0])
         return sorted(keys)
 
     def delete(self, key: str) -> None:
         path = self._data_path(validate_key(key))
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        try:
             path.unlink()
-        self._record_path(key).unlink(missing_ok=True)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            pass
+        except OSError as exc:
+            raise self._unavailable("deleting", path.as_uri(), exc) from exc
+        shutil.rmtree(self._records_dir(key), ignore_errors=True)
+        self._legacy_record_path(key).unlink(missing_ok=True)
         # Prune folders the delete left empty, so the name can later hold an artifact again.
         for parent in path.parents:
             if parent == self._root or not parent.is_relative_to(self._root):
@@ -214,3 +297,29 @@ class LocalArtifactStore(ArtifactStore):
                 parent.rmdir()
             except OSError:
                 break
+
+
+class _ReadErrors:
+    """Raw file wrapper whose read `OSError`s (an I/O error, a vanished network mount) become the store's error."""
+
+    def __init__(self, handle: Any, wrap: Any) -> None:
+        self._handle = handle
+        self._wrap = wrap
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._handle.read(size)
+        except OSError as exc:
+            raise self._wrap(exc) from exc
+
+    def fileno(self) -> int:
+        return self._handle.fileno()
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> _ReadErrors:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

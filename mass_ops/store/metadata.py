@@ -4,6 +4,11 @@
 roll back (read / on error) when the block ends; objects they load stay usable after the block because sessions
 never expire them on commit.
 
+Failures to reach the database (refused, silent past ``MASS_STORE_CONNECT_TIMEOUT_S``, not a database, a
+connection lost mid-query, a statement over ``MASS_STORE_STATEMENT_TIMEOUT_S``) surface as one-line `StorageError`s
+with the password masked; SQL errors (a missing table, a constraint) keep their SQLAlchemy types. Limits: see
+`mass_ops.store.timeouts`.
+
 SQLite is opened in WAL mode with a busy timeout and foreign keys on. Write transactions start with
 ``BEGIN IMMEDIATE`` so that concurrent writers queue on the database lock (and the busy timeout) instead of failing
 with "database is locked" when a read snapshot would have to be upgraded to a write lock. Writers of one process
@@ -27,20 +32,24 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from mass_ops.errors import InputError
+from mass_ops.store.errors import StorageError, storage_error
+from mass_ops.store.timeouts import StoreTimeouts
+from mass_ops.store.urls import mask_url
+
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 _BEGIN_OPTION = "mass_ops_sqlite_begin"
 
 
-class MetadataURLError(ValueError):
+STORE = "metadata store"
+# SQLSTATE of a statement cancelled by statement_timeout (or by an operator).
+_QUERY_CANCELED = "57014"
+
+__all__ = ["STORE", "MetadataStore", "MetadataURLError", "mask_url", "resolve_url"]
+
+
+class MetadataURLError(InputError):
     """The metadata URL names no database this store supports."""
-
-
-def mask_url(url: str | URL) -> str:
-    """The URL as text with any password replaced by ``***`` (safe to log)."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except sa.exc.ArgumentError:
-        return "<unparseable metadata URL>"
 
 
 def _postgres_driver() -> str:
@@ -83,21 +92,23 @@ class MetadataStore:
     Create the store after forking (one per process): engines and their pools do not survive ``fork``.
     """
 
-    def __init__(self, url: str | URL, *, pool_size: int = 5, max_overflow: int = 10, echo: bool = False) -> None:
+    def __init__(
+        self,
+        url: str | URL,
+        *,
+        pool_size: int = 5,
+        max_overflow: int = 10,
+        echo: bool = False,
+        timeouts: StoreTimeouts | None = None,
+    ) -> None:
         self.url = resolve_url(url)
         self.dialect = self.url.get_backend_name()
+        self.timeouts = timeouts or StoreTimeouts.from_env()
         if self.dialect == "sqlite":
             self.engine = self._sqlite_engine(echo)
         else:
-            self.engine = sa.create_engine(
-                self.url,
-                echo=echo,
-                pool_size=pool_size,
-                max_overflow=max_overflow,
-                pool_pre_ping=True,  # connections die with Postgres restarts and idle timeouts of proxies
-                pool_recycle=1800,
-                connect_args={"application_name": "mass-ops"},
-            )
+            self.engine = self._postgres_engine(echo, pool_size, max_overflow)
+        event.listen(self.engine, "handle_error", self._storage_failure)
         # Repository reads are single statements: on Postgres they run in autocommit, which saves the BEGIN and
         # ROLLBACK round trips of every query (half its latency for small lookups).
         read_engine = self.engine
@@ -112,6 +123,61 @@ class MetadataStore:
     def __repr__(self) -> str:
         return f"MetadataStore(url={mask_url(self.url)!r})"
 
+    def _postgres_engine(self, echo: bool, pool_size: int, max_overflow: int) -> Engine:
+        engine = sa.create_engine(
+            self.url,
+            echo=echo,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            pool_pre_ping=True,  # connections die with Postgres restarts and idle timeouts of proxies
+            pool_recycle=1800,
+            pool_timeout=self.timeouts.connect_s + self.timeouts.read_s,
+            connect_args={"application_name": "mass-ops", **self.timeouts.postgres_connect_args()},
+        )
+        statement_ms = self.timeouts.statement_timeout_ms
+        if statement_ms:
+
+            @event.listens_for(engine, "connect")
+            def _statement_timeout(dbapi_connection: Any, _record: Any) -> None:
+                # A session setting rather than the "options" startup parameter, which PgBouncer refuses.
+                cursor = dbapi_connection.cursor()
+                cursor.execute(f"SET statement_timeout = {int(statement_ms)}")
+                cursor.close()
+                dbapi_connection.commit()  # the driver opened a transaction; a pool rollback would undo the SET
+
+        return engine
+
+    def _storage_failure(self, context: sa.engine.ExceptionContext) -> BaseException | None:
+        """handle_error hook: connection-level failures become one-line `StorageError`s; SQL errors pass through.
+
+        A failure while connecting (no connection yet), a lost connection (SQLAlchemy's disconnect detection) and a
+        statement cancelled by the timeout are the store not answering; anything else is about the SQL and keeps
+        its type. Pre-ping failures are left to the pool, which reconnects.
+        """
+        if context.is_pre_ping or isinstance(context.original_exception, StorageError):
+            return None
+        original = context.original_exception
+        sqlstate = getattr(original, "sqlstate", None) or getattr(original, "pgcode", None)
+        if context.connection is None:
+            action = "connect"
+        elif context.is_disconnect:
+            action = "query (connection lost)"
+        elif sqlstate == _QUERY_CANCELED:
+            action = f"query (cancelled after the {self.timeouts.statement_s:g} s statement timeout)"
+        else:
+            return None
+        return storage_error(action, STORE, self.url, original)
+
+    def ping(self) -> None:
+        """Run ``SELECT 1``: returns when the database answers, else raises `StorageError` (bounded by the timeouts)."""
+        try:
+            with self.engine.connect() as connection:
+                connection.exec_driver_sql("SELECT 1").scalar_one()
+        except StorageError:
+            raise
+        except sa.exc.DBAPIError as exc:
+            raise storage_error("SELECT 1", STORE, self.url, exc.orig or exc) from exc
+
     def _sqlite_engine(self, echo: bool) -> Engine:
         database = self.url.database
         in_memory = database in (None, "", ":memory:")
@@ -120,7 +186,10 @@ class MetadataStore:
             # Every connection to ":memory:" is a new, empty database: share one connection.
             kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
         else:
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            try:
+                Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise storage_error("create the database folder", STORE, self.url, exc) from exc
             kwargs.update(connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
         engine = sa.create_engine(self.url, **kwargs)
 

@@ -1,5 +1,8 @@
 """Schema migrations of the metadata database, driven through Alembic's API.
 
+A database that cannot be reached fails within the store timeouts with one `StorageError` line
+(`mass_ops.store.metadata`); a failing migration keeps its SQLAlchemy error and leaves the schema as it was.
+
 The Alembic scripts live in the repository's ``sql/`` folder (found relative to this file); set
 ``MASS_MIGRATIONS_DIR`` to use another folder, e.g. in an image that copies ``sql/`` elsewhere.
 """
@@ -15,13 +18,14 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL
 
+from mass_ops.errors import InputError
 from mass_ops.store.metadata import MetadataStore
 
 MIGRATIONS_DIR_ENV = "MASS_MIGRATIONS_DIR"
 _MIGRATION_LOCK_ID = 0x6D6173735F6F7073 & 0x7FFFFFFFFFFFFFFF  # "mass_ops"; any constant shared by all deployers
 
 
-class MigrationsNotFoundError(ValueError):
+class MigrationsNotFoundError(InputError):
     """The migrations folder is missing or is not an Alembic script folder."""
 
 
@@ -57,6 +61,9 @@ def _run(url: str | URL, action: str, revision: str) -> None:
         # migration leaves the schema where it was. env.py picks the connection up from the attributes.
         with store.transaction() as connection:
             if store.dialect == "postgresql":
+                # DDL on a big table and waiting for another deployer may both outlast the session statement
+                # timeout, which is meant for the queries of a run; the connect timeout still bounds the start.
+                connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
                 # Two deployers upgrading at once would both try to CREATE the same tables; the second now waits
                 # and then finds the schema current. (SQLite: BEGIN IMMEDIATE already serialises them.)
                 connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_ID})")

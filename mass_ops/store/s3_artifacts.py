@@ -18,6 +18,12 @@ CompleteMultipartUpload succeeds. Any failure before that (a read error, a netwo
 upload, so no parts are left behind either; if even the abort fails, the parts are still invisible and a bucket
 lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims them.
 
+Limits: every client gets the connect/read timeouts and the bounded "standard" retry policy of
+`mass_ops.store.timeouts` (``MASS_STORE_CONNECT_TIMEOUT_S``, ``MASS_STORE_READ_TIMEOUT_S``,
+``MASS_STORE_MAX_ATTEMPTS``), so an endpoint that accepts and never answers fails a request within about
+attempts × read timeout. Such failures, refused requests (AccessDenied ...) and bodies cut mid-read are
+`ArtifactUnavailableError`: one line naming the action and the URI.
+
 Optional setting: ``MASS_S3_MULTIPART_THRESHOLD`` (bytes, default 64 MiB) picks multipart above that size.
 """
 
@@ -37,12 +43,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import botocore.session
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.loaders import Loader, create_loader
 
 from mass_ops.store.artifacts import (
-    ArtifactError,
+    RESERVED_TOP_LEVEL,
     ArtifactInfo,
     ArtifactNotFoundError,
     ArtifactSourceError,
@@ -56,6 +61,7 @@ from mass_ops.store.artifacts import (
     validate_key,
     validate_prefix,
 )
+from mass_ops.store.timeouts import StoreTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +138,9 @@ def _service_model_loader() -> Loader:
     return create_loader()
 
 
-def new_s3_client(config: Config) -> Any:
-    """A fresh S3 client: endpoint, region and credentials resolved now through the standard chain.
+def new_s3_client(config: Any) -> Any:
+    """A fresh S3 client with the botocore `config`: endpoint, region and credentials resolved now through the
+    standard chain.
 
     A new botocore session per client keeps resolution current (environment, profile), while the parsed service
     models are shared between sessions; parsing them is most of the cost of making a client.
@@ -154,6 +161,7 @@ class S3ArtifactStore(ArtifactStore):
         multipart_threshold: int | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         max_concurrency: int = 4,
+        timeouts: StoreTimeouts | None = None,
     ) -> None:
         self._bucket = check_bucket(bucket)
         self._prefix = check_prefix(prefix.removeprefix("/").removesuffix("/"))
@@ -168,7 +176,10 @@ class S3ArtifactStore(ArtifactStore):
             raise ArtifactStoreConfigError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self._part_size = part_size
         self._max_concurrency = max_concurrency
-        self._client: Any = new_s3_client(Config(max_pool_connections=max(10, max_concurrency + 2)))
+        self.timeouts = timeouts or StoreTimeouts.from_env()
+        self._client: Any = new_s3_client(
+            self.timeouts.botocore_config(max_pool_connections=max(10, max_concurrency + 2))
+        )
         # Mirror boto3's managed transfers: with the default "when_supported" checksum policy, parts carry a CRC32
         # the server checks; with "when_required" (older MinIO/Ceph) none is sent.
         calculation = getattr(self._client.meta.config, "request_checksum_calculation", None)
@@ -210,9 +221,10 @@ class S3ArtifactStore(ArtifactStore):
                 raise ArtifactNotFoundError(f"artifact {target} does not exist") from exc
             if code == "NoSuchBucket":
                 raise ArtifactStoreConfigError(f"S3 bucket {self._bucket!r} of {self.url} does not exist") from exc
-            raise ArtifactError(f"S3 {action} of {target} failed: {code}: {error.get('Message', '')}") from exc
+            message = str(error.get("Message", "") or "").strip()
+            raise self._unavailable(f"S3 {action}", target, f"{code}: {message}" if message else code) from exc
         except BotoCoreError as exc:
-            raise ArtifactError(f"S3 {action} of {target} failed: {exc}") from exc
+            raise self._unavailable(f"S3 {action}", target, exc) from exc
 
     # --- writing ---
 
@@ -330,7 +342,7 @@ class S3ArtifactStore(ArtifactStore):
         with self._s3_errors("download", uri):
             response = self._client.get_object(Bucket=self._bucket, Key=self._object_key(key))
         return VerifiedStream(
-            response["Body"],
+            _BodyReader(response["Body"], lambda exc: self._unavailable("S3 download", uri, exc)),
             uri=uri,
             expected_sha256=response.get("Metadata", {}).get(SHA256_METADATA),
             expected_size=response.get("ContentLength"),
@@ -366,10 +378,28 @@ class S3ArtifactStore(ArtifactStore):
             paginator = self._client.get_paginator("list_objects_v2")
             for page in paginator.paginate(Bucket=self._bucket, Prefix=root + prefix):
                 keys.extend(item["Key"][len(root) :] for item in page.get("Contents", []))
-        return sorted(keys)
+        # Probe objects in flight (or left by a killed probe) are the store's, not artifacts.
+        return sorted(key for key in keys if key.split("/", 1)[0] not in RESERVED_TOP_LEVEL)
 
     def delete(self, key: str) -> None:
         uri = self.uri(key)
         with self._s3_errors("delete", uri):
             self._client.delete_object(Bucket=self._bucket, Key=self._object_key(key))
         logger.debug("deleted %s", uri)
+
+
+class _BodyReader:
+    """A response body whose read failures (read timeout, connection cut) become the store's one-line error."""
+
+    def __init__(self, body: Any, wrap: Any) -> None:
+        self._body = body
+        self._wrap = wrap
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._body.read(size)
+        except (BotoCoreError, OSError) as exc:
+            raise self._wrap(exc) from exc
+
+    def close(self) -> None:
+        self._body.close()

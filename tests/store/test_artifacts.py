@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
+import shutil
 import tarfile
 import threading
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from mass_ops.errors import InfrastructureError
 from mass_ops.store.artifacts import (
     ArtifactError,
     ArtifactFormatError,
@@ -355,6 +358,7 @@ BAD_KEYS = [
     "del\x7f",
     ".partial/x",
     ".meta/x",
+    ".probe/x",
     "x" * 1025,
     "long/" + "y" * 256,
     "\ud800",
@@ -507,16 +511,92 @@ def test_corrupted_bytes_are_detected_on_read(artifact_store: ArtifactStore, bac
     assert not (tmp_path / "weights.bin").exists()
 
 
-def test_local_record_follows_an_outside_replacement(local_artifact_url: str) -> None:
+@pytest.mark.parametrize("edit", ["truncate", "append", "rewrite", "replace"])
+def test_local_edit_made_outside_the_store_is_refused_and_not_recorded(
+    local_artifact_url: str, tmp_path: Path, edit: str
+) -> None:
     store = open_artifact_store(local_artifact_url)
     assert isinstance(store, LocalArtifactStore)
     store.put_bytes("notes.txt", b"written by the store")
-    replacement = store.root / "replacement.tmp"
-    replacement.write_bytes(b"replaced by hand")
-    os.replace(replacement, store.root / "notes.txt")
+    path = store.root / "notes.txt"
+    if edit == "truncate":
+        with path.open("r+b") as handle:
+            handle.truncate(7)
+    elif edit == "append":
+        with path.open("ab") as handle:
+            handle.write(b" and more")
+    elif edit == "rewrite":
+        path.write_bytes(b"written by hand!!!!!")  # same size, new bytes
+    else:
+        (store.root / "replacement.tmp").write_bytes(b"replaced by hand")
+        os.replace(store.root / "replacement.tmp", path)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 5_000_000_000))
 
-    assert store.info("notes.txt").sha256 == _sha256(b"replaced by hand")
-    assert store.get_bytes("notes.txt") == b"replaced by hand"
+    for _ in range(2):  # the first refusal must not record the new bytes as the artifact's hash
+        with pytest.raises(ArtifactIntegrityError, match=r"notes\.txt does not match its recorded SHA-256") as caught:
+            store.info("notes.txt")
+        assert "\n" not in str(caught.value)
+        with pytest.raises(ArtifactIntegrityError, match="does not match its recorded SHA-256"):
+            store.get_bytes("notes.txt")
+        with pytest.raises(ArtifactIntegrityError):
+            store.get_file("notes.txt", tmp_path / "notes.txt")
+        assert not (tmp_path / "notes.txt").exists()
+    assert isinstance(caught.value, InfrastructureError)
+
+
+def test_local_touched_or_copied_artifacts_still_read(local_artifact_url: str, tmp_path: Path) -> None:
+    store = open_artifact_store(local_artifact_url)
+    assert isinstance(store, LocalArtifactStore)
+    store.put_bytes("a/notes.txt", b"published")
+    os.utime(store.root / "a" / "notes.txt", (1_000_000, 1_000_000))  # same bytes, new mtime
+    assert store.get_bytes("a/notes.txt") == b"published"
+    assert store.info("a/notes.txt").sha256 == _sha256(b"published")
+
+    copy = tmp_path / "copied"
+    shutil.copytree(store.root, copy)  # new inodes everywhere: the bytes prove they are the published version
+    copied = LocalArtifactStore(copy)
+    assert copied.get_bytes("a/notes.txt") == b"published"
+    assert copied.info("a/notes.txt").sha256 == _sha256(b"published")
+
+
+def test_local_previous_version_reads_while_a_put_is_between_record_and_rename(local_artifact_url: str) -> None:
+    store = open_artifact_store(local_artifact_url)
+    assert isinstance(store, LocalArtifactStore)
+    store.put_bytes("k.bin", b"version one")
+    # A second put recorded its version and then died before its rename: the published file is still version one.
+    staged = store.root / ".partial" / "put-dead.partial"
+    staged.write_bytes(b"version two")
+    store._write_record("k.bin", _sha256(b"version two"), staged.stat())
+
+    assert store.get_bytes("k.bin") == b"version one"
+    assert store.info("k.bin").sha256 == _sha256(b"version one")
+    store.put_bytes("k.bin", b"version two")
+    assert store.get_bytes("k.bin") == b"version two"
+
+
+def test_a_legacy_record_is_still_honoured(local_artifact_url: str) -> None:
+    store = open_artifact_store(local_artifact_url)
+    assert isinstance(store, LocalArtifactStore)
+    store.put_bytes("old.bin", b"from before per-version records")
+    shutil.rmtree(store._records_dir("old.bin"))
+    stat = (store.root / "old.bin").stat()
+    legacy = {"key": "old.bin", "sha256": _sha256(b"something else"), **LocalArtifactStore._identity(stat)}
+    store._legacy_record_path("old.bin").write_text(json.dumps(legacy))
+    with pytest.raises(ArtifactIntegrityError):
+        store.get_bytes("old.bin")
+
+
+def test_the_hash_a_metadata_row_recorded_is_checked(artifact_store: ArtifactStore, tmp_path: Path) -> None:
+    info = artifact_store.put_bytes("rows/prompt.txt", b"the prompt")
+    assert artifact_store.get_bytes("rows/prompt.txt", sha256=info.sha256) == b"the prompt"
+    wrong = _sha256(b"another prompt")
+    with pytest.raises(ArtifactIntegrityError, match="in the metadata store"):
+        artifact_store.get_bytes("rows/prompt.txt", sha256=wrong)
+    with pytest.raises(ArtifactIntegrityError, match="in the metadata store"):
+        artifact_store.get_file("rows/prompt.txt", tmp_path / "prompt.txt", sha256=wrong)
+    assert not (tmp_path / "prompt.txt").exists()
+    with pytest.raises(ArtifactIntegrityError), artifact_store.open_read("rows/prompt.txt", sha256=wrong) as stream:
+        stream.read()
 
 
 def test_local_concurrent_puts_of_one_key(local_artifact_url: str) -> None:
