@@ -34,12 +34,13 @@ import secrets
 import shutil
 import tarfile
 import tempfile
+import time
 import unicodedata
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 from urllib.parse import unquote, urlsplit
@@ -104,6 +105,21 @@ class ArtifactInfo:
     key: str
     sha256: str
     size: int
+
+
+@dataclass(frozen=True)
+class StagingLeftover:
+    """Something a put or probe left behind that no reader will ever see (found by `ArtifactStore.staging_leftovers`).
+
+    `kind`: "staging file", "multipart upload", "probe object" or "orphan record"; `location`: its path or URI;
+    `size` in bytes when known; `age_s` since it was last written; `remove()` deletes it (missing is fine).
+    """
+
+    kind: str
+    location: str
+    size: int | None
+    age_s: float
+    remove: Callable[[], None] = field(repr=False, compare=False)
 
 
 class ReadableStream(Protocol):
@@ -688,6 +704,21 @@ class ArtifactStore(ABC):
             shutil.rmtree(scratch, ignore_errors=True)
         return info
 
+    # --- housekeeping ---
+
+    def staging_leftovers(self, older_than_s: float) -> list[StagingLeftover]:
+        """Staging files, unfinished uploads and probe objects not written for `older_than_s` seconds.
+
+        The base implementation sweeps this store's staging folder (for S3: ``<tmp>/mass-ops-staging`` on this
+        machine); backends add what they keep elsewhere. A live writer keeps writing (its file's mtime moves), so a
+        grace period longer than the slowest put keeps it safe.
+        """
+        return _old_files(self._staging_dir(), "staging file", older_than_s)
+
+    def age_s(self, key: str) -> float:
+        """Seconds since the artifact under `key` was published (`ArtifactNotFoundError` if absent)."""
+        raise NotImplementedError
+
     # --- health ---
 
     def probe(self) -> None:
@@ -735,6 +766,26 @@ class _StagingWriter:
             self._target.flush()
         except OSError as exc:
             raise self._wrap(exc) from exc
+
+
+def _old_files(directory: Path, kind: str, older_than_s: float) -> list[StagingLeftover]:
+    """Regular files directly in `directory` last modified more than `older_than_s` seconds ago."""
+    now = time.time()
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        try:
+            stat = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # published or removed meanwhile
+        age = now - stat.st_mtime
+        if entry.is_file(follow_symlinks=False) and age > older_than_s:
+            path = Path(entry.path)
+            found.append(StagingLeftover(kind, str(path), stat.st_size, age, lambda p=path: p.unlink(missing_ok=True)))
+    return sorted(found, key=lambda leftover: leftover.location)
 
 
 STAGING_DIR_NAME = "mass-ops-staging"

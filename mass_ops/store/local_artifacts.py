@@ -44,7 +44,9 @@ from mass_ops.store.artifacts import (
     ArtifactKeyError,
     ArtifactNotFoundError,
     ArtifactStore,
+    StagingLeftover,
     VerifiedStream,
+    _old_files,
     copy_and_hash,
     create_temp_file,
     fsync_directory,
@@ -271,6 +273,8 @@ class LocalArtifactStore(ArtifactStore):
                 or prefix.startswith(f"{relative}/{name}/".lstrip("/"))
             )
             for name in filenames:
+                if not relative and name in (PARTIAL_DIR, META_DIR, PROBE_DIR):
+                    continue  # the store's own names, even when something replaced its folder by a file
                 key = f"{relative}/{name}" if relative else name
                 if key.startswith(prefix):
                     keys.append(key)
@@ -278,6 +282,41 @@ class LocalArtifactStore(ArtifactStore):
         if unreadable:
             raise self._unavailable(f"listing {prefix!r}", self.url, unreadable[0])
         return sorted(keys)
+
+    def age_s(self, key: str) -> float:
+        path = self._data_path(validate_key(key))
+        try:
+            return time.time() - path.stat().st_mtime
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise ArtifactNotFoundError(f"artifact {path.as_uri()} does not exist") from exc
+
+    def staging_leftovers(self, older_than_s: float) -> list[StagingLeftover]:
+        """Old files in ``.partial/`` and ``.probe/``, and record folders of keys that hold no artifact."""
+        found = super().staging_leftovers(older_than_s) + _old_files(
+            self._root / PROBE_DIR, "probe object", older_than_s
+        )
+        now = time.time()
+        meta = self._root / META_DIR
+        for records in sorted(meta.glob("??/*")):
+            try:
+                newest = max((entry.stat().st_mtime for entry in records.iterdir()), default=records.stat().st_mtime)
+                record = json.loads(next(iter(sorted(records.glob("*.json")))).read_text(encoding="utf-8"))
+            except (OSError, ValueError, StopIteration):
+                continue
+            key = record.get("key") if isinstance(record, dict) else None
+            if not isinstance(key, str) or not records.is_dir() or now - newest <= older_than_s:
+                continue
+            if self._records_dir(key) == records and not self._data_path(key).is_file():
+                found.append(
+                    StagingLeftover(
+                        "orphan record",
+                        str(records),
+                        None,
+                        now - newest,
+                        lambda folder=records: shutil.rmtree(folder, ignore_errors=True),
+                    )
+                )
+        return found
 
     def delete(self, key: str) -> None:
         path = self._data_path(validate_key(key))

@@ -6,6 +6,10 @@ unit twice — sequentially or from concurrent processes — therefore yields ex
 that row back. Fields that define what the unit *is* (a prompt hash, a design text, a config hash) must agree with
 the stored row, else the call raises instead of silently returning a different unit.
 
+Rows that point at an artifact take its SHA-256 as published (``ArtifactInfo.sha256``) beside the URI
+(``*_sha256`` arguments); readers hand it back to the artifact store so changed bytes are refused. `artifact_uris`
+lists every URI the rows reference, for `mass_ops.store.gc`.
+
 Methods return detached ORM objects (plain column values, no lazy relationships): callers never hold a session.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -138,6 +143,29 @@ def _aware(value: datetime | None, what: str) -> datetime | None:
     if value is not None and value.tzinfo is None:
         raise InvalidRecordError(f"{what} {value.isoformat()} has no time zone; pass an aware datetime (UTC)")
     return value
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _sha256(value: str | None, what: str) -> str | None:
+    """`value` as a lowercase SHA-256 hex digest, or None; anything else is an InvalidRecordError."""
+    if value is None:
+        return None
+    digest = str(value).strip().lower()
+    if not _SHA256.match(digest):
+        raise InvalidRecordError(f"{what} {value!r} is not a SHA-256 hex digest (64 hex characters)")
+    return digest
+
+
+def _hashes(value: Mapping[str, str] | None, names: Mapping[str, str] | None, what: str) -> dict[str, str] | None:
+    """Per-artifact hashes of an episode: every name must be one of its artifacts."""
+    if value is None:
+        return None
+    unknown = sorted(set(value) - set(names or {}))
+    if unknown:
+        raise InvalidRecordError(f"{what} names artifacts the episode does not have: {', '.join(unknown)}")
+    return {str(name): str(_sha256(digest, f"{what}[{name!r}]")) for name, digest in value.items()}
 
 
 def _describe(key: Mapping[str, Any]) -> str:
@@ -404,8 +432,10 @@ class MetadataRepository:
         artifacts: Mapping[str, str] | None = None,
         qwen_code_version: str | None = None,
         retry_of_id: int | None = None,
+        artifact_sha256: Mapping[str, str] | None = None,
     ) -> Episode:
-        """A finished episode (record it after its artifacts are durable).
+        """A finished episode (record it after its artifacts are durable); `artifact_sha256` maps names of
+        `artifacts` to the SHA-256 each was published with.
 
         Key: (cycle, task, kind, version, candidate, seed, attempt, generation). A retry after an infrastructure
         failure is a new `attempt` pointing at the failed one through `retry_of_id`. Recording an existing key
@@ -450,6 +480,7 @@ class MetadataRepository:
             "artifacts": _document(artifacts, "episode artifacts"),
             "qwen_code_version": qwen_code_version,
             "retry_of_id": retry_of_id,
+            "artifact_sha256": _hashes(artifact_sha256, artifacts, "episode artifact_sha256"),
         }
         return self._record(
             Episode, {"cycle_id": cycle_id, "unit_key": unit_key}, values, must_match=("prompt_sha256",)
@@ -553,6 +584,8 @@ class MetadataRepository:
         prompt_uri: str | None = None,
         result_uri: str | None = None,
         error: str | None = None,
+        prompt_sha256: str | None = None,
+        result_sha256: str | None = None,
     ) -> LLMCall:
         """One judge / optimizer / arbitration call, keyed by a caller-chosen `unit_key` unique in the cycle."""
         values = {
@@ -570,6 +603,8 @@ class MetadataRepository:
             "prompt_uri": prompt_uri,
             "result_uri": result_uri,
             "error": error,
+            "prompt_sha256": _sha256(prompt_sha256, "LLM call prompt_sha256"),
+            "result_sha256": _sha256(result_sha256, "LLM call result_sha256"),
         }
         return self._record(
             LLMCall, {"cycle_id": cycle_id, "unit_key": unit_key}, values, must_match=("purpose", "model")
@@ -632,6 +667,7 @@ class MetadataRepository:
         rationale_uri: str | None = None,
         llm_call_id: int | None = None,
         usage: Mapping[str, Any] | None = None,
+        rationale_sha256: str | None = None,
     ) -> Comparison:
         """One judged pair in a ledger; `verdict` is in the A/B orientation of `side_a`/`side_b` (after any swap)."""
         row_key = {
@@ -654,6 +690,7 @@ class MetadataRepository:
             "rationale_uri": rationale_uri,
             "llm_call_id": llm_call_id,
             "usage": _document(usage, "usage"),
+            "rationale_sha256": _sha256(rationale_sha256, "comparison rationale_sha256"),
         }
         return self._record(
             Comparison, row_key, values, must_match=("side_a", "side_b", "episode_a_id", "episode_b_id")
@@ -856,10 +893,18 @@ class MetadataRepository:
         return self._record(TrainingRun, {"cycle_id": cycle_id, "key": key}, values, must_match=("args",))
 
     def set_training_run_status(
-        self, run_id: int, status: str, *, log_uri: str | None = None, output_uri: str | None = None
+        self,
+        run_id: int,
+        status: str,
+        *,
+        log_uri: str | None = None,
+        output_uri: str | None = None,
+        log_sha256: str | None = None,
     ) -> TrainingRun:
-        """Move a run to `status`; running stamps `started_at` once, finishing states stamp `finished_at`."""
+        """Move a run to `status`; running stamps `started_at` once, finishing states stamp `finished_at`.
+        `log_sha256` is the hash the log at `log_uri` was published with."""
         status = _member(RunStatus, status, "training run status")
+        log_sha256 = _sha256(log_sha256, "training run log_sha256")
         with self.store.write() as session:
             run = session.get(TrainingRun, run_id)
             if run is None:
@@ -872,6 +917,9 @@ class MetadataRepository:
                 run.finished_at = now
             if log_uri is not None:
                 run.log_uri = log_uri
+                run.log_sha256 = log_sha256
+            elif log_sha256 is not None:
+                run.log_sha256 = log_sha256
             if output_uri is not None:
                 run.output_uri = output_uri
             return run
@@ -885,12 +933,19 @@ class MetadataRepository:
         train_loss: float | None = None,
         val_loss: float | None = None,
         val_tokens: int | None = None,
+        sha256: str | None = None,
     ) -> Checkpoint:
-        """A step's adapter and/or validation result. Later calls for the same step fill fields still empty,
-        so a checkpoint save and the validation at that step may be recorded in either order; a different
-        value for a filled field raises UnitConflictError.
+        """A step's adapter (`uri`, published with `sha256`) and/or validation result. Later calls for the same
+        step fill fields still empty, so a checkpoint save and the validation at that step may be recorded in
+        either order; a different value for a filled field raises UnitConflictError.
         """
-        given = {"uri": uri, "train_loss": train_loss, "val_loss": val_loss, "val_tokens": val_tokens}
+        given = {
+            "uri": uri,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "val_tokens": val_tokens,
+            "sha256": _sha256(sha256, "checkpoint sha256"),
+        }
         with self.store.write() as session:
             checkpoint = self._insert_once(
                 session, Checkpoint, {"run_id": run_id, "step": step}, given, must_match=tuple(given)
@@ -931,8 +986,14 @@ class MetadataRepository:
         checkpoint_id: int | None = None,
         served_name: str | None = None,
         lineage: Mapping[str, Any] | None = None,
+        bf16_sha256: str | None = None,
+        fp8_sha256: str | None = None,
     ) -> ModelGeneration:
-        """Register model `name` (L0 base: no parent/cycle). Re-registering with other weights or parent conflicts."""
+        """Register model `name` (L0 base: no parent/cycle). Re-registering with other weights or parent conflicts.
+
+        `bf16_sha256` / `fp8_sha256`: SHA-256 of each model's ``manifest.json`` (`ModelManifest.digest`'s bytes as
+        stored), which pins every file of the model.
+        """
         values = {
             "generation": generation,
             "bf16_uri": bf16_uri,
@@ -943,9 +1004,14 @@ class MetadataRepository:
             "served_name": served_name,
             "lineage": _document(lineage, "lineage"),
             "registered_at": utcnow(),
+            "bf16_sha256": _sha256(bf16_sha256, "model bf16_sha256"),
+            "fp8_sha256": _sha256(fp8_sha256, "model fp8_sha256"),
         }
         return self._record(
-            ModelGeneration, {"name": name}, values, must_match=("generation", "bf16_uri", "fp8_uri", "parent_id")
+            ModelGeneration,
+            {"name": name},
+            values,
+            must_match=("generation", "bf16_uri", "fp8_uri", "parent_id", "bf16_sha256", "fp8_sha256"),
         )
 
     def get_generation(self, name: str) -> ModelGeneration | None:
@@ -987,7 +1053,9 @@ class MetadataRepository:
         baseline_generation_id: int | None = None,
         cycle_id: int | None = None,
         results_uri: str | None = None,
+        results_sha256: str | None = None,
     ) -> Evaluation:
+        """A finished evaluation; `results_sha256` is the hash the document at `results_uri` was published with."""
         values = {
             "kind": kind,
             "generation_id": generation_id,
@@ -995,6 +1063,7 @@ class MetadataRepository:
             "cycle_id": cycle_id,
             "results": _document(results, "evaluation results"),
             "results_uri": results_uri,
+            "results_sha256": _sha256(results_sha256, "evaluation results_sha256"),
         }
         return self._record(
             Evaluation, {"key": key}, values, must_match=("kind", "generation_id", "baseline_generation_id")
@@ -1009,3 +1078,39 @@ class MetadataRepository:
         if kind is not None:
             statement = statement.where(Evaluation.kind == kind)
         return self._all(statement)
+
+    # -- artifact references -------------------------------------------------------------------------------------
+
+    def artifact_uris(self) -> dict[str, str | None]:
+        """Every artifact URI a row points to, with the SHA-256 recorded for it (None where none was).
+
+        Covers the URI columns of every table and the values of `Episode.artifacts`. A URI may name a prefix (a
+        dataset's shards, a training run's output folder, a model folder): `mass_ops.store.gc` treats everything
+        under it as referenced.
+        """
+        columns: list[tuple[Any, Any]] = [
+            (LLMCall.prompt_uri, LLMCall.prompt_sha256),
+            (LLMCall.result_uri, LLMCall.result_sha256),
+            (WorkflowVersion.prompt_uri, WorkflowVersion.prompt_sha256),
+            (Comparison.rationale_uri, Comparison.rationale_sha256),
+            (Dataset.uri, sa.null()),
+            (TrainingRun.log_uri, TrainingRun.log_sha256),
+            (TrainingRun.output_uri, sa.null()),
+            (Checkpoint.uri, Checkpoint.sha256),
+            (ModelGeneration.bf16_uri, ModelGeneration.bf16_sha256),
+            (ModelGeneration.fp8_uri, ModelGeneration.fp8_sha256),
+            (Evaluation.results_uri, Evaluation.results_sha256),
+        ]
+        found: dict[str, str | None] = {}
+        with self.store.read() as session:
+            for uri_column, sha_column in columns:
+                for uri, sha256 in session.execute(sa.select(uri_column, sha_column).where(uri_column.is_not(None))):
+                    found[uri] = found.get(uri) or sha256
+            rows = session.execute(
+                sa.select(Episode.artifacts, Episode.artifact_sha256).where(Episode.artifacts.is_not(None))
+            )
+            for artifacts, hashes in rows:
+                for name, uri in (artifacts or {}).items():
+                    if isinstance(uri, str):
+                        found[uri] = found.get(uri) or (hashes or {}).get(name)
+        return found

@@ -35,6 +35,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,12 +48,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 from botocore.loaders import Loader, create_loader
 
 from mass_ops.store.artifacts import (
+    PROBE_DIR,
     RESERVED_TOP_LEVEL,
     ArtifactInfo,
     ArtifactNotFoundError,
     ArtifactSourceError,
     ArtifactStore,
     ArtifactStoreConfigError,
+    StagingLeftover,
     VerifiedStream,
     copy_and_hash,
     file_sha256,
@@ -380,6 +383,49 @@ class S3ArtifactStore(ArtifactStore):
                 keys.extend(item["Key"][len(root) :] for item in page.get("Contents", []))
         # Probe objects in flight (or left by a killed probe) are the store's, not artifacts.
         return sorted(key for key in keys if key.split("/", 1)[0] not in RESERVED_TOP_LEVEL)
+
+    def age_s(self, key: str) -> float:
+        modified = self._head(key)["LastModified"]
+        return max(0.0, time.time() - modified.timestamp())
+
+    def staging_leftovers(self, older_than_s: float) -> list[StagingLeftover]:
+        """Local staging files, multipart uploads under the prefix started more than `older_than_s` seconds ago
+        (their parts cost storage and are invisible to every reader), and old probe objects."""
+        found = super().staging_leftovers(older_than_s)
+        now = time.time()
+        root = f"{self._prefix}/" if self._prefix else ""
+        with self._s3_errors("listing of multipart uploads", self.url):
+            for page in self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket, Prefix=root):
+                for upload in page.get("Uploads", []):
+                    age = now - upload["Initiated"].timestamp()
+                    if age > older_than_s:
+                        object_key, upload_id = upload["Key"], upload["UploadId"]
+                        uri = f"s3://{self._bucket}/{object_key}"
+                        found.append(
+                            StagingLeftover(
+                                "multipart upload",
+                                f"{uri} (upload {upload_id[:12]}…)",
+                                None,
+                                age,
+                                functools.partial(self._abort_upload, object_key, upload_id, uri),
+                            )
+                        )
+        with self._s3_errors("listing of probe objects", self.url):
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=f"{root}{PROBE_DIR}/"):
+                for item in page.get("Contents", []):
+                    age = now - item["LastModified"].timestamp()
+                    if age > older_than_s:
+                        found.append(
+                            StagingLeftover(
+                                "probe object",
+                                f"s3://{self._bucket}/{item['Key']}",
+                                int(item.get("Size", 0)),
+                                age,
+                                functools.partial(self._client.delete_object, Bucket=self._bucket, Key=item["Key"]),
+                            )
+                        )
+        return found
 
     def delete(self, key: str) -> None:
         uri = self.uri(key)

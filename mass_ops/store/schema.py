@@ -3,7 +3,11 @@
 One row per unit of work. Every table carries a natural unique key, so recording the same unit twice can be a
 no-op (see `repository.py`). Enumerations are stored as short strings guarded by CHECK constraints rather than
 native Postgres enums: the same DDL runs on SQLite and Postgres, and adding a value later is a one-line migration.
-The hand-written migration `sql/versions/0001_initial.py` must stay equal to this metadata; a test compares them.
+The hand-written migrations `sql/versions/` must stay equal to this metadata; a test compares them.
+
+Every column holding the URI of one artifact has a ``*sha256`` companion: the SHA-256 recorded when the artifact
+was published, passed back to the artifact store on read (revision 0002). URIs of prefixes (a dataset's shards, a
+training run's output) have none; their members' hashes live in the documents they index.
 
 Task ids are text (`"51"`, `"sab_17"`) because benchmark tasks are named, not numbered.
 """
@@ -242,6 +246,8 @@ class LLMCall(Base):
     prompt_uri: Mapped[str | None] = mapped_column(sa.String(1024))
     result_uri: Mapped[str | None] = mapped_column(sa.String(1024))
     error: Mapped[str | None] = mapped_column(sa.Text)
+    prompt_sha256: Mapped[str | None] = mapped_column(sa.String(64))
+    result_sha256: Mapped[str | None] = mapped_column(sa.String(64))
     created_at: Mapped[datetime] = _created()
 
 
@@ -302,6 +308,8 @@ class Episode(Base):
     qwen_code_version: Mapped[str | None] = mapped_column(sa.String(32))
     retry_of_id: Mapped[int | None] = mapped_column(sa.ForeignKey("episodes.id", ondelete="SET NULL"))
     created_at: Mapped[datetime] = _created()
+    # name -> SHA-256 of each entry of `artifacts`
+    artifact_sha256: Mapped[dict[str, Any] | None] = mapped_column()
 
 
 class Comparison(Base):
@@ -333,6 +341,7 @@ class Comparison(Base):
     llm_call_id: Mapped[int | None] = mapped_column(sa.ForeignKey("llm_calls.id", ondelete="SET NULL"))
     usage: Mapped[dict[str, Any] | None] = mapped_column()
     created_at: Mapped[datetime] = _created()
+    rationale_sha256: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class RetainedWorkflow(Base):
@@ -449,6 +458,7 @@ class TrainingRun(Base):
     started_at: Mapped[datetime | None] = mapped_column()
     finished_at: Mapped[datetime | None] = mapped_column()
     created_at: Mapped[datetime] = _created()
+    log_sha256: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class Checkpoint(Base):
@@ -468,6 +478,7 @@ class Checkpoint(Base):
     val_loss: Mapped[float | None] = mapped_column(sa.Float)
     val_tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
     created_at: Mapped[datetime] = _created()
+    sha256: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class ModelGeneration(Base):
@@ -487,6 +498,9 @@ class ModelGeneration(Base):
     served_name: Mapped[str | None] = mapped_column(sa.String(256))
     lineage: Mapped[dict[str, Any] | None] = mapped_column()
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # SHA-256 of each model's manifest.json (which lists every file's hash)
+    bf16_sha256: Mapped[str | None] = mapped_column(sa.String(64))
+    fp8_sha256: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class Evaluation(Base):
@@ -506,3 +520,4 @@ class Evaluation(Base):
     results: Mapped[dict[str, Any]] = mapped_column()
     results_uri: Mapped[str | None] = mapped_column(sa.String(1024))
     created_at: Mapped[datetime] = _created()
+    results_sha256: Mapped[str | None] = mapped_column(sa.String(64))
