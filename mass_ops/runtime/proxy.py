@@ -19,15 +19,31 @@ reassembly, serialisation) is built on a worker thread after the client has the 
 completion order (sort by `seq` for request order). Each record is one `write()` on an O_APPEND descriptor, so lines
 stay whole when exchanges finish together; `stop()` waits for every pending record before closing the log.
 
+The proxy, not the agent, holds the inference key (ISSUE #13.4: redaction alone let encoded copies of a key the
+agent could read reach its workspace). Given `agent_token`, the proxy accepts only requests that carry
+`Authorization: Bearer <agent_token>` (compared in constant time); any other request gets HTTP 401, never reaches the
+upstream, and is logged without its headers or body (`rejected`: `missing_token` or `wrong_token`). Accepted requests
+lose the agent's `Authorization` header and get `Authorization: Bearer <upstream_api_key>` instead. The token is a
+random value per episode (`new_agent_token`), worthless once the episode's proxy session ends. As a second line of
+defence every record is written with the upstream key's bytes replaced by `[REDACTED]` (an upstream could echo it).
+
 Deployment decision: **one proxy per episode, on an ephemeral port** (`port=0`), not one shared proxy.
 - Isolation: the log *is* the episode's trajectory; a per-episode proxy needs no request-to-episode attribution
   (qwen-code sends no episode id) and the log file is complete and closed when the episode ends, ready to gzip.
 - Crash containment: a proxy failure (or a pathological stream) affects one episode, which the runner retries as an
   infrastructure failure; a shared proxy would fail every concurrent episode at once.
-- Concurrency: ephemeral ports let any number of episodes run side by side without port bookkeeping; in a sandbox
-  pod the proxy runs as the pod's own process (`python -m mass_ops.runtime.proxy`) and the pod's egress policy only
-  needs to allow the model server.
+- Concurrency: ephemeral ports let any number of episodes run side by side without port bookkeeping.
 The cost is one aiohttp server per episode (a few MB, milliseconds to start), negligible next to an episode.
+
+In a Kubernetes episode pod the key must not be in the agent's container at all (the agent's shell commands could
+read any process's environment there), so the proxy runs in a container of its own beside the sandbox and the
+publisher — containers of one pod share the network — as a `SessionProxy` (`serve_episode_proxy`, started as
+`python -m mass_ops.runtime.proxy --sessions-dir DIR ...`). The sandbox's runner opens one session per attempt
+(`open_proxy_session`: a fresh token and a log file of its own under DIR, which the sandbox mounts read-only) and
+closes it when the agent has ended (`close_proxy_session`), so each attempt still gets exactly its own log. Session
+control (`/_mass_proxy/...`) is reachable from the sandbox: the agent could open sessions of its own, but every
+request it makes with the key still passes through this proxy and is logged; the key is added only for the
+configured upstreams and hosts under the allowed suffixes (the pod's egress policy reaches nothing else).
 """
 
 from __future__ import annotations
@@ -35,22 +51,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import io
 import itertools
 import json
 import os
+import secrets
+import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.runtime.sse import SSEAssembler
 
 HOP_BY_HOP_HEADERS = frozenset(
@@ -72,6 +94,45 @@ MAX_REQUEST_BYTES = 4 * 1024**3
 CONNECT_TIMEOUT_S = 30.0
 HANDLER_DRAIN_S = 5.0  # how long stop() waits for in-flight handlers to write their records
 WHOLE_BODY_BYTES = 1024**2
+# Headers that carry credentials: with token auth the agent's are dropped and the proxy sets its own.
+CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
+BEARER = "bearer "
+TOKEN_BYTES = 32  # secrets.token_urlsafe(32): 256 random bits
+DEFAULT_KEY_VALUE = "EMPTY"  # what a local vLLM accepts when it was started without --api-key (the reference default)
+MIN_REDACTED_SECRET = 8  # shorter "keys" (e.g. EMPTY) are placeholders; replacing them would corrupt ordinary text
+REDACTION = b"[REDACTED]"
+# Session control of a pod's `SessionProxy` (a prefix no OpenAI-compatible route uses).
+CONTROL_PREFIX = "/_mass_proxy"
+CONTROL_TIMEOUT_S = 30.0
+MAX_SESSIONS = 64
+REJECTED_LOG = "rejected.jsonl"
+# What the sandbox container of an episode pod is told about the proxy beside it (see compute/kubernetes.py).
+PROXY_URL_ENV = "MASS_EPISODE_PROXY_URL"
+PROXY_LOG_DIR_ENV = "MASS_EPISODE_PROXY_LOG_DIR"
+
+
+class ProxyConfigError(InputError):
+    """The proxy cannot start as asked (key variable, upstreams, arguments)."""
+
+
+class ProxySessionError(InfrastructureError):
+    """A pod's episode proxy did not open or close a session (it is not up, or refused)."""
+
+
+def new_agent_token() -> str:
+    """A fresh per-episode token: what the agent presents to its proxy instead of a key."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def upstream_key_from_env(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The upstream key from variable `name` ("EMPTY" when unset, as a local server without --api-key accepts).
+
+    Whitespace would break the Authorization header: refused with one line naming the variable, never the value.
+    """
+    value = (os.environ if environ is None else environ).get(name, "") or DEFAULT_KEY_VALUE
+    if any(char.isspace() for char in value):
+        raise ProxyConfigError(f"episode proxy: environment variable {name} (the API key) contains whitespace")
+    return value
 
 
 def _end_to_end_headers(headers: Any) -> list[tuple[str, str]]:
@@ -83,15 +144,27 @@ def _end_to_end_headers(headers: Any) -> list[tuple[str, str]]:
 RELAY_READ_BUFFER = 2**18  # bytes
 
 
+def _redaction_needles(secret: str | None) -> tuple[bytes, ...]:
+    """The byte forms of `secret` a JSON record can hold (raw and JSON-escaped); none for placeholders."""
+    if not secret or secret == DEFAULT_KEY_VALUE or len(secret.encode()) < MIN_REDACTED_SECRET:
+        return ()
+    forms = {secret.encode("utf-8"), json.dumps(secret)[1:-1].encode("utf-8")}
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
 class _RecordLog:
     """Append-only JSONL file; one `os.write` per record so concurrent records never interleave."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, redact: str | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._needles = _redaction_needles(redact)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def append(self, record: dict[str, Any]) -> None:
         data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        for needle in self._needles:
+            data = data.replace(needle, REDACTION)
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
@@ -103,9 +176,25 @@ class _RecordLog:
             self._fd = -1
 
 
+@dataclass(eq=False)
+class _Session:
+    """One episode's share of a proxy: the token it accepts (None = no check), its upstream and its log."""
+
+    name: str
+    token: bytes | None
+    upstream: str
+    log: _RecordLog
+    seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+    handlers: set[asyncio.Task[object]] = field(default_factory=set)
+    pending: set[asyncio.Task[None]] = field(default_factory=set)
+    records: int = 0
+
+
 class LoggingProxy:
     """Reverse proxy to `upstream_base_url` (scheme://host[:port][/prefix], no `/v1`) logging to `log_path`.
 
+    With `agent_token`, only requests bearing that token pass (401 otherwise), and their credentials are replaced
+    by `upstream_api_key` (if given); without it the proxy is open and forwards the client's headers as they are.
     Use `await start()` / `await stop()` or `async with`. `port` and `url` are valid after start.
     """
 
@@ -117,18 +206,24 @@ class LoggingProxy:
         port: int = 0,
         *,
         keep_raw_sse: bool = True,
+        agent_token: str | None = None,
+        upstream_api_key: str | None = None,
     ) -> None:
+        if upstream_api_key is not None and agent_token is None:
+            # An open proxy that adds the key would hand the key's power to anything that can reach the port.
+            raise ProxyConfigError("episode proxy: an upstream key needs an agent token (the proxy would be open)")
         self.upstream_base_url = upstream_base_url.rstrip("/")
         self.log_path = Path(log_path)
         self.host = host
         self.keep_raw_sse = keep_raw_sse
+        self._agent_token = agent_token
+        self._upstream_api_key = upstream_api_key
         self._requested_port = port
         self._port: int | None = None
-        self._seq = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._log: _RecordLog | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+        self._sessions: dict[str, _Session] = {}
+        self._rejections: _Session | None = None  # where refused requests are logged
         self._handlers: set[asyncio.Task[object]] = set()
 
     @property
@@ -142,8 +237,23 @@ class LoggingProxy:
         """Base URL clients use instead of the upstream's (append `/v1` for OpenAI clients)."""
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def _token_auth(self) -> bool:
+        return self._agent_token is not None
+
+    def _open_logs(self) -> None:
+        token = self._agent_token.encode() if self._agent_token is not None else None
+        episode = _Session(
+            "episode", token, self.upstream_base_url, _RecordLog(self.log_path, redact=self._upstream_api_key)
+        )
+        self._sessions[episode.name] = episode
+        self._rejections = episode  # one log per episode: its refused requests belong to its trajectory's evidence
+
+    def _add_routes(self, app: web.Application) -> None:
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+
     async def start(self) -> None:
-        self._log = _RecordLog(self.log_path)
+        self._open_logs()
         # No total/read timeout: a reasoning model may think for many minutes before its first byte; limit=0 because
         # the per-episode proxy must never queue the agent's parallel subagent requests behind a pool limit.
         self._session = aiohttp.ClientSession(
@@ -156,7 +266,7 @@ class LoggingProxy:
             read_bufsize=RELAY_READ_BUFFER,
         )
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._add_routes(app)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._requested_port)
@@ -165,7 +275,7 @@ class LoggingProxy:
 
     async def stop(self) -> None:
         # Close the upstream side first so a stalled stream ends, then let every handler reach its `finally` (which
-        # queues the exchange's record) before the log closes: a record must not be lost at shutdown.
+        # queues the exchange's record) before the logs close: a record must not be lost at shutdown.
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -174,11 +284,15 @@ class LoggingProxy:
             self._runner = None
         if self._handlers:
             await asyncio.wait(set(self._handlers), timeout=HANDLER_DRAIN_S)
-        if self._pending:
-            await asyncio.gather(*self._pending)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        logs = list(self._sessions.values())
+        if self._rejections is not None and self._rejections not in logs:
+            logs.append(self._rejections)
+        for log in logs:
+            if log.pending:
+                await asyncio.gather(*log.pending)
+            log.log.close()
+        self._sessions.clear()
+        self._rejections = None
 
     async def __aenter__(self) -> LoggingProxy:
         await self.start()
@@ -187,25 +301,62 @@ class LoggingProxy:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
+    def _authenticate(self, request: web.Request) -> tuple[_Session | None, str | None]:
+        """The session whose token the request bears, else (None, why). Every token is compared, in constant time."""
+        if not self._token_auth:
+            return next(iter(self._sessions.values())), None
+        header = request.headers.get("Authorization", "")
+        if not header.lower().startswith(BEARER) or not header[len(BEARER) :].strip():
+            return None, "missing_token"
+        presented = header[len(BEARER) :].strip().encode("utf-8", errors="replace")
+        match = None
+        for session in list(self._sessions.values()):
+            if session.token is not None and hmac.compare_digest(session.token, presented):
+                match = session
+        return (match, None) if match is not None else (None, "wrong_token")
+
+    def _upstream_headers(self, request: web.Request) -> list[tuple[str, str]]:
+        # `Expect: 100-continue` was already answered by this server, which holds the whole body.
+        dropped = {"accept-encoding", "expect"}
+        if self._token_auth:
+            dropped |= CREDENTIAL_HEADERS
+        headers = [(k, v) for k, v in _end_to_end_headers(request.headers) if k.lower() not in dropped]
+        headers.append(("Accept-Encoding", "identity"))
+        if self._upstream_api_key is not None:
+            headers.append(("Authorization", f"Bearer {self._upstream_api_key}"))
+        return headers
+
+    def _reject(self, request: web.Request, reason: str) -> web.Response:
+        """401 without reading the body or contacting the upstream; recorded without headers or body."""
+        log = self._rejections
+        assert log is not None
+        exchange = _Exchange(seq=next(log.seq), method=request.method, path=request.path, status=401, rejected=reason)
+        exchange.request_bytes = request.content_length or 0
+        self._record_later(log, exchange)
+        message = "missing episode token" if reason == "missing_token" else "wrong episode token"
+        return web.json_response(
+            {"error": {"message": f"episode proxy: {message}", "type": "authentication_error"}}, status=401
+        )
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         handler = asyncio.current_task()
+        session, reason = self._authenticate(request)
+        if session is None:
+            return self._reject(request, reason or "wrong_token")
         if handler is not None:
-            self._handlers.add(handler)
-            handler.add_done_callback(self._handlers.discard)
+            for tracked in (self._handlers, session.handlers):
+                tracked.add(handler)
+                handler.add_done_callback(tracked.discard)
         assert self._session is not None
-        exchange = _Exchange(seq=next(self._seq), method=request.method, path=request.path)
+        exchange = _Exchange(seq=next(session.seq), method=request.method, path=request.path)
         exchange.request_body = await request.read()
-        # `Expect: 100-continue` was already answered by this server, which holds the whole body.
-        headers = [
-            (k, v) for k, v in _end_to_end_headers(request.headers) if k.lower() not in ("accept-encoding", "expect")
-        ]
-        headers.append(("Accept-Encoding", "identity"))
-        target = URL(self.upstream_base_url + request.raw_path, encoded=True)
+        exchange.request_bytes = len(exchange.request_body)
+        target = URL(session.upstream + request.raw_path, encoded=True)
         try:
             async with self._session.request(
                 request.method,
                 target,
-                headers=headers,
+                headers=self._upstream_headers(request),
                 # A file-like payload is sent in pieces (raw bytes would be written in one blocking call).
                 data=io.BytesIO(exchange.request_body) if exchange.request_body else None,
                 allow_redirects=False,
@@ -225,7 +376,7 @@ class LoggingProxy:
             raise
         finally:
             exchange.duration_s = time.monotonic() - exchange.started
-            self._record_later(exchange)
+            self._record_later(session, exchange)
         return response
 
     async def _relay(
@@ -272,15 +423,15 @@ class LoggingProxy:
             exchange.client_disconnected = True
         return response
 
-    def _record_later(self, exchange: _Exchange) -> None:
+    def _record_later(self, log: _Session, exchange: _Exchange) -> None:
         """Parse and append the record on a worker thread, so neither this client nor others wait for it."""
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._append, exchange))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._append, log, exchange))
+        log.pending.add(task)
+        task.add_done_callback(log.pending.discard)
 
-    def _append(self, exchange: _Exchange) -> None:
-        assert self._log is not None
-        self._log.append(exchange.to_record(keep_raw_sse=self.keep_raw_sse))
+    def _append(self, log: _Session, exchange: _Exchange) -> None:
+        log.log.append(exchange.to_record(keep_raw_sse=self.keep_raw_sse))
+        log.records += 1
 
 
 @dataclass
@@ -293,6 +444,7 @@ class _Exchange:
     ts_start: float = field(default_factory=time.time)
     started: float = field(default_factory=time.monotonic)
     request_body: bytes = b""
+    request_bytes: int = 0
     status: int | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
     stream: bool = False
@@ -302,6 +454,7 @@ class _Exchange:
     duration_s: float = 0.0
     client_disconnected: bool = False
     proxy_error: str | None = None
+    rejected: str | None = None  # why the proxy refused the request (no token, wrong token): never forwarded
 
     def to_record(self, *, keep_raw_sse: bool) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -310,7 +463,7 @@ class _Exchange:
             "method": self.method,
             "path": self.path,
             "seq": self.seq,
-            "request_bytes": len(self.request_body),
+            "request_bytes": self.request_bytes,
         }
         _put_body(record, "request", self.request_body)
         record["status"] = self.status
@@ -330,6 +483,8 @@ class _Exchange:
             record["client_disconnected"] = True
         if self.proxy_error is not None:
             record["proxy_error"] = self.proxy_error
+        if self.rejected is not None:
+            record["rejected"] = self.rejected
         return record
 
 
@@ -356,8 +511,232 @@ def _write_port_file(path: Path, port: int) -> None:
     os.replace(handle.name, path)
 
 
+# --- a pod's proxy: one session per attempt ------------------------------------------------------------------------
+
+
+def _base_url(url: str) -> str | None:
+    """`url` as scheme://host[:port][/path] without a trailing slash; None unless a plain http(s) URL."""
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.query or parts.fragment:
+        return None
+    return f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+
+
+class SessionProxy(LoggingProxy):
+    """The episode proxy of a Kubernetes pod: each attempt opens a session with its own token and log.
+
+    `upstreams` are the base URLs a session may name (the first is the default); a URL on a host ending in one of
+    `allowed_host_suffixes` (e.g. `.<namespace>.svc`: a rollout's server of another generation) is accepted too.
+    The key is sent to no other host. Control routes (JSON):
+
+        POST {CONTROL_PREFIX}/sessions              {"upstream"?}      -> 201 {"session", "token", "log"}
+        POST {CONTROL_PREFIX}/sessions/ID/close     {"discard"?}       -> 200 {"records"}
+        GET  {CONTROL_PREFIX}/health                                   -> 200 {"status": "ok", "sessions"}
+
+    `log` is the session log's file name under `sessions_dir`; refused requests go to `rejected.jsonl` there.
+    """
+
+    def __init__(
+        self,
+        sessions_dir: Path | str,
+        *,
+        upstreams: Sequence[str],
+        upstream_api_key: str,
+        allowed_host_suffixes: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        keep_raw_sse: bool = True,
+    ) -> None:
+        bases = [_base_url(url) for url in upstreams]
+        if not bases or any(base is None for base in bases):
+            raise ProxyConfigError(f"episode proxy: --upstream {list(upstreams)} must be http(s) base URLs")
+        if any(not suffix.startswith(".") or len(suffix) < 2 for suffix in allowed_host_suffixes):
+            raise ProxyConfigError("episode proxy: an allowed host suffix starts with '.' (e.g. .mass-ops.svc)")
+        self.sessions_dir = Path(sessions_dir)
+        self.upstreams = tuple(base for base in bases if base is not None)
+        self.allowed_host_suffixes = tuple(suffix.lower() for suffix in allowed_host_suffixes)
+        super().__init__(
+            self.upstreams[0],
+            self.sessions_dir / REJECTED_LOG,
+            host,
+            port,
+            keep_raw_sse=keep_raw_sse,
+            agent_token="",  # token auth on; sessions bring the tokens
+            upstream_api_key=upstream_api_key,
+        )
+
+    def _open_logs(self) -> None:
+        self._rejections = _Session("rejected", None, self.upstream_base_url, _RecordLog(self.log_path))
+
+    def _add_routes(self, app: web.Application) -> None:
+        app.router.add_post(f"{CONTROL_PREFIX}/sessions", self._open_session)
+        app.router.add_post(f"{CONTROL_PREFIX}/sessions/{{session}}/close", self._close_session)
+        app.router.add_get(f"{CONTROL_PREFIX}/health", self._health)
+        super()._add_routes(app)
+
+    def allowed_upstream(self, url: str | None) -> str | None:
+        """The base URL a session may use for `url` (None: the default), or None when the key may not go there."""
+        if url is None:
+            return self.upstreams[0]
+        base = _base_url(url)
+        if base is None:
+            return None
+        host = (urlsplit(base).hostname or "").lower()
+        if base in self.upstreams or any(host.endswith(suffix) for suffix in self.allowed_host_suffixes):
+            return base
+        return None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self._sessions)})
+
+    async def _open_session(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        upstream = self.allowed_upstream(body.get("upstream") if isinstance(body.get("upstream"), str) else None)
+        if upstream is None or ("upstream" in body and not isinstance(body["upstream"], str)):
+            return _control_error(403, "upstream not allowed for this proxy")
+        if len(self._sessions) >= MAX_SESSIONS:
+            return _control_error(429, f"too many open sessions ({MAX_SESSIONS})")
+        name = secrets.token_hex(8)
+        token = new_agent_token()
+        log = _RecordLog(self.sessions_dir / f"{name}.jsonl", redact=self._upstream_api_key)
+        self._sessions[name] = _Session(name, token.encode(), upstream, log)
+        return web.json_response({"session": name, "token": token, "log": log.path.name}, status=201)
+
+    async def _close_session(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        session = self._sessions.pop(request.match_info["session"], None)
+        if session is None:
+            return _control_error(404, "no such session")
+        # The agent has ended: give in-flight exchanges a moment to finish, then cut them (their records are kept).
+        if session.handlers:
+            _done, stuck = await asyncio.wait(set(session.handlers), timeout=HANDLER_DRAIN_S)
+            for handler in stuck:
+                handler.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=HANDLER_DRAIN_S)
+        if session.pending:
+            await asyncio.gather(*session.pending)
+        session.log.close()
+        if body.get("discard") is True:
+            session.log.path.unlink(missing_ok=True)
+        return web.json_response({"records": session.records})
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _control_error(status: int, message: str) -> web.Response:
+    error = {"message": f"episode proxy: {message}", "type": "proxy_control"}
+    return web.json_response({"error": error}, status=status)
+
+
+@dataclass(frozen=True)
+class ProxySession:
+    """One attempt's session with a pod's `SessionProxy`: where the agent connects, with which token, and where
+    the session's log can be read (the proxy's log folder as mounted on the reader's side)."""
+
+    proxy_url: str
+    name: str
+    token: str
+    log_path: Path
+
+
+async def _control(proxy_url: str, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    url = f"{proxy_url.rstrip('/')}{CONTROL_PREFIX}{path}"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as client,
+            client.post(url, json=payload) as response,
+        ):
+            status = response.status
+            data = await response.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+        raise ProxySessionError(f"episode proxy {proxy_url}: POST {path} failed: {type(exc).__name__}") from None
+    if status >= 300 or not isinstance(data, dict):
+        detail = ((data or {}).get("error") or {}).get("message") if isinstance(data, dict) else None
+        raise ProxySessionError(f"episode proxy {proxy_url}: POST {path} answered HTTP {status} ({detail})")
+    return data
+
+
+async def open_proxy_session(
+    proxy_url: str, log_dir: Path | str, *, upstream: str | None = None, timeout_s: float = CONTROL_TIMEOUT_S
+) -> ProxySession:
+    """Open a session on the pod's proxy at `proxy_url` (its logs readable under `log_dir`); ProxySessionError."""
+    data = await _control(proxy_url, "/sessions", {} if upstream is None else {"upstream": upstream}, timeout_s)
+    name, token, log = data.get("session"), data.get("token"), data.get("log")
+    if not all(isinstance(value, str) and value for value in (name, token, log)) or Path(str(log)).name != log:
+        raise ProxySessionError(f"episode proxy {proxy_url}: the session answer is malformed")
+    return ProxySession(proxy_url.rstrip("/"), str(name), str(token), Path(log_dir) / str(log))
+
+
+async def close_proxy_session(
+    session: ProxySession, *, discard: bool = False, timeout_s: float = CONTROL_TIMEOUT_S
+) -> int:
+    """Close `session` once its agent has ended; after this its log is complete. Returns the record count."""
+    data = await _control(session.proxy_url, f"/sessions/{session.name}/close", {"discard": discard}, timeout_s)
+    records = data.get("records")
+    return records if isinstance(records, int) else 0
+
+
+def copy_session_log(session: ProxySession, target: Path) -> None:
+    """Copy a closed session's log to `target` (an empty file when the proxy logged nothing)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with session.log_path.open("rb") as source, target.open("wb") as out:
+            shutil.copyfileobj(source, out, 1 << 20)
+    except FileNotFoundError:
+        target.write_bytes(b"")
+
+
+async def serve_episode_proxy(
+    *,
+    sessions_dir: Path | str,
+    upstreams: Sequence[str],
+    key_env: str,
+    allowed_host_suffixes: Sequence[str] = (),
+    listen: int = 0,
+    host: str = "127.0.0.1",
+    environ: Mapping[str, str] | None = None,
+    port_file: Path | str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run a pod's `SessionProxy` until SIGTERM/SIGINT (or `stop`): the key comes from variable `key_env` of this
+    process, which is the only one in the pod that holds it."""
+    proxy = SessionProxy(
+        sessions_dir,
+        upstreams=upstreams,
+        upstream_api_key=upstream_key_from_env(key_env, environ),
+        allowed_host_suffixes=allowed_host_suffixes,
+        host=host,
+        port=listen,
+    )
+    await proxy.start()
+    stopped = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # signal handlers exist only in the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopped.set)
+    if port_file:
+        _write_port_file(Path(port_file), proxy.port)
+    print(f"episode proxy on {proxy.url} -> {', '.join(proxy.upstreams)}, sessions in {sessions_dir}", flush=True)
+    try:
+        await stopped.wait()
+    finally:
+        await proxy.stop()
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    proxy = LoggingProxy(args.upstream, args.log, host=args.host, port=args.listen, keep_raw_sse=args.keep_raw_sse)
+    proxy = LoggingProxy(args.upstream[0], args.log, host=args.host, port=args.listen, keep_raw_sse=args.keep_raw_sse)
     await proxy.start()
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -373,17 +752,45 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL --log PATH [--port-file F]`."""
+    """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL (--log PATH | --sessions-dir DIR --key-env
+    NAME [--upstream URL ...] [--allow-host-suffix .ns.svc ...]) [--port-file F]`."""
     parser = argparse.ArgumentParser(prog="python -m mass_ops.runtime.proxy", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", type=int, required=True, help="port to bind (0 = ephemeral, see --port-file)")
-    parser.add_argument("--upstream", required=True, help="model server base URL without /v1")
-    parser.add_argument("--log", required=True, help="JSONL file the request records are appended to")
+    parser.add_argument(
+        "--upstream", action="append", required=True, help="model server base URL without /v1 (sessions: repeatable)"
+    )
+    parser.add_argument("--log", help="JSONL file the request records are appended to (an open, keyless proxy)")
+    parser.add_argument("--sessions-dir", help="a pod's episode proxy: one session log per attempt in this folder")
+    parser.add_argument("--key-env", help="with --sessions-dir: the variable holding the upstream API key")
+    parser.add_argument("--allow-host-suffix", action="append", default=[], help="with --sessions-dir (repeatable)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port-file", help="write the bound port here (atomically) once listening")
     parser.add_argument("--keep-raw-sse", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
+    if (args.log is None) == (args.sessions_dir is None):
+        parser.error("give exactly one of --log or --sessions-dir")
+    if args.sessions_dir is not None and not args.key_env:
+        parser.error("--sessions-dir needs --key-env")
+    if args.log is not None and (args.key_env or args.allow_host_suffix or len(args.upstream) > 1):
+        parser.error("--key-env, --allow-host-suffix and several --upstream go with --sessions-dir")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args))
+        if args.sessions_dir is None:
+            asyncio.run(_serve(args))
+            return
+        try:
+            asyncio.run(
+                serve_episode_proxy(
+                    sessions_dir=args.sessions_dir,
+                    upstreams=args.upstream,
+                    key_env=args.key_env,
+                    allowed_host_suffixes=args.allow_host_suffix,
+                    listen=args.listen,
+                    host=args.host,
+                    port_file=args.port_file,
+                )
+            )
+        except ProxyConfigError as exc:
+            parser.exit(2, f"{exc}\n")
 
 
 if __name__ == "__main__":

@@ -5,22 +5,30 @@ of work"):
 
 1. Preflight, before anything is created: the key variable named by `inference.api_key_env` is usable, and
    `GET <endpoint>/models` lists the served model (OpenRouter: without `:nitro`). Failures raise an
-   `EpisodePreflightError` with one clear line; `EndpointUnreachableError` marks the transient kind.
+   `EpisodePreflightError` with one clear line; `EndpointUnreachableError` marks the transient kind. In a
+   Kubernetes episode pod (`MASS_EPISODE_PROXY_URL` set) this process holds no key: the check goes through the pod's
+   episode proxy, which does.
 2. A private attempt folder `<scratch>/<cycle>/<unit slug>-a<attempt>/` (deterministic, so the workspace path the
    agent sees is the same on every rerun) with an empty `workspace/`, `home/.qwen/settings.json` (HOME and
    QWEN_HOME) and `logs/`.
-3. A `LoggingProxy` on an ephemeral port in front of the endpoint; qwen-code talks only to it.
+3. The episode's logging proxy in front of the endpoint; qwen-code talks only to it, with a random per-attempt
+   token (`AGENT_TOKEN_ENV`), and the proxy puts the real key on the upstream request. Locally it is a `LoggingProxy`
+   on an ephemeral port in this process (the agent's environment has no key; it runs as the same user, so only the
+   pod layout keeps it from this process's memory); in a pod it is a session of the `SessionProxy` in the pod's
+   proxy container, whose log the sandbox reads back (`open_proxy_session`).
 4. `qwen --model M --approval-mode yolo --output-format stream-json` in the workspace, prompt on stdin, in its own
-   session (process group), with an allow-listed environment (`agent_environment`). Limits: per-response timeout
-   and shell timeout in settings.json, stream-idle timeout in the environment, and the episode wall-clock limit
-   enforced here by stopping the whole process group (TERM, grace, KILL). Leftovers — background jobs, and anything
-   that left the group but kept the environment's scope marker — are killed when the agent ends.
-5. Classification (`outcome.classify`), the API key redacted from every file the attempt produced (an agent can
-   echo its environment), the proxy log gzipped: together with the status document and the row's fields this is the
-   attempt's `EpisodePublication`. Its sink publishes it: `StoreSink` (default) puts every artifact in the store and
-   then records the row (`publish_episode`); on Kubernetes `mass_ops.runtime.handoff.HandoffSink` hands it to the
-   pod's publisher container, which runs the same `publish_episode`. A cancelled attempt (task cancellation: Ctrl-C,
-   SIGTERM) stops the agent and the proxy, publishes and records nothing, and removes its folder.
+   session (process group), with an allow-listed environment (`agent_environment`: no key variable, no key bytes).
+   Limits: per-response timeout and shell timeout in settings.json, stream-idle timeout in the environment, and the
+   episode wall-clock limit (`runtime.episode_wall_clock_s`; none when null, as in the reference) enforced here by
+   stopping the whole process group (TERM, grace, KILL). Leftovers — background jobs, and anything that left the
+   group but kept the environment's scope marker — are killed when the agent ends.
+5. Classification (`outcome.classify`), the API key redacted from every file the attempt produced (a second line
+   of defence: the agent never had it, but an upstream could echo it), the proxy log gzipped: together with the
+   status document and the row's fields this is the attempt's `EpisodePublication`. Its sink publishes it:
+   `StoreSink` (default) puts every artifact in the store and then records the row (`publish_episode`); on
+   Kubernetes `mass_ops.runtime.handoff.HandoffSink` hands it to the pod's publisher container, which runs the same
+   `publish_episode`. A cancelled attempt (task cancellation: Ctrl-C, SIGTERM) stops the agent and the proxy,
+   publishes and records nothing, and removes its folder.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeInt
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.outcome import (
@@ -62,27 +71,36 @@ from mass_ops.runtime.outcome import (
     classify,
     status_record,
 )
-from mass_ops.runtime.proxy import LoggingProxy
+from mass_ops.runtime.proxy import (
+    DEFAULT_KEY_VALUE,
+    MIN_REDACTED_SECRET,
+    PROXY_LOG_DIR_ENV,
+    PROXY_URL_ENV,
+    REDACTION,
+    LoggingProxy,
+    ProxySessionError,
+    close_proxy_session,
+    copy_session_log,
+    new_agent_token,
+    open_proxy_session,
+)
 from mass_ops.runtime.qwen_install import QwenInstall, ensure_qwen_code
-from mass_ops.runtime.settings import SETTINGS_FILE, qwen_settings, write_settings
+from mass_ops.runtime.settings import AGENT_TOKEN_ENV, SETTINGS_FILE, qwen_settings, write_settings
 from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore
 
 logger = logging.getLogger(__name__)
 
 PREFLIGHT_TIMEOUT_S = 30.0
-DEFAULT_KEY_VALUE = "EMPTY"  # what a local vLLM accepts when it was started without --api-key (the reference default)
 SCOPE_ENV = "MASS_EPISODE_SCOPE"
 THREAD_LIMIT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 OPENMM_THREADS_VAR = "OPENMM_CPU_THREADS"
 LOCAL_HOSTS = "127.0.0.1,localhost"
-MIN_REDACTED_SECRET = 8  # shorter "keys" (e.g. EMPTY) are placeholders; replacing them would corrupt ordinary text
-REDACTION = b"[REDACTED]"
 SCRATCH_ENV = "MASS_EPISODE_SCRATCH_DIR"
 # Publishing order of an attempt's artifacts: the status document last, so a reader that finds it finds the rest.
 PUBLISH_ORDER = ("workspace", "prompt", "stream", "stderr", "api_log", "settings", "status")
 
 
-class EpisodePreflightError(ValueError):
+class EpisodePreflightError(InputError):
     """An episode cannot start: the key, the endpoint or the served model is not usable. Nothing was created."""
 
 
@@ -94,7 +112,7 @@ class ModelNotListedError(EpisodePreflightError):
     """The endpoint answers but does not serve the configured model."""
 
 
-class EpisodeBusyError(RuntimeError):
+class EpisodeBusyError(InfrastructureError):
     """The same attempt of the same unit is running in another process (its attempt folder is locked)."""
 
 
@@ -246,11 +264,16 @@ def discovery_model_id(config: CycleConfig) -> str:
     return name
 
 
-async def check_endpoint(config: CycleConfig, api_key: str, *, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+async def check_endpoint(
+    config: CycleConfig, api_key: str, *, via: str | None = None, timeout_s: float = PREFLIGHT_TIMEOUT_S
+) -> None:
     """`GET <endpoint>/models` must list the served model; raises `ModelNotListedError` or
-    `EndpointUnreachableError` (one line, no key)."""
+    `EndpointUnreachableError` (one line, no key). `via`: the base URL of an episode proxy to ask through (then
+    `api_key` is the proxy's token)."""
     endpoint = config.inference.endpoint.rstrip("/")
     url = f"{endpoint}/models"
+    if via is not None:
+        url = f"{via.rstrip('/')}{_split_endpoint(endpoint)[1]}/models"
     wanted = discovery_model_id(config)
     try:
         async with (
@@ -280,11 +303,13 @@ async def check_endpoint(config: CycleConfig, api_key: str, *, timeout_s: float 
 
 
 def agent_environment(
-    config: CycleConfig, paths: AttemptPaths, *, api_key: str, scope: str, path_value: str
+    config: CycleConfig, paths: AttemptPaths, *, agent_token: str, scope: str, path_value: str
 ) -> dict[str, str]:
     """The complete environment of the agent process: an allow-list, nothing inherited but PATH.
 
-    Thread limits and CUDA visibility follow the reference; the key travels only here (never argv, never a file).
+    Thread limits and CUDA visibility follow the reference. The agent's only credential is its episode proxy token
+    in `AGENT_TOKEN_ENV` (the variable settings.json's `envKey` names); the variable `inference.api_key_env` names
+    is never set, so neither the key nor its name's value reaches the agent (never argv, never a file).
     """
     runtime = config.runtime
     threads = str(runtime.thread_limit)
@@ -307,28 +332,32 @@ def agent_environment(
         "NO_PROXY": LOCAL_HOSTS,
         "no_proxy": LOCAL_HOSTS,
         SCOPE_ENV: scope,
+        AGENT_TOKEN_ENV: agent_token,
     }
     key_name = config.inference.api_key_env
     if key_name in env:
         raise EpisodePreflightError(
             f"episode preflight: inference.api_key_env {key_name!r} collides with a variable the runtime sets"
         )
-    env[key_name] = api_key
     return env
 
 
 def environment_policy(env: Mapping[str, str], key_name: str) -> str:
-    """Human-readable record of the agent environment: variable names, limits, never the key."""
-    shown = {name: value for name, value in env.items() if name not in (key_name, "PATH", SCOPE_ENV)}
+    """Human-readable record of the agent environment: variable names, limits, never a credential."""
+    shown = {name: value for name, value in env.items() if name not in (AGENT_TOKEN_ENV, "PATH", SCOPE_ENV)}
     settings = ", ".join(f"{name}={value}" for name, value in sorted(shown.items()))
-    return f"allow-listed environment; PATH inherited; key in {key_name} (value not recorded); {settings}"
+    return (
+        f"allow-listed environment; PATH inherited; no API key ({key_name} is held by the logging proxy); "
+        f"per-episode proxy token in {AGENT_TOKEN_ENV} (value not recorded); {settings}"
+    )
 
 
 # --- secrets ----------------------------------------------------------------------------------------------------
 
 
 class SecretRedactor:
-    """Replaces every occurrence of the API key in files and folders the attempt produced."""
+    """Replaces every occurrence of the API key in files and folders the attempt produced (a second line of
+    defence: the agent never holds the key; an empty secret makes the redactor inactive)."""
 
     def __init__(self, secret: str) -> None:
         encoded = secret.encode("utf-8")
@@ -455,6 +484,11 @@ class EpisodeRunner:
         self.kill_grace_s = kill_grace_s
         self.execution_mode = execution_mode
         self._install_lock = threading.Lock()
+        # In a Kubernetes episode pod the proxy (and the key) live in another container: `compute.kubernetes`.
+        proxy_url, proxy_logs = self.environ.get(PROXY_URL_ENV), self.environ.get(PROXY_LOG_DIR_ENV)
+        if bool(proxy_url) != bool(proxy_logs):
+            raise EpisodePreflightError(f"episode runtime: set both {PROXY_URL_ENV} and {PROXY_LOG_DIR_ENV}, or none")
+        self.pod_proxy: tuple[str, Path] | None = (proxy_url, Path(proxy_logs)) if proxy_url and proxy_logs else None
 
     @property
     def install(self) -> QwenInstall:
@@ -466,11 +500,53 @@ class EpisodeRunner:
 
     # -- preflight --
 
-    async def preflight(self) -> str:
-        """Check key and endpoint; returns the key value (raises `EpisodePreflightError`)."""
-        api_key = resolve_api_key(self.config, self.environ)
-        await check_endpoint(self.config, api_key)
-        return api_key
+    async def preflight(self) -> str | None:
+        """Check key and endpoint; returns the key value, or None when the pod's proxy holds it (raises
+        `EpisodePreflightError`)."""
+        if self.pod_proxy is None:
+            api_key = resolve_api_key(self.config, self.environ)
+            await check_endpoint(self.config, api_key)
+            return api_key
+        upstream, _client_path = _split_endpoint(self.config.inference.endpoint)
+        session = await self._open_pod_session(upstream)
+        try:
+            await check_endpoint(self.config, session.token, via=session.proxy_url)
+        finally:
+            with contextlib.suppress(ProxySessionError):
+                await close_proxy_session(session, discard=True)
+        return None
+
+    async def _open_pod_session(self, upstream: str) -> Any:
+        assert self.pod_proxy is not None
+        proxy_url, log_dir = self.pod_proxy
+        try:
+            return await open_proxy_session(proxy_url, log_dir, upstream=upstream)
+        except ProxySessionError as exc:
+            # The proxy container may still be starting: transient, like an endpoint that does not answer yet.
+            raise EndpointUnreachableError(f"episode preflight: {exc}") from None
+
+    @contextlib.asynccontextmanager
+    async def _episode_proxy(self, paths: AttemptPaths, upstream: str, api_key: str | None) -> AsyncIterator[Any]:
+        """The attempt's proxy: yields (base URL, agent token); when it ends, `paths.api_log` holds its whole log."""
+        if self.pod_proxy is None:
+            token = new_agent_token()
+            proxy = LoggingProxy(upstream, paths.api_log, agent_token=token, upstream_api_key=api_key)
+            await proxy.start()
+            try:
+                yield proxy.url, token
+            finally:
+                await proxy.stop()
+            return
+        session = await self._open_pod_session(upstream)
+        try:
+            yield session.proxy_url, session.token
+        finally:
+            try:
+                await close_proxy_session(session)
+            except ProxySessionError as exc:
+                # Records are whole lines as they are written: keep what the log holds and say so.
+                logger.warning("episode proxy session %s was not closed cleanly: %s", session.name, exc)
+            await asyncio.to_thread(copy_session_log, session, paths.api_log)
 
     # -- one attempt --
 
@@ -494,21 +570,21 @@ class EpisodeRunner:
         clock = time.monotonic()
         async with self._attempt_folder(unit, request.prompt) as paths:
             upstream, client_path = _split_endpoint(self.config.inference.endpoint)
-            proxy = LoggingProxy(upstream, paths.api_log)
-            await proxy.start()
-            try:
-                client_endpoint = f"{proxy.url}{client_path}"
+            async with self._episode_proxy(paths, upstream, api_key) as (proxy_url, agent_token):
+                client_endpoint = f"{proxy_url}{client_path}"
                 settings = qwen_settings(self.config, client_base_url=client_endpoint, seed=unit.seed)
                 write_settings(paths.settings, settings)
                 scope = f"{unit.slug}-a{attempt}-{secrets.token_hex(6)}"
                 env = agent_environment(
-                    self.config, paths, api_key=api_key, scope=scope, path_value=self.environ.get("PATH", os.defpath)
+                    self.config,
+                    paths,
+                    agent_token=agent_token,
+                    scope=scope,
+                    path_value=self.environ.get("PATH", os.defpath),
                 )
                 setup_s = time.monotonic() - clock
                 logger.info("episode %s attempt %d: agent starting in %s", unit.slug, attempt, paths.workspace)
                 agent = await self._run_agent(install, paths, env, scope)
-            finally:
-                await proxy.stop()
             if on_agent_exit is not None:
                 on_agent_exit()
             finished_at = datetime.now(UTC)
@@ -578,6 +654,7 @@ class EpisodeRunner:
             )
         terminated_by = None
         try:
+            # No limit (None) waits for the agent however long it runs, as the reference does.
             await asyncio.wait_for(process.wait(), timeout=limit)
         except TimeoutError:
             terminated_by = "wall_clock"
@@ -612,7 +689,7 @@ class EpisodeRunner:
         unit: EpisodeUnit,
         paths: AttemptPaths,
         agent: AgentRun,
-        api_key: str,
+        api_key: str | None,
         *,
         retry_of_id: int | None,
         started_at: datetime,
@@ -646,7 +723,7 @@ class EpisodeRunner:
         unit: EpisodeUnit,
         paths: AttemptPaths,
         agent: AgentRun,
-        api_key: str,
+        api_key: str | None,
         *,
         retry_of_id: int | None,
         started_at: datetime,
@@ -656,7 +733,7 @@ class EpisodeRunner:
         durations: dict[str, float],
     ) -> EpisodePublication:
         """Redact the key, classify, account tokens and write the status document: what the attempt publishes."""
-        redactor = SecretRedactor(api_key)
+        redactor = SecretRedactor(api_key or "")
         if redactor.active:
             changed = [
                 name

@@ -1,8 +1,9 @@
 """qwen-code's `settings.json` for one episode, generated from the cycle config (MASS_SPEC §4).
 
 The file lives in the episode's own QWEN_HOME and is published with the episode's artifacts. It never holds a
-secret: the provider entry names the environment variable that carries the key (`envKey`), and the runner puts the
-key only into the agent's environment.
+secret, and the agent never holds the inference key at all: the provider entry's `envKey` names `AGENT_TOKEN_ENV`,
+which carries the episode's random proxy token; the logging proxy accepts only that token and adds the real key
+upstream itself (`mass_ops.runtime.proxy`).
 
 Shape (qwen-code settings `$version` 4)::
 
@@ -25,13 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.config import CycleConfig
+from mass_ops.errors import InputError
 
 SETTINGS_FILE = "settings.json"
+# The variable the agent reads its credential from: the per-episode proxy token, never the inference key.
+AGENT_TOKEN_ENV = "MASS_EPISODE_TOKEN"
 SETTINGS_SCHEMA_VERSION = 4
 VLLM_SAMPLING_EXTENSIONS = ("top_k", "repetition_penalty")
 
 
-class SettingsError(ValueError):
+class SettingsError(InputError):
     """The settings cannot be generated (bad client endpoint) or written."""
 
 
@@ -60,7 +64,7 @@ def qwen_settings(config: CycleConfig, *, client_base_url: str, seed: int) -> di
                 del sampling[extension]
     provider = {
         "id": config.models.served_name,
-        "envKey": inference.api_key_env,  # the variable's NAME; its value reaches only the agent's environment
+        "envKey": AGENT_TOKEN_ENV,  # the token's variable (a NAME): the key itself stays with the proxy
         "baseUrl": client_base_url,
         "generationConfig": {
             "timeout": runtime.http_response_timeout_ms,

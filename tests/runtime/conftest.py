@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from mass_ops.config import CycleConfig, read_config_source, validate_config
 from mass_ops.context import CycleContext, open_cycle
@@ -88,6 +89,30 @@ def runner_environ() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), KEY_VAR: API_KEY}
 
 
+class KeyedPolicyServer(PolicyServer):
+    """The policy stand-in behind a key, as vLLM started with an API key is: `/v1/models` and chat completions answer
+    401 unless the request bears `Authorization: Bearer <key>`. `credentials` lists every Authorization header seen
+    (kept in memory only, for the test's assertions)."""
+
+    def __init__(self, key: str, config: PolicyServerConfig, policy: Policy | None = None) -> None:
+        super().__init__(config, policy)
+        self.key = key
+        self.credentials: list[str] = []
+
+    def _refused(self, request: web.Request) -> web.Response | None:
+        header = request.headers.get("Authorization", "")
+        self.credentials.append(header)
+        if header == f"Bearer {self.key}":
+            return None
+        return web.json_response({"error": {"message": "invalid API key", "type": "AuthenticationError"}}, status=401)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return self._refused(request) or await super()._models(request)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return self._refused(request) or await super()._chat(request)
+
+
 @dataclass
 class PolicyHost:
     """Policy stand-in servers on one background event loop."""
@@ -95,9 +120,16 @@ class PolicyHost:
     loop: EventLoopThread
 
     @contextlib.contextmanager
-    def serve(self, policy: Policy | None = None, **config: Any) -> Iterator[PolicyServer]:
+    def serve(
+        self, policy: Policy | None = None, *, require_key: str | None = None, **config: Any
+    ) -> Iterator[PolicyServer]:
+        """A stand-in server for the duration; with `require_key`, a `KeyedPolicyServer` that needs that key."""
         config.setdefault("models", (MODEL,))
-        server = PolicyServer(PolicyServerConfig(**config), policy)
+        server = (
+            KeyedPolicyServer(require_key, PolicyServerConfig(**config), policy)
+            if require_key is not None
+            else PolicyServer(PolicyServerConfig(**config), policy)
+        )
         self.loop.run(server.start())
         try:
             yield server

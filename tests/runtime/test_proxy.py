@@ -380,3 +380,190 @@ def test_command_line_entry_point(tmp_path: Path) -> None:
     (record,) = _records(log)
     assert record["path"] == "/v1/models" and record["status"] == 200
     assert os.stat(log).st_mode & 0o077 == 0  # the log is private to its owner
+
+
+# --- the proxy holds the key; the agent holds a token (ISSUE #13.4) ------------------------------------------------
+
+TOKEN = "tok-" + "x" * 40
+
+
+def test_only_the_episode_token_passes_and_the_proxy_adds_the_key(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    answers: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        upstream = EchoUpstream()
+        async with (
+            _serve(upstream.app()) as upstream_url,
+            LoggingProxy(upstream_url, log, agent_token=TOKEN, upstream_api_key=SECRET) as proxy,
+            aiohttp.ClientSession() as client,
+        ):
+            for name, headers in (
+                ("none", {}),
+                ("wrong", {"Authorization": "Bearer tok-" + "y" * 40}),
+                ("the key itself", {"Authorization": f"Bearer {SECRET}"}),
+                ("not bearer", {"Authorization": f"Basic {TOKEN}"}),
+            ):
+                async with client.post(f"{proxy.url}/echo", json={"probe": name}, headers=headers) as response:
+                    answers[name] = (response.status, await response.json())
+            assert upstream.hits == {}  # nothing refused reached the upstream
+            headers = {"Authorization": f"Bearer {TOKEN}", "X-Api-Key": "agent-side"}
+            async with client.post(f"{proxy.url}/echo", json={"probe": "ok"}, headers=headers) as response:
+                answers["ok"] = (response.status, await response.json())
+            answers["seen"] = dict(upstream.seen_headers)
+            assert upstream.hits == {"/echo": 1}
+
+    asyncio.run(scenario())
+    for name in ("none", "wrong", "the key itself", "not bearer"):
+        status, body = answers[name]
+        assert status == 401 and body["error"]["type"] == "authentication_error", name
+    assert answers["ok"][0] == 200
+    seen = answers["seen"]
+    assert seen["authorization"] == f"Bearer {SECRET}"  # the proxy's key, not the agent's token
+    assert "x-api-key" not in seen and TOKEN not in json.dumps(seen)
+
+    records = _records(log)
+    text = log.read_text(encoding="utf-8")
+    assert TOKEN not in text and SECRET not in text and "y" * 40 not in text  # no header is ever logged
+    refused = [record for record in records if "rejected" in record]
+    assert [(r["status"], r["rejected"]) for r in refused] == [
+        (401, "missing_token"),
+        (401, "wrong_token"),
+        (401, "wrong_token"),
+        (401, "missing_token"),
+    ]
+    assert all(r["request"] is None and r["request_bytes"] > 0 for r in refused)  # the body is not kept either
+    [accepted] = [record for record in records if "rejected" not in record]
+    assert accepted["status"] == 200 and accepted["request"] == {"probe": "ok"}
+
+
+def test_an_upstream_that_echoes_the_key_is_logged_redacted(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+
+    async def echo_key(request: web.Request) -> web.Response:
+        return web.json_response({"you_sent": request.headers.get("Authorization")})
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/whoami", echo_key)
+        async with (
+            _serve(app) as upstream_url,
+            LoggingProxy(upstream_url, log, agent_token=TOKEN, upstream_api_key=SECRET) as proxy,
+            aiohttp.ClientSession() as client,
+            client.get(f"{proxy.url}/v1/whoami", headers={"Authorization": f"Bearer {TOKEN}"}) as response,
+        ):
+            assert response.status == 200
+
+    asyncio.run(scenario())
+    [record] = _records(log)
+    assert record["response"] == {"you_sent": "Bearer [REDACTED]"} and SECRET not in log.read_text()
+
+
+def test_a_key_without_a_token_is_refused() -> None:
+    from mass_ops.runtime.proxy import ProxyConfigError
+
+    with pytest.raises(ProxyConfigError, match="needs an agent token"):
+        LoggingProxy("http://127.0.0.1:1", "/nonexistent/log", upstream_api_key=SECRET)
+
+
+def test_session_proxy_gives_each_attempt_a_token_and_a_log_and_sends_the_key_nowhere_else(tmp_path: Path) -> None:
+    from mass_ops.runtime.proxy import (
+        SessionProxy,
+        close_proxy_session,
+        copy_session_log,
+        open_proxy_session,
+    )
+
+    sessions = tmp_path / "sessions"
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        upstream = EchoUpstream()
+        async with _serve(upstream.app()) as upstream_url:
+            proxy = SessionProxy(
+                sessions, upstreams=[upstream_url], upstream_api_key=SECRET, allowed_host_suffixes=[".ns.svc"]
+            )
+            async with proxy, aiohttp.ClientSession() as client:
+                first = await open_proxy_session(proxy.url, sessions)
+                second = await open_proxy_session(proxy.url, sessions, upstream=upstream_url + "/")
+                assert first.token != second.token and first.log_path != second.log_path
+                for session, probe in ((first, "a"), (second, "b"), (second, "c")):
+                    headers = {"Authorization": f"Bearer {session.token}"}
+                    async with client.post(f"{proxy.url}/echo", json={"probe": probe}, headers=headers) as r:
+                        assert r.status == 200
+                    assert upstream.seen_headers["authorization"] == f"Bearer {SECRET}"
+                seen["counts"] = [await close_proxy_session(s) for s in (first, second)]
+                # A closed session's token is dead; the key never goes to a host outside the allow-list.
+                async with client.post(
+                    f"{proxy.url}/echo", json={}, headers={"Authorization": f"Bearer {first.token}"}
+                ) as r:
+                    seen["after_close"] = r.status
+                for foreign in ("http://attacker.example", "http://evil-ns.svc", "ftp://x.ns.svc"):
+                    with pytest.raises(ProxySessionError, match="HTTP 403"):
+                        await open_proxy_session(proxy.url, sessions, upstream=foreign)
+                allowed = await open_proxy_session(proxy.url, sessions, upstream="http://vllm-l1.ns.svc:8000")
+                await close_proxy_session(allowed, discard=True)
+                assert not allowed.log_path.exists()
+                for session, name in ((first, "first"), (second, "second")):
+                    copy_session_log(session, tmp_path / f"{name}.jsonl")
+            seen["hits"] = dict(upstream.hits)
+
+    from mass_ops.runtime.proxy import ProxySessionError
+
+    asyncio.run(scenario())
+    assert seen["counts"] == [1, 2] and seen["after_close"] == 401 and seen["hits"] == {"/echo": 3}
+    assert [r["request"]["probe"] for r in _records(tmp_path / "first.jsonl")] == ["a"]
+    assert [r["request"]["probe"] for r in _records(tmp_path / "second.jsonl")] == ["b", "c"]
+    [refused] = _records(sessions / "rejected.jsonl")
+    assert refused["status"] == 401 and refused["rejected"] == "wrong_token"
+    for path in sessions.iterdir():
+        assert SECRET not in path.read_text()
+
+
+def test_session_proxy_command_line_reads_the_key_from_its_own_environment(tmp_path: Path) -> None:
+    sessions, port_file = tmp_path / "sessions", tmp_path / "proxy.port"
+    argv = [sys.executable, "-m", "mass_ops.runtime.proxy", "--listen", "0", "--sessions-dir", str(sessions)]
+
+    # Missing --key-env, or a key with whitespace: one line, exit 2, nothing served.
+    bad = subprocess.run([*argv, "--upstream", "http://127.0.0.1:9"], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert bad.returncode == 2 and "--sessions-dir needs --key-env" in bad.stderr
+    spaced = subprocess.run(
+        [*argv, "--upstream", "http://127.0.0.1:9", "--key-env", "K"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "K": "sk-a b"},
+    )
+    assert spaced.returncode == 2 and spaced.stderr.strip().count("\n") == 0 and "sk-a" not in spaced.stderr
+
+    async def scenario() -> None:
+        async with PolicyServer(PolicyServerConfig(models=("tiny",))) as server:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                "--upstream",
+                server.base_url,
+                "--key-env",
+                "MASS_PROXY_TEST_KEY",
+                "--port-file",
+                str(port_file),
+                cwd=REPO_ROOT,
+                env={**os.environ, "MASS_PROXY_TEST_KEY": SECRET},
+                stdout=subprocess.DEVNULL,
+            )
+            try:
+                for _ in range(200):
+                    if port_file.exists():
+                        break
+                    await asyncio.sleep(0.05)
+                url = f"http://127.0.0.1:{int(port_file.read_text())}"
+                async with aiohttp.ClientSession() as client:
+                    async with client.get(f"{url}/v1/models") as r:
+                        assert r.status == 401
+                    async with client.get(f"{url}/_mass_proxy/health") as r:
+                        assert r.status == 200
+            finally:
+                process.send_signal(signal.SIGTERM)
+                assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+
+    asyncio.run(scenario())
+    assert _records(sessions / "rejected.jsonl")[0]["rejected"] == "missing_token"

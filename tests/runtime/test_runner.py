@@ -109,8 +109,8 @@ def test_api_key_rules() -> None:
 def test_agent_environment_is_an_allow_list(tmp_path: Path) -> None:
     config = load_config("demo", ["runtime.thread_limit=3", "runtime.stream_idle_timeout_ms=1234"])
     paths = AttemptPaths(tmp_path / "a1")
-    env = agent_environment(config, paths, api_key="sk-zzz-12345678", scope="s1", path_value="/usr/bin:/bin")
-    assert env["MASS_DEMO_API_KEY"] == "sk-zzz-12345678"
+    env = agent_environment(config, paths, agent_token="tok-12345678", scope="s1", path_value="/usr/bin:/bin")
+    assert env["MASS_EPISODE_TOKEN"] == "tok-12345678" and "MASS_DEMO_API_KEY" not in env
     assert env["HOME"] == str(paths.home) and env["QWEN_HOME"] == str(paths.home / ".qwen")
     assert {env[v] for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")} == {"3"}
     assert env["NUMEXPR_NUM_THREADS"] == env["OPENMM_CPU_THREADS"] == "3" and env["LOKY_MAX_CPU_COUNT"] == "6"
@@ -119,7 +119,15 @@ def test_agent_environment_is_an_allow_list(tmp_path: Path) -> None:
     assert not {"AWS_SECRET_ACCESS_KEY", "MASS_METADATA_URL", "USER"} & set(env)
     clash = load_config("demo", ["inference.api_key_env=HOME"])
     with pytest.raises(EpisodePreflightError, match="collides"):
-        agent_environment(clash, paths, api_key="x", scope="s", path_value="/bin")
+        agent_environment(clash, paths, agent_token="x", scope="s", path_value="/bin")
+    with pytest.raises(EpisodePreflightError, match="collides"):  # the key's variable may not shadow the token's
+        agent_environment(
+            load_config("demo", ["inference.api_key_env=MASS_EPISODE_TOKEN"]),
+            paths,
+            agent_token="x",
+            scope="s",
+            path_value="/bin",
+        )
 
 
 # --- one attempt with the light stand-in agent -------------------------------------------------------------------
@@ -178,9 +186,133 @@ def test_attempt_publishes_every_artifact_then_the_row(
         "LC_CTYPE",  # Python's own locale coercion may add it
     }
     settings = json.loads(ctx.artifacts.get_bytes(f"{_prefix(outcome)}/settings.json"))
-    assert settings["modelProviders"]["openai"][0]["envKey"] == KEY_VAR
+    assert settings["modelProviders"]["openai"][0]["envKey"] == "MASS_EPISODE_TOKEN"
     assert settings["modelProviders"]["openai"][0]["generationConfig"]["samplingParams"]["seed"] == 11
     assert list((tmp_path / "scratch" / ctx.cycle_name).iterdir()) == []  # scratch removed
+
+
+# --- the agent holds no secret (ISSUE #13.4) ----------------------------------------------------------------------
+
+
+class _EnvCapturingRunner(EpisodeRunner):
+    """The real runner, keeping the environment it built for each agent (what the agent process receives)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent_envs: list[dict[str, str]] = []
+
+    async def _run_agent(self, install: QwenInstall, paths: AttemptPaths, env: dict[str, str], scope: str) -> Any:
+        self.agent_envs.append(dict(env))
+        return await super()._run_agent(install, paths, env, scope)
+
+
+def _assert_keyless(env: dict[str, str]) -> None:
+    """No variable named like the key's, and the key's bytes in no name or value (raw, base64, hex, reversed)."""
+    import base64
+
+    assert KEY_VAR not in env
+    block = "\0".join(f"{name}={value}" for name, value in env.items())
+    for form in (API_KEY, base64.b64encode(API_KEY.encode()).decode(), API_KEY.encode().hex(), API_KEY[::-1]):
+        assert form not in block
+    token = env["MASS_EPISODE_TOKEN"]
+    assert len(token) >= 40 and token != API_KEY  # secrets.token_urlsafe(32)
+
+
+def test_the_agent_gets_a_token_not_the_key_and_the_proxy_adds_the_key(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    """An upstream that requires the key serves the episode, though the agent never had the key."""
+    with policy_host.serve(require_key=API_KEY) as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        runner = _EnvCapturingRunner(
+            ctx, install=stand_in_install, environ=runner_environ(), scratch_dir=tmp_path / "scratch"
+        )
+        first = asyncio.run(runner.run_attempt(request(ctx, "Report.\n@agent requests=2 leak=1", seed=5), 1))
+        second = asyncio.run(runner.run_attempt(request(ctx, "Report.\n@agent requests=1", seed=6), 1))
+        credentials = list(server.credentials)  # type: ignore[attr-defined]
+
+    assert first.status == second.status == "succeeded"
+    # Every request reached the upstream with the key, which only the proxy (this process) put there.
+    assert credentials and set(credentials) == {f"Bearer {API_KEY}"}
+    assert [len(_records(outcome, ctx)) for outcome in (first, second)] == [2, 1]
+    assert all(record["status"] == 200 for record in _records(first, ctx))
+    [env, other] = runner.agent_envs
+    _assert_keyless(env)
+    assert env["MASS_EPISODE_TOKEN"] != other["MASS_EPISODE_TOKEN"]  # a fresh token per attempt
+    # The careless agent wrote down its credential: the token (nothing to redact), never the key.
+    dest = tmp_path / "ws"
+    EpisodePool(ctx, runner=runner).workspace(first, dest)
+    assert (dest / "leak.txt").read_text() == f"the key is {env['MASS_EPISODE_TOKEN']}\n"
+
+
+def test_in_a_pod_the_runner_holds_no_key_and_uses_the_proxy_container(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    """The sandbox side of a Kubernetes episode pod: no key in its environment at all; the pod's proxy (run here by
+    `serve_episode_proxy`, as the proxy container runs it) holds the key and gives each attempt its own log."""
+    from mass_ops.runtime.proxy import PROXY_LOG_DIR_ENV, PROXY_URL_ENV, serve_episode_proxy
+
+    sessions = tmp_path / "proxy-logs"
+    port_file = tmp_path / "proxy.port"
+    with policy_host.serve(require_key=API_KEY) as server:
+        stop = policy_host.loop.run(_event())
+        serving = policy_host.loop.run(
+            _start(
+                serve_episode_proxy(
+                    sessions_dir=sessions,
+                    upstreams=[server.base_url],
+                    key_env=KEY_VAR,
+                    environ={KEY_VAR: API_KEY},
+                    port_file=port_file,
+                    stop=stop,
+                )
+            )
+        )
+        try:
+            for _ in range(200):
+                if port_file.exists():
+                    break
+                time.sleep(0.02)
+            sandbox_environ = {
+                "PATH": runner_environ()["PATH"],
+                PROXY_URL_ENV: f"http://127.0.0.1:{int(port_file.read_text())}",
+                PROXY_LOG_DIR_ENV: str(sessions),
+            }
+            ctx = open_episode_cycle(tmp_path / "cycle", f"{server.base_url}/v1")
+            runner = _EnvCapturingRunner(
+                ctx, install=stand_in_install, environ=sandbox_environ, scratch_dir=tmp_path / "scratch"
+            )
+            with EpisodePool(ctx, runner=runner) as pool:
+                outcomes = pool.run([request(ctx, "Report.\n@agent requests=2", seed=s) for s in (1, 2)])
+        finally:
+            policy_host.loop.run(_set(stop))
+            policy_host.loop.run(_wait(serving))
+        credentials = list(server.credentials)  # type: ignore[attr-defined]
+
+    assert [outcome.status for outcome in outcomes] == ["succeeded", "succeeded"]
+    assert credentials and set(credentials) == {f"Bearer {API_KEY}"}
+    assert [len(_records(outcome, ctx)) for outcome in outcomes] == [2, 2]  # each attempt its own session log
+    for env in runner.agent_envs:
+        _assert_keyless(env)
+    # The preflight's session was discarded; one log per attempt is left, and no request was refused.
+    logs = sorted(path.name for path in sessions.iterdir())
+    assert len(logs) == 3 and "rejected.jsonl" in logs and (sessions / "rejected.jsonl").read_text() == ""
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+async def _set(event: asyncio.Event) -> None:
+    event.set()
+
+
+async def _start(coro: Any) -> asyncio.Task[Any]:
+    return asyncio.ensure_future(coro)
+
+
+async def _wait(task: asyncio.Task[Any]) -> None:
+    await task
 
 
 @pytest.mark.postgres

@@ -1,7 +1,8 @@
-"""The API key never lands in an artifact, a log line or a database row — even when the agent prints it.
+"""The API key never lands in an artifact, a log line or a database row — even when the agent tries to print it.
 
-The runs: real qwen-code whose scripted model makes it `printenv` the key into a file and into its transcript, and
-the light stand-in agent writing the key into its workspace and its answer (its first request hits a 503, so an
+The agent never holds the key (its proxy adds it upstream), so what it can print is its per-episode token. The runs:
+real qwen-code whose scripted model makes it `printenv` the key into a file and into its transcript, and the light
+stand-in agent writing its credential into its workspace and its answer (its first request hits a 503, so an
 infrastructure failure and its retry are published too). Then everything the test run produced is scanned:
 every artifact (gzip and tar members opened), the scratch folder, every row of every table, every log record.
 """
@@ -77,11 +78,16 @@ def test_the_key_is_nowhere(
     assert (light.status, light.attempt) == ("succeeded", 2) and real.status == "succeeded"
     statuses = sorted(row.status for row in ctx.repo.episodes(ctx.cycle_id))
     assert statuses == ["infra_failure", "succeeded", "succeeded"]
+    # The agent never held the key (ISSUE #13.4): `printenv` finds no such variable, so nothing needed redacting.
     workspace = tmp_path / "ws"
     EpisodePool(ctx, install=stand_in_install).workspace(real, workspace)
-    assert (workspace / "leaked.txt").read_text().strip() == "[REDACTED]"
+    assert (workspace / "leaked.txt").read_text() == ""
     stream = ctx.artifacts.get_bytes("cycles/episode-test/episodes/reference-t51-s3/a1/stream.jsonl").decode()
-    assert "key=[REDACTED]" in stream  # the shell output reached the transcript, redacted
+    assert "printenv" in stream and "[REDACTED]" not in stream
+    light_workspace = tmp_path / "light-ws"
+    EpisodePool(ctx, install=stand_in_install).workspace(light, light_workspace)
+    leaked = (light_workspace / "leak.txt").read_text()  # what the careless agent used as its key: the token
+    assert leaked.startswith("the key is ") and "[REDACTED]" not in leaked
 
     secret = API_KEY.encode()
     scanned = 0

@@ -21,7 +21,7 @@ def test_paper_preset_settings_match_the_reference() -> None:
     assert settings["$version"] == 4
     [provider] = settings["modelProviders"]["openai"]
     assert provider["id"] == settings["model"]["name"] == "Qwen/Qwen3.6-27B-FP8"
-    assert provider["envKey"] == "VLLM_API_KEY"  # the NAME of the variable
+    assert provider["envKey"] == "MASS_EPISODE_TOKEN"  # the NAME of the token's variable, never the key's
     assert provider["baseUrl"] == CLIENT
     generation = provider["generationConfig"]
     assert generation["timeout"] == 1800000 and generation["maxRetries"] == 0
@@ -61,7 +61,7 @@ def test_config_knobs_reach_the_settings() -> None:
     assert generation["samplingParams"]["temperature"] == 0.1
     assert generation["samplingParams"]["max_tokens"] == 300
     assert generation["samplingParams"]["seed"] == 3
-    assert settings["modelProviders"]["openai"][0]["envKey"] == "MASS_DEMO_API_KEY"
+    assert settings["modelProviders"]["openai"][0]["envKey"] == "MASS_EPISODE_TOKEN"
 
 
 def test_other_openai_compatible_servers_get_no_vllm_extensions() -> None:
@@ -91,7 +91,7 @@ def test_openrouter_gets_reasoning_effort_and_max_tokens_only() -> None:
     )
     generation = qwen_settings(config, client_base_url=CLIENT, seed=9)["modelProviders"]["openai"][0]
     assert generation["id"] == "openai/gpt-oss-120b:nitro"  # requests keep the full id
-    assert generation["envKey"] == "OPENROUTER_API_KEY"
+    assert generation["envKey"] == "MASS_EPISODE_TOKEN"  # the proxy holds OPENROUTER_API_KEY
     assert generation["generationConfig"]["extra_body"] == {"reasoning": {"effort": "high"}}
     assert generation["generationConfig"]["samplingParams"] == {"max_tokens": 8192}
 
@@ -100,7 +100,8 @@ def test_settings_never_hold_a_key_value(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("VLLM_API_KEY", "sk-should-never-appear-1234")
     text = json.dumps(qwen_settings(load_config("paper"), client_base_url=CLIENT, seed=1))
     assert "sk-should-never-appear" not in text
-    assert '"envKey": "VLLM_API_KEY"' in text
+    # The agent reads its credential from the per-episode token variable; the key's variable is not even named.
+    assert '"envKey": "MASS_EPISODE_TOKEN"' in text and "VLLM_API_KEY" not in text
 
 
 def test_bad_client_endpoint_is_refused() -> None:
