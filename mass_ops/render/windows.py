@@ -3,9 +3,13 @@
 Every window starts with the header — the system block and the first user block, always present and masked. Body
 blocks are scanned in order; at each loss-bearing block i a window opens:
 
-* context = as many blocks immediately preceding i as fit within `overlap` tokens (masked); the segment's own query
-  block (its user message) is forced into the context when it precedes i, dropping the oldest context blocks for it;
-* if block i does not fit the budget left after that context, the context falls back to [query block], or to [];
+* context = as many blocks immediately preceding i as fit within `overlap` tokens (masked); when the segment's own
+  query block (its user message) precedes i and is not already among them, it is put in FRONT of that context and
+  nothing is dropped, so the context may exceed `overlap` by the query block's size. (The reference's comment speaks
+  of dropping the oldest context blocks, but its filter keeps every block newer than the query, i.e. all of them; its
+  code, which produced the paper's windows, is what is reproduced here.)
+* if block i does not fit the budget left after that context, the context falls back to [query block] when the
+  query and block i fit beside the header, else to [];
 * a loss-bearing block larger than window − header can never fit: it is skipped and recorded;
 * contiguous blocks from i are appended while they fit; the window ends after the last loss-bearing block that fit,
   and the next window's scan starts there.
@@ -123,7 +127,8 @@ def make_windows(
 
 
 def _context(sizes: list[int], i: int, overlap: int, query: int | None) -> list[int]:
-    """Blocks immediately before i within `overlap` tokens, with the query block forced in when it precedes i."""
+    """Blocks immediately before i within `overlap` tokens, preceded by the query block when it precedes i and is
+    not among them already (never dropping any of them: see the module docstring)."""
     context: list[int] = []
     total = 0
     j = i - 1
@@ -133,9 +138,6 @@ def _context(sizes: list[int], i: int, overlap: int, query: int | None) -> list[
         j -= 1
     if query is None or query >= i or query in context:
         return context
-    # The query is older than every context block: drop the oldest until it fits alongside them.
-    while context and sizes[query] + total > overlap:
-        total -= sizes[context.pop(0)]
     return [query, *context]
 
 

@@ -42,14 +42,24 @@ def test_next_window_starts_after_the_last_trained_block_with_preceding_context(
     assert second.n_tokens == 20 + 10 + 15
 
 
-def test_query_block_is_forced_into_context_dropping_older_blocks():
+def test_query_block_is_put_in_front_of_the_context():
     # Segment 1 of a conversation: blocks 2–4 are the previous segment, block 5 is this segment's user message.
     sizes = blocks(10, 10, 8, 8, 8, 6, (30, 20), 4, (30, 20))
     layout = make_windows(sizes, window=80, overlap=10, query_block=5)
     first, second = layout.windows
     assert first.ctx_blocks == (5,) and first.start == 6
-    # Block 8's window: the tool block 7 fits within overlap alongside the forced query, nothing older does.
+    # Block 8's window: the tool block 7 fits within overlap; the query goes in front of it.
     assert (second.ctx_blocks, second.start) == ((5, 7), 8)
+
+
+def test_query_block_in_front_drops_nothing_so_context_may_exceed_overlap():
+    # header 20, budget 40; query block 3 (6 tokens). Block 7's preceding blocks 5 and 6 fill the overlap (8); the
+    # query goes in front of them and both stay: 14 context tokens, the overlap plus the query block's size.
+    sizes = blocks(10, 10, 5, 6, (20, 15), 4, 4, (20, 15))
+    first, second = make_windows(sizes, window=60, overlap=8, query_block=3).windows
+    assert (first.ctx_blocks, first.start, first.end) == ((3,), 4, 5)
+    assert (second.ctx_blocks, second.start, second.end) == ((3, 5, 6), 7, 8)
+    assert second.n_tokens == 20 + 6 + 4 + 4 + 20
 
 
 def test_query_block_already_in_the_context_is_not_repeated():
@@ -134,3 +144,95 @@ def test_assemble_masks_header_and_context_and_keeps_body_labels():
     assert len(layout.windows) == 1
     assert ids == list(range(1, 12))
     assert labels == [IGNORE_INDEX] * 4 + [5, 6] + [IGNORE_INDEX] * 3 + [10, 11]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# An independent, literal re-implementation of MASS_SPEC §7 "Windowing", compared layout by layout.
+
+
+def spec_windows(
+    sizes: list[int], trained: list[bool], window: int, overlap: int, query: int | None, max_header_frac: float = 0.9
+) -> tuple[list[tuple[tuple[int, ...], int, int]], list[int]]:
+    """(context, start, end) per window and the skipped blocks, following the spec's sentences one by one."""
+    header = sizes[0] + sizes[1]
+    assert header <= max_header_frac * window
+    room = window - header  # what a body may use beside the header
+    has_query = query is not None and query >= 2
+    plans: list[tuple[tuple[int, ...], int, int]] = []
+    skipped: list[int] = []
+    i = 2
+    while i < len(sizes):
+        if not trained[i]:
+            i += 1
+            continue
+        # "context = as many immediately preceding blocks as fit within overlap tokens"
+        context: list[int] = []
+        k = i - 1
+        while k >= 2 and sum(sizes[c] for c in context) + sizes[k] <= overlap:
+            context.insert(0, k)
+            k -= 1
+        # "if the segment's own query block precedes i and is not already in that context, it is put in FRONT of
+        # it and nothing is dropped"
+        if has_query and query < i and query not in context:
+            context = [query, *context]
+        # "if block i doesn't fit the remaining budget, fall back to [query block] (when query + block fit in
+        # window − header) or []"
+        if sizes[i] > room - sum(sizes[c] for c in context):
+            context = [query] if has_query and query < i and sizes[query] + sizes[i] <= room else []
+        # "a single block larger than window − header is skipped (recorded)"
+        if sizes[i] > room:
+            skipped.append(i)
+            i += 1
+            continue
+        # "greedily append contiguous blocks while they fit; the window ends after the last loss-bearing block that
+        # fit; the next window starts there"
+        used = header + sum(sizes[c] for c in context)
+        end = j = i
+        while j < len(sizes) and used + sizes[j] <= window:
+            used += sizes[j]
+            if trained[j]:
+                end = j + 1
+            j += 1
+        plans.append((tuple(context), i, end))
+        i = end
+    return plans, skipped
+
+
+def random_segment(rng: random.Random) -> tuple[list[Sized], int, int, int | None]:
+    """A segment shaped like rendered agent threads: header, earlier segments' blocks, the query, then assistant
+    turns (trained) alternating with tool results, sizes from tiny to larger than the window."""
+    window = rng.choice([256, 1024, 4096])
+    overlap = rng.randrange(0, window // 2)
+    header = [rng.randrange(1, window // 5), rng.randrange(1, window // 5)]
+    sizes = blocks(*header)
+    query = None
+    if rng.random() < 0.7:
+        for _ in range(rng.randrange(0, 8)):  # earlier segments, never trained here
+            sizes.append(Sized(rng.randrange(1, window // 3)))
+        query = len(sizes)
+        sizes.append(Sized(rng.choice([rng.randrange(1, overlap + 2), rng.randrange(1, window // 2)])))
+    for turn in range(rng.randrange(1, 30)):
+        scale = rng.choice([window // 16, window // 4, window])
+        size = rng.randrange(2, scale + 2)
+        if turn % 2 == 0 or rng.random() < 0.2:
+            sizes.append(Sized(size, max(1, size - 5)))
+        else:
+            sizes.append(Sized(size))
+    return sizes, window, overlap, query
+
+
+def test_layouts_equal_the_spec_on_thousands_of_random_segments():
+    rng = random.Random(20260512)
+    cases = 3000
+    for case in range(cases):
+        sizes, window, overlap, query = random_segment(rng)
+        layout = make_windows(sizes, window, overlap, query_block=query)
+        got = [(plan.ctx_blocks, plan.start, plan.end) for plan in layout.windows]
+        expected = spec_windows(
+            [b.n_tokens for b in sizes], [b.n_loss_tokens > 0 for b in sizes], window, overlap, query
+        )
+        assert (got, layout.skipped) == expected, f"case {case}: window {window}, overlap {overlap}, query {query}"
+        trained = [i for i, b in enumerate(sizes) if b.n_loss_tokens]
+        covered = sorted(i for plan in layout.windows for i in plan.loss_blocks)
+        assert sorted(covered + layout.skipped) == trained  # every assistant block in exactly one window
+        assert all(plan.n_tokens <= window for plan in layout.windows)
