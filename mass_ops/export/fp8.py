@@ -1,16 +1,16 @@
 """Block-wise FP8 (e4m3) export of a BF16 checkpoint, in the format vLLM and transformers load as ``quant_method: fp8``.
 
 Each quantized ``<module>.weight`` [out, in] becomes ``weight`` (float8_e4m3fn, same shape) plus
-``weight_scale_inv`` (bf16 unless a reference says otherwise, shape [ceil(out/128), ceil(in/128)]). Despite its name
-``weight_scale_inv`` is the dequantisation multiplier: w ≈ q · scale_inv, broadcast over each 128×128 block.
+``weight_scale_inv`` (always bf16, shape [ceil(out/128), ceil(in/128)]). Despite its name ``weight_scale_inv`` is the
+dequantisation multiplier: w ≈ q · scale_inv, broadcast over each 128×128 block.
 
-Per block: amax = max|w| (clamped ≥ 1e-12), scale = amax/448 rounded to the stored scale dtype, then
-q = e4m3(clamp(w/scale, ±448)). Dividing by the *stored* scale keeps dequantisation exact to the quantiser's own
-multiplier. Error bound (derivation): e4m3 keeps 3 mantissa bits, so for |x| ≥ 2^-6 (normal range) round-to-nearest
-errs by at most half a spacing, 2^-4·|x|; below 2^-6 the spacing is 2^-9, so at most 2^-10. A bf16 scale can sit up to
-2^-8 below amax/448, so w/scale may exceed 448 by that factor; clamping it costs ≤ 2^-8·amax, inside the first term for
-those elements. Hence for every element |w − q·scale| ≤ max(2^-4·|w|, 2^-10·scale) (up to fp32 division rounding,
-2^-24 relative), i.e. at most amax/16 in a block.
+Per block, as the reference quantiser does (MASS_SPEC §9): amax = max|w| (clamped ≥ 1e-12), scale = amax/448 in fp32,
+q = e4m3(clamp(w/scale, ±448)) dividing by that fp32 scale, and only then the scale is stored as bf16 — whatever dtype
+a reference checkpoint keeps its scales in. Error bound (derivation): e4m3 keeps 3 mantissa bits, so for |x| ≥ 2^-6
+(normal range) round-to-nearest errs by at most half a spacing, 2^-4·|x|; below 2^-6 the spacing is 2^-9, so at most
+2^-10. Dequantising multiplies by the bf16-rounded scale, off the fp32 one by at most 2^-9 relative, which adds
+2^-9·|w|(1 + 2^-4). Hence for every element |w − q·scale_bf16| ≤ (2^-4 + 2^-8)·|w| + 2^-10·scale, at most ~amax/15 in
+a block.
 
 A partial block (a dimension not a multiple of 128) takes its amax over the elements it really has; the scale grid is
 ceil-divided, the DeepSeek-V3 convention vLLM uses. Which tensors are quantized: with a reference FP8 checkpoint,
@@ -51,6 +51,8 @@ from mass_ops.export.safetensors_io import (
 from mass_ops.export.threads import export_threads
 
 FP8_DTYPE = torch.float8_e4m3fn
+# Stored scales are bf16 always (MASS_SPEC §9), also when a reference checkpoint keeps fp32 ones.
+SCALE_DTYPE = torch.bfloat16
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-12  # an all-zero block still gets a finite, non-zero scale
 # Below this, float8_e4m3fn conversion (round to nearest even) already lands on ±448 or less: the next e4m3 step
@@ -100,10 +102,11 @@ def quantize_blockwise(
     w: torch.Tensor,
     *,
     block: tuple[int, int] = BLOCK,
-    scale_dtype: torch.dtype = torch.bfloat16,
     scratch: ScratchBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight to (q float8_e4m3fn [out, in], scale_inv [ceil(out/b0), ceil(in/b1)]).
+    """Quantize a 2-D weight to (q float8_e4m3fn [out, in], scale_inv bf16 [ceil(out/b0), ceil(in/b1)]).
+
+    q = e4m3(clamp(w / (amax/448 in fp32), ±448)); the returned scale is that fp32 scale rounded to bf16.
 
     ``w`` is not modified. With ``scratch`` the returned ``q`` is a view of a reused buffer (consume it before the
     next call); without it both results are fresh tensors. Errors on non-finite weights (a NaN would silently poison
@@ -128,16 +131,15 @@ def quantize_blockwise(
         amax = torch.maximum(tiles.amax(dim=3).amax(dim=1), tiles.amin(dim=3).amin(dim=1).neg_())
     if not torch.isfinite(amax).all():
         raise ExportError("weight contains NaN or infinite values; refusing to quantize it")
-    scale = (amax.clamp_(min=AMAX_FLOOR) / FP8_MAX).to(scale_dtype)
-    # Divide by the scale as stored, so dequantisation multiplies by exactly the number that was divided by.
-    divisor = scale.to(torch.float32)
+    # The reference divides by the fp32 scale, not by the bf16 number it stores: bytes differ where the two differ.
+    divisor = amax.clamp_(min=AMAX_FLOOR) / FP8_MAX
     tiles.div_(divisor[:, None, :, None])
-    # Division is monotonic, so no quotient exceeds its block's amax/scale. With a bf16 or fp32 scale that is at most
-    # ~449.75, which the conversion rounds to 448 exactly as clamping first would, so the clamp pass is skipped. A
-    # scale that lost precision (e.g. an fp16 one that underflowed) still takes it: torch 2.13 saturates such values
-    # on conversion, but earlier releases turned everything from 480 up into NaN.
+    # Division is monotonic, so no quotient exceeds its block's amax/divisor = 448 up to fp32 rounding, which the
+    # conversion rounds to 448 exactly as clamping first would, so the clamp pass is skipped. Should a divisor ever
+    # lose precision the clamp runs: torch 2.13 saturates on conversion, earlier releases turned ≥ 480 into NaN.
     if not bool((amax / divisor < _ROUNDS_WITHIN_RANGE).all()):
         x.clamp_(-FP8_MAX, FP8_MAX)
+    scale = divisor.to(SCALE_DTYPE)
     q = buffers.take("fp8.q", x.numel(), FP8_DTYPE).view(padded)
     q.copy_(x)
     q = q[:rows, :cols]
@@ -204,7 +206,7 @@ class _Plan:
     """Where every output tensor goes and how it is produced."""
 
     shards: dict[str, list[TensorSpec]]  # output shard file -> tensors it holds
-    quantized: dict[str, tuple[str, torch.dtype]]  # weight name -> (scale tensor name, scale dtype)
+    quantized: dict[str, str]  # weight name -> scale tensor name
     copied: list[str]
     block: tuple[int, int]
     config: dict[str, object] | None  # the reference's config.json, used verbatim when present
@@ -233,16 +235,16 @@ def _block_from_config(config: dict[str, object], where: Path) -> tuple[int, int
 
 def _plan_auto(src_entries: dict[str, TensorEntry], src_map: dict[str, str]) -> _Plan:
     shards: dict[str, list[TensorSpec]] = {}
-    quantized: dict[str, tuple[str, torch.dtype]] = {}
+    quantized: dict[str, str] = {}
     copied = []
     not_converted = {"lm_head"}  # tied heads are absent from the shards but still must stay unconverted
     for name, entry in src_entries.items():
         specs = shards.setdefault(src_map[name], [])
         if _auto_quantizable(entry, BLOCK):
             scale_name = name + SCALE_SUFFIX
-            quantized[name] = (scale_name, torch.bfloat16)
+            quantized[name] = scale_name
             specs.append(TensorSpec(name, DTYPE_CODES[FP8_DTYPE], entry.shape))
-            specs.append(TensorSpec(scale_name, DTYPE_CODES[torch.bfloat16], _blocks(*entry.shape, BLOCK)))
+            specs.append(TensorSpec(scale_name, DTYPE_CODES[SCALE_DTYPE], _blocks(*entry.shape, BLOCK)))
         else:
             copied.append(name)
             specs.append(TensorSpec.like(entry))
@@ -257,7 +259,7 @@ def _plan_from_reference(src_entries: dict[str, TensorEntry], reference_dir: Pat
     ref_config_path = reference_dir / "config.json"
     ref_config = _read_json(ref_config_path) if ref_config_path.is_file() else None
     block = _block_from_config(ref_config, ref_config_path) if ref_config else BLOCK
-    quantized: dict[str, tuple[str, torch.dtype]] = {}
+    quantized: dict[str, str] = {}
     for scale_name, scale_entry in ref_entries.items():
         if not scale_name.endswith(SCALE_SUFFIX):
             continue
@@ -273,8 +275,8 @@ def _plan_from_reference(src_entries: dict[str, TensorEntry], reference_dir: Pat
             raise ExportError(
                 f"{reference_dir}: {scale_name} grid {list(scale_entry.shape)} is not {list(block)} blocks of {name}"
             )
-        quantized[name] = (scale_name, scale_entry.torch_dtype)
-    produced = set(src_entries) | {scale for scale, _ in quantized.values()}
+        quantized[name] = scale_name
+    produced = set(src_entries) | set(quantized.values())
     for name in sorted(set(ref_entries) - produced):
         raise ExportError(f"{reference_dir}: reference tensor {name} has no counterpart in the source checkpoint")
     for name in sorted(set(src_entries) - set(ref_entries)):
@@ -283,12 +285,12 @@ def _plan_from_reference(src_entries: dict[str, TensorEntry], reference_dir: Pat
     copied = []
     for name, entry in src_entries.items():
         if name in quantized:
-            scale_name, scale_dtype = quantized[name]
+            scale_name = quantized[name]
             shards.setdefault(ref_layout.weight_map[name], []).append(
                 TensorSpec(name, DTYPE_CODES[FP8_DTYPE], entry.shape)
             )
             shards.setdefault(ref_layout.weight_map[scale_name], []).append(
-                TensorSpec(scale_name, DTYPE_CODES[scale_dtype], ref_entries[scale_name].shape)
+                TensorSpec(scale_name, DTYPE_CODES[SCALE_DTYPE], ref_entries[scale_name].shape)
             )
         else:
             if ref_entries[name].shape != entry.shape:
@@ -334,13 +336,12 @@ class WeightQuantizer:
         self,
         name: str,
         scale_name: str,
-        scale_dtype: torch.dtype,
         block: tuple[int, int],
         writers: tuple[ShardWriter, ShardWriter],
         where: Path,
         scratch: ScratchBuffers,
     ) -> None:
-        self.name, self._scale_name, self._scale_dtype, self._block = name, scale_name, scale_dtype, block
+        self.name, self._scale_name, self._block = name, scale_name, block
         self._writer, self._scale_writer = writers
         self._where, self._scratch = where, scratch
         self._scales: list[torch.Tensor] = []
@@ -348,7 +349,7 @@ class WeightQuantizer:
     def add(self, w: torch.Tensor) -> None:
         """Quantize and write the next rows."""
         try:
-            q, scale = quantize_blockwise(w, block=self._block, scale_dtype=self._scale_dtype, scratch=self._scratch)
+            q, scale = quantize_blockwise(w, block=self._block, scratch=self._scratch)
         except ExportError as exc:
             raise ExportError(f"{self._where} [{self.name}]: {exc}") from None
         self._writer.write(self.name, q)
@@ -399,9 +400,9 @@ class Fp8Output:
 
     def quantizer(self, name: str, where: Path, scratch: ScratchBuffers) -> WeightQuantizer:
         """A quantizer for weight ``name`` to feed chunk by chunk (``where`` names its source in errors)."""
-        scale_name, scale_dtype = self._plan.quantized[name]
+        scale_name = self._plan.quantized[name]
         writers = self._writers[self._destination[name]], self._writers[self._destination[scale_name]]
-        return WeightQuantizer(name, scale_name, scale_dtype, self.block, writers, where, scratch)
+        return WeightQuantizer(name, scale_name, self.block, writers, where, scratch)
 
     def quantize(self, name: str, chunks: Iterable[torch.Tensor], where: Path, scratch: ScratchBuffers) -> None:
         """Quantize weight ``name`` given as consecutive row chunks of whole block rows (only the last may be
@@ -456,7 +457,7 @@ def export_fp8(src_dir: str | Path, out_dir: str | Path, *, reference_dir: str |
     """Quantize the BF16 checkpoint in ``src_dir`` to block FP8 in ``out_dir``, shard by shard.
 
     ``out_dir`` must be absent or empty; it appears only when complete. With ``reference_dir`` (an FP8 checkpoint of
-    the same architecture) the selection, block size, scale dtype, shard layout and config.json follow it.
+    the same architecture) the selection, block size, shard layout and config.json follow it (scales stay bf16).
     """
     src_dir = Path(src_dir)
     ref_dir = Path(reference_dir) if reference_dir is not None else None
@@ -534,7 +535,7 @@ def verify_fp8(src_dir: str | Path, fp8_dir: str | Path, *, max_tensors: int | N
                 err = (w - dequantize_blockwise(q, s, block=block)).abs_()
                 max_err, sum_err = max(max_err, err.max().item()), sum_err + err.sum().item()
                 max_w, sum_w = max(max_w, w.abs().max().item()), sum_w + w.abs().sum().item()
-                q_new, s_new = quantize_blockwise(w, block=block, scale_dtype=s.dtype)
+                q_new, s_new = quantize_blockwise(w, block=block)
                 eq_q += (q_new.view(torch.uint8) == q.view(torch.uint8)).sum().item()
                 eq_s += (s_new == s).sum().item()
         n_q, n_s = rows * cols, scale_all.numel()
