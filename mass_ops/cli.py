@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_config
+from mass_ops.errors import EXIT_INPUT, MassOpsError, exit_code_for
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
@@ -40,15 +41,27 @@ ConfigOption = Annotated[str, typer.Option("--config", "-c", help="Preset (paper
 SetOption = Annotated[list[str] | None, typer.Option("--set", help="Override a key: a.b=c (repeatable).")]
 
 
-class InputError(ValueError):
-    """Bad user input detected by a command; its message is one line."""
-
-
 def fail(lines: list[str] | str, code: int = 2) -> typer.Exit:
     """Print problems on stderr, one per line, and return the Exit to raise."""
     for line in [lines] if isinstance(lines, str) else lines:
         err_console.print(line, markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def failure(title: str, exc: BaseException, *, resume_hint: str = "rerun to resume") -> typer.Exit:
+    """One line for a failed command, with the exit status of its kind (`mass_ops.errors`): bad input exits 2, a
+    failed dependency or unit exits 1. An error that is not one of mass-ops' own (a library's stray ValueError) is an
+    internal error, exit 1 — never reported as bad input."""
+    code = exit_code_for(exc)
+    if code == EXIT_INPUT:
+        return fail(f"{title}: {exc}")
+    if code is not None:
+        return fail(f"{title} failed: {exc}; {resume_hint}", code=code)
+    return fail(f"{title} failed: internal error ({type(exc).__name__}: {exc}); {resume_hint}", code=1)
+
+
+# What a command turns into one line; anything else (a bug) keeps its traceback.
+HANDLED = (MassOpsError, ValueError, RuntimeError, OSError)
 
 
 def resolve_config(config: str, overrides: list[str] | None) -> CycleConfig:
@@ -240,11 +253,9 @@ def _stage(title: str, call) -> list[dict]:
     """Run a stage; domain errors (bad input, refused state) are one line and exit 2."""
     try:
         rows = call()
-    except ValueError as exc:
-        raise fail(f"{title}: {exc}") from None
-    except RuntimeError as exc:
-        # A unit failed (e.g. episodes that kept failing on infrastructure); finished units stay recorded.
-        raise fail(f"{title} failed: {exc}; rerun to resume", code=1) from None
+    except HANDLED as exc:
+        # A failed unit (e.g. episodes that kept failing on infrastructure) leaves finished units recorded.
+        raise failure(title, exc) from None
     _summary(title, rows)
     return rows
 
@@ -252,7 +263,7 @@ def _stage(title: str, call) -> list[dict]:
 @app.command()
 def validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Open the cycle: check the catalogue, create/upgrade the schema, freeze the config by hash."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage("validate_config", lambda: [stages.validate_config(cfg)])
@@ -261,7 +272,7 @@ def validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 @app.command()
 def search(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
     """RHI workflow search per task (all tasks concurrently, each task's versions in sequence)."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage("RHI search", lambda: stages.search(cfg, tasks))
@@ -270,7 +281,7 @@ def search(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksO
 @app.command()
 def collect(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
     """Teacher collection under each task's retained workflow."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage("teacher collection", lambda: stages.collect(cfg, tasks))
@@ -279,7 +290,7 @@ def collect(config: ConfigOption = "paper", set_: SetOption = None, tasks: Tasks
 @app.command()
 def rank(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
     """Ring tournament, self-judge and Bradley–Terry per eligible task."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage("ranking", lambda: stages.rank(cfg, tasks))
@@ -288,7 +299,7 @@ def rank(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOpt
 @app.command("select")
 def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Ranks 1..train_ranks to training, validation_rank to validation."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage("selection", lambda: stages.select(cfg)["tasks"])
@@ -332,7 +343,7 @@ def rollout_cmd(
     label: Annotated[str | None, typer.Option(help="Name of this rollout set (default: from pool and count).")] = None,
 ) -> None:
     """Bare-task evaluation rollouts of one generation, recorded as a new rollout set."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage(
@@ -344,7 +355,7 @@ def rollout_cmd(
 @app.command("report")
 def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Write the cycle's report (Markdown + HTML with figures) and print where it is."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
     _stage("report", lambda: [stages.report(cfg)])
@@ -360,17 +371,15 @@ def stage_cmd(
     set_: SetOption = None,
 ) -> None:
     """Run one whole-cycle stage and print its result as one JSON line (what Kubernetes Jobs run)."""
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     if name not in STAGE_NAMES:
         raise fail(f"stage {name!r}: unknown; choose one of {', '.join(STAGE_NAMES)}")
     cfg = resolve_config(config, set_)
     try:
         result = getattr(stages, name)(cfg)
-    except ValueError as exc:
-        raise fail(f"{name}: {exc}") from None
-    except RuntimeError as exc:
-        raise fail(f"{name} failed: {exc}; rerun to resume", code=1) from None
+    except HANDLED as exc:
+        raise failure(name, exc) from None
     sys.stdout.write(json.dumps(result, default=str) + "\n")
 
 
@@ -404,10 +413,8 @@ def demo(
     console.print(f"demo cycle {cfg.cycle_name}: planned totals {cycle_plan.totals}", markup=False)
     try:
         result = run_demo(cfg, console, set_)
-    except ValueError as exc:
-        raise fail(f"demo: {exc}") from None
-    except RuntimeError as exc:
-        raise fail(f"demo failed: {exc}; rerun to resume (finished units are kept)", code=1) from None
+    except HANDLED as exc:
+        raise failure("demo", exc, resume_hint="rerun to resume (finished units are kept)") from None
     console.rule("[bold]done")
     console.print(f"report: {result['report']}", markup=False)
     console.print(f"new model: {result['generation']}", markup=False)

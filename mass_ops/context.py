@@ -11,12 +11,13 @@ import hashlib
 from dataclasses import dataclass
 
 from mass_ops.config import ConfigError, CycleConfig
+from mass_ops.errors import InputError
 from mass_ops.store.artifacts import ArtifactStore, open_artifact_store
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.tasks.catalogue import TaskCatalogue, load_catalogue
 
 
-class CycleNotOpenError(ValueError):
+class CycleNotOpenError(InputError):
     """A stage ran before `validate_config` opened its cycle."""
 
 

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from mass_ops.errors import InputError
+
 #: Virtual wins (and virtual games) each candidate gets against a unit-strength reference (MASS_SPEC §6).
 DEFAULT_PRIOR = 0.5
 #: MM iterations of the reference fit.
@@ -21,7 +23,7 @@ DEFAULT_ITERATIONS = 500
 _BOOTSTRAP_TOLERANCE = 1e-9
 
 
-class RankingError(ValueError):
+class RankingError(InputError):
     """Bad input to the tournament schedule, the Bradley–Terry fit or the ranking."""
 
 

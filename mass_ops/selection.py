@@ -10,10 +10,11 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from mass_ops.errors import InputError
 from mass_ops.ranking import RankedEntry
 
 
-class SelectionError(ValueError):
+class SelectionError(InputError):
     """The ranked candidates cannot be split into train and validation trajectories."""
 
 

@@ -25,12 +25,13 @@ from pathlib import Path
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import InputError
 from mass_ops.store.schema import ModelGeneration
 
 LOCAL_MODELS_DIR = Path("runs") / "models"
 
 
-class ServingError(ValueError):
+class ServingError(InputError):
     """A generation cannot be served or reached (not registered, no server started for it in this scope)."""
 
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mass_ops.errors import InputError
+
 START_MARKER = "Create an agent team with following agent candidates to solve this problem:"
 END_MARKER = "Use uv for all Python workflows"
 
@@ -26,7 +28,7 @@ _END_MARKER_MIN_FRACTION = 0.7
 _QUERY_FILE_RE = re.compile(r"query(\d+)_ourTeam")
 
 
-class WorkflowError(ValueError):
+class WorkflowError(InputError):
     """A workflow prompt or design is malformed; the message names the source and the problem."""
 
 

@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Node, qwen-code and the tokenizer install into the checkout (kept between runs, ignored by git).
+export MASS_RUNTIME_DIR="${MASS_RUNTIME_DIR:-$PWD/.runtime}"
 exec .venv/bin/mass-ops demo "$@"

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Node, qwen-code and the tokenizer install into the checkout (kept between runs, ignored by git).
+export MASS_RUNTIME_DIR="${MASS_RUNTIME_DIR:-$PWD/.runtime}"
 # Postgres must answer on 127.0.0.1:5432 (the machine's own server); start it if it was stopped.
 if ! .venv/bin/python -c "import psycopg2; psycopg2.connect(host='127.0.0.1', user='postgres', dbname='postgres').close()" 2>/dev/null; then
   if command -v pg_ctlcluster >/dev/null 2>&1; then

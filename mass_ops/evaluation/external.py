@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from mass_ops.config import CycleConfig, ExternalJudgeConfig
+from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle
 from mass_ops.judge.pairwise import JudgeOutcome, PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import CANDIDATE_A_LABEL, CANDIDATE_B_LABEL
@@ -56,7 +57,7 @@ ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 _FLIP = {"A": "B", "B": "A", "tie": "tie", "invalid": "invalid"}
 
 
-class ExternalJudgeError(ValueError):
+class ExternalJudgeError(InputError):
     """A report judge is misconfigured (missing key, unknown effort, bad name) or cannot be used."""
 
 

@@ -14,10 +14,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mass_ops.errors import InputError
 from mass_ops.evaluation.rollouts import RolloutEntry, RolloutSet
 
 
-class PairingError(ValueError):
+class PairingError(InputError):
     """Two rollout sets cannot be paired, or a pairs document is malformed."""
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import InputError
 from mass_ops.layout import EpisodeUnit, bare_condition, report_prefix
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import rollout_seed
@@ -31,7 +32,7 @@ ROLLOUT_SET_KIND = "rollouts"
 Split = Literal["train", "test", "all"]
 
 
-class RolloutError(ValueError):
+class RolloutError(InputError):
     """A rollout set cannot be built or used (unknown task or generation, label clash, unfinished episodes)."""
 
 

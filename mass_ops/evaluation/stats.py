@@ -16,13 +16,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mass_ops.errors import InputError
+
 # Two-sided 95%: the standard normal quantile at 0.975.
 Z_95 = 1.959963984540054
 DEFAULT_BOOTSTRAP_SAMPLES = 2000
 DEFAULT_BOOTSTRAP_SEED = 20261014
 
 
-class LedgerKeyError(ValueError):
+class LedgerKeyError(InputError):
     """An external-ledger key is not ``<pair_id>/<judge>/<seed>``."""
 
 

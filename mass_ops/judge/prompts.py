@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle
 
 Winner = Literal["A", "B", "tie"]
@@ -25,7 +26,7 @@ def version_label(version: int) -> str:
     return f"multi-agent-design-v{version}"
 
 
-class JudgeOutputError(ValueError):
+class JudgeOutputError(InputError):
     """The judge answered with JSON that is not a valid verdict."""
 
 

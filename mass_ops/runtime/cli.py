@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from mass_ops.config import ConfigError, CycleConfig, load_config
+from mass_ops.errors import InputError
 from mass_ops.layout import EpisodeKind, EpisodeUnit, bare_condition, teacher_condition, version_condition
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 
@@ -56,7 +57,7 @@ _err = Console(stderr=True)
 _STOPPED = "the interrupted attempts were stopped and nothing was recorded for them"
 
 
-class EpisodeInputError(ValueError):
+class EpisodeInputError(InputError):
     """A bad command-line input: its message is one line naming what is wrong."""
 
 

@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, load_task_catalogue
+from mass_ops.errors import InfrastructureError
 from mass_ops.layout import EPISODE_FILES, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.runner import (
@@ -101,7 +102,7 @@ _Model = TypeVar("_Model", bound=BaseModel)
 _T = TypeVar("_T")
 
 
-class HandoffError(RuntimeError):
+class HandoffError(InfrastructureError):
     """The other side failed, gave up or broke the protocol; the message is one line."""
 
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from mass_ops.errors import InfrastructureError
 from mass_ops.runtime.installs import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
 
 QWEN_CODE_PACKAGE = "@qwen-code/qwen-code"
@@ -36,7 +37,7 @@ NODE_MAJOR = 22
 NPM_TIMEOUT_S = 900
 
 
-class QwenInstallError(RuntimeError):
+class QwenInstallError(InfrastructureError):
     """The qwen-code runtime could not be installed or located."""
 
 

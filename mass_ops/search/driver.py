@@ -24,6 +24,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, results_json_appendix
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import REFERENCE_LABEL, version_label
@@ -52,11 +53,11 @@ _BASELINE_KEY = re.compile(r"^v(\d+)_vs_no_harness$")
 _ARBITRATION_KEY = re.compile(r"^champion_v(\d+)_vs_v(\d+)$")
 
 
-class SearchError(ValueError):
+class SearchError(InputError):
     """A search step asked for something that cannot be done: unknown task, version out of range, wrong order."""
 
 
-class SearchEpisodeError(RuntimeError):
+class SearchEpisodeError(InfrastructureError):
     """An episode of the search ended in an infrastructure failure after every allowed attempt."""
 
 
@@ -100,7 +101,7 @@ class TaskSearchResult:
         }
 
 
-class SearchFailedError(RuntimeError):
+class SearchFailedError(InfrastructureError):
     """Some tasks' searches failed; `results` holds every task's result (failed ones carry `error`)."""
 
     def __init__(self, results: list[TaskSearchResult]) -> None:

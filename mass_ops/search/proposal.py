@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mass_ops.errors import InputError
 from mass_ops.workflow import (
     WorkflowError,
     WorkflowPrompt,
@@ -28,7 +29,7 @@ LIST_FIELDS = (
 )
 
 
-class ProposalError(ValueError):
+class ProposalError(InputError):
     """The optimizer's answer cannot become the next workflow version; the message says why."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.errors import InputError
 from mass_ops.layout import EpisodeUnit, cycle_prefix, teacher_condition, teacher_prompt_key, workflow_version_key
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 Decision = Literal["collect", "skip", "let_through"]
 
 
-class CollectionError(ValueError):
+class CollectionError(InputError):
     """Collection cannot run for a task: not a training task, search unfinished, or a changed teacher prompt."""
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import InputError
 from mass_ops.evaluation import rollouts as _rollouts
 from mass_ops.evaluation.agreement import judge_agreement
 from mass_ops.evaluation.external import SELF_JUDGE, ReportJudge, external_judges, judge_presentation, self_judge
@@ -66,7 +67,7 @@ REPORT_TOKEN_MODEL = "gpt-5.5"
 DEFAULT_JUDGE_WORKERS = 4
 
 
-class EvaluationStageError(ValueError):
+class EvaluationStageError(InputError):
     """An evaluation step cannot proceed (judgments missing or failed, a label reused for other results)."""
 
 

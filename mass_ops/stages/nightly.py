@@ -22,6 +22,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import InputError
 from mass_ops.seeds import nightly_rollout_seed_base
 from mass_ops.serving import generation_server, registered
 from mass_ops.stages.evaluate import (
@@ -40,7 +41,7 @@ NIGHTLY_SCOPE = "nightly"
 NIGHTLY_LABEL = "nightly"
 
 
-class NightlyError(ValueError):
+class NightlyError(InputError):
     """A nightly evaluation cannot run (unknown generation, generation without parent, bad date)."""
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import CANDIDATE_A_LABEL, CANDIDATE_B_LABEL
@@ -38,7 +39,7 @@ RANKING_TOKEN_MODEL = "gpt-5.5"
 CONFIDENCE_LEVEL = 0.95
 
 
-class RankStageError(ValueError):
+class RankStageError(InputError):
     """A task cannot be ranked or selected (too few completed candidates, missing workspace, not ranked yet)."""
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from mass_ops.context import CycleContext
+from mass_ops.errors import InputError
 from mass_ops.evaluation.rollouts import RolloutError
 from mass_ops.layout import episode_prompt_key
 from mass_ops.runtime.episode import EpisodeRequest
@@ -39,7 +40,7 @@ class EpisodeIdentity(Protocol):
     def generation(self) -> str | None: ...
 
 
-class EpisodeUnitError(ValueError):
+class EpisodeUnitError(InputError):
     """No request for this unit: its prompt is not known yet (a search version not proposed, a search not finished),
     the task is not collected, or the identity names no unit of the cycle. The message is one line."""
 

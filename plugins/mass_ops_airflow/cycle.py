@@ -1,6 +1,6 @@
-"""How a task gets its config and calls a stage: params → validated config → `mass_ops.stages.<name>(config, …)`.
+"""How a task gets its config and calls a stage: params → validated config → `mass_ops.stages.api.<name>(config, …)`.
 
-`mass_ops.stages` is imported on first use, inside the task, so DAG files stay fast to parse. A stage's return
+`mass_ops.stages.api` is imported on first use, inside the task, so DAG files stay fast to parse. A stage's return
 value goes to XCom, which carries ids and URIs only: anything that is not small JSON is refused loudly rather than
 silently stuffed into Airflow's database.
 """
@@ -17,7 +17,7 @@ from mass_ops_airflow.hooks import MassArtifactHook, storage_from_connections
 if TYPE_CHECKING:
     from mass_ops.config import CycleConfig
 
-STAGES_MODULE = "mass_ops.stages"
+STAGES_MODULE = "mass_ops.stages.api"
 XCOM_LIMIT_BYTES = 16 * 1024
 
 
@@ -33,7 +33,7 @@ def cycle_config(params: Mapping[str, Any]) -> CycleConfig:
 
 
 def stage_function(name: str) -> Any:
-    """`mass_ops.stages.<name>` (imported now, not at DAG parse time)."""
+    """`mass_ops.stages.api.<name>` (imported now, not at DAG parse time)."""
     module = importlib.import_module(STAGES_MODULE)
     function = getattr(module, name, None)
     if not callable(function):

@@ -65,7 +65,7 @@ def test_a_cycle_runs_end_to_end_and_a_cleared_failure_reruns_only_what_is_missi
     from mass_ops_airflow.demo import prepare_parent
     from mass_ops_airflow.demo.airflow_home import failed_tasks, load_dag
 
-    from mass_ops import stages
+    from mass_ops.stages import api as stages
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(JUDGE_KEY_ENV, "test-judge-key")

@@ -1,5 +1,5 @@
 """Both DAGs run end to end under Airflow's own `dag.test()` (scheduler logic, task runner, deferral, mapping,
-setup/teardown), with a stand-in `mass_ops.stages` recording calls and a stub model server for readiness.
+setup/teardown), with a stand-in `mass_ops.stages.api` recording calls and a stub model server for readiness.
 
 The real stages are exercised by their own tests; this shows the wiring: which stage runs when, with which
 arguments, and what is skipped.

@@ -1,6 +1,6 @@
 """The DAGs' tasks call the stage functions by name with the run's config and the mapped arguments.
 
-Each task's callable is invoked directly with a stand-in `mass_ops.stages` that records its calls (the real
+Each task's callable is invoked directly with a stand-in `mass_ops.stages.api` that records its calls (the real
 end-to-end run is `dag.test()` once every stage exists); the config each stage receives is rebuilt from the params.
 """
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from mass_ops import stages
 from mass_ops.config import validate_config
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.report import build_blocks, collect_report_data, render_markdown
@@ -18,6 +17,7 @@ from mass_ops.evaluation.rollouts import ROLLOUT_SET_KIND, default_label
 from mass_ops.evaluation.stats import ledger_key
 from mass_ops.seeds import rollout_seed
 from mass_ops.serving import ServingError, evaluation_scope
+from mass_ops.stages import api as stages
 from mass_ops.stages.evaluate import (
     PAIRWISE_KIND,
     evaluate,

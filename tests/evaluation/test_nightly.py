@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from mass_ops import stages
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.rollouts import ROLLOUT_SET_KIND
-from mass_ops.serving import ServingError
 from mass_ops.layout import PAIRWISE_KIND
+from mass_ops.serving import ServingError
+from mass_ops.stages import api as stages
 from mass_ops.stages.nightly import (
     NIGHTLY_SCOPE,
     NightlyError,

@@ -212,8 +212,8 @@ def test_an_empty_cycle_still_renders_every_figure(eval_env):
 
 
 def test_the_nightly_report_is_written_for_the_nightly_cycle(eval_env):
-    from mass_ops import stages
     from mass_ops.layout import report_prefix
+    from mass_ops.stages import api as stages
     from mass_ops.stages.nightly import nightly_config
 
     nightly = nightly_config(eval_env.config).cycle_name

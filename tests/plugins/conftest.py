@@ -51,10 +51,10 @@ def chart_settings(tmp_path, monkeypatch) -> Path:
 
 
 class StageRecorder(types.ModuleType):
-    """A stand-in `mass_ops.stages`: every stage records (name, args) and returns what the test scripted."""
+    """A stand-in `mass_ops.stages.api`: every stage records (name, args) and returns what the test scripted."""
 
     def __init__(self) -> None:
-        super().__init__("mass_ops.stages")
+        super().__init__("mass_ops.stages.api")
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.results: dict[str, Any] = {}
 
@@ -76,10 +76,10 @@ class StageRecorder(types.ModuleType):
 @pytest.fixture
 def stages(monkeypatch) -> StageRecorder:
     recorder = StageRecorder()
-    monkeypatch.setitem(sys.modules, "mass_ops.stages", recorder)
-    import mass_ops
+    monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
+    import mass_ops.stages
 
-    monkeypatch.setattr(mass_ops, "stages", recorder, raising=False)
+    monkeypatch.setattr(mass_ops.stages, "api", recorder, raising=False)
     return recorder
 
 

@@ -408,8 +408,8 @@ def local_command(command: list[str], config_file: Path, handoff: Path) -> list[
 def test_a_collection_pod_records_the_episode_its_stage_then_reuses(
     policy_host: PolicyHost, tmp_path: Path, pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mass_ops import stages
     from mass_ops.compute import kubernetes as specs
+    from mass_ops.stages import api as stages
     from mass_ops.stages.units import episode_request, publish_prompt
 
     runtime = fake_qwen_runtime(tmp_path / "runtime")

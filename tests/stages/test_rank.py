@@ -33,7 +33,7 @@ from tests.inner_loop_fakes import (  # noqa: F401
     inner_loop_fixture,
 )
 from tests.policy_server import ChatRequest, Fault, FaultRule, RequestKind, ResearchTeamPolicy
-from tests.test_collect import retain
+from tests.stages.test_collect import retain
 
 TASKS = (51, 202)
 

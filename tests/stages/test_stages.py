@@ -9,10 +9,10 @@ from contextlib import contextmanager
 import pytest
 from typer.testing import CliRunner
 
-from mass_ops import stages
 from mass_ops.cli import app
 from mass_ops.context import attach_cycle
 from mass_ops.judge.workspaces import key_for_uri
+from mass_ops.stages import api as stages
 from tests.inner_loop_fakes import FakeExecutor, inner_loop_fixture  # noqa: F401  (fixture)
 
 

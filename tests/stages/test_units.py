@@ -19,7 +19,7 @@ from mass_ops.stages.evaluate import run_rollout_unit
 from mass_ops.stages.units import EpisodeUnitError, episode_request, publish_prompt
 from tests.evaluation.fakes import record_local_server, register_generations
 from tests.inner_loop_fakes import FakeExecutor, InnerLoopEnv, inner_loop_fixture  # noqa: F401
-from tests.test_collect import retain
+from tests.stages.test_collect import retain
 
 
 def by_slug(requests: list[EpisodeRequest]) -> dict[str, EpisodeRequest]:

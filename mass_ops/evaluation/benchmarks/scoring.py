@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.context import CycleContext
+from mass_ops.errors import InputError
 from mass_ops.evaluation.efficiency import ScoredEpisode
 from mass_ops.judge.workspaces import StoredWorkspace
 from mass_ops.layout import EpisodeUnit, report_prefix
@@ -28,7 +29,7 @@ from mass_ops.seeds import BENCHMARK_INDEX, benchmark_seed
 BENCHMARK_KIND = "benchmark"
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(InputError):
     """A benchmark dataset, trial or score set is unusable (missing files, wrong row count, missing judge)."""
 
 

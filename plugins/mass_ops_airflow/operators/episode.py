@@ -182,7 +182,7 @@ class EpisodeStageOperator(EpisodePodOperator):
     it finds the episode recorded and does the rest (judge calls, proposals, rows). Local backend: `stage` runs the
     episode itself. XCom: the stage's result.
 
-    :param stage: name of the `mass_ops.stages` function; it is called with the config and the episode's identity:
+    :param stage: name of the `mass_ops.stages.api` function; it is called with the config and the episode's identity:
         `search_step(config, task, version)`, `collect_candidate(config, task, candidate)`,
         `rollout_unit(config, generation, task, replicate)`.
     """

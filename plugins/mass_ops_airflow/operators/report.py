@@ -1,6 +1,6 @@
 """The report step of a DAG: write a cycle report, and link it from the task ("Cycle report").
 
-`ReportOperator` calls a report stage of `mass_ops.stages` in-process (`report`: the run's cycle;
+`ReportOperator` calls a report stage of `mass_ops.stages.api` in-process (`report`: the run's cycle;
 `nightly_report`: the cycle the nightly results are recorded under) and returns the stage's URIs to XCom with the
 name of the reported cycle. `ReportLink` turns that name into the URL where the plugin's web app serves the page
 (`mass_ops_airflow.reports`).
@@ -46,7 +46,7 @@ class ReportLink(BaseOperatorLink):
 
 
 class ReportOperator(BaseOperator):
-    """Write a cycle report through a `mass_ops.stages` report stage; the task carries the 'Cycle report' link.
+    """Write a cycle report through a `mass_ops.stages.api` report stage; the task carries the 'Cycle report' link.
 
     :param stage: `report` (the run's own cycle) or `nightly_report`; a stage that reports on a cycle other than
         the run's names it under `cycle` in its result.

@@ -1,0 +1,351 @@
+"""The stage functions by name: what the CLI (`mass-ops <stage>`), the DAG tasks (`mass_ops_airflow.cycle`) and
+Python callers run. Each takes the validated `CycleConfig` first, attaches the cycle once, calls its family module
+beside this file with that context, and returns a small JSON-able dict of ids and URIs (never big data: XCom).
+
+Family modules are imported inside the functions so that importing this module (a DAG file, the CLI) stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import attach_cycle, open_cycle
+from mass_ops.errors import InfrastructureError, InputError
+from mass_ops.stages.common import episode_executor, jsonable
+
+
+def validate_config(config: CycleConfig) -> dict[str, Any]:
+    """Check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle row."""
+    ctx = open_cycle(config)
+    return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash()}
+
+
+def _server_state_file(config: CycleConfig) -> Path:
+    """Where the local backend records the model server it started (pid, argv, endpoint)."""
+    from mass_ops.compute.local import SERVERS_DIR
+
+    return SERVERS_DIR / f"{config.cycle_name}-inference.json"
+
+
+def inference_up(config: CycleConfig, *, model_dir: str | None = None) -> dict[str, Any]:
+    """Local backend: start `transformers serve` on the served model and wait until `/health` answers and
+    `/v1/models` lists the served name (on Kubernetes the inference-server operator does this instead)."""
+    from urllib.parse import urlsplit
+
+    from mass_ops.compute.local import start_server, transformers_serve_argv, wait_ready
+
+    if config.compute.backend != "local":
+        raise InputError("inference_up runs the local backend only; the DAG uses the inference-server operator")
+    if config.compute.local_inference == "external":
+        # Someone else serves the model (a vLLM of yours, a hosted endpoint): only its readiness is checked.
+        from mass_ops.compute.readiness import probe
+
+        report = probe(config.inference.endpoint, config.models.served_name, api_key_env=config.inference.api_key_env)
+        if not report.ready:
+            raise InfrastructureError(f"inference endpoint {config.inference.endpoint} is not ready: {report.problem}")
+        return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": None}
+    port = urlsplit(config.inference.endpoint).port or config.inference.server.port
+    model = model_dir or config.models.served_name
+    argv = transformers_serve_argv(model, port=port, extra=["--device", "cpu", "--dtype", "float32"])
+    state_file = _server_state_file(config)
+    state = start_server(
+        argv,
+        state_file=state_file,
+        endpoint=config.inference.endpoint,
+        served_name=config.models.served_name,
+        log_path=state_file.with_suffix(".log"),
+    )
+    wait_ready(state, timeout_s=config.inference.server.readiness_timeout_s, api_key_env=config.inference.api_key_env)
+    return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": state.pid}
+
+
+def inference_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local model server (a no-op when none is recorded); runs even when upstream stages failed."""
+    from mass_ops.compute.local import stop_server
+
+    return {"stopped": stop_server(_server_state_file(config))}
+
+
+def search_tasks(config: CycleConfig) -> list[int]:
+    """Tasks the RHI search covers (MASS_SPEC §1: the train candidates)."""
+    return list(config.tasks.train_candidates)
+
+
+def search_step(config: CycleConfig, task_id: int, version: int) -> dict[str, Any]:
+    """One RHI version step of one task: episode v_k (and the reference at k = 0), judging, arbitration, and the
+    proposal of v_{k+1} — or the retained workflow at the last version. Steps beyond `search.iterations` are no-ops
+    so a DAG built for a larger budget can run a smaller one."""
+    if version > config.search.iterations:
+        return {"task_id": task_id, "version": version, "skipped": True}
+    from mass_ops.search.driver import search_step as run_step
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        result = run_step(ctx, executor, task_id, version)
+    return jsonable(asdict(result))
+
+
+def search(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """The whole RHI search: every task's chain concurrently, each chain sequential; one summary row per task."""
+    from mass_ops.search.driver import search_tasks as run_tasks
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        return [result.as_row() for result in run_tasks(ctx, executor, tasks)]
+
+
+def collection_units(config: CycleConfig) -> list[list[int]]:
+    """(task, candidate) pairs of the eligible training tasks, known once the search has finished."""
+    from mass_ops.stages.collect import eligible_tasks
+
+    ctx = attach_cycle(config)
+    return [
+        [decision.task_id, candidate]
+        for decision in eligible_tasks(ctx)
+        if decision.collects
+        for candidate in range(config.collection.candidates)
+    ]
+
+
+def collect_candidate(config: CycleConfig, task_id: int, candidate: int) -> dict[str, Any]:
+    """One teacher candidate of one task (the DAG maps this over `collection_units`)."""
+    from mass_ops.stages.collect import CollectionSkipped, candidate_request
+
+    ctx = attach_cycle(config)
+    try:
+        request = candidate_request(ctx, task_id, candidate)
+    except CollectionSkipped as skipped:
+        return {"task_id": task_id, "candidate": candidate, "skipped": True, "reason": skipped.decision.reason}
+    with episode_executor(ctx) as executor:
+        (outcome,) = executor.run([request])
+    return {
+        "task_id": task_id,
+        "candidate": candidate,
+        "episode_id": outcome.episode_id,
+        "status": outcome.status,
+        "attempt": outcome.attempt,
+    }
+
+
+def collect(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Every teacher candidate of the eligible tasks in one batch; one summary row per task."""
+    from mass_ops.stages.collect import collect_batch
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        return [result.as_row() for result in collect_batch(ctx, executor, tasks)]
+
+
+def ranking_tasks(config: CycleConfig) -> list[int]:
+    """Training tasks whose candidates are ranked (the eligible ones)."""
+    from mass_ops.stages.collect import eligible_tasks
+
+    return [d.task_id for d in eligible_tasks(attach_cycle(config)) if d.collects]
+
+
+def rank_task(config: CycleConfig, task_id: int) -> dict[str, Any]:
+    """Tournament, self-judge and Bradley–Terry for one task."""
+    from mass_ops.stages.rank import run_rank
+
+    (row,) = run_rank(config, [task_id])
+    return jsonable(row)
+
+
+def rank(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Rank every eligible task; one row per task."""
+    from mass_ops.stages.rank import run_rank
+
+    return [jsonable(row) for row in run_rank(config, tasks)]
+
+
+def select(config: CycleConfig) -> dict[str, Any]:
+    """Ranks 1..train_ranks → training, validation_rank → validation, per eligible task."""
+    from mass_ops.stages.rank import run_select
+
+    rows = run_select(config)
+    return {"tasks": [jsonable(r) for r in rows]}
+
+
+def render(config: CycleConfig) -> dict[str, Any]:
+    """Selected trajectories → windows with assistant-only masks → dataset shards and rows (MASS_SPEC §7)."""
+    from mass_ops.stages.render import render as run
+
+    return run(config)
+
+
+def train(config: CycleConfig) -> dict[str, Any]:
+    """A fresh LoRA on the BF16 parent under DeepSpeed ZeRO-3; checkpoints published and recorded."""
+    from mass_ops.stages.train import train as run
+
+    return run(config)
+
+
+def select_checkpoint(config: CycleConfig) -> dict[str, Any]:
+    """Minimum validation loss over saved steps > 0."""
+    from mass_ops.stages.train import select_checkpoint as run
+
+    return run(config)
+
+
+def export(config: CycleConfig) -> dict[str, Any]:
+    """Merge the selected adapter into BF16, quantise block-wise FP8, publish both."""
+    from mass_ops.stages.export import export as run
+
+    return run(config)
+
+
+def register(config: CycleConfig) -> dict[str, Any]:
+    """Register L(k+1) with its lineage."""
+    from mass_ops.stages.register import register as run
+
+    return run(config)
+
+
+def rollout(
+    config: CycleConfig,
+    generation: str,
+    *,
+    tasks: Sequence[int] | None = None,
+    split: str | None = None,
+    count: int | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """Bare-task evaluation rollouts of a registered generation (a new label = a new set; never overwritten)."""
+    from mass_ops.stages.evaluate import run_rollouts
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        rollout_set = run_rollouts(ctx, executor, generation, tasks=tasks, split=split, count=count, label=label)  # type: ignore[arg-type]
+    return {
+        "label": rollout_set.label,
+        "generation": rollout_set.generation,
+        "tasks": list(rollout_set.tasks),
+        "count": rollout_set.count,
+        "uri": ctx.artifacts.uri(rollout_set.key),
+    }
+
+
+def evaluation_up(config: CycleConfig) -> dict[str, Any]:
+    """Local backend: serve L(k+1) and its parent L(k) from their registered weights (one `transformers serve`
+    each) and wait until both are ready; on Kubernetes the inference-server operator does this."""
+    from mass_ops.serving import evaluation_scope, serve_generations
+    from mass_ops.stages.evaluate import evaluated_generations
+
+    ctx = attach_cycle(config)
+    servers = serve_generations(ctx, list(evaluated_generations(config)), evaluation_scope(config))
+    return {"servers": [server.as_dict() for server in servers]}
+
+
+def evaluation_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local evaluation servers of the cycle (a no-op when none runs)."""
+    from mass_ops.serving import evaluation_scope, stop_generations
+
+    return {"stopped": stop_generations(evaluation_scope(config))}
+
+
+def rollout_units(config: CycleConfig) -> list[list[Any]]:
+    """(generation, task, replicate) of every evaluation rollout: L(k+1) and L(k) over the rollout pool."""
+    from mass_ops.stages.evaluate import rollout_units as units
+
+    return [[generation, task, replicate] for generation, task, replicate in units(config)]
+
+
+def rollout_unit(config: CycleConfig, generation: str, task_id: int, replicate: int) -> dict[str, Any]:
+    """One evaluation rollout episode (the DAG maps this over `rollout_units`)."""
+    from mass_ops.stages.evaluate import run_rollout_unit
+
+    outcome = run_rollout_unit(attach_cycle(config), generation, int(task_id), int(replicate))
+    return {
+        "generation": generation,
+        "task_id": int(task_id),
+        "replicate": int(replicate),
+        "episode_id": outcome.episode_id,
+        "status": outcome.status,
+    }
+
+
+def evaluate(config: CycleConfig) -> dict[str, Any]:
+    """Rollout sets of L(k+1) and L(k), paired, judged by every external judge (and the in-loop judge for the
+    agreement table), summarized and recorded."""
+    from mass_ops.stages.evaluate import evaluate as run
+
+    return run(attach_cycle(config))
+
+
+def nightly_targets(config: CycleConfig) -> list[str]:
+    """The generations tonight's evaluation covers (the newest registered one that has a parent)."""
+    from mass_ops.stages.nightly import nightly_config
+    from mass_ops.stages.nightly import nightly_targets as targets
+
+    return targets(open_cycle(nightly_config(config)))
+
+
+def nightly_serving(config: CycleConfig, generations: Sequence[str]) -> list[str]:
+    """The generations tonight's servers serve: the evaluated ones and their parents."""
+    from mass_ops.stages.nightly import nightly_config, served_generations
+
+    return served_generations(open_cycle(nightly_config(config)), list(generations))
+
+
+def nightly_up(config: CycleConfig) -> dict[str, Any]:
+    """Local backend: serve tonight's generations and their parents."""
+    from mass_ops.serving import serve_generations
+    from mass_ops.stages.nightly import NIGHTLY_SCOPE, nightly_config, nightly_targets, served_generations
+
+    ctx = open_cycle(nightly_config(config))
+    names = served_generations(ctx, nightly_targets(ctx))
+    return {"servers": [server.as_dict() for server in serve_generations(ctx, names, NIGHTLY_SCOPE)]}
+
+
+def nightly_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local nightly servers."""
+    from mass_ops.serving import stop_generations
+    from mass_ops.stages.nightly import NIGHTLY_SCOPE
+
+    return {"stopped": stop_generations(NIGHTLY_SCOPE)}
+
+
+def nightly_evaluate(config: CycleConfig, generation: str, date: str) -> dict[str, Any]:
+    """Evaluate `generation` against its parent on the test split for the logical date `date`."""
+    from mass_ops.stages.nightly import nightly_config
+    from mass_ops.stages.nightly import nightly_evaluate as run
+
+    return run(open_cycle(nightly_config(config)), generation, date)
+
+
+def check_regression(config: CycleConfig, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Tonight's results against the floor (0.5 − threshold) and the previous night; lists the regressions."""
+    from mass_ops.stages.nightly import check_regression as check
+    from mass_ops.stages.nightly import nightly_config
+
+    return check(open_cycle(nightly_config(config)), [dict(r) for r in results])
+
+
+def report(config: CycleConfig) -> dict[str, Any]:
+    """Render the cycle's report (Markdown, self-contained HTML, figures) into the artifact store."""
+    from mass_ops.stages.evaluate import write_report
+
+    uris = write_report(attach_cycle(config))
+    return {
+        "cycle": config.cycle_name,
+        "markdown": uris["markdown"],
+        "html": uris["html"],
+        "figures": len(uris["figures"]),
+    }
+
+
+def nightly_report(config: CycleConfig) -> dict[str, Any]:
+    """Render the report of the nightly results' own cycle (`nightly_config`), named under `cycle` since it is not
+    the run's cycle (the Airflow link to the report needs it)."""
+    from mass_ops.stages.evaluate import write_report
+    from mass_ops.stages.nightly import nightly_config
+
+    ctx = open_cycle(nightly_config(config))
+    uris = write_report(ctx)
+    written = {"markdown": uris["markdown"], "html": uris["html"], "figures": len(uris["figures"])}
+    return {"cycle": ctx.cycle_name, **written}
+
