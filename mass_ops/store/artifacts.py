@@ -65,7 +65,7 @@ class ArtifactError(Exception):
     """Base class of every artifact store failure."""
 
 
-class ArtifactKeyError(ArtifactError, ValueError):
+class ArtifactKeyError(ArtifactError, InputError):
     """A key or prefix breaks the key rules, or cannot be stored under this backend's layout."""
 
 
@@ -81,7 +81,7 @@ class ArtifactUnavailableError(ArtifactError, StorageError):
     """The store did not answer in time, refused the request, or could not be written (one line, exit 1)."""
 
 
-class ArtifactFormatError(ArtifactError, ValueError):
+class ArtifactFormatError(ArtifactError, InputError):
     """Content is not what the call expects: invalid JSON, not a tar.gz, a value that JSON cannot hold."""
 
 
@@ -89,7 +89,7 @@ class UnsafeArchiveError(ArtifactFormatError):
     """A tarball has a member or link that would land outside the extraction folder, or a device/FIFO member."""
 
 
-class ArtifactSourceError(ArtifactError, ValueError):
+class ArtifactSourceError(ArtifactError, InputError):
     """The local input of a put (file, folder, stream) is missing, of the wrong kind, or changed while read."""
 
 

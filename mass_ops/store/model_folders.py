@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from mass_ops.errors import InputError
 from mass_ops.store.artifacts import (
     ArtifactFormatError,
     ArtifactNotFoundError,
@@ -49,7 +50,7 @@ MANIFEST_FORMAT = "mass-ops-model/1"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
-class ModelStoreError(ValueError):
+class ModelStoreError(InputError):
     """A model location, manifest or folder that cannot be used; the message names the location and why."""
 
 

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
+from mass_ops.errors import InputError
 from mass_ops.store.metadata import MetadataStore
 from mass_ops.store.schema import (
     Base,
@@ -63,15 +64,15 @@ RowT = TypeVar("RowT", bound=Base)
 TaskId = str | int
 
 
-class ConfigChangedError(ValueError):
+class ConfigChangedError(InputError):
     """A cycle name was reused with a different configuration."""
 
 
-class UnitConflictError(ValueError):
+class UnitConflictError(InputError):
     """A unit was recorded again under the same key but with different defining content."""
 
 
-class InvalidRecordError(ValueError):
+class InvalidRecordError(InputError):
     """A record names a value outside its enumeration or a row that does not exist."""
 
 

@@ -30,7 +30,7 @@ _KEYWORD_VALUE = re.compile(r"(?P<name>\b[A-Za-z_][A-Za-z0-9_-]*)=(?P<value>'(?:
 def is_secret_name(name: str) -> bool:
     """Whether a parameter called `name` holds a credential (``password``, ``X-Amz-Signature``, ``token`` ...)."""
     lowered = name.lower()
-    if lowered in _SECRET_NAMES:
+    if lowered in _SECRET_NAMES or lowered in _SECRET_WORDS:
         return True
     words = re.split(r"[-_.]", lowered)
     return any(word in _SECRET_WORDS for word in words) or any(

@@ -160,4 +160,3 @@ def test_a_local_artifact_folder_that_cannot_be_written_is_one_line(tmp_path: Pa
         assert f"artifact store {store.url}" in str(error)
     assert store.list() == ["kept.txt"]
     assert store.get_bytes("kept.txt") == b"before"
-

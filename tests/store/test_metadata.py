@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -504,3 +505,58 @@ def test_usage_totals_per_purpose_and_kind(repo: MetadataRepository, cycle_id: i
     _episode(repo, cycle_id, seed=1, prompt_tokens=500)
     (search,) = repo.episode_usage(cycle_id)
     assert (search.group, search.count, search.prompt_tokens, search.completion_tokens) == ("search", 2, 1500, 50)
+
+
+# -- artifact hashes -----------------------------------------------------------------------------------------------
+
+
+def test_rows_that_point_at_artifacts_keep_their_sha256(repo: MetadataRepository, cycle_id: int):
+    sha = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("p", "r", "why", "stream", "log", "ck", "m")}
+    call = repo.record_llm_call(
+        cycle_id,
+        "judge-1",
+        purpose="judge",
+        model="m",
+        prompt_uri="s3://b/p",
+        result_uri="s3://b/r",
+        prompt_sha256=sha["p"],
+        result_sha256=sha["r"].upper(),  # stored normalised
+    )
+    assert (call.prompt_sha256, call.result_sha256) == (sha["p"], sha["r"])
+    comparison = repo.record_comparison(
+        cycle_id,
+        51,
+        "rhi",
+        "k1",
+        side_a="v0",
+        side_b="v1",
+        judge_model="m",
+        verdict="A",
+        rationale_uri="s3://b/why",
+        rationale_sha256=sha["why"],
+    )
+    assert comparison.rationale_sha256 == sha["why"]
+    episode = _episode(repo, cycle_id, artifacts={"stream": "s3://b/stream"}, artifact_sha256={"stream": sha["stream"]})
+    assert episode.artifact_sha256 == {"stream": sha["stream"]}
+    run = repo.ensure_training_run(cycle_id, "sft", {"steps": 2})
+    run = repo.set_training_run_status(run.id, "failed", log_uri="s3://b/log", log_sha256=sha["log"])
+    assert run.log_sha256 == sha["log"]
+    checkpoint = repo.record_checkpoint(run.id, 2, uri="s3://b/ck", sha256=sha["ck"])
+    assert repo.checkpoints(run.id)[0].sha256 == checkpoint.sha256 == sha["ck"]
+    model = repo.register_generation("L0", 0, bf16_uri="s3://b/m", bf16_sha256=sha["m"])
+    evaluation = repo.record_evaluation(
+        "e1", "nightly", generation_id=model.id, results={}, results_uri="s3://b/r", results_sha256=sha["r"]
+    )
+    assert evaluation.results_sha256 == sha["r"]
+
+    uris = repo.artifact_uris()
+    assert uris["s3://b/p"] == sha["p"] and uris["s3://b/stream"] == sha["stream"] and uris["s3://b/m"] == sha["m"]
+    assert uris["s3://b/ck"] == sha["ck"] and uris["s3://b/why"] == sha["why"] and uris["s3://b/log"] == sha["log"]
+
+
+def test_malformed_artifact_hashes_are_refused(repo: MetadataRepository, cycle_id: int):
+    with pytest.raises(InvalidRecordError, match="not a SHA-256"):
+        repo.record_llm_call(cycle_id, "j", purpose="judge", model="m", prompt_uri="s3://b/p", prompt_sha256="abc")
+    with pytest.raises(InvalidRecordError, match="artifacts the episode does not have: api_log"):
+        _episode(repo, cycle_id, artifacts={"stream": "s3://b/s"}, artifact_sha256={"api_log": "0" * 64})
+    assert _count(repo, Episode) == 0

@@ -42,7 +42,7 @@ def test_empty_to_head_to_base_to_head(metadata_url: str):
     assert _tables(metadata_url) == set()
 
     migrations.upgrade(metadata_url)
-    assert migrations.current(metadata_url) == migrations.head_revision() == "0001"
+    assert migrations.current(metadata_url) == migrations.head_revision() == "0002"
     assert _tables(metadata_url) == MODEL_TABLES
 
     migrations.downgrade(metadata_url, "base")
@@ -50,7 +50,7 @@ def test_empty_to_head_to_base_to_head(metadata_url: str):
     assert _tables(metadata_url) == set()
 
     migrations.upgrade(metadata_url, "head")
-    assert migrations.current(metadata_url) == "0001"
+    assert migrations.current(metadata_url) == "0002"
     assert _tables(metadata_url) == MODEL_TABLES
 
 
@@ -84,17 +84,18 @@ def test_concurrent_upgrades_do_not_collide(metadata_url: str):
     with ThreadPoolExecutor(max_workers=3) as pool:
         outcomes = list(pool.map(lambda _: migrations.upgrade(metadata_url), range(3)))
     assert outcomes == [None, None, None]
-    assert migrations.current(metadata_url) == "0001"
+    assert migrations.current(metadata_url) == migrations.head_revision()
     assert _tables(metadata_url) == MODEL_TABLES
 
 
 def test_a_failed_migration_leaves_the_schema_untouched(sqlite_url: str, tmp_path: Path, monkeypatch):
     scripts = tmp_path / "sql"
     shutil.copytree(migrations.migrations_dir(), scripts, ignore=shutil.ignore_patterns("__pycache__"))
-    (scripts / "versions" / "0002_broken.py").write_text(
+    (scripts / "versions" / "9999_broken.py").write_text(
         '"""Broken on purpose."""\n'
         "import sqlalchemy as sa\nfrom alembic import op\n"
-        'revision = "0002"\ndown_revision = "0001"\nbranch_labels = None\ndepends_on = None\n\n'
+        f'revision = "9999"\ndown_revision = "{migrations.head_revision()}"\n'
+        "branch_labels = None\ndepends_on = None\n\n"
         "def upgrade():\n"
         '    op.create_table("half_done", sa.Column("id", sa.Integer, primary_key=True))\n'
         '    op.execute("SELECT * FROM no_such_table")\n\n'
@@ -102,10 +103,10 @@ def test_a_failed_migration_leaves_the_schema_untouched(sqlite_url: str, tmp_pat
         "    pass\n"
     )
     monkeypatch.setenv(migrations.MIGRATIONS_DIR_ENV, str(scripts))
-    assert migrations.head_revision() == "0002"
+    assert migrations.head_revision() == "9999"
     with pytest.raises(sa.exc.OperationalError, match="no_such_table"):
         migrations.upgrade(sqlite_url)
-    # Nothing of the run survived: neither 0001's tables nor the half-done 0002.
+    # Nothing of the run survived: neither the real revisions' tables nor the half-done broken one.
     assert migrations.current(sqlite_url) is None
     assert _tables(sqlite_url) == set()
 

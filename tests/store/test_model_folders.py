@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore, open_artifact_store
+from mass_ops.store.artifacts import ArtifactInfo, ArtifactIntegrityError, ArtifactStore, open_artifact_store
 from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.model_folders import (
     MANIFEST_NAME,
@@ -134,8 +135,14 @@ def test_the_manifest_is_published_last_and_an_unfinished_publish_is_no_model(tm
 def test_a_fetched_file_that_differs_from_the_manifest_is_refused(tmp_path: Path) -> None:
     store = LocalArtifactStore(tmp_path / "store")
     publish_model(store, "models/m", make_model(tmp_path / "src"))
-    # Edited behind the store's back: the store re-hashes it, the manifest still names the original bytes.
+    # Edited behind the store's back: the store's own record refuses the bytes first.
     (store.root / "models/m/tokenizer.json").write_text('{"version": "2.0"}')
+    with pytest.raises(ArtifactIntegrityError, match="does not match its recorded SHA-256"):
+        fetch_model(store, "models/m", tmp_path / "dest")
+    assert not (tmp_path / "dest" / "tokenizer.json").exists()
+    assert not (tmp_path / "dest" / MANIFEST_NAME).exists()
+    # Without the store's records (a folder from another tool), the manifest still names the original bytes.
+    shutil.rmtree(store.root / ".meta")
     with pytest.raises(ModelStoreError, match="does not match the manifest"):
         fetch_model(store, "models/m", tmp_path / "dest")
     assert not (tmp_path / "dest" / "tokenizer.json").exists()
