@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from mass_ops.errors import InputError
+
 PRESETS_DIR = Path(__file__).parent / "presets"
 PRESET_NAMES = ("paper", "cycle2", "demo")
 # Presets that must reproduce the reference release's batch geometry (3 windows per optimizer step).
@@ -38,6 +40,24 @@ PAPER_PRESETS = frozenset({"paper", "cycle2"})
 METADATA_URL_ENV = "MASS_METADATA_URL"
 ARTIFACT_URL_ENV = "MASS_ARTIFACT_URL"
 OPENROUTER_ENDPOINT = "https://openrouter.ai/api/v1"
+
+
+# Documented maxima. A config is read by `plan` and by every task of a DAG run, so no value may make either allocate
+# or compute more than a summary; each limit is far above what a real cycle uses (the reference value in brackets).
+MAX_INT = 2**31 - 1  # any integer knob: fits a signed 32-bit column and every seed generator
+MAX_CONFIG_BYTES = 256 * 1024  # a config file (the presets are ~3 KB)
+MAX_CONFIG_DEPTH = 16  # nesting of mappings/lists in a config file or a --set value (the presets use 4)
+MAX_TASK_ID = 999_999  # [324]
+MAX_TASKS = 200  # ids in one task list [12]
+MAX_SEARCH_ITERATIONS = 100  # [11]
+MAX_CANDIDATES = 256  # teacher candidates per task [18]
+MAX_OPPONENTS = 32  # tournament opponents per episode [6]
+MAX_BOOTSTRAP_SAMPLES = 100_000  # [1000]
+MAX_ROLLOUTS = 1000  # rollouts per task and generation [10]
+MAX_JUDGE_SEEDS = 16  # [3]
+MAX_JUDGES = 16  # external judges [2]
+MAX_TRAINING_STEPS = 100_000  # optimizer steps [1624]
+MAX_MAP_ENTRIES = 64  # node selectors, tolerations
 
 
 def _number(value: Any) -> Any:
@@ -48,18 +68,21 @@ def _number(value: Any) -> Any:
 
 
 StrictFloat = Annotated[float, BeforeValidator(_number)]
-PositiveInt = Annotated[StrictInt, Field(gt=0)]
-NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+PositiveInt = Annotated[StrictInt, Field(gt=0, le=MAX_INT)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
 Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
-TaskId = Annotated[StrictInt, Field(gt=0)]
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+TaskId = Annotated[StrictInt, Field(gt=0, le=MAX_TASK_ID)]
+TaskList = Annotated[list[TaskId], Field(max_length=MAX_TASKS)]
+# `\Z`, not `$`: `$` also matches before a final newline, and these names end up in URLs, paths and env lookups.
+# Use them with `fullmatch`.
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 # A cycle name is one path segment of artifact keys and of report URLs (the Airflow plugin checks it with this).
-CYCLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+CYCLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
 
 
-class ConfigError(ValueError):
-    """A config that breaks one or more rules; `problems` holds one line per problem."""
+class ConfigError(InputError):
+    """A config that breaks one or more rules; `problems` holds one line per problem (exit status 2)."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
@@ -141,7 +164,7 @@ class InferenceConfig(_Section):
         endpoint_problem = _endpoint_problem(self.endpoint, self.backend)
         if endpoint_problem:
             problems.append(f"endpoint: {endpoint_problem}")
-        if not _IDENTIFIER.match(self.api_key_env):
+        if not _IDENTIFIER.fullmatch(self.api_key_env):
             problems.append("api_key_env: must be an environment variable name, not a key")
         if problems:
             raise ValueError("; ".join(problems))
@@ -152,10 +175,10 @@ class TasksConfig(_Section):
     """Which tasks play which part. `catalogue` = 'builtin' or a directory/URI holding a MASS-format task set."""
 
     catalogue: str = "builtin"
-    train_candidates: list[TaskId]
-    train: list[TaskId]
-    test: list[TaskId]
-    excluded: list[TaskId] = []
+    train_candidates: TaskList
+    train: TaskList
+    test: TaskList
+    excluded: TaskList = []
 
     @model_validator(mode="after")
     def _splits(self) -> TasksConfig:
@@ -196,7 +219,7 @@ class TasksConfig(_Section):
 class SearchConfig(_Section):
     """RHI workflow search (MASS_SPEC §3)."""
 
-    iterations: PositiveInt = 11
+    iterations: Annotated[StrictInt, Field(gt=0, le=MAX_SEARCH_ITERATIONS)] = 11
     seed_base: NonNegativeInt = 450000
     judge_invalid_retries: NonNegativeInt = Field(
         default=2, description="Extra judge calls when the output is not a valid verdict; then recorded as invalid/tie."
@@ -216,9 +239,9 @@ class SearchConfig(_Section):
 class CollectionConfig(_Section):
     """Teacher collection under the retained workflow (MASS_SPEC §1 collect/select)."""
 
-    candidates: PositiveInt = 18
-    train_ranks: PositiveInt = 15
-    validation_rank: PositiveInt = 16
+    candidates: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = 18
+    train_ranks: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = 15
+    validation_rank: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = 16
     seed_base: NonNegativeInt = 710000
     require_beats_reference: StrictBool = Field(
         default=True, description="Skip tasks whose retained workflow never beat the reference (paper behaviour)."
@@ -241,9 +264,9 @@ class CollectionConfig(_Section):
 class RankingConfig(_Section):
     """Within-task self-ranking: ring tournament + Bradley–Terry (MASS_SPEC §6)."""
 
-    opponents_per_episode: PositiveInt = 6
+    opponents_per_episode: Annotated[StrictInt, Field(gt=0, le=MAX_OPPONENTS)] = 6
     seed: NonNegativeInt = 1234
-    bootstrap_samples: NonNegativeInt = 1000
+    bootstrap_samples: Annotated[StrictInt, Field(ge=0, le=MAX_BOOTSTRAP_SAMPLES)] = 1000
 
     @model_validator(mode="after")
     def _even(self) -> RankingConfig:
@@ -252,7 +275,20 @@ class RankingConfig(_Section):
         return self
 
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The reference's LoRA targets (MASS_SPEC §8): attention, MLP and linear-attention projections of the language model;
+# `mass_ops.train.lora_targets.lora_target_pattern` turns them into the regex (vision tower and MTP never match).
+DEFAULT_LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+)
 
 
 class TrainingConfig(_Section):
@@ -268,7 +304,11 @@ class TrainingConfig(_Section):
     lora_r: PositiveInt = 64
     lora_alpha: PositiveInt = 128
     lora_dropout: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = 0.05
-    lora_target_modules: list[str] = list(DEFAULT_LORA_TARGETS)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        description="Projection names LoRA adapts in the language model (never the vision tower or MTP heads); "
+        "mass_ops.train.lora_targets.lora_target_pattern turns them into the PEFT regex.",
+    )
     save_every: PositiveInt = 50
     val_every: PositiveInt = 150
     replicas: PositiveInt = 3
@@ -339,7 +379,7 @@ class ExportConfig(_Section):
     """Merge to BF16 and block-wise FP8 (MASS_SPEC §9)."""
 
     fp8_block_size: Literal[128] = 128
-    formats: list[Literal["bf16", "fp8"]] = ["bf16", "fp8"]
+    formats: Annotated[list[Literal["bf16", "fp8"]], Field(max_length=2)] = ["bf16", "fp8"]
 
 
 class ExternalJudgeConfig(_Section):
@@ -355,7 +395,7 @@ class ExternalJudgeConfig(_Section):
 
     @model_validator(mode="after")
     def _key_env(self) -> ExternalJudgeConfig:
-        if not _IDENTIFIER.match(self.api_key_env):
+        if not _IDENTIFIER.fullmatch(self.api_key_env):
             raise ValueError("api_key_env: must be an environment variable name, not a key")
         if self.base_url is not None and not _is_http_url(self.base_url):
             raise ValueError(f"base_url: {self.base_url!r} must be an http(s) URL without credentials")
@@ -365,13 +405,13 @@ class ExternalJudgeConfig(_Section):
 class EvaluationConfig(_Section):
     """Rollouts, external pairwise judging and the nightly regression check (MASS_SPEC §10)."""
 
-    rollout_count: PositiveInt = 10
+    rollout_count: Annotated[StrictInt, Field(gt=0, le=MAX_ROLLOUTS)] = 10
     rollout_seed_base: NonNegativeInt = 910000
-    tasks: list[TaskId] | None = Field(
+    tasks: TaskList | None = Field(
         default=None, description="Rollout pool; none = the 8 SFT tasks + the test tasks (the paper's 11-task pool)."
     )
-    judge_seeds: list[NonNegativeInt] = [42, 43, 44]
-    judges: list[ExternalJudgeConfig] = []
+    judge_seeds: Annotated[list[NonNegativeInt], Field(max_length=MAX_JUDGE_SEEDS)] = [42, 43, 44]
+    judges: Annotated[list[ExternalJudgeConfig], Field(max_length=MAX_JUDGES)] = []
     swap_consistent: StrictBool = False
     regression_threshold: Probability = 0.05
 
@@ -409,9 +449,9 @@ class KubernetesConfig(_Section):
     image_trainer: str = "ghcr.io/mass-ops/trainer:0.1.0"
     image_inference: str = "ghcr.io/mass-ops/inference:0.1.0"
     gpu_resource: str = "nvidia.com/gpu"
-    node_selector: dict[str, str] = {}
-    gpu_node_selector: dict[str, str] = {}
-    gpu_tolerations: list[dict[str, str]] = []
+    node_selector: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] = {}
+    gpu_node_selector: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] = {}
+    gpu_tolerations: Annotated[list[dict[str, str]], Field(max_length=MAX_MAP_ENTRIES)] = []
     model_cache_pvc: str = "mass-ops-model-cache"
     episode_cpu: str = "4"
     episode_memory: str = "16Gi"
@@ -436,9 +476,9 @@ class KubernetesConfig(_Section):
 
     @model_validator(mode="after")
     def _names(self) -> KubernetesConfig:
-        if not _K8S_NAME.match(self.namespace):
+        if not _K8S_NAME.fullmatch(self.namespace):
             raise ValueError(f"namespace: {self.namespace!r} is not a valid Kubernetes name")
-        if not _K8S_NAME.match(self.trainjob_runtime):
+        if not _K8S_NAME.fullmatch(self.trainjob_runtime):
             raise ValueError(f"trainjob_runtime: {self.trainjob_runtime!r} is not a valid Kubernetes name")
         return self
 
@@ -464,7 +504,15 @@ class RuntimeConfig(_Section):
     http_response_timeout_ms: PositiveInt = 1800000
     shell_timeout_ms: PositiveInt = 600000
     stream_idle_timeout_ms: PositiveInt = 600000
-    episode_wall_clock_s: PositiveInt = 6 * 3600
+    episode_wall_clock_s: PositiveInt | None = Field(
+        default=6 * 3600,
+        description=(
+            "Seconds an episode's agent may run before its whole process group is stopped (a model failure, subtype "
+            "wall_clock_limit); null = no limit, as in the reference (MASS_SPEC §4), which the paper and cycle2 "
+            "presets follow. Other presets keep a limit: 6 h by default, 600 s in the demo. On Kubernetes it also "
+            "sets the episode pod's activeDeadlineSeconds (none when null)."
+        ),
+    )
     max_infra_attempts: PositiveInt = Field(default=3, description="Attempts per episode when infrastructure fails.")
     thread_limit: PositiveInt = 2
     episode_cuda_visible_devices: str = ""
@@ -474,7 +522,7 @@ class CycleConfig(_Section):
     """One MASS cycle L(generation) → L(generation + 1)."""
 
     name: str | None = Field(default=None, description="Cycle name; default '<preset>-L<generation>'.")
-    preset: str = "custom"
+    preset: Literal["paper", "cycle2", "demo", "custom"] = "custom"
     generation: NonNegativeInt
     models: ModelsConfig
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
@@ -494,8 +542,12 @@ class CycleConfig(_Section):
         problems = []
         if self.preset in PAPER_PRESETS and self.training.windows_per_step != 3:
             problems.append("training.windows_per_step: the paper presets average exactly 3 windows per step")
-        if self.name is not None and not CYCLE_NAME.match(self.name):
+        if self.name is not None and not CYCLE_NAME.fullmatch(self.name):
             problems.append("name: must be 1-63 letters, digits, '.', '_' or '-'")
+        # TrainingConfig's own fields carry only the generic integer bound; `plan` counts checkpoints and
+        # validations step by step, so the step count is bounded here.
+        if self.training.steps > MAX_TRAINING_STEPS:
+            problems.append(f"training.steps: {self.training.steps} exceeds the maximum of {MAX_TRAINING_STEPS}")
         pool = self.evaluation.tasks or []
         known = set(self.tasks.train_candidates) | set(self.tasks.test)
         stray = sorted(set(pool) - known)
@@ -562,49 +614,173 @@ def preset_path(name: str) -> Path:
     return PRESETS_DIR / f"{name}.yaml"
 
 
+class _RefusedInput(Exception):
+    """A config text that parses but is refused (alias, duplicate key, too deep); the message is the reason."""
+
+
+class _StrictYAMLLoader(yaml.SafeLoader):
+    """A safe loader that refuses anchors and aliases (an alias bomb expands 0.5 KB into gigabytes), duplicate keys
+    (YAML keeps the last one silently) and nesting deeper than `MAX_CONFIG_DEPTH` (the composer recurses)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            raise _RefusedInput(f"line {line}: YAML aliases (*{event.anchor}) are not allowed")
+        if getattr(event, "anchor", None) is not None:
+            raise _RefusedInput(f"line {line}: YAML anchors (&{event.anchor}) are not allowed")
+        self._depth += 1
+        if self._depth > MAX_CONFIG_DEPTH:
+            raise _RefusedInput(f"line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise _RefusedInput(f"line {key_node.start_mark.line + 1}: duplicate key {key_node.value!r}")
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    loader = _StrictYAMLLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _RefusedInput(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _check_depth(value: Any, where: str) -> None:
+    """Refuse data nested deeper than `MAX_CONFIG_DEPTH` (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > MAX_CONFIG_DEPTH:
+                raise ConfigError([f"config: {where}: nested deeper than {MAX_CONFIG_DEPTH} levels"])
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+
+
+def parse_config_text(text: str, kind: Literal["yaml", "json"]) -> Any:
+    """Parse config text with every guard (no aliases, no duplicate keys, bounded depth); raise `_RefusedInput`,
+    `ValueError` (which includes JSON and integer-size errors) or `yaml.YAMLError` on bad input."""
+    try:
+        if kind == "json":
+            return json.loads(text, object_pairs_hook=_json_object)
+        return _load_yaml(text)
+    except RecursionError:
+        raise _RefusedInput(f"nested deeper than {MAX_CONFIG_DEPTH} levels") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """`repr` of user text cut to `limit` characters, so an error about a huge value stays a short line."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 def read_config_source(source: str | Path) -> dict[str, Any]:
-    """Read a preset name or a YAML/JSON file into a plain mapping (no validation yet)."""
+    """Read a preset name or a YAML/JSON file into a plain mapping (no validation yet).
+
+    The file must be UTF-8, at most `MAX_CONFIG_BYTES`, nested at most `MAX_CONFIG_DEPTH` levels, without duplicate
+    keys and (YAML) without anchors or aliases; anything else is a `ConfigError`.
+    """
     text_source = str(source)
     path = preset_path(text_source) if text_source in PRESET_NAMES else Path(text_source)
     if not path.is_file():
-        raise ConfigError([f"config: {text_source}: no such preset or file (presets: {', '.join(PRESET_NAMES)})"])
+        presets = ", ".join(PRESET_NAMES)
+        raise ConfigError([f"config: {_short(text_source)}: no such preset or file (presets: {presets})"])
+    kind: Literal["yaml", "json"] = "json" if path.suffix == ".json" else "yaml"
     try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError([f"config: {path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first}"]) from None
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError([f"config: {path}: cannot read ({exc.strerror or exc})"]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"config: {path}: larger than {MAX_CONFIG_BYTES} bytes"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"config: {path}: not UTF-8 text (invalid byte at offset {exc.start})"]) from None
+    try:
+        data = parse_config_text(text, kind)
+    except _RefusedInput as exc:
+        raise ConfigError([f"config: {path}: {exc}"]) from None
+    except (ValueError, yaml.YAMLError) as exc:
+        label = path.suffix.lstrip(".") or "YAML"
+        raise ConfigError([f"config: {path}: not valid {label}: {_first_line(exc)}"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"config: {path}: the top level must be a mapping"])
+    _check_depth(data, str(path))
     return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Apply `a.b=c` overrides; values are parsed as YAML scalars/lists (`3`, `true`, `[51, 53]`, `null`)."""
+    """Apply `a.b=c` overrides; values are parsed as YAML scalars/lists (`3`, `true`, `[51, 53]`, `null`).
+
+    Values get the same guards as config files (no aliases, no duplicate keys, bounded depth); a value that is not
+    YAML at all is taken as a plain string.
+    """
+    _check_depth(data, "config")
     result = json.loads(json.dumps(data))
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            problems.append(f"--set {item!r}: expected KEY.PATH=VALUE")
+        parts = key.split(".")
+        if not sep or not key or any(not part for part in parts):
+            problems.append(f"--set {_short(item)}: expected KEY.PATH=VALUE")
+            continue
+        if len(parts) > MAX_CONFIG_DEPTH:
+            problems.append(f"--set {_short(item)}: key nested deeper than {MAX_CONFIG_DEPTH} levels")
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = parse_config_text(raw, "yaml") if raw.strip() else ""
+        except _RefusedInput as exc:
+            problems.append(f"--set {_short(item)}: {exc}")
+            continue
+        except ValueError as exc:
+            problems.append(f"--set {_short(item)}: {_first_line(exc)}")
+            continue
         except yaml.YAMLError:
             value = raw
         node = result
-        parts = key.split(".")
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                problems.append(f"--set {item!r}: {part} is not a section")
+                problems.append(f"--set {_short(item)}: {part} is not a section")
                 break
             node = child
         else:
             node[parts[-1]] = value
     if problems:
         raise ConfigError(problems)
+    _check_depth(result, "--set")
     return result
 
 

@@ -14,21 +14,19 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-# The reference's target set: attention, MLP and linear-attention projections of the language model only
-# (Qwen3.5/3.6 keep the text stack under `language_model`; the vision tower is never adapted).
-PAPER_TARGET_MODULES = (
-    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)$"
+from mass_ops.errors import InputError
+from mass_ops.train.lora_targets import (
+    REFERENCE_TARGET_MODULES,
+    REFERENCE_TARGET_PATTERN,
+    LoraTargetError,
+    lora_target_pattern,
 )
-# Same projections for any Qwen3-family model, text-only (`model.layers.N…`) or multimodal
-# (`model.language_model.layers.N…`); vision blocks live under `visual.blocks`, which `layers` never matches.
-LANGUAGE_MODEL_TARGET_MODULES = (
-    r"^(?:.*\.)?(?:language_model|model)\.layers\.\d+\.(?:self_attn|linear_attn|mlp)\."
-    r"(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)$"
-)
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Kept under its old name: the reference's regex, verbatim (multimodal Qwen3.5/3.6 checkpoints only).
+PAPER_TARGET_MODULES = REFERENCE_TARGET_PATTERN
 
 
-class TrainArgsError(ValueError):
+class TrainArgsError(InputError):
     """A training argument file that cannot be used; the message names the field and the rule."""
 
 
@@ -67,9 +65,10 @@ class TrainArgs:
     lora_r: int = 64
     lora_alpha: int = 128
     lora_dropout: float = 0.05
-    target_modules: str | list[str] = LANGUAGE_MODEL_TARGET_MODULES
-    """A regex matched (fullmatch) against module names, or a list of module-name leaves (q_proj, …); a list is
-    turned into a regex that also excludes vision towers, so only the language model is adapted."""
+    target_modules: str | list[str] = field(default_factory=lambda: list(REFERENCE_TARGET_MODULES))
+    """A list of projection names (q_proj, …, in_proj_qkv, in_proj_z, out_proj), turned into a regex by
+    `lora_target_pattern` (language model only: never the vision tower or MTP heads), or a regex used as is
+    (fullmatch against module names, as PEFT does)."""
 
     grad_accum: int = 1
     """Micro-steps per optimizer step on every rank."""
@@ -192,14 +191,14 @@ class TrainArgs:
             except re.error as exc:
                 raise TrainArgsError(f"target_modules: not a valid regex ({exc})") from None
             return spec
-        if (
-            not isinstance(spec, list)
-            or not spec
-            or not all(isinstance(m, str) and _MODULE_NAME.match(m) for m in spec)
-        ):
+        if not isinstance(spec, list):
             raise TrainArgsError(f"target_modules: must be a regex or a non-empty list of module names ({spec!r})")
-        leaves = "|".join(re.escape(m) for m in spec)
-        return rf"^(?!.*(?:visual|vision)).*\.(?:{leaves})$"
+        try:
+            return lora_target_pattern(spec)
+        except LoraTargetError:
+            raise TrainArgsError(
+                f"target_modules: must be a regex or a non-empty list of module names ({spec!r})"
+            ) from None
 
     @property
     def lora_scale(self) -> float:

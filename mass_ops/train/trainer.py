@@ -38,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.train.args import TrainArgs, TrainArgsError
 from mass_ops.train.checkpoints import (
     ADAPTER_DIR,
@@ -49,6 +50,7 @@ from mass_ops.train.checkpoints import (
     is_complete,
 )
 from mass_ops.train.data import TrainingWindow, WindowDataError, WindowSet, load_windows
+from mass_ops.train.lora_targets import LoraTargetError, LoraTargetSummary, summarize_lora_targets
 from mass_ops.train.sampler import Draw, Exposure, TaskRoleSampler, draw_index
 from mass_ops.train.schedule import lr_at, lr_factor
 
@@ -58,6 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("mass_ops.train")
 
 ARGS_FILE = "args.json"
+LORA_TARGETS_FILE = "lora_targets.json"
+# The train_log row (no `step`, so loss readers skip it) that records what LoRA adapts.
+LORA_TARGETS_EVENT = "lora_targets"
 EXPOSURE_LOG_FILE = "exposure_log.jsonl"
 RESUME_LOG_FILE = "resume_log.jsonl"
 ENGINE_TAG = "state"
@@ -88,11 +93,11 @@ _TRAJECTORY_FIELDS = (
 )
 
 
-class TrainingError(ValueError):
+class TrainingError(InputError):
     """A run that cannot start or continue (existing log, mismatched resume, …); the message says why."""
 
 
-class AdapterSaveError(RuntimeError):
+class AdapterSaveError(InfrastructureError):
     """Saved adapters are empty or malformed (the ZeRO-3 + PEFT save pitfall); the checkpoint is not published."""
 
 
@@ -222,10 +227,11 @@ def _vocab_size(model_dir: str) -> int:
     return int(config.get_text_config().vocab_size)
 
 
-def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, torch.Tensor, Any]:
+def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, torch.Tensor, Any, LoraTargetSummary]:
     """Load the frozen parent (under zero.Init when `zero3_init`), take out its output projection, add LoRA.
 
-    Returns (peft model, frozen output-projection weight [V, H], the HfDeepSpeedConfig that must stay alive).
+    Returns (peft model, frozen output-projection weight [V, H], the HfDeepSpeedConfig that must stay alive, what the
+    target pattern adapts). Raises `TrainingError` when the pattern adapts nothing or PEFT adapts something else.
     """
     import deepspeed
     import torch
@@ -257,6 +263,17 @@ def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, t
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
 
+    pattern = args.target_pattern()
+    try:
+        targets = summarize_lora_targets(model, pattern, lora_r=args.lora_r)
+    except LoraTargetError as exc:
+        raise TrainingError(f"{args.model_dir}: {exc}") from None
+    if targets.modules == 0:
+        raise TrainingError(
+            f"{args.model_dir}: LoRA target pattern {pattern!r} matches none of its {targets.linear_modules} Linear "
+            "modules; refusing to train nothing"
+        )
+
     # Same LoRA initialisation on every rank (ZeRO also broadcasts rank 0's copy when it partitions them).
     torch.manual_seed(derived_seed("lora-init", args.seed))
     lora = LoraConfig(
@@ -264,17 +281,22 @@ def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, t
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
         bias="none",
-        target_modules=args.target_pattern(),
+        target_modules=pattern,
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, lora)
-    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-    if not trainable:
-        raise TrainingError(f"target_modules {args.target_pattern()!r} matched no module of {args.model_dir}")
-    if any(".lora_" not in n for n in trainable):
-        stray = [n for n in trainable if ".lora_" not in n]
-        raise TrainingError(f"unexpected trainable parameters besides LoRA: {stray}")
-    return peft_model, lm_weight, hf_ds_config
+    trainable = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    stray = [n for n, _ in trainable if ".lora_" not in n]
+    if stray:
+        raise TrainingError(f"unexpected trainable parameters besides LoRA: {stray[:5]}")
+    # PEFT must have adapted exactly what the summary names (ZeRO-3 keeps the full size in ds_numel).
+    numel = sum(int(getattr(p, "ds_numel", p.numel())) for _, p in trainable)
+    if len(trainable) != targets.lora_tensors or numel != targets.adapter_parameters:
+        raise TrainingError(
+            f"{args.model_dir}: PEFT created {len(trainable)} LoRA tensors ({numel} parameters) where the target "
+            f"pattern names {targets.lora_tensors} ({targets.adapter_parameters})"
+        )
+    return peft_model, lm_weight, hf_ds_config, targets
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -299,8 +321,15 @@ def gather_lora_fp32(peft_model: Any, ranks: Ranks) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_adapter_non_empty(tensors: dict[str, torch.Tensor], *, lora_r: int, where: str) -> None:
-    """Every LoRA tensor 2-D, non-empty, rank-r shaped; at least one A/B pair. Raises `AdapterSaveError`."""
+def assert_adapter_non_empty(
+    tensors: dict[str, torch.Tensor], *, lora_r: int, where: str, expected_tensors: int | None = None
+) -> None:
+    """Refuse an adapter hit by the ZeRO-3 + PEFT save pitfalls: raises `AdapterSaveError` (one line) unless every
+    tensor is 2-D, non-empty and rank-r shaped, A and B come in pairs (`expected_tensors` of them when given), every
+    value is finite and no lora_A is all zeros. lora_B may be zero: PEFT initialises it so (the step-0 adapter is the
+    parent), but lora_A is random from the start, so an all-zero A means the save read placeholders, not weights."""
+    import torch
+
     if not tensors:
         raise AdapterSaveError(f"{where}: no LoRA tensors to save")
     problems = []
@@ -316,16 +345,34 @@ def assert_adapter_non_empty(tensors: dict[str, torch.Tensor], *, lora_r: int, w
     n_b = sum(".lora_B" in n for n in tensors)
     if n_a == 0 or n_a != n_b:
         problems.append(f"{n_a} lora_A vs {n_b} lora_B tensors")
+    if expected_tensors is not None and len(tensors) != expected_tensors:
+        problems.append(f"{len(tensors)} tensors where the target pattern adapts {expected_tensors // 2} modules")
     if problems:
         raise AdapterSaveError(f"{where}: empty or malformed adapter tensors: {', '.join(problems[:5])}")
+    squares = sum(float(t.detach().double().pow(2).sum()) for t in tensors.values())
+    if not math.isfinite(squares):
+        raise AdapterSaveError(f"{where}: adapter norm is not finite (NaN or inf in the LoRA tensors)")
+    zero_a = sorted(n for n, t in tensors.items() if ".lora_A" in n and not bool(torch.count_nonzero(t)))
+    if zero_a:
+        raise AdapterSaveError(
+            f"{where}: {len(zero_a)} of {n_a} lora_A tensors are all zeros (e.g. {zero_a[0]}); "
+            "the save did not read the trained weights"
+        )
 
 
-def write_adapters(peft_model: Any, tensors: dict[str, torch.Tensor], step_dir: Path, lora_r: int) -> None:
-    """Write `lora_state_dict.safetensors` (PEFT parameter names) and `adapter/` (PEFT's layout); read both back."""
+def write_adapters(
+    peft_model: Any,
+    tensors: dict[str, torch.Tensor],
+    step_dir: Path,
+    lora_r: int,
+    expected_tensors: int | None = None,
+) -> None:
+    """Write `lora_state_dict.safetensors` (PEFT parameter names) and `adapter/` (PEFT's layout); read both back.
+    Both are checked with `assert_adapter_non_empty` before and after writing."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file, save_file
 
-    assert_adapter_non_empty(tensors, lora_r=lora_r, where=str(step_dir))
+    assert_adapter_non_empty(tensors, lora_r=lora_r, where=str(step_dir), expected_tensors=expected_tensors)
     save_file(tensors, str(step_dir / LORA_STATE_FILE), metadata={"format": "pt"})
     adapter_dir = step_dir / ADAPTER_DIR
     adapter_dir.mkdir(parents=True, exist_ok=True)
@@ -339,7 +386,7 @@ def write_adapters(peft_model: Any, tensors: dict[str, torch.Tensor], step_dir: 
         (adapter_dir / "adapter_model.safetensors", adapter_tensors),
     ):
         reloaded = load_file(str(path))
-        assert_adapter_non_empty(reloaded, lora_r=lora_r, where=str(path))
+        assert_adapter_non_empty(reloaded, lora_r=lora_r, where=str(path), expected_tensors=expected_tensors)
         if len(reloaded) != len(expected):
             raise AdapterSaveError(f"{path}: {len(reloaded)} tensors written, {len(expected)} expected")
 
@@ -407,7 +454,7 @@ class LoraSftRun:
         self.sampler = TaskRoleSampler(self.train_set.tags(), seed=args.seed, p_orch=args.p_orch)
 
         self.ds_config = deepspeed_config(args, ranks.world_size)
-        self.peft_model, lm_weight, self._hf_ds_config = build_lora_model(args, self.ds_config)
+        self.peft_model, lm_weight, self._hf_ds_config, self.lora_targets = build_lora_model(args, self.ds_config)
         if lm_weight.shape[0] != vocab:
             raise TrainingError(f"{args.model_dir}: output projection has {lm_weight.shape[0]} rows, config {vocab}")
 
@@ -441,7 +488,9 @@ class LoraSftRun:
             self._restore(Path(args.resume_from), resume_state)
         elif ranks.is_main:
             args.write(self.out_dir / ARGS_FILE)
+            self._record_lora_targets()
         if ranks.is_main:
+            log.info("%s; pattern %s", self.lora_targets.describe(), self.lora_targets.pattern)
             log.info(
                 "train windows %d (%d label-free dropped), val windows %d, tasks %s, ranks %d × grad_accum %d",
                 len(self.train_set),
@@ -452,6 +501,12 @@ class LoraSftRun:
                 args.grad_accum,
             )
         self._barrier()
+
+    def _record_lora_targets(self) -> None:
+        """`lora_targets.json` beside args.json, and the same summary as the first train_log row (no `step`)."""
+        summary = self.lora_targets.as_dict()
+        _atomic_write_text(self.out_dir / LORA_TARGETS_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        _append_jsonl(self.train_log, {"event": LORA_TARGETS_EVENT, **summary})
 
     def _restore(self, step_dir: Path, state: dict[str, Any]) -> None:
         """Load engine state, check the restored adapters equal the saved fp32 tensors, trim the logs."""
@@ -608,7 +663,9 @@ class LoraSftRun:
         error = None
         if ranks.is_main:
             try:
-                write_adapters(self.peft_model, tensors, staging, args.lora_r)
+                write_adapters(
+                    self.peft_model, tensors, staging, args.lora_r, expected_tensors=self.lora_targets.lora_tensors
+                )
             except (AdapterSaveError, OSError) as exc:
                 error = f"checkpoint step {step} not published: {exc}"
         self._raise_together(error, AdapterSaveError)
@@ -639,6 +696,7 @@ class LoraSftRun:
                 },
                 "exposure": self.exposure.to_dict(),
                 "lora_tensors": len(tensors),
+                "lora_modules_by_kind": self.lora_targets.by_kind,
                 "lora_parameters": sum(t.numel() for t in tensors.values()),
                 "args": args.to_dict(),
             }

@@ -75,8 +75,10 @@ def test_empty_adapter_tensors_are_refused() -> None:
 
     from mass_ops.train.trainer import AdapterSaveError, assert_adapter_non_empty
 
-    good = {"m.q_proj.lora_A.default.weight": torch.zeros(4, 32), "m.q_proj.lora_B.default.weight": torch.zeros(32, 4)}
+    # Step 0 as PEFT initialises it: lora_A random, lora_B zero. That is a valid adapter.
+    good = {"m.q_proj.lora_A.default.weight": torch.randn(4, 32), "m.q_proj.lora_B.default.weight": torch.zeros(32, 4)}
     assert_adapter_non_empty(good, lora_r=4, where="test")
+    assert_adapter_non_empty(good, lora_r=4, where="test", expected_tensors=2)
     # What a plain state_dict() of a ZeRO-3 partitioned LoRA layer looks like: 0-element placeholders.
     partitioned = {k: torch.empty(0) for k in good}
     with pytest.raises(AdapterSaveError, match="empty or malformed"):
@@ -85,6 +87,52 @@ def test_empty_adapter_tensors_are_refused() -> None:
         assert_adapter_non_empty(good, lora_r=8, where="test")
     with pytest.raises(AdapterSaveError, match="no LoRA tensors"):
         assert_adapter_non_empty({}, lora_r=4, where="test")
+
+
+def test_adapters_missing_modules_zero_or_non_finite_are_refused() -> None:
+    import torch
+
+    from mass_ops.train.trainer import AdapterSaveError, assert_adapter_non_empty
+
+    def pair(module: str, a: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {f"{module}.lora_A.default.weight": a, f"{module}.lora_B.default.weight": torch.zeros(32, 4)}
+
+    adapter = {**pair("m.q_proj", torch.randn(4, 32)), **pair("m.in_proj_qkv", torch.randn(4, 32))}
+    # Fewer tensors than the target pattern adapts (e.g. a save that saw only some modules).
+    with pytest.raises(AdapterSaveError, match="4 tensors where the target pattern adapts 3 modules"):
+        assert_adapter_non_empty(adapter, lora_r=4, where="step_00050", expected_tensors=6)
+    # lora_A read back as zeros: the gathered tensors were placeholders, not the weights.
+    zero_a = {**adapter, **pair("m.out_proj", torch.zeros(4, 32))}
+    with pytest.raises(AdapterSaveError, match=r"1 of 3 lora_A tensors are all zeros \(e\.g\. m\.out_proj"):
+        assert_adapter_non_empty(zero_a, lora_r=4, where="step_00050")
+    bad = dict(adapter)
+    bad["m.q_proj.lora_B.default.weight"] = torch.full((32, 4), float("nan"))
+    with pytest.raises(AdapterSaveError, match="not finite"):
+        assert_adapter_non_empty(bad, lora_r=4, where="step_00050")
+    for case in (zero_a, bad):
+        with pytest.raises(AdapterSaveError) as raised:
+            assert_adapter_non_empty(case, lora_r=4, where="step_00050")
+        assert "\n" not in str(raised.value)
+
+
+def test_a_target_pattern_matching_nothing_refuses_to_start(tiny_qwen3: Path, tmp_path: Path) -> None:
+    from mass_ops.train.trainer import TrainingError, build_lora_model
+
+    args = TrainArgs(
+        model_dir=str(tiny_qwen3),
+        train_data="t",
+        out_dir=str(tmp_path),
+        target_modules=r".*language_model.*\.(q_proj|v_proj)$",  # the multimodal-only layout on a text-only model
+        zero3_init=False,
+        autocast_bf16=False,
+        gradient_checkpointing=False,
+    )
+    with pytest.raises(TrainingError, match="matches none of its 14 Linear modules") as raised:
+        build_lora_model(args, {})
+    assert "\n" not in str(raised.value)
+    peft_model, _, _, targets = build_lora_model(replace(args, target_modules=["q_proj", "down_proj"]), {})
+    assert targets.by_kind == {"q_proj": 2, "down_proj": 2} and targets.lora_tensors == 8
+    assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == targets.adapter_parameters
 
 
 def test_a_started_run_is_not_overwritten(tmp_path: Path) -> None:
@@ -252,11 +300,19 @@ def test_checkpoints_hold_non_empty_peft_adapters(runs: dict, tiny_qwen3: Path) 
 
     full: Path = runs["full"]
     assert sorted(p.name for p in full.glob("step_*")) == ["step_00008", "step_00016"]
+    # What LoRA adapts is recorded beside args.json and as the first train_log row, once (not again on resume).
+    targets = json.loads((full / "lora_targets.json").read_text())
+    per_kind = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "gate_proj": 2, "up_proj": 2, "down_proj": 2}
+    assert targets["by_kind"] == per_kind and targets["lora_tensors"] == 28
+    for run_dir in (full, runs["resumed"]):
+        events = [r for r in _rows(run_dir / "train_log.jsonl") if r.get("event") == "lora_targets"]
+        assert [{k: v for k, v in r.items() if k != "event"} for r in events] == [targets]
     for step_dir in sorted(full.glob("step_*")):
         lora = load_file(str(step_dir / "lora_state_dict.safetensors"))
         adapter = load_file(str(step_dir / "adapter" / "adapter_model.safetensors"))
-        # 2 layers × 7 projections × (A, B)
-        assert len(lora) == 28 and all(t.dtype == torch.float32 and t.numel() > 0 for t in lora.values())
+        # 2 layers × 7 projections × (A, B): a dense Qwen3 has no linear-attention projections
+        assert len(lora) == targets["lora_tensors"]
+        assert all(t.dtype == torch.float32 and t.numel() > 0 for t in lora.values())
         for name, tensor in lora.items():
             assert name.startswith("base_model.model.model.layers.") and ".default.weight" in name
             assert tensor.shape[0 if ".lora_A." in name else 1] == LORA_R
@@ -264,8 +320,10 @@ def test_checkpoints_hold_non_empty_peft_adapters(runs: dict, tiny_qwen3: Path) 
         assert all(t.abs().max() > 0 for n, t in lora.items() if ".lora_B." in n)  # B starts at zero: it trained
         config = json.loads((step_dir / "adapter" / "adapter_config.json").read_text())
         assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (LORA_R, 2 * LORA_R, 0.05)
+        assert sum(t.numel() for t in lora.values()) == targets["adapter_parameters"]
         state = json.loads((step_dir / "train_state.json").read_text())
         assert state["step"] == int(step_dir.name[5:]) and state["total_steps"] == STEPS
+        assert state["lora_modules_by_kind"] == per_kind
         assert state["world_size"] == 2 and state["exposure"]["draws"] == 2 * state["step"]
         # ZeRO-3 kept one optimizer partition per rank; the frozen parent was not written.
         engine = sorted(p.name for p in (step_dir / "engine" / "state").iterdir())
