@@ -1,9 +1,9 @@
 """Evidence bundles: what a judge or the optimizer sees of one workspace (MASS_SPEC §5, §3.3 step B).
 
 A bundle is text: a representative directory tree, a programmatic preflight of the required deliverables and of the
-plots the task names, and size-capped excerpts of the key files. Caps apply in characters (head and tail kept, the
-middle replaced by a marker) and optionally in tokens. The optimizer additionally gets an appendix with the JSON
-files under ``results/``.
+plots the task names, and size-capped excerpts of the key files. Caps apply optionally in tokens, then in characters
+(head and tail kept, the middle replaced by a marker); requirements.txt takes the report's caps. The optimizer
+additionally gets an appendix with the JSON files under ``results/``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from mass_ops.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ APPENDIX_TRUNCATION_MARKER = "[truncated: middle omitted]"
 _PNG_PATH = re.compile(r"(?:[\w.-]+/)*[\w.-]+\.png", re.IGNORECASE)
 
 
-class EvidenceError(ValueError):
+class EvidenceError(InputError):
     """A workspace cannot be turned into evidence (missing folder, bundles of different tasks)."""
 
 
@@ -151,12 +153,13 @@ def cap_tokens(text: str, max_tokens: int, count: Callable[[str], int]) -> tuple
 
 
 def cap_excerpt(text: str, max_chars: int, max_tokens: int | None, token_model: str) -> tuple[str, bool]:
-    """Character cap, then the optional token cap; returns the excerpt and whether anything was cut."""
-    capped, cut = cap_chars(text, max_chars)
+    """The optional token cap first, then the character cap (the reference's order, MASS_SPEC §5); returns the
+    excerpt and whether anything was cut."""
+    capped, cut = text, False
     if max_tokens is not None:
-        capped, token_cut = cap_tokens(capped, max_tokens, token_counter(token_model))
-        cut = cut or token_cut
-    return capped, cut
+        capped, cut = cap_tokens(capped, max_tokens, token_counter(token_model))
+    capped, char_cut = cap_chars(capped, max_chars)
+    return capped, cut or char_cut
 
 
 # -- directory tree ------------------------------------------------------------------------------------------------
@@ -261,7 +264,8 @@ def _excerpt_targets(root: Path) -> list[tuple[str, str]]:
         ("deliverables/index.json", "json"),
         ("results/metrics.json", "json"),
         ("results/model_comparison.json", "json"),
-        ("requirements.txt", "code"),
+        # The reference caps requirements.txt like the report (28000 characters), not like code.
+        ("requirements.txt", "requirements"),
     ]
     try:
         root_files = sorted(entry.name for entry in os.scandir(root) if entry.is_file(follow_symlinks=False))
@@ -296,6 +300,8 @@ def file_excerpts(root: Path, caps: EvidenceCaps) -> list[Excerpt]:
             continue
         if category == "report":
             limits = (caps.report_chars, caps.report_tokens, "markdown")
+        elif category == "requirements":
+            limits = (caps.report_chars, caps.report_tokens, "text")
         elif category == "json":
             limits = (caps.json_chars, caps.json_tokens, "json")
         elif category == "test":
