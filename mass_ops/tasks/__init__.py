@@ -1,6 +1,7 @@
 """Task catalogue (our 12 synthetic research tasks) and the MASS-format task-directory importer."""
 
 from mass_ops.tasks.catalogue import (
+    CatalogueProvenance,
     Task,
     TaskCatalogue,
     TaskSplits,
@@ -8,9 +9,17 @@ from mass_ops.tasks.catalogue import (
     builtin_catalogue_dir,
     load_catalogue,
 )
-from mass_ops.tasks.importer import TaskFormatError, TaskImportError, import_task_dir, validate_task_dir
+from mass_ops.tasks.importer import (
+    MAX_TASK_FILE_BYTES,
+    TaskFormatError,
+    TaskImportError,
+    import_task_dir,
+    validate_task_dir,
+)
 
 __all__ = [
+    "MAX_TASK_FILE_BYTES",
+    "CatalogueProvenance",
     "Task",
     "TaskCatalogue",
     "TaskFormatError",

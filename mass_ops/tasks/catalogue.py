@@ -3,21 +3,29 @@
 A catalogue lives in a MASS-format directory (``bare/query<ID>.txt``, ``initial/query<ID>_ourTeam.txt``,
 ``splits.json``, ``teacher_directive.txt``). mass-ops ships its own 12 synthetic tasks in that format; other
 directories are read through :func:`load_catalogue`, which validates them (see :mod:`mass_ops.tasks.importer`).
+
+Which catalogue a cycle used is :meth:`TaskCatalogue.identity`: ``builtin``, ``imported:<source>@<digest>`` for a
+directory written by ``mass-ops tasks import`` (its ``provenance.json`` is checked against the files on every load),
+or ``unimported:<folder>@<digest>`` for any other directory; the digest covers every file the catalogue is made of.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from mass_ops.errors import InputError
 from mass_ops.workflow import Agent, WorkflowPrompt, bare_task_text, parse_agents, parse_prompt
 
 Split = Literal["train", "test"]
+# Hex digits of the catalogue digest shown in an identity: enough to tell catalogues apart at a glance.
+IDENTITY_DIGEST_CHARS = 12
 
 
-class UnknownTaskError(ValueError):
+class UnknownTaskError(InputError):
     """A task id or split that the catalogue does not hold."""
 
 
@@ -82,13 +90,39 @@ class TaskSplits:
 
 
 @dataclass(frozen=True)
+class CatalogueProvenance:
+    """Where an imported catalogue came from (its ``provenance.json``): the source folder's name (never its full
+    path), the SHA-256 of every imported file, the import time (UTC, ISO 8601) and the mass-ops version."""
+
+    source: str
+    files: Mapping[str, str]
+    imported_at: str
+    mass_ops_version: str
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain data for a cycle row or a report."""
+        return {
+            "source": self.source,
+            "files": dict(self.files),
+            "imported_at": self.imported_at,
+            "mass_ops_version": self.mass_ops_version,
+        }
+
+
+@dataclass(frozen=True)
 class TaskCatalogue:
-    """Tasks by id, the splits they came with and the teacher directive (stripped)."""
+    """Tasks by id, the splits they came with and the teacher directive (stripped).
+
+    ``file_sha256`` maps every file the catalogue was read from (relative path) to its SHA-256; ``provenance`` is
+    the import record of a directory written by ``mass-ops tasks import`` (None otherwise).
+    """
 
     tasks: Mapping[int, Task]
     splits: TaskSplits
     teacher_directive: str
     source: Path | None = field(default=None, compare=False)
+    file_sha256: Mapping[str, str] = field(default_factory=dict, compare=False)
+    provenance: CatalogueProvenance | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -154,18 +188,38 @@ class TaskCatalogue:
         """Prompt for teacher collection: the retained workflow prompt followed by the teacher directive."""
         return retained_prompt.rstrip() + "\n\n" + self.teacher_directive
 
+    @property
+    def digest(self) -> str:
+        """SHA-256 over the sorted (file, SHA-256) pairs of the catalogue's files: equal digests, equal catalogues."""
+        lines = "".join(f"{name}\t{sha}\n" for name, sha in sorted(self.file_sha256.items()))
+        return hashlib.sha256(lines.encode()).hexdigest()
+
+    def identity(self) -> str:
+        """A short name of this catalogue for a cycle row and a report: ``builtin``,
+        ``imported:<source folder>@<digest prefix>`` or ``unimported:<folder>@<digest prefix>``."""
+        if self.source is not None and self.source.resolve() == builtin_catalogue_dir():
+            return "builtin"
+        short = self.digest[:IDENTITY_DIGEST_CHARS]
+        if self.provenance is not None:
+            return f"imported:{self.provenance.source}@{short}"
+        folder = self.source.resolve().name if self.source is not None else "unknown"
+        return f"unimported:{folder}@{short}"
+
 
 def builtin_catalogue_dir() -> Path:
     """Directory of the catalogue shipped with mass-ops (our 12 synthetic tasks)."""
     return Path(__file__).resolve().parent / "catalogue"
 
 
-def load_catalogue(path: str | Path | None = None) -> TaskCatalogue:
+def load_catalogue(path: str | Path | None = None, *, max_file_bytes: int | None = None) -> TaskCatalogue:
     """Read and validate a MASS-format task directory; ``None`` loads the shipped catalogue.
 
-    Raises :class:`mass_ops.tasks.importer.TaskFormatError` naming the file and the problem on malformed input.
+    Raises :class:`mass_ops.tasks.importer.TaskFormatError` listing every problem (file and what is wrong) on
+    malformed input, including an imported directory whose files no longer match its ``provenance.json``.
+    ``max_file_bytes`` caps every file (default :data:`mass_ops.tasks.importer.MAX_TASK_FILE_BYTES`).
     """
     # The importer builds Task/TaskCatalogue objects from this module, so it is imported here, not at the top.
-    from mass_ops.tasks.importer import validate_task_dir
+    from mass_ops.tasks.importer import MAX_TASK_FILE_BYTES, validate_task_dir
 
-    return validate_task_dir(builtin_catalogue_dir() if path is None else Path(path))
+    root = builtin_catalogue_dir() if path is None else Path(path)
+    return validate_task_dir(root, max_file_bytes=max_file_bytes or MAX_TASK_FILE_BYTES)

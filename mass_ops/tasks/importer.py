@@ -8,16 +8,21 @@ file and what is wrong with it. Files in the directory that no task refers to ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from mass_ops.tasks.catalogue import Task, TaskCatalogue, TaskSplits
+from mass_ops import __version__
+from mass_ops.errors import InputError
+from mass_ops.tasks.catalogue import CatalogueProvenance, Task, TaskCatalogue, TaskSplits
 from mass_ops.workflow import (
     END_MARKER,
     START_MARKER,
@@ -29,6 +34,11 @@ from mass_ops.workflow import (
 
 SPLITS_FILE = "splits.json"
 DIRECTIVE_FILE = "teacher_directive.txt"
+PROVENANCE_FILE = "provenance.json"
+# Default cap on every file of a task directory. The largest shipped prompt is ~4 KB and the reference's are of the
+# same order; a cap keeps a hostile or mistaken folder from filling the catalogue (and every episode) with megabytes.
+MAX_TASK_FILE_BYTES = 1024 * 1024
+PLACEHOLDER = "{task_id}"
 
 _LIST_KEYS = ("designated_train", "test", "sft_train")
 _PATTERN_KEYS = ("task_prompt_pattern", "initial_workflow_pattern")
@@ -38,49 +48,209 @@ _REQUIRED_KEYS = (*_LIST_KEYS, "excluded_from_teacher_collection", "domains", *_
 _INITIAL_NAME_RE = re.compile(r"query(\d+)_ourTeam")
 
 
-class TaskImportError(ValueError):
-    """A task directory cannot be imported."""
+class TaskImportError(InputError):
+    """A task directory cannot be imported; `problems` holds one line per problem, `str()` joins them."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 class TaskFormatError(TaskImportError):
-    """A task directory is malformed; the message names the file and the problem."""
+    """A task directory is malformed; each problem names the file and what is wrong with it."""
 
 
-def validate_task_dir(path: str | Path) -> TaskCatalogue:
-    """Read the MASS-format directory at ``path`` and return its catalogue, or raise :class:`TaskFormatError`."""
-    root = Path(path)
-    if not root.is_dir():
-        raise TaskFormatError(f"{root}: task directory does not exist or is not a directory")
-    splits = _read_splits(root / SPLITS_FILE)
-    directive_path = root / DIRECTIVE_FILE
-    directive = _read_text(directive_path).strip()
-    if not directive:
-        raise TaskFormatError(f"{directive_path}: teacher directive is empty")
-    tasks = {task_id: _read_task(root, task_id, splits) for task_id in splits.all_ids}
-    return TaskCatalogue(tasks=tasks, splits=splits, teacher_directive=directive, source=root)
+def render_pattern(pattern: str, task_id: int) -> str:
+    """The file of `task_id` under a split-file pattern: plain substitution of `{task_id}`, never `str.format`
+    (a format spec such as `{task_id:c}` would turn an id into any character, `.` and `/` included)."""
+    return pattern.replace(PLACEHOLDER, str(task_id))
 
 
-def import_task_dir(src: str | Path, dest: str | Path) -> TaskCatalogue:
-    """Validate ``src`` and copy the files its catalogue uses to ``dest`` atomically.
+class _Reader:
+    """Reads files of one task directory under the import rules and keeps the exact bytes it read.
 
-    ``dest`` must not exist or be an empty directory. The files are copied into a temporary directory next to
-    ``dest``, validated again there, then renamed into place; on any failure nothing is left at ``dest``.
+    Every path must stay inside the directory once resolved, no component may be a symbolic link, and a file must
+    be a regular file of at most `max_file_bytes`. The bytes kept are what an import writes, so what is copied is
+    exactly what was validated (a source changed in between cannot slip through).
     """
-    catalogue = validate_task_dir(src)
+
+    def __init__(self, root: Path, max_file_bytes: int) -> None:
+        self.root = root
+        self.resolved_root = root.resolve()
+        self.max_file_bytes = max_file_bytes
+        self.files: dict[str, bytes] = {}
+
+    def text(self, relative: str) -> str:
+        """Exact UTF-8 contents of a non-empty file (no newline translation: prompts are sent byte for byte)."""
+        path = self.root / relative
+        data = self._bytes(relative, path)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TaskFormatError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from exc
+        if not text.strip():
+            raise TaskFormatError(f"{path}: file is empty")
+        self.files[relative] = data
+        return text
+
+    def exists(self, relative: str) -> bool:
+        return os.path.lexists(self.root / relative)
+
+    def _bytes(self, relative: str, path: Path) -> bytes:
+        problem = relative_path_problem(relative)
+        if problem:
+            raise TaskFormatError(f"{path}: {problem}")
+        current = self.root
+        for part in PurePosixPath(relative).parts:
+            current = current / part
+            if current.is_symlink():
+                raise TaskFormatError(f"{current}: symbolic links are refused (copy the file into the directory)")
+        if not os.path.lexists(path):
+            raise TaskFormatError(f"{path}: missing file")
+        if not path.resolve().is_relative_to(self.resolved_root):
+            raise TaskFormatError(f"{path}: resolves outside the task directory")
+        if not stat.S_ISREG(path.lstat().st_mode):
+            raise TaskFormatError(f"{path}: not a regular file")
+        try:
+            # O_NOFOLLOW: a file swapped for a link after the checks above is refused, not followed.
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as handle:
+                data = handle.read(self.max_file_bytes + 1)
+        except OSError as exc:
+            raise TaskFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        if len(data) > self.max_file_bytes:
+            raise TaskFormatError(f"{path}: larger than the {self.max_file_bytes}-byte limit per task file")
+        return data
+
+
+def relative_path_problem(relative: str) -> str | None:
+    """Why `relative` is not a plain relative path inside a directory, or None when it is."""
+    pure = PurePosixPath(relative)
+    if (
+        not relative
+        or pure.is_absolute()
+        or ".." in pure.parts
+        or "\\" in relative
+        or "\0" in relative
+        or pure.parts[:1] == (".",)
+        or relative != str(pure)
+    ):
+        return f"{relative!r} is not a relative path inside the task directory"
+    return None
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A validated directory: its catalogue and the exact bytes of every file it is made of."""
+
+    catalogue: TaskCatalogue
+    files: dict[str, bytes]
+
+
+def validate_task_dir(path: str | Path, *, max_file_bytes: int = MAX_TASK_FILE_BYTES) -> TaskCatalogue:
+    """Read the MASS-format directory at ``path`` and return its catalogue, or raise :class:`TaskFormatError`
+    listing every problem found (one line each)."""
+    return _check_dir(Path(path), max_file_bytes).catalogue
+
+
+def _check_dir(root: Path, max_file_bytes: int) -> _Checked:
+    if root.is_symlink() or not root.is_dir():
+        raise TaskFormatError(f"{root}: task directory does not exist or is not a directory")
+    reader = _Reader(root, max_file_bytes)
+    problems: list[str] = []
+    splits: TaskSplits | None = None
+    try:
+        splits = _read_splits(reader)
+    except TaskFormatError as exc:
+        problems.extend(exc.problems)
+    directive = ""
+    try:
+        directive = reader.text(DIRECTIVE_FILE).strip()
+    except TaskFormatError as exc:
+        problems.extend(exc.problems)
+    tasks: dict[int, Task] = {}
+    if splits is not None:
+        for task_id in splits.all_ids:
+            try:
+                tasks[task_id] = _read_task(reader, task_id, splits)
+            except TaskFormatError as exc:
+                problems.extend(exc.problems)
+    provenance = None
+    if not problems and reader.exists(PROVENANCE_FILE):
+        try:
+            provenance = _read_provenance(reader)
+        except TaskFormatError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise TaskFormatError(problems)
+    assert splits is not None
+    files = {name: data for name, data in reader.files.items() if name != PROVENANCE_FILE}
+    catalogue = TaskCatalogue(
+        tasks=tasks,
+        splits=splits,
+        teacher_directive=directive,
+        source=root,
+        file_sha256={name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())},
+        provenance=provenance,
+    )
+    return _Checked(catalogue, files)
+
+
+def import_task_dir(
+    src: str | Path, dest: str | Path, *, max_file_bytes: int = MAX_TASK_FILE_BYTES, now: datetime | None = None
+) -> TaskCatalogue:
+    """Validate ``src`` and copy the files its catalogue uses to ``dest`` atomically, with a ``provenance.json``.
+
+    ``dest`` must not exist or be an empty directory. Every problem with the source and the destination is
+    reported at once (:class:`TaskImportError`, one line each) before anything is written. The bytes validated are
+    the bytes written: they go into a temporary directory next to ``dest``, which is validated again and renamed
+    into place; on any failure nothing is left at ``dest``. ``provenance.json`` records the source folder's name
+    (not its path), the SHA-256 of every imported file, the import time (UTC) and the mass-ops version.
+    """
     source = Path(src)
     target = Path(dest)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise TaskImportError(f"{target}: destination exists and is not an empty directory")
+    problems: list[str] = []
+    checked: _Checked | None = None
+    try:
+        checked = _check_dir(source, max_file_bytes)
+    except TaskFormatError as exc:
+        problems.extend(exc.problems)
+    if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
+        problems.append(f"{target}: destination exists and is not an empty directory")
+    if checked is not None and PROVENANCE_FILE in checked.files:
+        problems.append(f"{source / PROVENANCE_FILE}: is a file name the import writes; a task file may not use it")
+    if checked is not None:
+        resolved_target = target.resolve()
+        for relative in checked.files:
+            if not (resolved_target / relative).resolve().is_relative_to(resolved_target):
+                problems.append(f"{target / relative}: would be written outside the destination")
+    if problems:
+        # Source problems are TaskFormatErrors; a destination problem alone is not a malformed source.
+        only_destination = checked is not None
+        raise (TaskImportError if only_destination else TaskFormatError)(problems)
+    assert checked is not None
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.import-", dir=target.parent))
     try:
-        for relative in _catalogue_files(catalogue):
+        resolved_staging = staging.resolve()
+        for relative, data in checked.files.items():
             copy = staging / relative
+            if not copy.resolve().is_relative_to(resolved_staging):
+                raise TaskImportError(f"{target / relative}: would be written outside the destination")
             copy.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source / relative, copy)
-        # Guards against a source that changed between validation and copying.
-        validate_task_dir(staging)
+            _write_new(copy, data)
+        provenance = {
+            "source": source.resolve().name,
+            "files": checked.catalogue.file_sha256,
+            "imported_at": (now or datetime.now(UTC)).astimezone(UTC).isoformat(timespec="seconds"),
+            "mass_ops_version": __version__,
+        }
+        _write_new(staging / PROVENANCE_FILE, (json.dumps(provenance, indent=2, sort_keys=True) + "\n").encode())
+        # Guards against a bug in the copy: the staged directory must read back as the same catalogue.
+        copied = validate_task_dir(staging, max_file_bytes=max_file_bytes)
+        if copied.file_sha256 != checked.catalogue.file_sha256:
+            raise TaskImportError(f"{target}: the staged copy differs from the validated source")
         # mkdtemp creates the directory private to its owner; the imported catalogue is ordinary shared data.
         staging.chmod(0o755)
         if target.exists():
@@ -89,45 +259,88 @@ def import_task_dir(src: str | Path, dest: str | Path) -> TaskCatalogue:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return replace(catalogue, source=target)
+    return validate_task_dir(target, max_file_bytes=max_file_bytes)
 
 
-def _catalogue_files(catalogue: TaskCatalogue) -> list[str]:
-    files = [SPLITS_FILE, DIRECTIVE_FILE]
-    for task_id in catalogue.splits.all_ids:
-        files.append(catalogue.splits.task_prompt_pattern.format(task_id=task_id))
-        files.append(catalogue.splits.initial_workflow_pattern.format(task_id=task_id))
-    return files
+def _write_new(path: Path, data: bytes) -> None:
+    """Write a file that must not exist yet (O_EXCL: never through a link or over another file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
-def _read_text(path: Path) -> str:
-    """Exact UTF-8 contents of a non-empty file (no newline translation: prompts are sent byte for byte)."""
-    if not path.exists():
-        raise TaskFormatError(f"{path}: missing file")
-    if not path.is_file():
-        raise TaskFormatError(f"{path}: not a regular file")
+def _read_provenance(reader: _Reader) -> CatalogueProvenance:
+    """The import record of an imported directory, checked against the files as they are now."""
+    path = reader.root / PROVENANCE_FILE
     try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise TaskFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except UnicodeDecodeError as exc:
-        raise TaskFormatError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from exc
-    if not text.strip():
-        raise TaskFormatError(f"{path}: file is empty")
-    return text
-
-
-def _read_splits(path: Path) -> TaskSplits:
-    try:
-        raw = json.loads(_read_text(path))
+        raw = json.loads(reader.text(PROVENANCE_FILE))
     except json.JSONDecodeError as exc:
         raise TaskFormatError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    files = raw.get("files") if isinstance(raw, dict) else None
+    fields = ("source", "imported_at", "mass_ops_version")
+    if (
+        not isinstance(files, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+        or not all(isinstance(raw.get(name), str) and raw.get(name) for name in fields)
+    ):
+        raise TaskFormatError(f"{path}: must hold source, files (name -> SHA-256), imported_at, mass_ops_version")
+    current = {name: hashlib.sha256(data).hexdigest() for name, data in reader.files.items() if name != PROVENANCE_FILE}
+    changed = sorted(name for name in current if files.get(name) != current[name])
+    if changed or set(files) != set(current):
+        what = ", ".join(changed) if changed else "the set of files"
+        raise TaskFormatError(
+            f"{path}: {what} changed since the import; import the source again rather than editing a catalogue"
+        )
+    return CatalogueProvenance(
+        source=raw["source"],
+        files=dict(sorted(files.items())),
+        imported_at=raw["imported_at"],
+        mass_ops_version=raw["mass_ops_version"],
+    )
+
+
+def _read_splits(reader: _Reader) -> TaskSplits:
+    path = reader.root / SPLITS_FILE
+    try:
+        raw = json.loads(reader.text(SPLITS_FILE))
+    except json.JSONDecodeError as exc:
+        raise TaskFormatError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    except RecursionError:
+        raise TaskFormatError(f"{path}: invalid JSON (nested too deeply)") from None
     if not isinstance(raw, dict):
         raise TaskFormatError(f"{path}: top level must be a JSON object, got {type(raw).__name__}")
     missing = [key for key in _REQUIRED_KEYS if key not in raw]
     if missing:
         raise TaskFormatError(f"{path}: missing key(s) {', '.join(missing)}")
 
+    # Patterns are checked on their own so that a bad pattern is reported along with any split problem.
+    problems: list[str] = []
+    patterns: dict[str, str] = {}
+    for key in _PATTERN_KEYS:
+        try:
+            patterns[key] = _pattern(path, key, raw[key])
+        except TaskFormatError as exc:
+            problems.extend(exc.problems)
+    try:
+        splits = _splits(path, raw)
+    except TaskFormatError as exc:
+        raise TaskFormatError([*problems, *exc.problems]) from None
+    for key, pattern in patterns.items():
+        for task_id in splits.all_ids:
+            problem = relative_path_problem(render_pattern(pattern, task_id))
+            if problem:
+                problems.append(f"{path}: {key} renders task {task_id} as {problem}")
+    if problems:
+        raise TaskFormatError(problems)
+    return replace(
+        splits,
+        task_prompt_pattern=patterns["task_prompt_pattern"],
+        initial_workflow_pattern=patterns["initial_workflow_pattern"],
+    )
+
+
+def _splits(path: Path, raw: dict[str, Any]) -> TaskSplits:
+    """The id lists, exclusions and domains of a split file (patterns left at their defaults)."""
     lists = {key: _id_list(path, key, raw[key]) for key in _LIST_KEYS}
     designated, test, sft = lists["designated_train"], lists["test"], lists["sft_train"]
     if not designated:
@@ -154,15 +367,12 @@ def _read_splits(path: Path) -> TaskSplits:
         )
 
     domains = _domains(path, raw["domains"], designated + test)
-    patterns = {key: _pattern(path, key, raw[key]) for key in _PATTERN_KEYS}
     return TaskSplits(
         designated_train=tuple(designated),
         test=tuple(test),
         sft_train=tuple(sft),
         excluded=excluded,
         domains=domains,
-        task_prompt_pattern=patterns["task_prompt_pattern"],
-        initial_workflow_pattern=patterns["initial_workflow_pattern"],
     )
 
 
@@ -224,40 +434,56 @@ def _domains(path: Path, value: Any, all_ids: list[int]) -> dict[str, tuple[int,
 
 
 def _pattern(path: Path, key: str, value: Any) -> str:
-    if not isinstance(value, str) or "{task_id}" not in value:
+    """A file-name pattern: a relative path holding the plain `{task_id}` placeholder and no other braces."""
+    rest = value.replace(PLACEHOLDER, "") if isinstance(value, str) else ""
+    if "{" in rest or "}" in rest:
+        raise TaskFormatError(
+            f"{path}: {key} {value!r} may hold only the plain '{{task_id}}' placeholder (no format spec, no other "
+            "braces)"
+        )
+    if not isinstance(value, str) or PLACEHOLDER not in value:
         raise TaskFormatError(f"{path}: {key} must be a string containing '{{task_id}}', got {value!r}")
-    try:
-        example = value.format(task_id=1)
-    except (KeyError, IndexError, ValueError) as exc:
-        raise TaskFormatError(f"{path}: {key} {value!r} is not a valid file-name pattern ({exc})") from exc
-    relative = PurePosixPath(example)
-    if relative.is_absolute() or ".." in relative.parts or "\\" in example:
+    if relative_path_problem(render_pattern(value, 1)):
         raise TaskFormatError(f"{path}: {key} {value!r} must be a relative path inside the task directory")
     return value
 
 
-def _read_task(root: Path, task_id: int, splits: TaskSplits) -> Task:
-    bare_path = root / splits.task_prompt_pattern.format(task_id=task_id)
-    initial_path = root / splits.initial_workflow_pattern.format(task_id=task_id)
-
-    bare = _read_text(bare_path)
-    if START_MARKER in bare:
-        raise TaskFormatError(f"{bare_path}: bare prompt contains a design block (start marker found)")
-    if END_MARKER not in bare:
-        raise TaskFormatError(f"{bare_path}: bare prompt lacks the suffix starting {END_MARKER!r}")
-    task_text = bare_task_text(bare)
-    if not task_text:
-        raise TaskFormatError(f"{bare_path}: bare prompt has no task text before the suffix")
-
-    name_match = _INITIAL_NAME_RE.search(initial_path.name)
-    if name_match is None or int(name_match.group(1)) != task_id:
-        raise TaskFormatError(f"{initial_path}: file name must contain 'query{task_id}_ourTeam'")
-    initial = _read_text(initial_path)
+def _read_task(reader: _Reader, task_id: int, splits: TaskSplits) -> Task:
+    """One task's bare and initial prompts; problems with both files are reported together."""
+    bare_relative = render_pattern(splits.task_prompt_pattern, task_id)
+    initial_relative = render_pattern(splits.initial_workflow_pattern, task_id)
+    bare_path = reader.root / bare_relative
+    initial_path = reader.root / initial_relative
+    problems: list[str] = []
+    bare = task_text = None
     try:
-        workflow = parse_prompt(initial, source=str(initial_path))
-        parse_agents(workflow.design_block, source=str(initial_path))
-    except WorkflowError as exc:
-        raise TaskFormatError(str(exc)) from exc
+        bare = reader.text(bare_relative)
+        if START_MARKER in bare:
+            raise TaskFormatError(f"{bare_path}: bare prompt contains a design block (start marker found)")
+        if END_MARKER not in bare:
+            raise TaskFormatError(f"{bare_path}: bare prompt lacks the suffix starting {END_MARKER!r}")
+        task_text = bare_task_text(bare)
+        if not task_text:
+            raise TaskFormatError(f"{bare_path}: bare prompt has no task text before the suffix")
+    except TaskFormatError as exc:
+        problems.extend(exc.problems)
+
+    initial = workflow = None
+    try:
+        name_match = _INITIAL_NAME_RE.search(initial_path.name)
+        if name_match is None or int(name_match.group(1)) != task_id:
+            raise TaskFormatError(f"{initial_path}: file name must contain 'query{task_id}_ourTeam'")
+        initial = reader.text(initial_relative)
+        try:
+            workflow = parse_prompt(initial, source=str(initial_path))
+            parse_agents(workflow.design_block, source=str(initial_path))
+        except WorkflowError as exc:
+            raise TaskFormatError(str(exc)) from exc
+    except TaskFormatError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise TaskFormatError(problems)
+    assert bare is not None and initial is not None and workflow is not None
     if workflow.task_text != task_text:
         at = _first_difference(workflow.task_text, task_text)
         raise TaskFormatError(

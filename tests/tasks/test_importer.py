@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from mass_ops.tasks import (
+    MAX_TASK_FILE_BYTES,
     TaskFormatError,
     TaskImportError,
     builtin_catalogue_dir,
     import_task_dir,
+    importer,
     load_catalogue,
     validate_task_dir,
 )
@@ -50,7 +53,9 @@ def test_shipped_catalogue_validates_and_imports(task_dir: Path, tmp_path: Path)
     catalogue = import_task_dir(task_dir, dest)
     assert catalogue.source == dest
     assert catalogue.ids == load_catalogue().ids
-    assert _files(dest) == _files(builtin_catalogue_dir())
+    imported = _files(dest)
+    imported.pop("provenance.json")
+    assert imported == _files(builtin_catalogue_dir())
     assert not (dest / "README.md").exists()
     assert load_catalogue(dest).tasks == load_catalogue().tasks
     assert sorted(p.name for p in dest.parent.iterdir()) == ["tasks"]
@@ -75,16 +80,16 @@ def test_import_refuses_a_non_empty_destination(task_dir: Path, tmp_path: Path) 
 
 
 def test_a_failed_copy_leaves_nothing_behind(task_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    real_copy = shutil.copyfile
+    real_write = importer._write_new
     calls = []
 
-    def flaky_copy(src, dst, *args, **kwargs):
-        calls.append(src)
+    def flaky_write(path, data):
+        calls.append(path)
         if len(calls) == 5:
             raise OSError(28, "No space left on device")
-        return real_copy(src, dst, *args, **kwargs)
+        return real_write(path, data)
 
-    monkeypatch.setattr(shutil, "copyfile", flaky_copy)
+    monkeypatch.setattr(importer, "_write_new", flaky_write)
     dest = tmp_path / "dest"
     with pytest.raises(OSError, match="No space left"):
         import_task_dir(task_dir, dest)
@@ -280,10 +285,11 @@ def test_malformed_directories_are_rejected(
     breakage(task_dir)
     with pytest.raises(TaskFormatError) as info:
         validate_task_dir(task_dir)
-    message = str(info.value)
-    assert "\n" not in message
-    assert message.startswith(str(task_dir / file) + ":"), message
-    assert problem in message, message
+    problems = info.value.problems
+    assert problems and all("\n" not in line for line in problems), problems
+    assert str(info.value) == "\n".join(problems)
+    named = [line for line in problems if line.startswith(str(task_dir / file) + ":")]
+    assert any(problem in line for line in named), problems
 
     dest = tmp_path / "dest"
     with pytest.raises(TaskFormatError):
@@ -300,3 +306,83 @@ def test_enough_distinct_malformations_are_covered() -> None:
 def test_source_that_is_not_a_directory(tmp_path: Path) -> None:
     with pytest.raises(TaskFormatError, match="does not exist or is not a directory"):
         validate_task_dir(tmp_path / "absent")
+
+
+def test_patterns_hold_only_the_plain_placeholder(task_dir: Path) -> None:
+    for pattern in ("bare/query{task_id:c}.txt", "bare/{task_id}/{0}.txt", "bare/query{task_id}}.txt"):
+        _edit_splits(task_dir, _set_key("task_prompt_pattern", pattern))
+        with pytest.raises(TaskFormatError, match=re.escape("may hold only the plain '{task_id}' placeholder")):
+            validate_task_dir(task_dir)
+
+
+def test_rendering_is_plain_substitution_and_rendered_paths_are_checked() -> None:
+    # Patterns hold no braces besides the placeholder, and every rendered path is checked anyway (defence in depth).
+    assert importer.render_pattern("a/{task_id:c}", 46) == "a/{task_id:c}"
+    assert importer.relative_path_problem("../x") and importer.relative_path_problem("a/./b")
+    assert importer.relative_path_problem("bare/query51.txt") is None
+
+
+def test_a_linked_file_or_folder_is_refused_even_inside_the_source(task_dir: Path) -> None:
+    (task_dir / "bare" / "query51.txt").rename(task_dir / "elsewhere.txt")
+    (task_dir / "bare" / "query51.txt").symlink_to(task_dir / "elsewhere.txt")
+    (task_dir / "initial").rename(task_dir / "initial-real")
+    (task_dir / "initial").symlink_to(task_dir / "initial-real", target_is_directory=True)
+    with pytest.raises(TaskFormatError) as info:
+        validate_task_dir(task_dir)
+    links = [line for line in info.value.problems if "symbolic links are refused" in line]
+    assert len(links) == 1 + 12 == len(info.value.problems), info.value.problems
+
+
+def test_the_source_folder_itself_may_not_be_a_link(task_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "link").symlink_to(task_dir, target_is_directory=True)
+    with pytest.raises(TaskFormatError, match="not a directory"):
+        validate_task_dir(tmp_path / "link")
+
+
+def test_file_size_cap_is_a_parameter_with_a_documented_default(task_dir: Path) -> None:
+    assert MAX_TASK_FILE_BYTES == 1024 * 1024
+    largest = max(p.stat().st_size for p in task_dir.rglob("*") if p.is_file())
+    validate_task_dir(task_dir, max_file_bytes=largest)
+    with pytest.raises(TaskFormatError) as info:
+        validate_task_dir(task_dir, max_file_bytes=largest - 1)
+    assert all(f"larger than the {largest - 1}-byte limit" in line for line in info.value.problems)
+
+
+def test_every_problem_is_listed_before_anything_is_written(task_dir: Path, tmp_path: Path) -> None:
+    (task_dir / "bare" / "query56.txt").unlink()
+    (task_dir / "initial" / "query305_ourTeam.txt").write_text(" ", "utf-8")
+    (task_dir / "teacher_directive.txt").write_bytes(b"\xff")
+    _edit_splits(task_dir, _set_key("initial_workflow_pattern", "initial/{task_id!r}.txt"))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine", "utf-8")
+    with pytest.raises(TaskFormatError) as info:
+        import_task_dir(task_dir, dest)
+    problems = info.value.problems
+    assert len(problems) == 3, problems  # splits.json stops the per-task reads: pattern, directive, destination
+    assert any("initial_workflow_pattern" in line for line in problems)
+    assert any("teacher_directive.txt: not UTF-8" in line for line in problems)
+    assert any("destination exists" in line for line in problems)
+
+    _edit_splits(task_dir, _set_key("initial_workflow_pattern", "initial/query{task_id}_ourTeam.txt"))
+    with pytest.raises(TaskFormatError) as info:
+        import_task_dir(task_dir, dest)
+    assert len(info.value.problems) == 4, info.value.problems  # + missing bare prompt, empty initial prompt
+    assert [p.name for p in dest.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest", "src"]
+
+
+def test_what_is_written_is_what_was_validated(task_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    # A source edited after validation (between reading and copying) cannot reach the destination.
+    real_check = importer._check_dir
+
+    def check_then_tamper(root, max_file_bytes):
+        checked = real_check(root, max_file_bytes)
+        if root == task_dir:
+            (task_dir / "bare" / "query51.txt").write_text("tampered", "utf-8")
+        return checked
+
+    monkeypatch.setattr(importer, "_check_dir", check_then_tamper)
+    expected = (builtin_catalogue_dir() / "bare" / "query51.txt").read_bytes()
+    import_task_dir(task_dir, tmp_path / "dest")
+    assert (tmp_path / "dest" / "bare" / "query51.txt").read_bytes() == expected
