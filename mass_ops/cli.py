@@ -97,12 +97,30 @@ def plan(
     config: ConfigOption = "paper",
     set_: SetOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    next_of: Annotated[
+        str | None,
+        typer.Option(
+            "--next-of",
+            help="Plan the cycle after CYCLE (read from this config's metadata store): L(k+1) as parent, seeds one "
+            "stride on; prints the --set lines that start it.",
+        ),
+    ] = None,
 ) -> None:
     """Print the validated config, the stage graph with planned counts, the training command and resources."""
-    from mass_ops.stages.plan import build_plan
+    from mass_ops.stages.plan import build_plan, frozen_cycle_config, next_cycle_config, next_cycle_overrides
     from mass_ops.train.plan import training_command_for
 
     cfg = resolve_config(config, set_)
+    if next_of is not None:
+        try:
+            previous = frozen_cycle_config(cfg, next_of)
+            following = next_cycle_overrides(previous)
+            cfg = next_cycle_config(previous)
+        except HANDLED as exc:
+            raise failure("plan --next-of", exc) from None
+        if not as_json:
+            lines = " ".join(f"--set {key}={json.dumps(value)}" for key, value in following.items())
+            console.print(f"next cycle of {next_of}: {cfg.cycle_name}; start it with: {lines}", markup=False, soft_wrap=True)
     cycle_plan = build_plan(cfg, training_command_for(cfg))
     if as_json:
         sys.stdout.write(json.dumps({"config": cfg.model_dump(mode="json"), "plan": cycle_plan.as_dict()}) + "\n")

@@ -7,8 +7,11 @@ reference release (MASS_SPEC §1) so that rendered datasets and compatibility ex
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from mass_ops.errors import InputError
 
 EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
 
@@ -153,3 +156,18 @@ def model_prefix(location: str) -> str:
 def report_prefix(cycle: str) -> str:
     """Report of a cycle (Markdown, HTML, figures)."""
     return f"{cycle_prefix(cycle)}/report"
+
+
+_GENERATION_IN_KEY = re.compile(r"L(\d+)(?=-(?:bf16|fp8)$)")
+
+
+def next_generation_key(key: str, generation: int) -> str:
+    """`models/L1-bf16` → `models/L2-bf16`: the model key of the generation after `generation`; InputError when the
+    key does not name generation `generation` as `…L<g>-bf16` or `…L<g>-fp8`."""
+    match = _GENERATION_IN_KEY.search(key)
+    if match is None or int(match.group(1)) != generation:
+        raise InputError(
+            f"cannot derive the next cycle's model key from {key!r} (expected …L{generation}-bf16 or …-fp8); set the "
+            "next cycle's models explicitly"
+        )
+    return key[: match.start(1)] + str(generation + 1) + key[match.end(1) :]

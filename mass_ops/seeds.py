@@ -45,6 +45,15 @@ def rollout_seed(rollout_seed_base: int, task_id: int, replicate: int) -> int:
     return rollout_seed_base + 100 * task_id + replicate
 
 
+# The next cycle's search and collection seed bases move one stride (cycle2: 450000 → 1450000, 710000 → 1710000).
+SEED_BASE_STRIDE = 1_000_000
+
+
+def next_cycle_seed_base(seed_base: int) -> int:
+    """The seed base of the same stage in the next cycle (MASS_SPEC §2 cycle2)."""
+    return seed_base + SEED_BASE_STRIDE
+
+
 NIGHTLY_SEED_STRIDE = 100_000  # above every rollout seed offset (100·task + replicate)
 NIGHTLY_SEED_PERIOD = 20_000  # days; keeps every nightly seed below 2**31
 

@@ -7,8 +7,12 @@ reference; arbitration calls only happen when two versions beat it). Window coun
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from mass_ops.config import CycleConfig
+from mass_ops.errors import InputError
+from mass_ops.layout import next_generation_key
+from mass_ops.seeds import next_cycle_seed_base
 
 STAGES: tuple[str, ...] = (
     "validate_config",
@@ -196,3 +200,51 @@ def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
         resources=resources,
         totals=totals,
     )
+
+
+def next_cycle_overrides(config: CycleConfig) -> dict[str, Any]:
+    """The config keys that turn `config` (cycle L(k) → L(k+1)) into the next cycle L(k+1) → L(k+2): L(k+1) is the
+    parent and is served under its generation name, the exported models move one generation, and the search and
+    collection seed bases move one stride (MASS_SPEC §2: this is how cycle2 follows paper). Everything else is kept.
+    The CLI (`mass-ops plan --next-of CYCLE`) and the cycle DAG's continuation use this one function."""
+    from mass_ops.compute.kubernetes import generation_name
+
+    g = config.generation + 1
+    return {
+        "generation": g,
+        "models.parent_bf16": config.models.next_bf16,
+        "models.served_name": generation_name(g),
+        "models.next_bf16": next_generation_key(config.models.next_bf16, g),
+        "models.next_fp8": next_generation_key(config.models.next_fp8, g),
+        "search.seed_base": next_cycle_seed_base(config.search.seed_base),
+        "collection.seed_base": next_cycle_seed_base(config.collection.seed_base),
+    }
+
+
+def next_cycle_config(config: CycleConfig) -> CycleConfig:
+    """The next cycle's validated config: `config` with `next_cycle_overrides` applied and its name left to be
+    derived (`<preset>-L<generation>`), so that it names a new cycle."""
+    from mass_ops.config import validate_config
+
+    data = config.model_dump(mode="json")
+    data["name"] = None
+    for dotted, value in next_cycle_overrides(config).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return validate_config(data)
+
+
+def frozen_cycle_config(config: CycleConfig, cycle: str) -> CycleConfig:
+    """The config frozen in the metadata store (of `config`'s storage) for the cycle named `cycle`; InputError when
+    no such cycle was opened there."""
+    from mass_ops.config import validate_config
+    from mass_ops.store.repository import MetadataRepository
+
+    repo = MetadataRepository.from_url(config.storage.metadata_url)
+    row = repo.get_cycle(cycle)
+    if row is None:
+        raise InputError(f"--next-of {cycle}: no cycle of that name in {config.storage.metadata_url}")
+    return validate_config(row.config)

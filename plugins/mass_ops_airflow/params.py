@@ -34,8 +34,6 @@ FORM_SCHEMA_FILE = Path(__file__).with_name("form_schema.json")
 # RHI steps are laid out at parse time, one task per version: the deepest search a run may ask for.
 MAX_SEARCH_ITERATIONS = 11
 # Seed bases move by this much from one cycle to the next (paper → cycle2: 450000 → 1450000, 710000 → 1710000).
-SEED_BASE_STRIDE = 1_000_000
-_GENERATION_IN_KEY = re.compile(r"L(\d+)(?=-(?:bf16|fp8)$)")
 _OVERRIDE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*$"
 
 
@@ -320,36 +318,25 @@ def build_config(
     return config
 
 
-def _bump_generation(key: str, generation: int) -> str:
-    """`models/L1-bf16` → `models/L2-bf16` when the key names generation `generation`."""
-    match = _GENERATION_IN_KEY.search(key)
-    if match is None or int(match.group(1)) != generation:
-        raise ParamsError(
-            f"auto_continue: cannot derive the next cycle's model key from {key!r} (expected …L{generation}-bf16 "
-            "or …-fp8); set the next cycle's models explicitly"
-        )
-    return key[: match.start(1)] + str(generation + 1) + key[match.end(1) :]
-
-
 def next_cycle_params(params: Mapping[str, Any], config: CycleConfig) -> dict[str, Any]:
-    """The params of the cycle after `config`: L(k+1) becomes the parent, seeds move one stride (MASS_SPEC §2)."""
-    from mass_ops.compute.kubernetes import generation_name
+    """The params of the cycle after `config` (`mass_ops.stages.plan.next_cycle_overrides`: L(k+1) becomes the parent,
+    models move one generation, seeds one stride); the form's own fields carry generation, parent and served name."""
+    from mass_ops.stages.plan import next_cycle_overrides
 
-    g = config.generation + 1
-    moved = {
-        "models.next_bf16": _bump_generation(config.models.next_bf16, g),
-        "models.next_fp8": _bump_generation(config.models.next_fp8, g),
-        "search.seed_base": config.search.seed_base + SEED_BASE_STRIDE,
-        "collection.seed_base": config.collection.seed_base + SEED_BASE_STRIDE,
-    }
+    try:
+        following = next_cycle_overrides(config)
+    except ValueError as exc:
+        raise ParamsError(f"auto_continue: {exc}") from None
+    own_fields = {"generation", "models.parent_bf16", "models.served_name"}
+    moved = {key: value for key, value in following.items() if key not in own_fields}
     kept = [o for o in params.get("overrides") or [] if o.partition("=")[0] not in moved]
     nxt = dict(params)
     nxt.update(
         {
             "cycle_name": None,
-            "generation": g,
-            "served_name": generation_name(g),
-            "parent_model": config.models.next_bf16,
+            "generation": following["generation"],
+            "served_name": following["models.served_name"],
+            "parent_model": following["models.parent_bf16"],
             "overrides": [*kept, *(f"{key}={json.dumps(value)}" for key, value in moved.items())],
         }
     )

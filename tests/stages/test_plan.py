@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.config import load_config
-from mass_ops.stages.plan import build_plan, count_checkpoints, count_validations
+from mass_ops.stages.plan import build_plan, count_checkpoints, count_validations, next_cycle_config
 from mass_ops.train.plan import training_command_for
 
 runner = CliRunner()
@@ -82,3 +82,27 @@ def test_bad_config_exits_2_with_one_line_per_problem():
         "config: search.iterations: Input should be greater than 0 (got 0)",
         "config: ranking.seed: Input should be greater than or equal to 0 (got -1)",
     ]
+
+
+def test_the_cycle_after_paper_is_cycle2():
+    paper = load_config("paper", ["tasks.catalogue=builtin"], environ={})
+    cycle2 = load_config("cycle2", ["tasks.catalogue=builtin"], environ={})
+    following = next_cycle_config(paper)
+    assert following.model_dump(exclude={"preset", "name"}) == cycle2.model_dump(exclude={"preset", "name"})
+    assert following.cycle_name == "paper-L1" != paper.cycle_name
+    assert next_cycle_config(following).search.seed_base == 2_450_000
+
+
+def test_plan_next_of_reads_the_frozen_cycle_and_prints_how_to_start_the_next(tmp_path):
+    from mass_ops.stages import api as stages
+
+    storage = [f"storage.metadata_url=sqlite:///{tmp_path}/m.db", f"storage.artifact_url={tmp_path}/a"]
+    demo = load_config("demo", storage, environ={})
+    stages.validate_config(demo)
+    args = ["plan", "--config", "demo", *(x for s in storage for x in ("--set", s))]
+    result = runner.invoke(app, [*args, "--next-of", demo.cycle_name])
+    assert result.exit_code == 0, result.output
+    assert f"next cycle of {demo.cycle_name}: demo-L1" in result.output
+    assert "--set models.parent_bf16=" in result.output and "--set search.seed_base=" in result.output
+    missing = runner.invoke(app, [*args, "--next-of", "no-such-cycle"])
+    assert missing.exit_code == 2 and "no cycle of that name" in missing.stderr
