@@ -199,8 +199,9 @@ def rank(scores: Mapping[str, float]) -> list[RankedEntry]:
     return [RankedEntry(name=name, score=float(score), rank=i + 1) for i, (name, score) in enumerate(ordered)]
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile (q in [0, 1]) of an ascending sequence."""
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (q in [0, 1]) of an ascending sequence (numpy's default rule); the one quantile
+    of mass-ops (ranking intervals and evaluation bootstrap intervals)."""
     position = q * (len(sorted_values) - 1)
     lower = math.floor(position)
     upper = min(lower + 1, len(sorted_values) - 1)
@@ -247,5 +248,5 @@ def bootstrap_intervals(
     intervals = {}
     for name, column in zip(listed, samples, strict=True):
         column.sort()
-        intervals[name] = ScoreInterval(low=_percentile(column, tail), high=_percentile(column, 1.0 - tail))
+        intervals[name] = ScoreInterval(low=quantile(column, tail), high=quantile(column, 1.0 - tail))
     return intervals

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mass_ops.errors import InputError
+from mass_ops.ranking import quantile
 
 # Two-sided 95%: the standard normal quantile at 0.975.
 Z_95 = 1.959963984540054
@@ -96,14 +97,6 @@ def wilson_interval(wins: int, trials: int, z: float = Z_95) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile of sorted values (numpy's default rule)."""
-    position = (len(sorted_values) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
 def pair_bootstrap_interval(
     judgments: Sequence[Judgment],
     *,
@@ -138,7 +131,7 @@ def pair_bootstrap_interval(
         return None
     rates.sort()
     alpha = (1 - level) / 2
-    return _quantile(rates, alpha), _quantile(rates, 1 - alpha)
+    return quantile(rates, alpha), quantile(rates, 1 - alpha)
 
 
 @dataclass(frozen=True)
