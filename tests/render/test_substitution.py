@@ -25,11 +25,12 @@ def test_exact_form_wins_and_replaces_verbatim():
     assert substitute(text, match) == REMINDER + BARE
 
 
-def test_stripped_form_substitutes_the_stripped_bare_prompt():
+def test_stripped_form_substitutes_the_bare_prompt_unstripped():
     text = REMINDER + TEACHER.strip()
     match = find_teacher_prompt(text, TEACHER, BARE)
     assert match is not None and match.mode == "stripped"
-    assert substitute(text, match) == REMINDER + BARE.strip()
+    assert BARE.strip() != BARE  # the test tells the two apart
+    assert substitute(text, match) == REMINDER + BARE
 
 
 def test_at_path_rewrite_matches_what_qwen_code_sent():
