@@ -171,10 +171,19 @@ class InferenceConfig(_Section):
         return self
 
 
-class TasksConfig(_Section):
-    """Which tasks play which part. `catalogue` = 'builtin' or a directory/URI holding a MASS-format task set."""
+CATALOGUE_NOT_CHOSEN = (
+    "config: tasks.catalogue: not chosen; the paper presets are meant for the reference's tasks, which mass-ops "
+    "cannot ship: import them with `mass-ops tasks import <reference>/tasks --dest DIR` and pass "
+    "`--set tasks.catalogue=DIR`, or pass `--set tasks.catalogue=builtin` to run the paper's settings on mass-ops' "
+    "own 12 tasks"
+)
 
-    catalogue: str = "builtin"
+
+class TasksConfig(_Section):
+    """Which tasks play which part. `catalogue` = 'builtin', a MASS-format task directory, or null (not chosen yet:
+    the paper presets leave it to the user, and no stage runs until it is set)."""
+
+    catalogue: Annotated[str, Field(min_length=1)] | None = "builtin"
     train_candidates: TaskList
     train: TaskList
     test: TaskList
@@ -561,6 +570,19 @@ class CycleConfig(_Section):
     def cycle_name(self) -> str:
         """The cycle's name in the metadata store."""
         return self.name or f"{self.preset}-L{self.generation}"
+
+    def require_catalogue(self) -> str:
+        """The chosen task catalogue ('builtin' or a directory); `ConfigError` (one line saying how to choose) when
+        `tasks.catalogue` is unset, as the paper and cycle2 presets leave it. `validate` and every stage call this
+        before loading tasks; `plan` does not, so it works offline on every preset."""
+        if self.tasks.catalogue is None:
+            raise ConfigError([CATALOGUE_NOT_CHOSEN])
+        return self.tasks.catalogue
+
+    @property
+    def catalogue_label(self) -> str:
+        """`tasks.catalogue` for display: its value, or 'not chosen' (what `plan` shows for the paper presets)."""
+        return self.tasks.catalogue or "not chosen"
 
     @property
     def is_remote_backend(self) -> bool:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -308,3 +312,56 @@ def test_rollout_pool_defaults_to_sft_plus_test_tasks():
     config = load_config("paper", ["evaluation.tasks=null"], environ={})
     assert config.rollout_tasks() == [51, 53, 56, 202, 205, 302, 307, 324, 60, 207, 305]
     assert config.tasks.for_split("all") == [51, 53, 56, 202, 205, 221, 302, 307, 324, 60, 207, 305]
+
+
+# --- The task catalogue of the paper presets is the user's explicit choice (#12.4) -------------------------------
+
+
+@pytest.mark.parametrize("name", ["paper", "cycle2"])
+def test_paper_presets_leave_the_catalogue_unchosen(name):
+    config = load_config(name, environ={})
+    assert config.tasks.catalogue is None
+    assert config.catalogue_label == "not chosen"
+    with pytest.raises(ConfigError) as info:
+        config.require_catalogue()
+    (line,) = info.value.problems
+    assert str(info.value) == line
+    assert line.startswith("config: tasks.catalogue: not chosen")
+    assert "mass-ops tasks import <reference>/tasks --dest DIR" in line
+    assert "--set tasks.catalogue=DIR" in line
+    assert "--set tasks.catalogue=builtin" in line
+
+
+@pytest.mark.parametrize("choice", ["builtin", "catalogues/reference"])
+def test_an_explicit_catalogue_is_what_require_catalogue_returns(choice):
+    config = load_config("paper", [f"tasks.catalogue={choice}"], environ={})
+    assert config.require_catalogue() == choice == config.catalogue_label
+
+
+def test_demo_and_custom_configs_keep_the_builtin_catalogue():
+    assert load_config("demo", environ={}).require_catalogue() == "builtin"
+    data = read_config_source("demo")
+    del data["tasks"]["catalogue"]
+    assert validate_config(data).require_catalogue() == "builtin"
+
+
+def test_an_empty_catalogue_is_refused():
+    with pytest.raises(ConfigError, match=r"tasks\.catalogue: String should have at least 1 character"):
+        load_config("paper", ["tasks.catalogue="], environ={})
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_plan_works_offline_on_every_preset(name, tmp_path):
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("mass-ops")), "plan", "--config", name, "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "MASS_METADATA_URL": "", "MASS_ARTIFACT_URL": ""},
+    )
+    assert done.returncode == 0, done.stderr
+    catalogue = json.loads(done.stdout)["config"]["tasks"]["catalogue"]
+    assert catalogue == (None if name in ("paper", "cycle2") else "builtin")
+    assert list(tmp_path.iterdir()) == []

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
-from mass_ops.tasks import Task, UnknownTaskError, builtin_catalogue_dir, load_catalogue
+import mass_ops
+from mass_ops.tasks import (
+    Task,
+    TaskFormatError,
+    UnknownTaskError,
+    builtin_catalogue_dir,
+    import_task_dir,
+    load_catalogue,
+)
 from mass_ops.workflow import END_MARKER, START_MARKER, parse_prompt
 
 CATALOGUE = load_catalogue()
@@ -166,3 +177,67 @@ def test_load_catalogue_from_a_path(tmp_path) -> None:
     assert loaded.source == copy
     assert "head quant researcher" in loaded.task(51).initial_prompt
     assert loaded.task(53) == CATALOGUE.task(53)
+
+
+# --- Provenance and identity (#12.4) -------------------------------------------------------------------------------
+
+
+def _sha256_of_files(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "provenance.json"
+    }
+
+
+def test_the_builtin_catalogue_is_named_builtin() -> None:
+    assert CATALOGUE.identity() == "builtin"
+    assert CATALOGUE.provenance is None
+    assert CATALOGUE.file_sha256 == _sha256_of_files(builtin_catalogue_dir())
+
+
+def test_an_import_records_its_provenance_and_the_loader_exposes_it(tmp_path: Path) -> None:
+    src = tmp_path / "deep" / "reference-tasks"
+    shutil.copytree(builtin_catalogue_dir(), src)
+    when = datetime(2026, 5, 9, 7, 35, 25, tzinfo=timezone(timedelta(hours=2)))
+    dest = tmp_path / "catalogues" / "ref"
+    import_task_dir(src, dest, now=when)
+
+    recorded = json.loads((dest / "provenance.json").read_text(encoding="utf-8"))
+    assert recorded == {
+        "source": "reference-tasks",  # the folder's name, never its full path
+        "files": _sha256_of_files(dest),
+        "imported_at": "2026-05-09T05:35:25+00:00",
+        "mass_ops_version": mass_ops.__version__,
+    }
+    assert str(tmp_path) not in (dest / "provenance.json").read_text(encoding="utf-8")
+
+    loaded = load_catalogue(dest)
+    assert loaded.provenance is not None
+    assert loaded.provenance.as_dict() == recorded
+    digest = hashlib.sha256(
+        "".join(f"{name}\t{sha}\n" for name, sha in sorted(recorded["files"].items())).encode()
+    ).hexdigest()
+    assert loaded.identity() == f"imported:reference-tasks@{digest[:12]}"
+
+
+def test_identity_follows_the_contents_not_the_location(tmp_path: Path) -> None:
+    src = tmp_path / "tasks"
+    shutil.copytree(builtin_catalogue_dir(), src)
+    first = import_task_dir(src, tmp_path / "a").identity()
+    assert import_task_dir(src, tmp_path / "b" / "c").identity() == first
+    (src / "teacher_directive.txt").write_text("A different directive.\n", encoding="utf-8")
+    assert import_task_dir(src, tmp_path / "d").identity() != first
+    assert load_catalogue(src).identity().startswith("unimported:tasks@")
+
+
+def test_an_imported_catalogue_edited_afterwards_is_refused(tmp_path: Path) -> None:
+    dest = tmp_path / "imported"
+    import_task_dir(builtin_catalogue_dir(), dest)
+    directive = dest / "teacher_directive.txt"
+    directive.write_text(directive.read_text(encoding="utf-8") + "8. One more rule.\n", encoding="utf-8")
+    with pytest.raises(TaskFormatError, match=r"provenance\.json: teacher_directive\.txt changed since the import"):
+        load_catalogue(dest)
+    (dest / "provenance.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(TaskFormatError, match="must hold source, files"):
+        load_catalogue(dest)
