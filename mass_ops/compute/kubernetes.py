@@ -11,10 +11,13 @@ Contracts with the images:
 - the model cache claim is mounted at `MODEL_MOUNT`; a model key such as `models/L1-fp8` lives at `/models/L1-fp8`;
 - episode pods run two containers sharing the emptyDir `HANDOFF_MOUNT`: `base` runs `mass-ops episode run --config
   CONFIG_FILE --kind K --task T --seed S [...] --condition C --prompt-file HANDOFF_MOUNT/prompt.txt --handoff
-  HANDOFF_MOUNT` with the inference key only, and `publisher` runs `mass-ops episode publish --config CONFIG_FILE
+  HANDOFF_MOUNT` with no secret at all, and `publisher` runs `mass-ops episode publish --config CONFIG_FILE
   --handoff HANDOFF_MOUNT --prompt-uri URI --prompt-sha256 H` with the store and database credentials: it fetches
   the prompt the operator stored, checks its hash and writes it into the folder before the sandbox reads it
-  (`mass_ops.runtime.handoff`; why two containers and not a native sidecar: `episode_pod`);
+  (`mass_ops.runtime.handoff`; why two containers and not a native sidecar: `episode_pod`). The inference key
+  lives in a third container, the native sidecar `proxy`, which runs the episode's logging proxy
+  (`python -m mass_ops.runtime.proxy --sessions-dir PROXY_LOG_MOUNT ...`) on 127.0.0.1:`proxy_port` and writes one
+  log per attempt into an emptyDir the sandbox mounts read-only;
 - training and export Jobs run `mass-ops stage train|export --config CONFIG_FILE` with the launch topology in the
   environment (`NNODES`, `NPROC_PER_NODE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`); node rank = the indexed
   Job's completion index; rendezvous goes through a headless Service named like the Job, whose node-0 name the Job
@@ -34,10 +37,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
 
 import yaml
 
 from mass_ops.config import CycleConfig
+from mass_ops.errors import InputError
 from mass_ops.layout import HANDOFF_PROMPT_FILE, EpisodeUnit
 
 CONFIG_ANNOTATION = "mass-ops/cycle-config"
@@ -47,6 +52,14 @@ MODEL_MOUNT = "/models"
 RUNTIME_UID = 10001  # the unprivileged user of the episode, trainer and inference images
 HANDOFF_MOUNT = "/handoff"  # the emptyDir an episode's sandbox and publisher containers share
 PUBLISHER_CONTAINER = "publisher"
+PROXY_CONTAINER = "proxy"
+PROXY_LOG_MOUNT = "/proxy-logs"  # the episode proxy's session logs: written by the proxy, read by the sandbox
+PROXY_READY_FILE = f"{PROXY_LOG_MOUNT}/proxy.port"  # written by the proxy once it listens: its startup probe
+# What the sandbox container is told about the proxy beside it (`mass_ops.runtime.runner` reads these).
+PROXY_URL_ENV = "MASS_EPISODE_PROXY_URL"
+PROXY_LOG_DIR_ENV = "MASS_EPISODE_PROXY_LOG_DIR"
+# mass-ops' own interpreter in the episode image (docker/episode/Dockerfile: a venv apart from the agent's python).
+EPISODE_IMAGE_PYTHON = "/opt/mass-ops/bin/python"
 MASTER_PORT = 29500
 SETTINGS_DIR_ENV = "MASS_SETTINGS_DIR"
 DEFAULT_SETTINGS_DIR = "/etc/mass-ops/settings"
@@ -72,15 +85,24 @@ DEFAULT_LABELS: dict[str, dict[str, str]] = {
     "inference": {"app.kubernetes.io/component": "inference"},
     "training": {"app.kubernetes.io/component": "training"},
 }
-Consumer = Literal["episode", "publisher", "inference", "training", "airflow"]
+# `proxy` receives the inference key (in the episode pod's proxy container); `episode` is that consumer's name in
+# charts before the key left the sandbox, and is read the same way.
+Consumer = Literal["episode", "proxy", "publisher", "inference", "training", "airflow"]
 EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
 
 _NAME_CHARS = re.compile(r"[^a-z0-9-]+")
 _LABEL_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_QUANTITY_FACTORS = {
+    None: 1,
+    "m": 1e-3,
+    **{suffix: 1000**power for power, suffix in enumerate(("k", "M", "G", "T", "P", "E"), start=1)},
+    **{suffix: 1024**power for power, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), start=1)},
+}
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """A workload that cannot be described: the message names the setting and why."""
 
 
@@ -104,6 +126,74 @@ class SecretRef:
         return {"name": self.env, "valueFrom": {"secretKeyRef": ref}}
 
 
+def quantity_value(text: str, what: str) -> float:
+    """A Kubernetes resource quantity (`2Gi`, `500M`, `250m`) as a number; SpecError naming `what` otherwise."""
+    match = _QUANTITY.fullmatch(str(text))
+    if match is None:
+        raise SpecError(f"workload settings: {what} {text!r} is not a Kubernetes quantity (e.g. 8Gi)")
+    return float(match.group(1)) * _QUANTITY_FACTORS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class DiskBudget:
+    """A container's `ephemeral-storage` request and limit (its writable layer and logs; the kubelet also evicts
+    the pod when all its emptyDirs together exceed the sum of its containers' limits)."""
+
+    request: str
+    limit: str
+
+    def check(self, what: str) -> None:
+        if quantity_value(self.request, f"{what}.request") > quantity_value(self.limit, f"{what}.limit"):
+            raise SpecError(f"workload settings: {what}: request {self.request} exceeds limit {self.limit}")
+
+
+# Safe defaults when the chart says nothing: room for an agent's uv environments, never a whole node's disk.
+DEFAULT_EPISODE_VOLUME_LIMITS: dict[str, str] = {
+    "workspace": "8Gi",
+    "home": "8Gi",
+    "tmp": "4Gi",
+    "handoff": "12Gi",  # every attempt's workspace tarball and logs until the publisher has them
+    "publisher-tmp": "1Gi",
+    "proxy-logs": "2Gi",
+}
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Disk and proxy limits of an episode pod (chart values `episode.ephemeralStorage`, `episode.volumeSizeLimits`,
+    `episode.publisher.ephemeralStorage`, `episode.proxy`): every container has an ephemeral-storage request and
+    limit, and every emptyDir a `sizeLimit`, so an agent cannot fill its node's disk."""
+
+    sandbox_storage: DiskBudget = DiskBudget("2Gi", "24Gi")
+    publisher_storage: DiskBudget = DiskBudget("256Mi", "2Gi")
+    proxy_storage: DiskBudget = DiskBudget("64Mi", "1Gi")
+    volume_size_limits: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_EPISODE_VOLUME_LIMITS))
+    proxy_cpu: str = "500m"
+    proxy_memory: str = "512Mi"
+    proxy_port: int = 8470
+
+    def __post_init__(self) -> None:
+        for name, budget in (
+            ("episode.ephemeralStorage", self.sandbox_storage),
+            ("episode.publisher.ephemeralStorage", self.publisher_storage),
+            ("episode.proxy.ephemeralStorage", self.proxy_storage),
+        ):
+            budget.check(name)
+        unknown = sorted(set(self.volume_size_limits) - set(DEFAULT_EPISODE_VOLUME_LIMITS))
+        if unknown:
+            raise SpecError(f"workload settings: episode.volumeSizeLimits has unknown volumes {unknown}")
+        for volume, size in self.volume_size_limits.items():
+            quantity_value(size, f"episode.volumeSizeLimits.{volume}")
+        quantity_value(self.proxy_cpu, "episode.proxy.cpu")
+        quantity_value(self.proxy_memory, "episode.proxy.memory")
+        if not 1024 <= self.proxy_port <= 65535:
+            raise SpecError(f"workload settings: episode.proxy.port {self.proxy_port} is not in 1024-65535")
+
+    def size_limit(self, volume: str) -> str:
+        """The volume's sizeLimit: the configured one, else the default."""
+        return self.volume_size_limits.get(volume, DEFAULT_EPISODE_VOLUME_LIMITS[volume])
+
+
 @dataclass(frozen=True)
 class WorkloadSettings:
     """What the Helm chart tells the operators about the namespace (its settings ConfigMap)."""
@@ -112,6 +202,7 @@ class WorkloadSettings:
     labels: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: DEFAULT_LABELS)
     env_config_map: str | None = "mass-ops-env"
     secret_refs: tuple[SecretRef, ...] = ()
+    episode_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
 
     def labels_for(self, role: Literal["episode", "inference", "training"]) -> dict[str, str]:
         """The labels the chart's NetworkPolicy and settings expect on pods of `role`."""
@@ -176,6 +267,39 @@ def load_workload_settings(directory: str | Path | None = None) -> WorkloadSetti
         labels={role: dict(labels) for role, labels in (workloads.get("labels") or DEFAULT_LABELS).items()},
         env_config_map=workloads.get("envFromConfigMap", defaults.env_config_map),
         secret_refs=tuple(secret_refs),
+        episode_limits=_episode_limits(workloads.get("episodeLimits"), workloads_path),
+    )
+
+
+def _episode_limits(data: Any, path: Path) -> EpisodeLimits:
+    """`workloads.yaml`'s `episodeLimits` (the chart's `episode` values); the defaults for what it leaves out."""
+    if data is None:
+        return EpisodeLimits()
+    if not isinstance(data, dict):
+        raise SpecError(f"workload settings: {path}: episodeLimits must be a mapping")
+    defaults = EpisodeLimits()
+
+    def budget(key: str, default: DiskBudget) -> DiskBudget:
+        value = data.get(key) or {}
+        if not isinstance(value, dict):
+            raise SpecError(f"workload settings: {path}: episodeLimits.{key} must be {{request, limit}}")
+        return DiskBudget(str(value.get("request", default.request)), str(value.get("limit", default.limit)))
+
+    sizes = data.get("volumeSizeLimits") or {}
+    if not isinstance(sizes, dict):
+        raise SpecError(f"workload settings: {path}: episodeLimits.volumeSizeLimits must be a mapping")
+    try:
+        port = int(data.get("proxyPort", defaults.proxy_port))
+    except (TypeError, ValueError):
+        raise SpecError(f"workload settings: {path}: episodeLimits.proxyPort must be a port number") from None
+    return EpisodeLimits(
+        sandbox_storage=budget("sandboxStorage", defaults.sandbox_storage),
+        publisher_storage=budget("publisherStorage", defaults.publisher_storage),
+        proxy_storage=budget("proxyStorage", defaults.proxy_storage),
+        volume_size_limits={**DEFAULT_EPISODE_VOLUME_LIMITS, **{str(k): str(v) for k, v in sizes.items()}},
+        proxy_cpu=str(data.get("proxyCpu", defaults.proxy_cpu)),
+        proxy_memory=str(data.get("proxyMemory", defaults.proxy_memory)),
+        proxy_port=port,
     )
 
 
@@ -569,10 +693,38 @@ class EpisodeSpec:
         return ["--prompt-uri", str(self.prompt_uri), "--prompt-sha256", str(self.prompt_sha256)]
 
 
-def episode_deadline_s(config: CycleConfig) -> int:
-    """Hard limit of an episode pod: every allowed infrastructure attempt at full wall clock, plus slack."""
+def episode_deadline_s(config: CycleConfig) -> int | None:
+    """Hard limit of an episode pod: every allowed infrastructure attempt at full wall clock, plus slack; None when
+    the episode has no wall-clock limit (`runtime.episode_wall_clock_s: null`, the paper presets)."""
     runtime = config.runtime
+    if runtime.episode_wall_clock_s is None:
+        return None
     return runtime.episode_wall_clock_s * runtime.max_infra_attempts + 900
+
+
+def proxy_upstream(config: CycleConfig) -> str:
+    """The endpoint as the episode proxy's upstream: scheme://host[:port], the client path (`/v1`) left to clients."""
+    parts = urlsplit(config.inference.endpoint.rstrip("/"))
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _resources(cpu: str, memory: str, disk: DiskBudget) -> dict[str, dict[str, str]]:
+    """Guaranteed CPU and memory, and a disk request below its limit (disk is used as it grows)."""
+    return {
+        "requests": {"cpu": cpu, "memory": memory, "ephemeral-storage": disk.request},
+        "limits": {"cpu": cpu, "memory": memory, "ephemeral-storage": disk.limit},
+    }
+
+
+def _empty_dir(name: str, limits: EpisodeLimits) -> dict[str, Any]:
+    return {"name": name, "emptyDir": {"sizeLimit": limits.size_limit(name)}}
+
+
+def _unique_env(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_name: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        by_name.setdefault(entry["name"], entry)
+    return list(by_name.values())
 
 
 def episode_pod(
@@ -581,8 +733,16 @@ def episode_pod(
     """The sandbox pod of one episode: non-root, no service-account token, capped resources, the NetworkPolicy's
     label, and two containers that share one emptyDir (`HANDOFF_MOUNT`) and nothing else.
 
-    `base` runs the agent (`episode run --handoff`) with the inference key and no other Secret, not even the
-    store's URL: the agent's commands run as that container's user and could read any process's environment there.
+    `base` runs the agent (`episode run --handoff`) with no Secret at all, not even the store's URL: the agent's
+    commands run as that container's user and could read any process's environment there. The inference key goes
+    to the `proxy` container only (ISSUE #13.4), a native sidecar (an init container with `restartPolicy: Always`)
+    that serves the episode's logging proxy on 127.0.0.1 — containers of a pod share the network, and nothing
+    outside the pod can reach that address — and writes each attempt's log into the `proxy-logs` emptyDir, which
+    `base` mounts read-only. As a native sidecar it is up before `base` starts (its startup probe waits for the
+    file it writes once listening), and the kubelet stops it once `base` and `publisher` have ended; its exit status
+    does not count towards the pod's phase, which suits a server with nothing to report. Every container has an
+    ephemeral-storage request and limit and every emptyDir a sizeLimit (`settings.episode_limits`), so an agent
+    cannot fill its node's disk (ISSUE #13.6).
     `publisher` holds the artifact-store and metadata-DB credentials and publishes what `base` hands over
     (`episode publish --handoff`), artifacts first and the row last. `episode` must be bound (`EpisodeSpec.bound`):
     `base` runs exactly the unit its stage would run, reading the prompt the publisher first fetches from the store,
@@ -604,17 +764,16 @@ def episode_pod(
         "mass-ops/task": str(episode.task_id),
         "mass-ops/episode-kind": episode.kind,
     }
-    resources = {
-        "requests": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
-        "limits": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
-    }
+    limits = settings.episode_limits
     handoff_mount = {"name": "handoff", "mountPath": HANDOFF_MOUNT}
     env = [
         {"name": "MASS_EPISODE_SLUG", "value": episode.slug},
         {"name": "EPISODE_CUDA_VISIBLE_DEVICES", "value": config.runtime.episode_cuda_visible_devices},
         {"name": "HOME", "value": "/home/mass"},
         {"name": "TMPDIR", "value": "/tmp"},
-        *settings.secret_env("episode"),
+        # The runner opens one proxy session per attempt there; no key, no Secret reaches this container.
+        {"name": PROXY_URL_ENV, "value": f"http://127.0.0.1:{limits.proxy_port}"},
+        {"name": PROXY_LOG_DIR_ENV, "value": PROXY_LOG_MOUNT},
     ]
     run = ["mass-ops", "episode", "run", "--config", CONFIG_FILE, *episode.arguments()]
     sandbox = {
@@ -623,10 +782,11 @@ def episode_pod(
         "imagePullPolicy": "IfNotPresent",
         "command": [*run, "--handoff", HANDOFF_MOUNT],
         "env": env,
-        "resources": resources,
+        "resources": _resources(k8s.episode_cpu, k8s.episode_memory, limits.sandbox_storage),
         "volumeMounts": [
             _config_mount(),
             handoff_mount,
+            {"name": "proxy-logs", "mountPath": PROXY_LOG_MOUNT, "readOnly": True},
             {"name": "workspace", "mountPath": "/workspace"},
             {"name": "home", "mountPath": "/home/mass"},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -636,7 +796,6 @@ def episode_pod(
         "securityContext": _container_security(read_only_root=False),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    publisher_resources = {"cpu": k8s.publisher_cpu, "memory": k8s.publisher_memory}
     publisher = {
         "name": PUBLISHER_CONTAINER,
         "image": k8s.image_episode,
@@ -651,26 +810,56 @@ def episode_pod(
             *settings.secret_env("publisher"),
         ],
         "envFrom": settings.env_from(),
-        "resources": {"requests": publisher_resources, "limits": publisher_resources},
+        "resources": _resources(k8s.publisher_cpu, k8s.publisher_memory, limits.publisher_storage),
         "volumeMounts": [_config_mount(), handoff_mount, {"name": "publisher-tmp", "mountPath": "/tmp"}],
+        "securityContext": _container_security(read_only_root=True),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    # The key may go to the configured endpoint and, for a rollout on another generation's server, to the
+    # namespace's Services (the pod's NetworkPolicy reaches no other Service than the inference servers).
+    proxy = {
+        "name": PROXY_CONTAINER,
+        "image": k8s.image_episode,
+        "imagePullPolicy": "IfNotPresent",
+        "restartPolicy": "Always",  # a native sidecar: see the docstring
+        "command": [
+            *(EPISODE_IMAGE_PYTHON, "-m", "mass_ops.runtime.proxy", "--listen", str(limits.proxy_port)),
+            *("--sessions-dir", PROXY_LOG_MOUNT, "--key-env", config.inference.api_key_env),
+            *("--upstream", proxy_upstream(config), "--allow-host-suffix", f".{k8s.namespace}.svc"),
+            *("--port-file", PROXY_READY_FILE),
+        ],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            *_unique_env(settings.secret_env("proxy") + settings.secret_env("episode")),
+        ],
+        "resources": _resources(limits.proxy_cpu, limits.proxy_memory, limits.proxy_storage),
+        "volumeMounts": [{"name": "proxy-logs", "mountPath": PROXY_LOG_MOUNT}],
+        # The proxy listens on 127.0.0.1, which the kubelet's probes cannot reach: probe the file it writes then.
+        "startupProbe": {
+            "exec": {"command": ["/usr/bin/test", "-s", PROXY_READY_FILE]},
+            "periodSeconds": 1,
+            "failureThreshold": 120,
+        },
         "securityContext": _container_security(read_only_root=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     spec = {
         **_pod_base(config, settings),
         "restartPolicy": "Never",
+        "initContainers": [proxy],
         "containers": [sandbox, publisher],
         "volumes": [
             _config_volume(),
-            {"name": "handoff", "emptyDir": {}},
-            {"name": "workspace", "emptyDir": {}},
-            {"name": "home", "emptyDir": {}},
-            {"name": "tmp", "emptyDir": {}},
-            {"name": "publisher-tmp", "emptyDir": {}},
+            *(
+                _empty_dir(name, limits)
+                for name in ("handoff", "workspace", "home", "tmp", "publisher-tmp", "proxy-logs")
+            ),
         ],
-        "activeDeadlineSeconds": episode_deadline_s(config),
         "terminationGracePeriodSeconds": 30,
     }
+    deadline = episode_deadline_s(config)
+    if deadline is not None:
+        spec["activeDeadlineSeconds"] = deadline
     if k8s.node_selector:
         spec["nodeSelector"] = dict(k8s.node_selector)
     return {

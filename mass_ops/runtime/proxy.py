@@ -106,9 +106,6 @@ CONTROL_PREFIX = "/_mass_proxy"
 CONTROL_TIMEOUT_S = 30.0
 MAX_SESSIONS = 64
 REJECTED_LOG = "rejected.jsonl"
-# What the sandbox container of an episode pod is told about the proxy beside it (see compute/kubernetes.py).
-PROXY_URL_ENV = "MASS_EPISODE_PROXY_URL"
-PROXY_LOG_DIR_ENV = "MASS_EPISODE_PROXY_LOG_DIR"
 
 
 class ProxyConfigError(InputError):

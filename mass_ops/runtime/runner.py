@@ -58,6 +58,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeInt
 
+from mass_ops.compute.kubernetes import PROXY_LOG_DIR_ENV, PROXY_URL_ENV
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.errors import InfrastructureError, InputError
@@ -74,8 +75,6 @@ from mass_ops.runtime.outcome import (
 from mass_ops.runtime.proxy import (
     DEFAULT_KEY_VALUE,
     MIN_REDACTED_SECRET,
-    PROXY_LOG_DIR_ENV,
-    PROXY_URL_ENV,
     REDACTION,
     LoggingProxy,
     ProxySessionError,

@@ -138,11 +138,12 @@ def test_episode_pod_is_a_sandbox(paper, settings):
     assert security["capabilities"] == {"drop": ["ALL"]}
     k8s = paper.compute.kubernetes
     assert container["resources"] == {
-        "requests": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
-        "limits": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory},
+        "requests": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory, "ephemeral-storage": "2Gi"},
+        "limits": {"cpu": k8s.episode_cpu, "memory": k8s.episode_memory, "ephemeral-storage": "24Gi"},
     }
     assert "tolerations" not in spec and spec["nodeSelector"] == {"pool": "cpu"}  # CPU nodes, no GPU
-    assert spec["activeDeadlineSeconds"] == paper.runtime.episode_wall_clock_s * paper.runtime.max_infra_attempts + 900
+    # The paper sets no wall-clock limit on an episode (MASS_SPEC §4), so neither does its pod.
+    assert paper.runtime.episode_wall_clock_s is None and "activeDeadlineSeconds" not in spec
     sha = EPISODES[1].prompt_sha256
     assert container["command"] == [
         "mass-ops", "episode", "run", "--config", specs.CONFIG_FILE, "--kind", "search", "--task", "51",
@@ -161,11 +162,16 @@ def test_episode_pod_shares_only_the_handoff_folder(paper, settings):
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (sandbox, publisher)}
     shared = set(mounts["base"]) & set(mounts["publisher"])
-    assert shared == {"handoff", "cycle-config"} and volumes["handoff"] == {"name": "handoff", "emptyDir": {}}
+    assert shared == {"handoff", "cycle-config"} and volumes["handoff"]["emptyDir"] == {"sizeLimit": "12Gi"}
     assert mounts["base"]["handoff"]["mountPath"] == mounts["publisher"]["handoff"]["mountPath"] == specs.HANDOFF_MOUNT
     assert mounts["publisher"]["cycle-config"]["readOnly"] is True
-    # Two regular containers (see episode_pod's docstring), no process namespace in common.
-    assert "initContainers" not in spec and not spec.get("shareProcessNamespace", False)
+    # Two regular containers (see episode_pod's docstring), no process namespace in common; the proxy sidecar shares
+    # only its log folder, which the sandbox may read and not write.
+    [proxy] = spec["initContainers"]
+    assert proxy["name"] == specs.PROXY_CONTAINER and proxy["restartPolicy"] == "Always"
+    assert [m["name"] for m in proxy["volumeMounts"]] == ["proxy-logs"] and "proxy-logs" not in mounts["publisher"]
+    assert mounts["base"]["proxy-logs"]["readOnly"] is True and proxy["securityContext"]["readOnlyRootFilesystem"]
+    assert not spec.get("shareProcessNamespace", False)
     for container in (sandbox, publisher):
         security = container["securityContext"]
         assert security["allowPrivilegeEscalation"] is False and security["runAsNonRoot"] is True
@@ -173,7 +179,9 @@ def test_episode_pod_shares_only_the_handoff_folder(paper, settings):
     assert publisher["securityContext"]["readOnlyRootFilesystem"] is True
     assert mounts["publisher"]["publisher-tmp"]["mountPath"] == "/tmp" and "publisher-tmp" not in mounts["base"]
     k8s = paper.compute.kubernetes
-    assert publisher["resources"]["limits"] == {"cpu": k8s.publisher_cpu, "memory": k8s.publisher_memory}
+    assert publisher["resources"]["limits"] == {
+        "cpu": k8s.publisher_cpu, "memory": k8s.publisher_memory, "ephemeral-storage": "2Gi",
+    }  # fmt: skip
     assert publisher["image"] == sandbox["image"] == k8s.image_episode
 
 
@@ -190,14 +198,29 @@ def test_episode_pod_carries_what_the_network_policy_selects(paper, settings):
     assert egress_to.items() <= pod_labels.items(), "episodes must be allowed to reach the inference pods"
 
 
-def test_episode_sandbox_gets_the_inference_key_and_the_publisher_the_stores(paper, settings):
-    sandbox, publisher = specs.episode_pod(paper, settings, EPISODES[1])["spec"]["containers"]
-    secret_envs = {e["name"] for e in sandbox["env"] if "valueFrom" in e}
-    assert secret_envs == {"VLLM_API_KEY"}
-    key = next(e for e in sandbox["env"] if e["name"] == "VLLM_API_KEY")
-    assert key["valueFrom"]["secretKeyRef"] == {"name": "mass-ops-inference", "key": "VLLM_API_KEY", "optional": True}
+def test_episode_sandbox_holds_no_secret_the_proxy_the_key_and_the_publisher_the_stores(paper, settings):
+    """ISSUE #13.4: the agent's container has no secret env, envFrom or volume; the key is the proxy's alone."""
+    spec = specs.episode_pod(paper, settings, EPISODES[1])["spec"]
+    sandbox, publisher = spec["containers"]
+    [proxy] = spec["initContainers"]
+    assert not [e for e in sandbox["env"] if "valueFrom" in e] and "envFrom" not in sandbox
+    assert "VLLM_API_KEY" not in json.dumps(sandbox)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in sandbox["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        assert not {"secret", "projected"} & set(volume), f"the sandbox mounts {mount['name']}, a secret volume"
+    env = {e["name"]: e["value"] for e in sandbox["env"]}
+    assert env[specs.PROXY_URL_ENV] == "http://127.0.0.1:8470" and env[specs.PROXY_LOG_DIR_ENV] == "/proxy-logs"
+    proxy_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in proxy["env"] if "valueFrom" in e}
+    assert proxy_secrets == {"VLLM_API_KEY": {"name": "mass-ops-inference", "key": "VLLM_API_KEY", "optional": True}}
+    assert "envFrom" not in proxy
+    assert proxy["command"] == [
+        "/opt/mass-ops/bin/python", "-m", "mass_ops.runtime.proxy", "--listen", "8470",
+        "--sessions-dir", "/proxy-logs", "--key-env", "VLLM_API_KEY", "--upstream", "http://127.0.0.1:8001",
+        "--allow-host-suffix", f".{paper.compute.kubernetes.namespace}.svc", "--port-file", "/proxy-logs/proxy.port",
+    ]  # fmt: skip
+    assert proxy["startupProbe"]["exec"]["command"] == ["/usr/bin/test", "-s", "/proxy-logs/proxy.port"]
     # Not even the store's URL: the sandbox learns what it needs from the publisher's ledger.
-    assert "envFrom" not in sandbox
     assert not {e["name"] for e in sandbox["env"]} & {"MASS_METADATA_URL", "MASS_ARTIFACT_URL", "AWS_ACCESS_KEY_ID"}
     publisher_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in publisher["env"] if "valueFrom" in e}
     assert set(publisher_secrets) == {
@@ -453,4 +476,52 @@ def test_chart_settings_round_trip(settings):
     assert settings.service_account == "mass-ops-workload"
     assert settings.labels_for("episode") == {"app.kubernetes.io/component": "episode", "mass-ops/role": "episode"}
     consumers = {ref.env: set(ref.consumers) for ref in settings.secret_refs}
-    assert {env for env, who in consumers.items() if "episode" in who} == {"VLLM_API_KEY"}
+    assert {env for env, who in consumers.items() if "proxy" in who} == {"VLLM_API_KEY"}
+    assert {env for env, who in consumers.items() if "episode" in who} == set()
+
+
+def test_every_episode_volume_and_container_has_a_disk_limit(paper, settings):
+    """ISSUE #13.6: no emptyDir without a sizeLimit, no container without an ephemeral-storage request and limit."""
+    spec = specs.episode_pod(paper, settings, EPISODES[0])["spec"]
+    for volume in spec["volumes"]:
+        if "emptyDir" in volume:
+            assert volume["emptyDir"].get("sizeLimit"), f"emptyDir {volume['name']} has no sizeLimit"
+    for container in [*spec["initContainers"], *spec["containers"]]:
+        resources = container["resources"]
+        name = container["name"]
+        assert resources["requests"]["ephemeral-storage"] and resources["limits"]["ephemeral-storage"], name
+    validate_manifest(specs.episode_pod(paper, settings, EPISODES[0]))
+
+
+def test_episode_limits_come_from_the_settings_and_bad_ones_are_one_line(paper, tmp_path):
+    limits = specs.EpisodeLimits(
+        sandbox_storage=specs.DiskBudget("1Gi", "5Gi"), volume_size_limits={"handoff": "3Gi"}, proxy_port=9000
+    )
+    spec = specs.episode_pod(paper, WorkloadSettings(episode_limits=limits), EPISODES[0])["spec"]
+    sandbox = spec["containers"][0]
+    assert sandbox["resources"]["limits"]["ephemeral-storage"] == "5Gi"
+    sizes = {v["name"]: v["emptyDir"]["sizeLimit"] for v in spec["volumes"] if "emptyDir" in v}
+    assert sizes["handoff"] == "3Gi" and sizes["workspace"] == "8Gi"
+    assert {"name": specs.PROXY_URL_ENV, "value": "http://127.0.0.1:9000"} in sandbox["env"]
+    for broken, message in (
+        ({"sandbox_storage": specs.DiskBudget("9Gi", "1Gi")}, "request 9Gi exceeds limit 1Gi"),
+        ({"volume_size_limits": {"handoff": "lots"}}, "episode.volumeSizeLimits.handoff 'lots' is not"),
+        ({"volume_size_limits": {"scratch": "1Gi"}}, "unknown volumes ['scratch']"),
+        ({"proxy_port": 80}, "episode.proxy.port 80"),
+    ):
+        with pytest.raises(SpecError) as caught:
+            specs.EpisodeLimits(**broken)
+        assert message in str(caught.value) and "\n" not in str(caught.value)
+    (tmp_path / "workloads.yaml").write_text("episodeLimits: {sandboxStorage: {request: 3Gi, limit: 2Gi}}\n")
+    with pytest.raises(SpecError, match="exceeds limit"):
+        load_workload_settings(tmp_path)
+
+
+def test_a_wall_clock_limit_bounds_the_pod_and_none_leaves_it_unbounded(chart_dir, settings):
+    demo = cluster_config(chart_dir, "demo")
+    spec = specs.episode_pod(demo, settings, EPISODES[0])["spec"]
+    assert demo.runtime.episode_wall_clock_s == 600
+    assert spec["activeDeadlineSeconds"] == 600 * demo.runtime.max_infra_attempts + 900
+    unbounded = cluster_config(chart_dir, "demo", "runtime.episode_wall_clock_s=null")
+    assert "activeDeadlineSeconds" not in specs.episode_pod(unbounded, settings, EPISODES[0])["spec"]
+    assert specs.episode_deadline_s(unbounded) is None

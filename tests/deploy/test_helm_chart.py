@@ -197,6 +197,11 @@ def test_chart_lints_without_warnings():
         ({"trainingPriority": {"preemptionPolicy": "Always"}}, "/trainingPriority/preemptionPolicy"),
         ({"modelCache": {"accessModes": ["ReadWriteAlways"]}}, "/modelCache/accessModes/0"),
         ({"episode": {"cpu": "four"}}, "/episode/cpu"),
+        ({"episode": {"ephemeralStorage": {"request": "1Gi", "limit": "lots"}}}, "/episode/ephemeralStorage/limit"),
+        ({"episode": {"volumeSizeLimits": {"handoff": "-1"}}}, "/episode/volumeSizeLimits/handoff"),
+        ({"episode": {"volumeSizeLimits": {"scratch": "1Gi"}}}, "scratch"),
+        ({"episode": {"proxy": {"port": 80}}}, "/episode/proxy/port"),
+        ({"episode": {"proxy": {"ephemeralStorage": {"request": "x"}}}}, "/episode/proxy/ephemeralStorage/request"),
         ({"scheduling": {"gpu": {"tolerations": [{"key": "k", "tolerationSeconds": 5}]}}}, "tolerationSeconds"),
     ],
 )
@@ -387,6 +392,37 @@ def test_gpu_scheduling_and_overrides_reach_the_settings():
     assert default_gpu.gpu_node_selector and default_gpu.gpu_tolerations, "GPU pods need a selector by default"
 
 
+def test_episode_pods_get_disk_limits_from_the_values(default_chart, tmp_path):
+    """ISSUE #13.6: the chart carries the episode pods' ephemeral-storage budgets and emptyDir sizeLimits, with safe
+    defaults, and the operators' settings reader turns them into the pod builder's limits."""
+    from mass_ops.compute.kubernetes import DEFAULT_EPISODE_VOLUME_LIMITS, EpisodeLimits, load_workload_settings
+
+    limits = settings(default_chart, "workloads.yaml")["episodeLimits"]
+    assert limits["sandboxStorage"] == {"request": "2Gi", "limit": "24Gi"}
+    assert limits["publisherStorage"] == {"request": "256Mi", "limit": "2Gi"}
+    assert limits["proxyStorage"] == {"request": "64Mi", "limit": "1Gi"}
+    assert limits["volumeSizeLimits"] == DEFAULT_EPISODE_VOLUME_LIMITS
+    assert (limits["proxyCpu"], limits["proxyMemory"], limits["proxyPort"]) == ("500m", "512Mi", 8470)
+
+    chart = render_chart(
+        {
+            "episode": {
+                "ephemeralStorage": {"request": "1Gi", "limit": "10Gi"},
+                "volumeSizeLimits": {"handoff": "3Gi"},
+                "proxy": {"port": 9100},
+            }
+        }
+    )
+    folder = tmp_path
+    for name, text in chart.one("ConfigMap", "mass-ops-settings")["data"].items():
+        (folder / name).write_text(text)
+    read = load_workload_settings(folder).episode_limits
+    assert (read.sandbox_storage.request, read.sandbox_storage.limit) == ("1Gi", "10Gi")
+    assert read.size_limit("handoff") == "3Gi" and read.size_limit("workspace") == "8Gi"  # merged with defaults
+    assert read.proxy_port == 9100
+    assert load_workload_settings(folder / "absent").episode_limits == EpisodeLimits()
+
+
 def test_secret_refs_cover_every_credential_with_least_privilege(default_chart):
     refs = settings(default_chart, "secret-refs.yaml")
     assert set(refs) == SECRET_ENV
@@ -396,9 +432,10 @@ def test_secret_refs_cover_every_credential_with_least_privilege(default_chart):
         "optional": False,
         "consumers": ["airflow", "training", "publisher"],
     }
-    # The agent runs arbitrary commands in episode pods: it gets the model-server key and nothing else; the pod's
-    # publisher container gets the stores' credentials and no key.
-    assert {env for env, ref in refs.items() if "episode" in ref["consumers"]} == {"VLLM_API_KEY"}
+    # The agent runs arbitrary commands in episode pods: its container gets no secret; the pod's proxy container
+    # gets the model-server key and nothing else; the publisher container gets the stores' credentials and no key.
+    assert {env for env, ref in refs.items() if "episode" in ref["consumers"]} == set()
+    assert {env for env, ref in refs.items() if "proxy" in ref["consumers"]} == {"VLLM_API_KEY"}
     assert {env for env, ref in refs.items() if "publisher" in ref["consumers"]} == {
         "MASS_METADATA_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3",
     }  # fmt: skip

@@ -250,7 +250,8 @@ def test_in_a_pod_the_runner_holds_no_key_and_uses_the_proxy_container(
 ) -> None:
     """The sandbox side of a Kubernetes episode pod: no key in its environment at all; the pod's proxy (run here by
     `serve_episode_proxy`, as the proxy container runs it) holds the key and gives each attempt its own log."""
-    from mass_ops.runtime.proxy import PROXY_LOG_DIR_ENV, PROXY_URL_ENV, serve_episode_proxy
+    from mass_ops.compute.kubernetes import PROXY_LOG_DIR_ENV, PROXY_URL_ENV
+    from mass_ops.runtime.proxy import serve_episode_proxy
 
     sessions = tmp_path / "proxy-logs"
     port_file = tmp_path / "proxy.port"
@@ -356,6 +357,32 @@ def test_wall_clock_limit_stops_the_whole_process_group(
     child, detached = (int(pid) for pid in (dest / "pids.txt").read_text().split())
     # The child in the agent's group and the grandchild that left it with setsid are both gone.
     assert not process_alive(child) and not process_alive(detached)
+
+
+def test_paper_presets_set_no_wall_clock_limit_and_others_keep_one() -> None:
+    """ISSUE #12.7: the reference has no episode wall-clock limit (MASS_SPEC §4); the other presets keep theirs."""
+    from mass_ops.config import RuntimeConfig
+
+    assert load_config("paper").runtime.episode_wall_clock_s is None
+    assert load_config("cycle2").runtime.episode_wall_clock_s is None
+    assert load_config("demo").runtime.episode_wall_clock_s == 600
+    assert RuntimeConfig().episode_wall_clock_s == 6 * 3600  # a custom config keeps a limit unless it says null
+    description = RuntimeConfig.model_fields["episode_wall_clock_s"].description or ""
+    assert "null = no limit" in description and "paper" in description
+
+
+def test_no_wall_clock_limit_lets_the_agent_run_to_its_end(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", episode_wall_clock_s=None)
+        runner = _runner(ctx, stand_in_install, tmp_path, kill_grace_s=1.0)
+        outcome = asyncio.run(runner.run_attempt(request(ctx, "Take your time.\n@agent requests=1 sleep=2"), 1))
+
+    assert ctx.config.runtime.episode_wall_clock_s is None
+    assert outcome.status == "succeeded" and outcome.status_record["terminated_by"] is None
+    assert outcome.status_record["operational_limits"]["episode_wall_clock_s"] is None
+    assert outcome.status_record["exit_code"] == 0
 
 
 def test_background_processes_end_with_the_episode(
