@@ -111,45 +111,151 @@ class ModelsConfig(_Section):
 class SamplingConfig(_Section):
     """Sampling of episodes and in-loop judge/optimizer calls on a local server (MASS_SPEC §3.2, §4)."""
 
-    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = 0.6
-    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.95
-    top_k: Annotated[StrictInt, Field(ge=-1)] = 20
-    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0)] = 1.0
-    enable_thinking: StrictBool = True
+    temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] = Field(
+        default=0.6,
+        description=(
+            "Sampling temperature of episodes and in-loop judge/optimizer calls on the local server; 0 is "
+            "greedy. Reference: 0.6."
+        ),
+    )
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = Field(
+        default=0.95,
+        description=(
+            "Nucleus sampling: only the smallest set of tokens whose probabilities add up to `top_p` is sampled "
+            "from. Reference: 0.95."
+        ),
+    )
+    top_k: Annotated[StrictInt, Field(ge=-1)] = Field(
+        default=20,
+        description="Only the `top_k` most likely tokens are sampled from; -1 disables the limit. Reference: 20.",
+    )
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2.0, le=2.0)] = Field(
+        default=0.0,
+        description=(
+            "Penalty on tokens already present in the output (positive values discourage repetition). Reference: 0."
+        ),
+    )
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0)] = Field(
+        default=1.0,
+        description="Multiplicative penalty on repeated tokens; 1 leaves the distribution unchanged. Reference: 1.",
+    )
+    enable_thinking: StrictBool = Field(
+        default=True,
+        description=(
+            "Whether the chat template opens a reasoning block before each answer (Qwen thinking mode). "
+            "Reference: true."
+        ),
+    )
 
 
 class ServerConfig(_Section):
     """How the inference server is launched (vLLM in production, `transformers serve` locally)."""
 
-    port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8001
-    max_num_seqs: PositiveInt = 4
-    gpu_memory_utilization: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.9
-    tool_call_parser: str = "qwen3_coder"
-    reasoning_parser: str = "qwen3"
-    gpus: PositiveInt = 1
-    readiness_timeout_s: PositiveInt = 1800
+    port: Annotated[StrictInt, Field(ge=1, le=65535)] = Field(
+        default=8001,
+        description=(
+            "Port the launched inference server listens on; `inference.endpoint` must point at it. Reference: 8001."
+        ),
+    )
+    max_num_seqs: PositiveInt = Field(
+        default=4,
+        description=(
+            "Sequences the server decodes at once (vLLM `--max-num-seqs`); more raises throughput and memory "
+            "use. Reference: 4."
+        ),
+    )
+    gpu_memory_utilization: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = Field(
+        default=0.9,
+        description=(
+            "Fraction of each GPU's memory the server may use for weights and KV cache (vLLM "
+            "`--gpu-memory-utilization`). Reference: 0.9."
+        ),
+    )
+    tool_call_parser: str = Field(
+        default="qwen3_coder",
+        description=(
+            "vLLM `--tool-call-parser` that turns the model's tool-call text into OpenAI tool calls. Reference: "
+            "qwen3_coder."
+        ),
+    )
+    reasoning_parser: str = Field(
+        default="qwen3",
+        description="vLLM `--reasoning-parser` that separates reasoning from the answer. Reference: qwen3.",
+    )
+    gpus: PositiveInt = Field(
+        default=1,
+        description="GPUs the inference server runs on (tensor parallel size). Reference: 1.",
+    )
+    readiness_timeout_s: PositiveInt = Field(
+        default=1800,
+        description=(
+            "Seconds to wait for a launched server to list the model before the stage fails (loading a 27B model "
+            "can take many minutes)."
+        ),
+    )
 
 
 class InferenceConfig(_Section):
     """The OpenAI-compatible endpoint the current model is served on, and the token budgets of every call."""
 
-    backend: Literal["vllm", "openai-compatible", "openrouter"] = "vllm"
-    endpoint: str = "http://127.0.0.1:8001/v1"
+    backend: Literal["vllm", "openai-compatible", "openrouter"] = Field(
+        default="vllm",
+        description=(
+            "Kind of endpoint: 'vllm' (a server mass-ops launches or finds), 'openai-compatible' (any "
+            "OpenAI-style server), or 'openrouter' (hosted; search, collect and rank only, nothing to train)."
+        ),
+    )
+    endpoint: str = Field(
+        default="http://127.0.0.1:8001/v1",
+        description=(
+            "OpenAI-compatible base URL (ending in /v1) the current model is served at; no credentials, query or "
+            "fragment. Reference: http://127.0.0.1:8001/v1."
+        ),
+    )
     api_key_env: str = Field(
         default="VLLM_API_KEY", description="NAME of the environment variable holding the key (never the key)."
     )
-    context_window_tokens: PositiveInt = 262144
-    episode_max_output_tokens: PositiveInt = 32768
-    max_output_tokens: PositiveInt = 49152
-    context_safety_tokens: PositiveInt = 8192
-    reasoning_effort: Literal["low", "medium", "high"] = "medium"
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    context_window_tokens: PositiveInt = Field(
+        default=262144,
+        description=(
+            "Context length of the served model in tokens; calls whose prompt plus output budget would not fit "
+            "are refused before they are sent. Reference: 262144."
+        ),
+    )
+    episode_max_output_tokens: PositiveInt = Field(
+        default=32768,
+        description="Most tokens the agent may generate in one model response during an episode. Reference: 32768.",
+    )
+    max_output_tokens: PositiveInt = Field(
+        default=49152,
+        description="Most tokens generated by one judge or optimizer call (search, ranking). Reference: 49152.",
+    )
+    context_safety_tokens: PositiveInt = Field(
+        default=8192,
+        description=(
+            "Tokens kept free below the context window when checking that a call fits (tokenizer and template "
+            "slack). Reference: 8192."
+        ),
+    )
+    reasoning_effort: Literal["low", "medium", "high"] = Field(
+        default="medium",
+        description="Reasoning effort requested from the model for every call. Reference: medium.",
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="Sampling parameters of episodes and in-loop calls.",
+    )
     max_concurrent_requests: PositiveInt = Field(
         default=4, description="Capacity of the endpoint: episodes and judge calls in flight at once."
     )
-    request_timeout_s: PositiveInt = 3600
-    server: ServerConfig = Field(default_factory=ServerConfig)
+    request_timeout_s: PositiveInt = Field(
+        default=3600,
+        description="Seconds one judge or optimizer call may take before it fails and is retried. Reference: 3600.",
+    )
+    server: ServerConfig = Field(
+        default_factory=ServerConfig,
+        description="How the inference server is launched.",
+    )
 
     @model_validator(mode="after")
     def _budgets_and_endpoint(self) -> InferenceConfig:
@@ -183,11 +289,30 @@ class TasksConfig(_Section):
     """Which tasks play which part. `catalogue` = 'builtin', a MASS-format task directory, or null (not chosen yet:
     the paper presets leave it to the user, and no stage runs until it is set)."""
 
-    catalogue: Annotated[str, Field(min_length=1)] | None = "builtin"
-    train_candidates: TaskList
-    train: TaskList
-    test: TaskList
-    excluded: TaskList = []
+    catalogue: Annotated[str, Field(min_length=1)] | None = Field(
+        default="builtin",
+        description=(
+            "Task catalogue: 'builtin' (mass-ops' own 12 tasks), a directory written by `mass-ops tasks import`, "
+            "or null when not chosen yet (the paper presets: validate and every stage refuse to run until it is "
+            "set)."
+        ),
+    )
+    train_candidates: TaskList = Field(
+        description=(
+            "Task ids that workflow search runs on: every designated training task, excluded ones included; must "
+            "equal train ∪ excluded. Reference: 9 tasks."
+        ),
+    )
+    train: TaskList = Field(
+        description="Task ids whose teacher trajectories are collected, ranked and trained on. Reference: 8 tasks.",
+    )
+    test: TaskList = Field(
+        description="Held-out task ids: searched and evaluated, never trained on. Reference: 60, 207, 305.",
+    )
+    excluded: TaskList = Field(
+        default=[],
+        description="Training candidates kept out of teacher collection (searched, not trained on). Reference: [221].",
+    )
 
     @model_validator(mode="after")
     def _splits(self) -> TasksConfig:
@@ -228,8 +353,20 @@ class TasksConfig(_Section):
 class SearchConfig(_Section):
     """RHI workflow search (MASS_SPEC §3)."""
 
-    iterations: Annotated[StrictInt, Field(gt=0, le=MAX_SEARCH_ITERATIONS)] = 11
-    seed_base: NonNegativeInt = 450000
+    iterations: Annotated[StrictInt, Field(gt=0, le=MAX_SEARCH_ITERATIONS)] = Field(
+        default=11,
+        description=(
+            "RHI improvement steps per task; the search produces iterations + 1 workflow versions (v0..vN). "
+            "Reference: 11; at most 100."
+        ),
+    )
+    seed_base: NonNegativeInt = Field(
+        default=450000,
+        description=(
+            "Base of the search seeds: the reference episode of task q uses seed_base + q, version k uses "
+            "seed_base + q + 1000·k. Reference: 450000 (cycle 2: 1450000)."
+        ),
+    )
     judge_invalid_retries: NonNegativeInt = Field(
         default=2, description="Extra judge calls when the output is not a valid verdict; then recorded as invalid/tie."
     )
@@ -239,19 +376,63 @@ class SearchConfig(_Section):
         description="When the optimizer's answer is unusable: fail the step (paper; a rerun retries it) or carry the "
         "current design forward as the next version, recorded as such (demo: a random model never writes JSON).",
     )
-    reject_numeric_caps: StrictBool = False
-    max_design_chars: PositiveInt | None = None
-    results_json_max_chars: PositiveInt = 24000
-    results_json_total_max_chars: PositiveInt = 120000
+    reject_numeric_caps: StrictBool = Field(
+        default=False,
+        description=(
+            "Refuse optimizer designs that impose fixed numeric caps on agents (a reference flag the pipeline "
+            "does not use)."
+        ),
+    )
+    max_design_chars: PositiveInt | None = Field(
+        default=None,
+        description=(
+            "Longest workflow design, in characters, an optimizer answer may propose; none = no limit (the "
+            "reference pipeline sets none)."
+        ),
+    )
+    results_json_max_chars: PositiveInt = Field(
+        default=24000,
+        description=(
+            "Characters of each results/*.json file shown to the optimizer and judge (longer files keep their "
+            "head and tail). Reference: 24000."
+        ),
+    )
+    results_json_total_max_chars: PositiveInt = Field(
+        default=120000,
+        description=(
+            "Characters of all results/*.json files together shown to the optimizer and judge. Reference: 120000."
+        ),
+    )
 
 
 class CollectionConfig(_Section):
     """Teacher collection under the retained workflow (MASS_SPEC §1 collect/select)."""
 
-    candidates: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = 18
-    train_ranks: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = 15
-    validation_rank: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = 16
-    seed_base: NonNegativeInt = 710000
+    candidates: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = Field(
+        default=18,
+        description=(
+            "Teacher episodes collected per training task under its retained workflow. Reference: 18; at most 256."
+        ),
+    )
+    train_ranks: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = Field(
+        default=15,
+        description=(
+            "Best-ranked candidates per task that become training trajectories (ranks 1..train_ranks). Reference: 15."
+        ),
+    )
+    validation_rank: Annotated[StrictInt, Field(gt=0, le=MAX_CANDIDATES)] = Field(
+        default=16,
+        description=(
+            "Rank whose candidate becomes the task's validation trajectory; must be train_ranks + 1. Reference: 16."
+        ),
+    )
+    seed_base: NonNegativeInt = Field(
+        default=710000,
+        description=(
+            "Base of the collection seeds: candidate i of task q uses seed_base + 100·q + i. Reference: 710000 "
+            "(cycle 2: 1710000)."
+        ),
+    )
     require_beats_reference: StrictBool = Field(
         default=True, description="Skip tasks whose retained workflow never beat the reference (paper behaviour)."
     )
@@ -273,9 +454,27 @@ class CollectionConfig(_Section):
 class RankingConfig(_Section):
     """Within-task self-ranking: ring tournament + Bradley–Terry (MASS_SPEC §6)."""
 
-    opponents_per_episode: Annotated[StrictInt, Field(gt=0, le=MAX_OPPONENTS)] = 6
-    seed: NonNegativeInt = 1234
-    bootstrap_samples: Annotated[StrictInt, Field(ge=0, le=MAX_BOOTSTRAP_SAMPLES)] = 1000
+    opponents_per_episode: Annotated[StrictInt, Field(gt=0, le=MAX_OPPONENTS)] = Field(
+        default=6,
+        description=(
+            "Opponents each candidate meets in the ring tournament (even; each pair judged once). Reference: 6; "
+            "at most 32."
+        ),
+    )
+    seed: NonNegativeInt = Field(
+        default=1234,
+        description=(
+            "Base seed of the tournament schedule (seed + q) and of each self-judge match (seed + 1000·q + i). "
+            "Reference: 1234."
+        ),
+    )
+    bootstrap_samples: Annotated[StrictInt, Field(ge=0, le=MAX_BOOTSTRAP_SAMPLES)] = Field(
+        default=1000,
+        description=(
+            "Bootstrap resamples of each task's tournament for confidence intervals on the Bradley–Terry scores "
+            "(recorded, never used for selection); below 2 skips them. Default 1000; at most 100000."
+        ),
+    )
 
     @model_validator(mode="after")
     def _even(self) -> RankingConfig:
@@ -387,20 +586,52 @@ class TrainingConfig(_Section):
 class ExportConfig(_Section):
     """Merge to BF16 and block-wise FP8 (MASS_SPEC §9)."""
 
-    fp8_block_size: Literal[128] = 128
-    formats: Annotated[list[Literal["bf16", "fp8"]], Field(max_length=2)] = ["bf16", "fp8"]
+    fp8_block_size: Literal[128] = Field(
+        default=128,
+        description=(
+            "Side of the square weight blocks that share one FP8 scale (128 × 128, as the official FP8 checkpoints)."
+        ),
+    )
+    formats: Annotated[list[Literal["bf16", "fp8"]], Field(max_length=2)] = Field(
+        default=["bf16", "fp8"],
+        description=(
+            "Which exports to write after training: the merged BF16 model, the block-wise FP8 model, or both. "
+            "Reference: both."
+        ),
+    )
 
 
 class ExternalJudgeConfig(_Section):
     """One external judge used for reporting only (never for selection)."""
 
-    name: str = Field(min_length=1)
-    provider: Literal["openai-compatible", "anthropic"]
-    model: str = Field(min_length=1)
-    base_url: str | None = None
-    api_key_env: str
-    reasoning_effort: str | None = None
-    max_tokens: PositiveInt = 32768
+    name: str = Field(
+        min_length=1,
+        description="Label of the judge in reports and rows.",
+    )
+    provider: Literal["openai-compatible", "anthropic"] = Field(
+        description=(
+            "API the judge speaks: 'openai-compatible' (OpenAI Responses/Chat style) or 'anthropic' (Messages API)."
+        ),
+    )
+    model: str = Field(
+        min_length=1,
+        description="Model id sent to the provider.",
+    )
+    base_url: str | None = Field(
+        default=None,
+        description="http(s) base URL of the provider without credentials; none = the provider's default.",
+    )
+    api_key_env: str = Field(
+        description="NAME of the environment variable holding the judge's API key (never the key itself).",
+    )
+    reasoning_effort: str | None = Field(
+        default=None,
+        description="Reasoning effort passed to the provider as is (e.g. 'xhigh', 'max'); none = its default.",
+    )
+    max_tokens: PositiveInt = Field(
+        default=32768,
+        description="Most tokens the judge may generate per verdict. Reference: 32768.",
+    )
 
     @model_validator(mode="after")
     def _key_env(self) -> ExternalJudgeConfig:
@@ -414,22 +645,64 @@ class ExternalJudgeConfig(_Section):
 class EvaluationConfig(_Section):
     """Rollouts, external pairwise judging and the nightly regression check (MASS_SPEC §10)."""
 
-    rollout_count: Annotated[StrictInt, Field(gt=0, le=MAX_ROLLOUTS)] = 10
-    rollout_seed_base: NonNegativeInt = 910000
+    rollout_count: Annotated[StrictInt, Field(gt=0, le=MAX_ROLLOUTS)] = Field(
+        default=10,
+        description=(
+            "Rollouts per task and generation in evaluation (bare prompt, no workflow). Reference: 10; at most 1000."
+        ),
+    )
+    rollout_seed_base: NonNegativeInt = Field(
+        default=910000,
+        description=(
+            "Base of the rollout seeds: rollout i of task q uses rollout_seed_base + 100·q + i. Reference: 910000."
+        ),
+    )
     tasks: TaskList | None = Field(
         default=None, description="Rollout pool; none = the 8 SFT tasks + the test tasks (the paper's 11-task pool)."
     )
-    judge_seeds: Annotated[list[NonNegativeInt], Field(max_length=MAX_JUDGE_SEEDS)] = [42, 43, 44]
-    judges: Annotated[list[ExternalJudgeConfig], Field(max_length=MAX_JUDGES)] = []
-    swap_consistent: StrictBool = False
-    regression_threshold: Probability = 0.05
+    judge_seeds: Annotated[list[NonNegativeInt], Field(max_length=MAX_JUDGE_SEEDS)] = Field(
+        default=[42, 43, 44],
+        description=(
+            "Presentation seeds of the external pairwise judging; every pair is judged once per seed and judge. "
+            "Reference: [42, 43, 44]."
+        ),
+    )
+    judges: Annotated[list[ExternalJudgeConfig], Field(max_length=MAX_JUDGES)] = Field(
+        default=[],
+        description=(
+            "External judges used for reporting only, never for selection. Reference: gpt-5.5 and claude-opus-4-8."
+        ),
+    )
+    swap_consistent: StrictBool = Field(
+        default=False,
+        description="Judge each pair in both orders and count a disagreement as a tie (not what the reference does).",
+    )
+    regression_threshold: Probability = Field(
+        default=0.05,
+        description=(
+            "The nightly check fails when the new generation's win rate against its parent is below 0.5 minus "
+            "this. Default 0.05."
+        ),
+    )
 
 
 class StorageConfig(_Section):
     """Where records and artifacts live. Overridden by MASS_METADATA_URL / MASS_ARTIFACT_URL."""
 
-    metadata_url: str = "sqlite:///runs/mass-ops.db"
-    artifact_url: str = "runs/artifacts"
+    metadata_url: str = Field(
+        default="sqlite:///runs/mass-ops.db",
+        description=(
+            "Database of the cycle's records: sqlite:///PATH (embedded default) or postgresql://HOST/DB; "
+            "MASS_METADATA_URL overrides it."
+        ),
+    )
+    artifact_url: str = Field(
+        default="runs/artifacts",
+        description=(
+            "Where artifacts (workspaces, logs, models) go: a folder, file://PATH or s3://BUCKET/PREFIX; "
+            "MASS_ARTIFACT_URL overrides it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _urls(self) -> StorageConfig:
@@ -453,23 +726,62 @@ class StorageConfig(_Section):
 class KubernetesConfig(_Section):
     """Settings of the Kubernetes compute backend (production profile)."""
 
-    namespace: str = "mass-ops"
-    image_episode: str = "ghcr.io/mass-ops/episode:0.1.0"
-    image_trainer: str = "ghcr.io/mass-ops/trainer:0.1.0"
-    image_inference: str = "ghcr.io/mass-ops/inference:0.1.0"
-    gpu_resource: str = "nvidia.com/gpu"
-    node_selector: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] = {}
-    gpu_node_selector: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] = {}
-    gpu_tolerations: Annotated[list[dict[str, str]], Field(max_length=MAX_MAP_ENTRIES)] = []
-    model_cache_pvc: str = "mass-ops-model-cache"
-    episode_cpu: str = "4"
-    episode_memory: str = "16Gi"
+    namespace: str = Field(
+        default="mass-ops",
+        description="Namespace every pod and Job of the cycle runs in.",
+    )
+    image_episode: str = Field(
+        default="ghcr.io/mass-ops/episode:0.1.0",
+        description="Container image of episode pods (the agent and its sandbox).",
+    )
+    image_trainer: str = Field(
+        default="ghcr.io/mass-ops/trainer:0.1.0",
+        description="Container image of training and export Jobs.",
+    )
+    image_inference: str = Field(
+        default="ghcr.io/mass-ops/inference:0.1.0",
+        description="Container image of the inference server.",
+    )
+    gpu_resource: str = Field(
+        default="nvidia.com/gpu",
+        description="Extended resource name GPUs are requested under.",
+    )
+    node_selector: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] = Field(
+        default={},
+        description="Node labels episode pods must match (at most 64); GPU pods use gpu_node_selector instead.",
+    )
+    gpu_node_selector: Annotated[dict[str, str], Field(max_length=MAX_MAP_ENTRIES)] = Field(
+        default={},
+        description="Node labels of the pods that need GPUs (inference, training, export).",
+    )
+    gpu_tolerations: Annotated[list[dict[str, str]], Field(max_length=MAX_MAP_ENTRIES)] = Field(
+        default=[],
+        description="Tolerations added to GPU pods, each a Kubernetes toleration as a mapping (at most 64).",
+    )
+    model_cache_pvc: str = Field(
+        default="mass-ops-model-cache",
+        description="PersistentVolumeClaim holding the model snapshots that inference and training read.",
+    )
+    episode_cpu: str = Field(
+        default="4",
+        description="CPU request and limit of the agent container of an episode pod (Kubernetes quantity).",
+    )
+    episode_memory: str = Field(
+        default="16Gi",
+        description="Memory request and limit of the agent container of an episode pod (Kubernetes quantity).",
+    )
     publisher_cpu: str = Field(
         default="1", description="CPU of the publisher container of an episode pod (uploads artifacts, writes rows)."
     )
     publisher_memory: str = Field(default="1Gi", description="Memory of the publisher container of an episode pod.")
-    startup_timeout_s: PositiveInt = 1800
-    training_priority_class: str = "mass-ops-training"
+    startup_timeout_s: PositiveInt = Field(
+        default=1800,
+        description="Seconds a pod or Job may stay unscheduled or pulling its image before the task fails.",
+    )
+    training_priority_class: str = Field(
+        default="mass-ops-training",
+        description="PriorityClass of training Jobs (lets them preempt less important work).",
+    )
     training_launcher: Literal["indexed-job", "trainjob"] = Field(
         default="indexed-job",
         description=(
@@ -495,7 +807,10 @@ class KubernetesConfig(_Section):
 class ComputeConfig(_Section):
     """Where commands run: local processes (embedded default) or Kubernetes."""
 
-    backend: Literal["local", "kubernetes"] = "local"
+    backend: Literal["local", "kubernetes"] = Field(
+        default="local",
+        description="Where commands run: 'local' processes (embedded default) or 'kubernetes' pods and Jobs.",
+    )
     local_inference: Literal["transformers", "external"] = Field(
         default="transformers",
         description=(
@@ -504,15 +819,31 @@ class ComputeConfig(_Section):
             "Evaluation always serves the registered generations it compares with `transformers serve`."
         ),
     )
-    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    kubernetes: KubernetesConfig = Field(
+        default_factory=KubernetesConfig,
+        description="Settings of the Kubernetes backend.",
+    )
 
 
 class RuntimeConfig(_Section):
     """Limits of one episode (MASS_SPEC §4; the wall-clock limit is beyond the reference)."""
 
-    http_response_timeout_ms: PositiveInt = 1800000
-    shell_timeout_ms: PositiveInt = 600000
-    stream_idle_timeout_ms: PositiveInt = 600000
+    http_response_timeout_ms: PositiveInt = Field(
+        default=1800000,
+        description=(
+            "Milliseconds the agent waits for one model response, streaming included. Reference: 1800000 (30 min)."
+        ),
+    )
+    shell_timeout_ms: PositiveInt = Field(
+        default=600000,
+        description="Milliseconds one foreground shell command of the agent may run. Reference: 600000 (10 min).",
+    )
+    stream_idle_timeout_ms: PositiveInt = Field(
+        default=600000,
+        description=(
+            "Milliseconds a streamed model response may stay silent before the agent gives up on it. Reference: 600000."
+        ),
+    )
     episode_wall_clock_s: PositiveInt | None = Field(
         default=6 * 3600,
         description=(
@@ -523,28 +854,85 @@ class RuntimeConfig(_Section):
         ),
     )
     max_infra_attempts: PositiveInt = Field(default=3, description="Attempts per episode when infrastructure fails.")
-    thread_limit: PositiveInt = 2
-    episode_cuda_visible_devices: str = ""
+    thread_limit: PositiveInt = Field(
+        default=2,
+        description=(
+            "Threads the agent's research code may use per math library (OMP, MKL, OpenBLAS; loky gets twice as "
+            "many workers). Reference: 2."
+        ),
+    )
+    episode_cuda_visible_devices: str = Field(
+        default="",
+        description=(
+            "CUDA_VISIBLE_DEVICES of the agent's research code; empty = no GPU (what the reference documents "
+            "recommend)."
+        ),
+    )
 
 
 class CycleConfig(_Section):
     """One MASS cycle L(generation) → L(generation + 1)."""
 
     name: str | None = Field(default=None, description="Cycle name; default '<preset>-L<generation>'.")
-    preset: Literal["paper", "cycle2", "demo", "custom"] = "custom"
-    generation: NonNegativeInt
-    models: ModelsConfig
-    inference: InferenceConfig = Field(default_factory=InferenceConfig)
-    tasks: TasksConfig
-    search: SearchConfig = Field(default_factory=SearchConfig)
-    collection: CollectionConfig = Field(default_factory=CollectionConfig)
-    ranking: RankingConfig = Field(default_factory=RankingConfig)
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
-    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    compute: ComputeConfig = Field(default_factory=ComputeConfig)
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    preset: Literal["paper", "cycle2", "demo", "custom"] = Field(
+        default="custom",
+        description=(
+            "Which shipped preset this config derives from ('paper', 'cycle2', 'demo') or 'custom'; the paper "
+            "presets get the reference's batch rule."
+        ),
+    )
+    generation: NonNegativeInt = Field(
+        description=(
+            "Generation k of the model that this cycle improves: the cycle turns L(k) into L(k + 1). Reference: "
+            "0 (cycle 2: 1)."
+        ),
+    )
+    models: ModelsConfig = Field(
+        description="Where the models of this cycle live.",
+    )
+    inference: InferenceConfig = Field(
+        default_factory=InferenceConfig,
+        description="The endpoint and token budgets of every model call.",
+    )
+    tasks: TasksConfig = Field(
+        description="Which tasks are searched, trained on and held out.",
+    )
+    search: SearchConfig = Field(
+        default_factory=SearchConfig,
+        description="RHI workflow search.",
+    )
+    collection: CollectionConfig = Field(
+        default_factory=CollectionConfig,
+        description="Teacher collection under the retained workflows.",
+    )
+    ranking: RankingConfig = Field(
+        default_factory=RankingConfig,
+        description="Within-task self-ranking of the teacher candidates.",
+    )
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig,
+        description="LoRA fine-tuning.",
+    )
+    export: ExportConfig = Field(
+        default_factory=ExportConfig,
+        description="Merge and export of the trained model.",
+    )
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig,
+        description="Rollouts, external judging and the nightly regression check.",
+    )
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig,
+        description="Where records and artifacts live (not part of the config hash).",
+    )
+    compute: ComputeConfig = Field(
+        default_factory=ComputeConfig,
+        description="Where commands run.",
+    )
+    runtime: RuntimeConfig = Field(
+        default_factory=RuntimeConfig,
+        description="Limits of one episode.",
+    )
 
     @model_validator(mode="after")
     def _cross(self) -> CycleConfig:
