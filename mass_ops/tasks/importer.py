@@ -217,8 +217,6 @@ def import_task_dir(
         problems.extend(exc.problems)
     if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
         problems.append(f"{target}: destination exists and is not an empty directory")
-    if checked is not None and PROVENANCE_FILE in checked.files:
-        problems.append(f"{source / PROVENANCE_FILE}: is a file name the import writes; a task file may not use it")
     if checked is not None:
         resolved_target = target.resolve()
         for relative in checked.files:
