@@ -120,7 +120,9 @@ def plan(
             raise failure("plan --next-of", exc) from None
         if not as_json:
             lines = " ".join(f"--set {key}={json.dumps(value)}" for key, value in following.items())
-            console.print(f"next cycle of {next_of}: {cfg.cycle_name}; start it with: {lines}", markup=False, soft_wrap=True)
+            console.print(
+                f"next cycle of {next_of}: {cfg.cycle_name}; start it with: {lines}", markup=False, soft_wrap=True
+            )
     cycle_plan = build_plan(cfg, training_command_for(cfg))
     if as_json:
         sys.stdout.write(json.dumps({"config": cfg.model_dump(mode="json"), "plan": cycle_plan.as_dict()}) + "\n")
@@ -143,6 +145,7 @@ def plan(
         totals.add_row(key, str(value))
     console.print(totals)
     console.print(f"effective batch: {cycle_plan.windows_per_step} windows per optimizer step")
+    console.print(f"LoRA targets: {cycle_plan.lora_target_pattern}", markup=False, highlight=False, soft_wrap=True)
     console.print("training command:", style="bold")
     console.print(" ".join(cycle_plan.training_command), markup=False, highlight=False, soft_wrap=True)
     r = cycle_plan.resources

@@ -13,6 +13,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.errors import InputError
 from mass_ops.layout import next_generation_key
 from mass_ops.seeds import next_cycle_seed_base
+from mass_ops.train.lora_targets import lora_target_pattern
 
 STAGES: tuple[str, ...] = (
     "validate_config",
@@ -65,6 +66,8 @@ class CyclePlan:
     windows_per_step: int
     resources: ResourcePlan
     totals: dict[str, int] = field(default_factory=dict)
+    # The regex of the modules LoRA adapts (MASS_SPEC §8: the reference's set on any Qwen3-family model).
+    lora_target_pattern: str = ""
 
     def as_dict(self) -> dict:
         """Plain data for JSON output."""
@@ -199,6 +202,7 @@ def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
         windows_per_step=windows_per_step,
         resources=resources,
         totals=totals,
+        lora_target_pattern=lora_target_pattern(config.training.lora_target_modules),
     )
 
 

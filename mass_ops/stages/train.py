@@ -62,7 +62,8 @@ OUT_DIR = "training"
 ARGS_FILE = "train_args.json"
 STDOUT_LOG = "train_stdout.log"
 # Trainer outputs copied to the store next to the checkpoints (the trainer's own file names).
-LOG_FILES = (TRAIN_LOG_FILE, "exposure_log.jsonl", "resume_log.jsonl", "args.json")
+# lora_targets.json: the modules LoRA adapted, by kind, and the adapter's parameter count (written at start).
+LOG_FILES = (TRAIN_LOG_FILE, "exposure_log.jsonl", "resume_log.jsonl", "args.json", "lora_targets.json")
 POLL_S = 1.0
 STOP_GRACE_S = 30.0
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the mass_ops package

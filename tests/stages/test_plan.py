@@ -106,3 +106,10 @@ def test_plan_next_of_reads_the_frozen_cycle_and_prints_how_to_start_the_next(tm
     assert "--set models.parent_bf16=" in result.output and "--set search.seed_base=" in result.output
     missing = runner.invoke(app, [*args, "--next-of", "no-such-cycle"])
     assert missing.exit_code == 2 and "no cycle of that name" in missing.stderr
+
+
+def test_plan_names_the_lora_pattern_with_the_linear_attention_projections():
+    plan = _plan_json("--config", "paper")["plan"]
+    for name in ("q_proj", "down_proj", "in_proj_qkv", "in_proj_z", "out_proj"):
+        assert name in plan["lora_target_pattern"]
+    assert "LoRA targets:" in runner.invoke(app, ["plan", "--config", "paper"]).output
