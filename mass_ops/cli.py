@@ -83,6 +83,10 @@ def config_show(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 def config_validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Validate a config; prints its cycle name and hash."""
     cfg = resolve_config(config, set_)
+    try:
+        cfg.require_catalogue()
+    except ConfigError as exc:
+        raise fail(exc.problems) from None
     console.print(f"ok: cycle {cfg.cycle_name} config {cfg.config_hash()}")
 
 

@@ -39,7 +39,7 @@ class CycleContext:
 
 def load_task_catalogue(config: CycleConfig) -> TaskCatalogue:
     """The catalogue named by `tasks.catalogue`, checked to hold every task the config uses (MASS_SPEC §1)."""
-    source = config.tasks.catalogue
+    source = config.require_catalogue()  # the paper presets make the user choose: their tasks or ours
     try:
         catalogue = load_catalogue(None if source == "builtin" else source)
     except ValueError as exc:

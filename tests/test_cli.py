@@ -87,3 +87,15 @@ def test_stage_command_runs_validate_config_and_prints_json(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["cycle"] == "demo-L0"
+
+
+def test_validate_paper_without_a_chosen_catalogue_is_one_line_naming_the_import(tmp_path):
+    """The paper presets need the user's choice of tasks (the reference's texts cannot ship with mass-ops)."""
+    storage = [f"storage.metadata_url=sqlite:///{tmp_path}/m.db", f"storage.artifact_url={tmp_path}/a"]
+    sets = [x for s in storage for x in ("--set", s)]
+    for command in (["validate"], ["config", "validate"]):
+        result = CliRunner().invoke(app, [*command, "--config", "paper", *sets])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "mass-ops tasks import" in lines[0] and "tasks.catalogue=builtin" in lines[0]
+    assert not (tmp_path / "m.db").exists()  # refused before the metadata store was touched

@@ -23,7 +23,7 @@ from mass_ops.layout import workflow_version_key
 from mass_ops.stages.units import EpisodeUnitError
 from tests.plugins.conftest import task_context
 
-K8S = {"preset": "paper", "compute_backend": "kubernetes"}
+K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ["tasks.catalogue=\"builtin\""]}
 
 
 def propose(repo, task: int, version: int) -> str:
