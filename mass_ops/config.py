@@ -503,43 +503,126 @@ class TrainingConfig(_Section):
     """LoRA SFT on DeepSpeed ZeRO-3 (MASS_SPEC §7, §8). `replicas` = data-parallel ranks; each optimizer step
     averages `replicas × grad_accum` windows."""
 
-    window: PositiveInt = 49152
-    context_overlap: NonNegativeInt = 8192
-    steps: PositiveInt = 1624
-    lr: Annotated[StrictFloat, Field(gt=0.0, lt=1.0)] = 3e-5
-    warmup_steps: NonNegativeInt = 5
-    min_lr_ratio: Probability = 0.1
-    lora_r: PositiveInt = 64
-    lora_alpha: PositiveInt = 128
-    lora_dropout: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = 0.05
+    window: PositiveInt = Field(
+        default=49152,
+        description="Tokens per training window, header included (MASS_SPEC §7; reference 49152). Longer threads are "
+        "split into several windows.",
+    )
+    context_overlap: NonNegativeInt = Field(
+        default=8192,
+        description="Tokens of preceding context (masked, not trained) a window carries before its first trained "
+        "block (reference 8192); the segment's query block may come on top.",
+    )
+    steps: PositiveInt = Field(
+        default=1624,
+        description="Optimizer steps of the LoRA run (reference 1624, about 19 h on 6 H100 for cycle 1).",
+    )
+    lr: Annotated[StrictFloat, Field(gt=0.0, lt=1.0)] = Field(
+        default=3e-5,
+        description="Peak learning rate of AdamW (reference 3e-5): linear warmup, then cosine down to min_lr_ratio × "
+        "lr.",
+    )
+    warmup_steps: NonNegativeInt = Field(
+        default=5,
+        description="Steps of linear learning-rate warmup (reference 5).",
+    )
+    min_lr_ratio: Probability = Field(
+        default=0.1,
+        description="Final learning rate as a fraction of the peak at the end of the cosine (reference 0.1).",
+    )
+    lora_r: PositiveInt = Field(
+        default=64,
+        description="LoRA rank (reference 64); adapter size grows linearly with it.",
+    )
+    lora_alpha: PositiveInt = Field(
+        default=128,
+        description="LoRA alpha (reference 128); the update is scaled by alpha / r = 2.",
+    )
+    lora_dropout: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = Field(
+        default=0.05,
+        description="Dropout on the LoRA input (reference 0.05).",
+    )
     lora_target_modules: list[str] = Field(
         default_factory=lambda: list(DEFAULT_LORA_TARGETS),
         description="Projection names LoRA adapts in the language model (never the vision tower or MTP heads); "
         "mass_ops.train.lora_targets.lora_target_pattern turns them into the PEFT regex.",
     )
-    save_every: PositiveInt = 50
-    val_every: PositiveInt = 150
-    replicas: PositiveInt = 3
+    save_every: PositiveInt = Field(
+        default=50,
+        description="Steps between adapter checkpoints (reference 50); the final step is always saved.",
+    )
+    val_every: PositiveInt = Field(
+        default=150,
+        description="Steps between validation passes on the rank-16 windows (reference 150); the final step is always"
+        " validated. Checkpoint selection uses these losses.",
+    )
+    replicas: PositiveInt = Field(
+        default=3,
+        description="Data-parallel ranks (one GPU each under ZeRO-3); each optimizer step averages replicas × "
+        "grad_accum windows (reference 3 × 1).",
+    )
     gpus_per_rank: PositiveInt = Field(
         default=2,
         description="The reference's GPUs per pipeline-parallel replica; ZeRO-3 shards instead, so mass-ops runs one "
         "rank per GPU and uses this only to report the reference topology.",
     )
-    grad_accum: PositiveInt = 1
-    ce_chunk: PositiveInt = 512
-    seed: NonNegativeInt = 1234
-    sampler: Literal["task_role"] = "task_role"
-    p_orch: Probability = 1 / 3
-    val_at_start: StrictBool = True
-    autocast_bf16: StrictBool = True
-    gradient_checkpointing: StrictBool = True
-    zero_stage: Literal[3] = 3
+    grad_accum: PositiveInt = Field(
+        default=1,
+        description="Micro-batches (one window each) accumulated per rank before an optimizer step (reference 1).",
+    )
+    ce_chunk: PositiveInt = Field(
+        default=512,
+        description="Tokens per chunk of the cross-entropy loss (fp32 logits per chunk; reference 512): bounds the "
+        "memory of the vocabulary projection.",
+    )
+    seed: NonNegativeInt = Field(
+        default=1234,
+        description="Seed of the window sampler and of LoRA initialisation (reference 1234).",
+    )
+    sampler: Literal["task_role"] = Field(
+        default="task_role",
+        description="Window sampler: task_role draws a task uniformly, then the orchestrator group with probability "
+        "p_orch, then a window (reference).",
+    )
+    p_orch: Probability = Field(
+        default=1 / 3,
+        description="Probability of drawing an orchestrator window when a task has both orchestrator and worker "
+        "windows (reference 1/3).",
+    )
+    val_at_start: StrictBool = Field(
+        default=True,
+        description="Validate before the first step (reference on); step 0 never competes in checkpoint selection.",
+    )
+    autocast_bf16: StrictBool = Field(
+        default=True,
+        description="Forward under bf16 autocast with fp32 adapters in the optimizer (reference on; CPU runs compute "
+        "in fp32).",
+    )
+    gradient_checkpointing: StrictBool = Field(
+        default=True,
+        description="Recompute activations in backward (non-reentrant) to fit long windows in memory (reference on).",
+    )
+    zero_stage: Literal[3] = Field(
+        default=3,
+        description="DeepSpeed ZeRO stage; mass-ops shards parameters, gradients and optimizer state (stage 3) "
+        "instead of the reference's pipeline + DDP.",
+    )
     windows_per_step: PositiveInt | None = Field(
         default=None, description="When set, replicas × grad_accum must equal it (the paper presets fix 3)."
     )
-    nnodes: PositiveInt = 1
-    gpus_per_node: PositiveInt = 8
-    max_header_frac: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.9
+    nnodes: PositiveInt = Field(
+        default=1,
+        description="Training nodes; replicas are spread evenly over them (replicas / nnodes ranks per node).",
+    )
+    gpus_per_node: PositiveInt = Field(
+        default=8,
+        description="GPUs a training node offers; the resource plan checks that a node's ranks fit.",
+    )
+    max_header_frac: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = Field(
+        default=0.9,
+        description="Largest share of a window the header (system + first user message) may take; a longer header is "
+        "a thread error (reference 0.9).",
+    )
 
     @model_validator(mode="after")
     def _geometry(self) -> TrainingConfig:

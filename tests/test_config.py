@@ -369,39 +369,6 @@ def test_plan_works_offline_on_every_preset(name, tmp_path):
 
 # --- Every field is described (#14): the Airflow trigger form shows these texts -------------------------------------
 
-# TrainingConfig is described by its owner in a parallel change; these are its fields still without a description
-# when this test was written. Delete this set once they have one (the test then covers them too).
-AWAITING_DESCRIPTION = {
-    f"TrainingConfig.{name}"
-    for name in [
-        "window",
-        "context_overlap",
-        "steps",
-        "lr",
-        "warmup_steps",
-        "min_lr_ratio",
-        "lora_r",
-        "lora_alpha",
-        "lora_dropout",
-        "save_every",
-        "val_every",
-        "replicas",
-        "grad_accum",
-        "ce_chunk",
-        "seed",
-        "sampler",
-        "p_orch",
-        "val_at_start",
-        "autocast_bf16",
-        "gradient_checkpointing",
-        "zero_stage",
-        "nnodes",
-        "gpus_per_node",
-        "max_header_frac",
-    ]
-}
-
-
 def _schema_properties(schema: dict) -> dict[str, dict]:
     """Every property of the config's JSON Schema, as '<Model>.<field>' -> its schema (nested models included)."""
     found = {f"CycleConfig.{name}": prop for name, prop in schema["properties"].items()}
@@ -414,10 +381,9 @@ def _schema_properties(schema: dict) -> dict[str, dict]:
 def test_every_config_field_has_a_description():
     properties = _schema_properties(config_json_schema())
     assert len(properties) > 117
-    assert set(properties) >= AWAITING_DESCRIPTION, "AWAITING_DESCRIPTION names fields the config no longer has"
     undescribed = sorted(
         name
         for name, prop in properties.items()
-        if not str(prop.get("description", "")).strip() and name not in AWAITING_DESCRIPTION
+        if not str(prop.get("description", "")).strip()
     )
     assert undescribed == [], f"fields without a description: {undescribed}"

@@ -24,6 +24,7 @@ from mass_ops.context import attach_cycle
 from mass_ops.layout import report_prefix
 from tests.dags.run_repair import clear_failed, finish_run
 from tests.inner_loop_fakes import serve_policy
+from tests.plugins.airflow_env import DAGS_FOLDER
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -59,6 +60,12 @@ def _episode_identities(ctx) -> Counter:
     """How many final episodes each unit has (a duplicated unit would count 2)."""
     rows = [e for e in ctx.repo.episodes(ctx.cycle_id) if e.status != "infra_failure"]
     return Counter((e.kind, e.task_id, e.seed, e.version, e.candidate, e.generation) for e in rows)
+
+
+@pytest.fixture(autouse=True)
+def _dags_folder(monkeypatch):
+    """The demo driver loads DAG files from MASS_DAGS_DIR (default ./dags); these tests run in a temporary folder."""
+    monkeypatch.setenv("MASS_DAGS_DIR", str(DAGS_FOLDER))
 
 
 def test_a_cycle_runs_end_to_end_and_a_cleared_failure_reruns_only_what_is_missing(airflow_db, tmp_path, monkeypatch):
