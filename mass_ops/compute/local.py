@@ -23,13 +23,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mass_ops.compute.readiness import probe
+from mass_ops.errors import InfrastructureError
 
 
-class LocalServerError(RuntimeError):
+class LocalServerError(InfrastructureError):
     """The local model server could not be started, did not become ready, or died; the message says which."""
 
 
-class LocalCommandError(RuntimeError):
+class LocalCommandError(InfrastructureError):
     """A local command exited non-zero; carries its exit code and the tail of its output."""
 
     def __init__(self, argv: Sequence[str], returncode: int, tail: str) -> None:

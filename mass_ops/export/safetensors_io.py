@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from mass_ops.errors import InputError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 
@@ -58,7 +60,7 @@ COPY_CHUNK_BYTES = 64 * 1024 * 1024
 CHUNK_ELEMENTS = 1024 * 1024
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """A checkpoint, adapter or output directory that export cannot process; the message names what and where."""
 
 

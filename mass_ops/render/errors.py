@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mass_ops.errors import InputError
 
-class RenderError(ValueError):
+
+class RenderError(InputError):
     """A proxy log, prompt or conversation cannot be rendered; the message is one line naming where and why."""

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from mass_ops.context import CycleContext
+from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.runner import EndpointUnreachableError, EpisodeRunner
@@ -49,11 +50,11 @@ FINAL_STATUSES = frozenset({"succeeded", "model_failure"})
 CANCEL_WAIT_S = 120.0
 
 
-class EpisodePromptConflictError(ValueError):
+class EpisodePromptConflictError(InputError):
     """A unit already recorded with another prompt was requested again (a unit's prompt may never change)."""
 
 
-class EpisodeBatchError(RuntimeError):
+class EpisodeBatchError(InfrastructureError):
     """Some requests of a `run()` raised instead of producing an outcome; `errors` maps unit keys to exceptions."""
 
     def __init__(self, errors: dict[str, BaseException], outcomes: list[EpisodeOutcome | None]) -> None:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mass_ops.errors import InputError
+
 CRITERION = "minimum validation loss"
 LORA_STATE_FILE = "lora_state_dict.safetensors"
 ADAPTER_DIR = "adapter"
@@ -24,7 +26,7 @@ TRAIN_LOG_FILE = "train_log.jsonl"
 SELECTION_FILE = "selected_checkpoint.json"
 
 
-class CheckpointSelectionError(ValueError):
+class CheckpointSelectionError(InputError):
     """The training log or checkpoints do not allow a choice; the message says which row or file and why."""
 
 

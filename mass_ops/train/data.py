@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from mass_ops.errors import InputError
 from mass_ops.train.sampler import WindowTag
 
 IGNORE_INDEX = -100
 ROLES = frozenset({"orchestrator", "worker", "auxiliary"})
 
 
-class WindowDataError(ValueError):
+class WindowDataError(InputError):
     """A window file that cannot be trained on; the message names file, line and field."""
 
 

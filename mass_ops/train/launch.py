@@ -15,12 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from mass_ops.errors import InputError
+
 TRAINER_MODULE = "mass_ops.train.trainer"
 DEFAULT_MASTER_PORT = 29500
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class LaunchError(ValueError):
+class LaunchError(InputError):
     """A launch topology that cannot run; the message names the parameter and why."""
 
 
