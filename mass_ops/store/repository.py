@@ -302,6 +302,24 @@ class MetadataRepository:
     def get_cycle(self, name: str) -> Cycle | None:
         return self._one(sa.select(Cycle).where(Cycle.name == name))
 
+    def set_cycle_provenance(self, cycle_id: int, key: str, value: Any) -> Cycle:
+        """Record what the cycle ran with under `key` of its provenance (the task catalogue's identity, the SHA-256 of
+        each prompt template, …). A key once recorded never changes: a different value is a UnitConflictError (the
+        same cycle name with other tasks or prompts would mix two experiments)."""
+        with self.store.write() as session:
+            cycle = session.get(Cycle, cycle_id)
+            if cycle is None:
+                raise InvalidRecordError(f"cycle {cycle_id} does not exist")
+            recorded = dict(cycle.provenance or {})
+            if key in recorded and recorded[key] != value:
+                raise UnitConflictError(
+                    f"cycle {cycle.name!r} recorded its {key} as {recorded[key]!r}; this run has {value!r}: use a new "
+                    "cycle name to run with another one"
+                )
+            recorded[key] = value
+            cycle.provenance = recorded
+            return cycle
+
     def set_cycle_status(self, cycle_id: int, status: str) -> Cycle:
         """Move a cycle to `status`; finishing states stamp `finished_at`."""
         status = _member(RunStatus, status, "cycle status")

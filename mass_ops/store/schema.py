@@ -196,6 +196,8 @@ class Cycle(Base):
     config: Mapped[dict[str, Any]] = mapped_column()
     config_hash: Mapped[str] = mapped_column(sa.String(64))
     status: Mapped[str] = mapped_column(sa.String(16), default=RunStatus.PENDING.value)
+    # What the cycle ran with beyond its config, by kind: {"catalogue": {...}, "prompts": {name: sha256}, ...}.
+    provenance: Mapped[dict[str, Any] | None] = mapped_column()
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column()

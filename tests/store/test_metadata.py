@@ -127,6 +127,19 @@ def test_ensure_cycle_freezes_the_config(repo: MetadataRepository, cycle_id: int
     assert repo.get_cycle("missing") is None
 
 
+def test_cycle_provenance_is_recorded_once_per_kind(repo: MetadataRepository, cycle_id: int):
+    repo.set_cycle_provenance(cycle_id, "catalogue", {"identity": "builtin"})
+    repo.set_cycle_provenance(cycle_id, "prompts", {"judge_user.j2": "ab" * 32})
+    repo.set_cycle_provenance(cycle_id, "catalogue", {"identity": "builtin"})  # the same again is fine
+    row = repo.get_cycle("paper-L0")
+    assert row is not None and row.provenance == {
+        "catalogue": {"identity": "builtin"},
+        "prompts": {"judge_user.j2": "ab" * 32},
+    }
+    with pytest.raises(UnitConflictError, match="recorded its catalogue"):
+        repo.set_cycle_provenance(cycle_id, "catalogue", {"identity": "imported:mass@0123456789ab"})
+
+
 def test_cycle_status_transitions_stamp_times(repo: MetadataRepository, cycle_id: int):
     running = repo.set_cycle_status(cycle_id, "running")
     assert running.status == "running" and running.finished_at is None
