@@ -1,0 +1,150 @@
+"""Model FLOPs of a training step, from the architecture in `config.json`, and model FLOPs utilisation (MFU).
+
+The formula (the PaLM paper's convention, appendix B):
+
+    step FLOPs = Σ over windows of  6 · N · T  +  12 · L_attn · H · d · T²
+
+- `N`: parameters a token passes through in matrix multiplies: attention and MLP projections of every layer plus
+  the output projection (vocabulary × hidden); input embeddings are a lookup and do not count. For a mixture of
+  experts only the active parameters count: the router, `num_experts_per_tok` routed experts and any shared expert.
+- `6 · N · T`: 2 FLOPs per parameter per token forward, 4 backward. LoRA freezes the base, so backward computes no
+  weight gradients for it (about 2N instead of 4N), but activation checkpointing recomputes the forward (2N): the
+  hardware does about 6N either way, and MFU stays comparable with full fine-tuning figures. LoRA's own weights
+  (< 1 % of N) are left out.
+- `12 · L_attn · H · d · T²`: the score and value products of softmax attention (Q·Kᵀ and P·V, 2 FLOPs per
+  multiply-add each, × 3 for forward and backward) at the window length T, with L_attn full-attention layers,
+  H query heads of width d. The causal mask's halving is not subtracted (the usual convention; kernels such as
+  FlashAttention skip masked blocks, so MFU is slightly optimistic on long windows). Linear-attention layers
+  (Qwen3.5 / Qwen3-Next gated delta-net) cost O(T) and count only through their projections in N.
+
+MFU = achieved model FLOP/s per GPU ÷ the GPU's peak (`training.peak_tflops_per_gpu`; dense BF16 without sparsity:
+989 TFLOP/s on an H100 SXM or H200, 756 on an H100 PCIe).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mass_ops.errors import InputError
+
+# Dense BF16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from NVIDIA's datasheets.
+H100_SXM_BF16_TFLOPS = 989.0
+H200_BF16_TFLOPS = 989.0
+H100_PCIE_BF16_TFLOPS = 756.0
+
+
+class ArchitectureError(InputError):
+    """A model config that does not describe a decoder we can count FLOPs for; the message names the key."""
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """What the FLOPs of a token depend on; `active_params` = N of the module docstring."""
+
+    active_params: int
+    attention_layers: int
+    attention_heads: int
+    head_dim: int
+
+    def sequence_flops(self, tokens: int) -> float:
+        """Forward + backward model FLOPs of one sequence (window) of `tokens` tokens."""
+        return 6.0 * self.active_params * tokens + 12.0 * self.attention_layers * self.attention_heads * (
+            self.head_dim * float(tokens) ** 2
+        )
+
+    def step_flops(self, window_tokens: Iterable[int]) -> float:
+        """Model FLOPs of one optimizer step: the sum over the windows every rank processed."""
+        return sum(self.sequence_flops(t) for t in window_tokens)
+
+
+def _need(config: Mapping[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ArchitectureError(f"model config: {key!r} must be a positive integer (got {value!r})")
+    return value
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Multimodal checkpoints (Qwen3.5/3.6) keep the language model's keys under `text_config`."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
+def _layer_kinds(config: Mapping[str, Any], layers: int) -> list[str]:
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == layers:
+        return [str(k) for k in kinds]
+    return ["full_attention"] * layers
+
+
+def _is_moe_layer(config: Mapping[str, Any], index: int) -> bool:
+    if not config.get("num_experts") or not config.get("num_experts_per_tok"):
+        return False
+    if index in (config.get("mlp_only_layers") or []):
+        return False
+    step = config.get("decoder_sparse_step") or 1
+    return (index + 1) % step == 0
+
+
+def flops_model(config: Mapping[str, Any]) -> FlopsModel:
+    """The FLOPs model of a Hugging Face decoder config (Qwen3, Qwen3-MoE, Qwen3-Next/3.5 style keys)."""
+    c = _text_config(config)
+    hidden = _need(c, "hidden_size")
+    layers = _need(c, "num_hidden_layers")
+    heads = _need(c, "num_attention_heads")
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    vocab = _need(c, "vocab_size")
+
+    full_attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+    linear_attention = 0
+    if "linear_num_key_heads" in c:
+        key_dim = _need(c, "linear_num_key_heads") * _need(c, "linear_key_head_dim")
+        value_heads = _need(c, "linear_num_value_heads")
+        value_dim = value_heads * _need(c, "linear_value_head_dim")
+        # q, k, v and the output gate z in; the per-head decay/beta inputs; the output projection.
+        linear_attention = hidden * (2 * key_dim + 2 * value_dim) + hidden * 2 * value_heads + value_dim * hidden
+
+    params = vocab * hidden  # output projection (tied or not, it is a matmul per token)
+    attention_layers = 0
+    for index, kind in enumerate(_layer_kinds(c, layers)):
+        if kind == "linear_attention":
+            params += linear_attention
+        else:
+            params += full_attention
+            attention_layers += 1
+        if _is_moe_layer(c, index):
+            experts = _need(c, "num_experts")
+            params += hidden * experts  # router
+            params += _need(c, "num_experts_per_tok") * 3 * hidden * _need(c, "moe_intermediate_size")
+            shared = c.get("shared_expert_intermediate_size") or 0
+            if shared:
+                params += 3 * hidden * shared + hidden  # shared expert and its sigmoid gate
+        else:
+            params += 3 * hidden * _need(c, "intermediate_size")  # gate, up, down
+    return FlopsModel(
+        active_params=params, attention_layers=attention_layers, attention_heads=heads, head_dim=head_dim
+    )
+
+
+def read_flops_model(model_dir: str | Path) -> FlopsModel:
+    """`flops_model` of the `config.json` in a model directory."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArchitectureError(f"{path}: cannot read the model config ({exc})") from None
+    if not isinstance(config, dict):
+        raise ArchitectureError(f"{path}: not a JSON object")
+    return flops_model(config)
+
+
+def mfu(flops: float, seconds: float, gpus: int, peak_tflops_per_gpu: float | None) -> float | None:
+    """Model FLOPs utilisation of `flops` done in `seconds` on `gpus` devices; None without a peak or a duration."""
+    if not peak_tflops_per_gpu or seconds <= 0 or gpus <= 0:
+        return None
+    return flops / seconds / gpus / (peak_tflops_per_gpu * 1e12)

@@ -1,0 +1,97 @@
+"""Model FLOPs from the architecture, checked against hand computations for one dense and one MoE config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mass_ops.train.flops import ArchitectureError, flops_model, mfu, read_flops_model
+
+TINY_QWEN3 = {  # the embedded profile's tiny model
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 384,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+QWEN3_30B_A3B = {  # the released Qwen3-30B-A3B's published shape
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+}
+
+
+def test_dense_qwen3_by_hand():
+    # per layer: q 128·256 + o 256·128 + k 128·128 + v 128·128 = 98 304; MLP 3·128·384 = 147 456
+    # N = 2·(98 304 + 147 456) + LM head 151 936·128 = 491 520 + 19 447 808 = 19 939 328
+    model = flops_model(TINY_QWEN3)
+    assert model.active_params == 19_939_328
+    # one 1000-token window: 6·N·T + 12·layers·heads·head_dim·T² = 119 635 968 000 + 6 144 000 000
+    assert model.sequence_flops(1000) == 125_779_968_000
+    assert model.step_flops([1000, 1000]) == 2 * 125_779_968_000
+
+
+def test_moe_counts_only_active_experts_by_hand():
+    # per layer: attention 2·2048·4096 + 2·2048·512 = 18 874 368; router 2048·128 = 262 144;
+    # 8 active experts · 3·2048·768 = 37 748 736 → 56 885 248; × 48 layers = 2 730 491 904; LM head 311 164 928
+    model = flops_model(QWEN3_30B_A3B)
+    assert model.active_params == 3_041_656_832  # + 0.31 B input embeddings = the published 3.3 B activated
+    assert model.attention_layers == 48
+    t = 4096
+    assert model.sequence_flops(t) == 6 * 3_041_656_832 * t + 12 * 48 * 32 * 128 * t * t
+
+
+def test_dense_layers_of_a_sparse_model_use_the_dense_mlp():
+    config = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "mlp_only_layers": [0]}
+    dense_layer = 18_874_368 + 3 * 2048 * 6144
+    moe_layer = 18_874_368 + 262_144 + 37_748_736
+    assert flops_model(config).active_params == dense_layer + moe_layer + 311_164_928
+
+
+def test_hybrid_linear_attention_layers_have_no_quadratic_term():
+    config = {
+        "text_config": {
+            **TINY_QWEN3,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 64,
+            "linear_num_value_heads": 4,
+            "linear_value_head_dim": 64,
+        }
+    }
+    model = flops_model(config)
+    assert model.attention_layers == 1
+    # linear layer: 128·(2·128 + 2·256) + 128·2·4 + 256·128 = 98 304 + 1 024 + 32 768 = 132 096
+    assert model.active_params == 3 * 132_096 + 98_304 + 4 * 147_456 + 19_447_808
+
+
+def test_mfu_against_the_peak():
+    # 989 TFLOP/s peak, 8 GPUs, 3.956e15 FLOPs in 1 s → 0.5
+    assert mfu(8 * 989e12 * 0.5, 1.0, 8, 989.0) == pytest.approx(0.5)
+    assert mfu(1e12, 1.0, 1, None) is None
+    assert mfu(1e12, 0.0, 1, 989.0) is None
+
+
+def test_a_config_without_the_shape_is_one_clear_error(tmp_path):
+    with pytest.raises(ArchitectureError, match="'hidden_size' must be a positive integer"):
+        flops_model({"num_hidden_layers": 2})
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
+    assert read_flops_model(tmp_path).active_params == 19_939_328
+    with pytest.raises(ArchitectureError, match="cannot read the model config"):
+        read_flops_model(tmp_path / "missing")
