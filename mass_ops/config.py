@@ -256,6 +256,13 @@ class InferenceConfig(_Section):
         default_factory=ServerConfig,
         description="How the inference server is launched.",
     )
+    tensor_parallel_size: PositiveInt | None = Field(
+        default=None,
+        description=(
+            "GPUs one served model is split over (vLLM --tensor-parallel-size); export refuses an FP8 model whose "
+            "quantized weights do not split into whole 128-wide blocks on this many GPUs. Null: inference.server.gpus."
+        ),
+    )
 
     @model_validator(mode="after")
     def _budgets_and_endpoint(self) -> InferenceConfig:
@@ -275,6 +282,11 @@ class InferenceConfig(_Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def effective_tensor_parallel_size(self) -> int:
+        """GPUs one served model is split over: `tensor_parallel_size`, else the launched server's GPUs."""
+        return self.tensor_parallel_size or self.server.gpus
 
 
 CATALOGUE_NOT_CHOSEN = (
@@ -622,6 +634,12 @@ class TrainingConfig(_Section):
         default=0.9,
         description="Largest share of a window the header (system + first user message) may take; a longer header is "
         "a thread error (reference 0.9).",
+    )
+    peak_tflops_per_gpu: Annotated[StrictFloat, Field(gt=0.0)] | None = Field(
+        default=989.0,
+        description="Peak dense BF16 TFLOP/s of one training GPU, the denominator of the model FLOPs utilisation "
+        "(MFU) the trainer logs: 989 for an H100 SXM or an H200 (the default), 756 for an H100 PCIe; null logs no "
+        "MFU. Runs on CPU log tokens/s and achieved TFLOP/s but no MFU.",
     )
 
     @model_validator(mode="after")
