@@ -206,7 +206,9 @@ def wait_ready(
             raise LocalServerError(
                 f"model server (pid {state.pid}) exited before it was ready; log tail:\n{log_tail(state.log_path)}"
             )
-        report = probe(state.endpoint, state.served_name, api_key_env=api_key_env)
+        # The smoke generation may not outlast the caller's deadline (a model that loads on first use can be slow).
+        remaining = max(1.0, deadline - time.monotonic())
+        report = probe(state.endpoint, state.served_name, api_key_env=api_key_env, smoke_timeout_s=remaining)
         if report.ready:
             return
         problem = report.problem or problem

@@ -1,9 +1,13 @@
-"""When an OpenAI-compatible model server is ready: `/health` answers 200 **and** `/v1/models` lists the name.
+"""When an OpenAI-compatible model server is ready: `/health` answers 200, `/v1/models` lists the served name **and**
+a one-token smoke generation under that name succeeds.
 
 vLLM answers `/health` as soon as its HTTP server is up, before or while the model loads in some versions, and a
-server started with the wrong `--served-model-name` is healthy but useless; both checks together are what "ready"
-means for a cycle. The same rule serves the local backend (`transformers serve`), the Airflow readiness trigger and
-the CLI. The API key is read from the environment variable the config names and sent only as a bearer header.
+server started with the wrong `--served-model-name` is healthy but useless; a server can also list the model and
+still fail every generation (a checkpoint whose weights load but whose kernels do not run, a chat template that
+does not render, `transformers serve` loading the model only on the first request). All three checks together are
+what "ready" means for a cycle. The same rule serves the local backend (`transformers serve`), the Airflow
+readiness trigger and the CLI. The API key is read from the environment variable the config names and sent only as
+a bearer header.
 """
 
 from __future__ import annotations
@@ -45,6 +49,40 @@ def models_url(endpoint: str) -> str:
     return f"{endpoint.rstrip('/')}/models"
 
 
+def smoke_url(endpoint: str) -> str:
+    return f"{endpoint.rstrip('/')}/chat/completions"
+
+
+# The first generation may load the model (`transformers serve`) or warm kernels up: longer than a status probe.
+SMOKE_TIMEOUT_S = 120.0
+
+
+def smoke_request(served_name: str) -> dict[str, Any]:
+    """The one-token chat completion that proves the served model generates (greedy, not streamed)."""
+    return {
+        "model": served_name,
+        "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "stream": False,
+    }
+
+
+def smoke_problem(status: int, payload: Any) -> str | None:
+    """None when the smoke generation answered with a choice; else what went wrong."""
+    if status != 200:
+        detail = ""
+        if isinstance(payload, Mapping):
+            error = payload.get("error")
+            message = error.get("message") if isinstance(error, Mapping) else error
+            detail = f": {str(message)[:200]}" if message else ""
+        return f"smoke generation answered HTTP {status}{detail}"
+    choices = payload.get("choices") if isinstance(payload, Mapping) else None
+    if not isinstance(choices, list) or not choices:
+        return "smoke generation answered without a choice"
+    return None
+
+
 def listed_models(payload: Any) -> list[str]:
     """Model ids of an OpenAI `/v1/models` answer (`{"data": [{"id": ...}, ...]}`); [] for anything else."""
     if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
@@ -79,10 +117,23 @@ def _models_payload(response: httpx.Response) -> Any:
         return None
 
 
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
 def probe(
-    endpoint: str, served_name: str, *, api_key_env: str | None = None, timeout_s: float = 5.0
+    endpoint: str,
+    served_name: str,
+    *,
+    api_key_env: str | None = None,
+    timeout_s: float = 5.0,
+    smoke: bool = True,
+    smoke_timeout_s: float = SMOKE_TIMEOUT_S,
 ) -> ReadinessReport:
-    """Probe a server once (blocking)."""
+    """Probe a server once (blocking); `smoke=False` skips the generation (liveness only)."""
     headers = auth_headers(api_key_env)
     with httpx.Client(timeout=timeout_s) as client:
         try:
@@ -98,11 +149,26 @@ def probe(
                 payload = _models_payload(response)
             except httpx.HTTPError as exc:
                 return ReadinessReport(endpoint, served_name, f"/v1/models unreachable ({type(exc).__name__})")
-    return ReadinessReport(endpoint, served_name, readiness_problem(health, payload, served_name))
+        problem = readiness_problem(health, payload, served_name)
+        if problem is None and smoke:
+            try:
+                answer = client.post(
+                    smoke_url(endpoint), json=smoke_request(served_name), headers=headers, timeout=smoke_timeout_s
+                )
+            except httpx.HTTPError as exc:
+                return ReadinessReport(endpoint, served_name, f"smoke generation failed ({type(exc).__name__})")
+            problem = smoke_problem(answer.status_code, _json_or_none(answer))
+    return ReadinessReport(endpoint, served_name, problem)
 
 
 async def probe_async(
-    endpoint: str, served_name: str, *, api_key_env: str | None = None, timeout_s: float = 5.0
+    endpoint: str,
+    served_name: str,
+    *,
+    api_key_env: str | None = None,
+    timeout_s: float = 5.0,
+    smoke: bool = True,
+    smoke_timeout_s: float = SMOKE_TIMEOUT_S,
 ) -> ReadinessReport:
     """Probe a server once without blocking the event loop (used by the Airflow triggerer)."""
     headers = auth_headers(api_key_env)
@@ -120,4 +186,13 @@ async def probe_async(
                 payload = _models_payload(response)
             except httpx.HTTPError as exc:
                 return ReadinessReport(endpoint, served_name, f"/v1/models unreachable ({type(exc).__name__})")
-    return ReadinessReport(endpoint, served_name, readiness_problem(health, payload, served_name))
+        problem = readiness_problem(health, payload, served_name)
+        if problem is None and smoke:
+            try:
+                answer = await client.post(
+                    smoke_url(endpoint), json=smoke_request(served_name), headers=headers, timeout=smoke_timeout_s
+                )
+            except httpx.HTTPError as exc:
+                return ReadinessReport(endpoint, served_name, f"smoke generation failed ({type(exc).__name__})")
+            problem = smoke_problem(answer.status_code, _json_or_none(answer))
+    return ReadinessReport(endpoint, served_name, problem)

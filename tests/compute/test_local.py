@@ -104,6 +104,20 @@ def test_wrong_served_name_times_out_with_the_reason(server_files):
     assert time.monotonic() - started < 15
 
 
+def test_a_server_that_lists_the_model_but_cannot_generate_is_not_ready(server_files):
+    state_file, log = server_files
+    port = free_port()
+    state = start_server(
+        stub_argv(port, "L1", "--broken-generation"),
+        state_file=state_file,
+        endpoint=f"http://127.0.0.1:{port}/v1",
+        served_name="L1",
+        log_path=log,
+    )
+    with pytest.raises(LocalServerError, match=r"not ready after 2 s: smoke generation answered HTTP 500: CUDA error"):
+        wait_ready(state, timeout_s=2, interval_s=0.2)
+
+
 def test_corrupt_state_file_is_reported(tmp_path):
     state_file = tmp_path / "server.json"
     state_file.write_text("{not json")

@@ -1,4 +1,5 @@
-"""Readiness = /health 200 and the served name listed by /v1/models; probes send the key as a bearer header."""
+"""Readiness = /health 200, the served name listed by /v1/models and a one-token smoke generation; probes send the
+key as a bearer header."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from mass_ops.compute.readiness import (
     probe_async,
     readiness_problem,
     server_root,
+    smoke_problem,
+    smoke_request,
+    smoke_url,
 )
 from tests.compute.model_server_stub import serve_in_thread
 
@@ -74,5 +78,48 @@ def test_probe_sends_the_key_from_the_named_variable(monkeypatch):
         monkeypatch.setenv("PROBE_KEY", "s3cret-key")
         assert probe(endpoint_of(server), "L1", api_key_env="PROBE_KEY").ready
         assert asyncio.run(probe_async(endpoint_of(server), "L1", api_key_env="PROBE_KEY")).ready
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("status", "payload", "expected"),
+    [
+        (200, {"choices": [{"index": 0, "message": {"content": "yes"}}]}, None),
+        (200, {"choices": []}, "smoke generation answered without a choice"),
+        (200, None, "smoke generation answered without a choice"),
+        (500, {"error": {"message": "CUDA error"}}, "smoke generation answered HTTP 500: CUDA error"),
+        (400, {"error": "bad template"}, "smoke generation answered HTTP 400: bad template"),
+        (503, None, "smoke generation answered HTTP 503"),
+    ],
+)
+def test_smoke_generation_needs_a_choice(status, payload, expected):
+    assert smoke_problem(status, payload) == expected
+
+
+def test_smoke_request_asks_one_greedy_token_of_the_served_name():
+    body = smoke_request("L1")
+    assert body["model"] == "L1" and body["max_tokens"] == 1 and body["temperature"] == 0.0
+    assert body["stream"] is False and body["messages"][0]["role"] == "user"
+    assert smoke_url("http://127.0.0.1:8011/v1/") == "http://127.0.0.1:8011/v1/chat/completions"
+
+
+def test_a_server_that_lists_the_model_but_cannot_generate_is_not_ready():
+    server = serve_in_thread("L1", broken_generation=True)
+    try:
+        expected = "smoke generation answered HTTP 500: CUDA error: no kernel image is available"
+        assert probe(endpoint_of(server), "L1").problem == expected
+        assert asyncio.run(probe_async(endpoint_of(server), "L1")).problem == expected
+        # Liveness only (no generation) still passes: the two checks are distinct.
+        assert probe(endpoint_of(server), "L1", smoke=False).ready
+    finally:
+        server.shutdown()
+
+
+def test_the_smoke_generation_carries_the_key(monkeypatch):
+    server = serve_in_thread("L1", key="s3cret-key")
+    try:
+        monkeypatch.setenv("PROBE_KEY", "s3cret-key")
+        assert probe(endpoint_of(server), "L1", api_key_env="PROBE_KEY").ready
     finally:
         server.shutdown()
