@@ -29,6 +29,7 @@ import datetime as dt
 from typing import Any
 
 from airflow.sdk import DAG, AssetAlias, TriggerRule, get_current_context, task, task_group
+from mass_ops_airflow import CYCLE_DAG_ID
 from mass_ops_airflow.operators import (
     EpisodePodOperator,
     EpisodeStageOperator,
@@ -41,7 +42,7 @@ from mass_ops_airflow.operators import (
 from mass_ops_airflow.params import MAX_SEARCH_ITERATIONS, cycle_params
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
-DAG_ID = "mass_cycle"
+DAG_ID = CYCLE_DAG_ID
 GENERATIONS = AssetAlias("mass-ops-generations")
 GENERATION_URI = "mass-ops://generations/{name}"
 EPISODE_LABEL = "{{ episode_label }}"

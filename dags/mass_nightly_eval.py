@@ -19,11 +19,12 @@ import datetime as dt
 from typing import Any
 
 from airflow.sdk import DAG, TriggerRule, get_current_context, task
+from mass_ops_airflow import NIGHTLY_DAG_ID
 from mass_ops_airflow.operators import InferenceServerOperator, InferenceServerTeardownOperator, ReportOperator
 from mass_ops_airflow.params import NIGHTLY_KNOBS, cycle_params
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
-DAG_ID = "mass_nightly_eval"
+DAG_ID = NIGHTLY_DAG_ID
 SCOPE = "nightly"
 HOUR = dt.timedelta(hours=1)
 

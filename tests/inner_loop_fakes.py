@@ -37,7 +37,6 @@ import pytest
 from mass_ops.config import CycleConfig, read_config_source, validate_config
 from mass_ops.context import CycleContext, attach_cycle, open_cycle
 from mass_ops.judge.evidence import task_plot_paths
-from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.llm import LLMClient, RetryPolicy
 from mass_ops.llm.calls import open_client
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
@@ -137,7 +136,7 @@ class FakeExecutor:
             return list(pool.map(self._one, requests))
 
     def workspace(self, outcome: EpisodeOutcome, dest: Path) -> Path:
-        self.artifacts.get_dir(key_for_uri(self.artifacts, outcome.artifacts["workspace"]), dest)
+        self.artifacts.get_dir(self.artifacts.key_of(outcome.artifacts["workspace"]), dest)
         return dest
 
     def _attempts(self, request: EpisodeRequest) -> list[Any]:
@@ -153,7 +152,7 @@ class FakeExecutor:
         )
 
     def _outcome(self, request: EpisodeRequest, row: Any, reused: bool) -> EpisodeOutcome:
-        status_record = self.artifacts.get_json(key_for_uri(self.artifacts, row.artifacts["status"]))
+        status_record = self.artifacts.get_json(self.artifacts.key_of(row.artifacts["status"]))
         return EpisodeOutcome(
             request=request,
             episode_id=row.id,

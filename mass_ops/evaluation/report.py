@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
-import math
 import re
 import tempfile
 from collections import defaultdict
@@ -36,10 +34,10 @@ from mass_ops.evaluation.benchmarks.mlr import MLR, summarize_mlr
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, TrialResult, recorded_trials, summarize_trials
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
 from mass_ops.evaluation.stats import PairwiseSummary, WinRate, format_rate
-from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.layout import PAIRWISE_KIND, report_prefix, training_prefix
 from mass_ops.search.champion import BASELINE_WIN, derive_champion
 from mass_ops.store.schema import TrainingRun
+from mass_ops.train.checkpoints import finite_number, log_rows
 
 FIGURES = (
     ("rhi_scoreboard", "RHI scoreboard per task"),
@@ -332,27 +330,15 @@ def _read_log_rows(ctx: CycleContext, run: TrainingRun) -> list[dict[str, Any]]:
     keys = []
     if run.log_uri:
         try:
-            key = key_for_uri(ctx.artifacts, run.log_uri)
+            key = ctx.artifacts.key_of(run.log_uri)
             keys.append(key if key.endswith(".jsonl") else f"{key.rstrip('/')}/train_log.jsonl")
         except ValueError:
             pass
     keys.append(f"{training_prefix(ctx.cycle_name)}/{run.key}/train_log.jsonl")
     for key in keys:
         if ctx.artifacts.exists(key):
-            rows = []
-            for line in ctx.artifacts.get_bytes(key).decode("utf-8", errors="replace").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict):
-                    rows.append(row)
-            return rows
+            return log_rows(ctx.artifacts.get_bytes(key).decode("utf-8", errors="replace"), key, strict=False)
     return []
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _curves(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[LossCurve]:
@@ -364,9 +350,9 @@ def _curves(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[LossCurve]:
             step = row.get("step")
             if not isinstance(step, int):
                 continue
-            if _finite(row.get("val_loss")):
+            if finite_number(row.get("val_loss")):
                 val[step] = float(row["val_loss"])
-            elif _finite(row.get("loss")):
+            elif finite_number(row.get("loss")):
                 train[step] = float(row["loss"])
         for checkpoint in ctx.repo.checkpoints(run.id):
             if checkpoint.val_loss is not None and checkpoint.step not in val:

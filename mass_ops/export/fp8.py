@@ -48,7 +48,7 @@ from mass_ops.export.safetensors_io import (
     staged_output_dir,
     write_index,
 )
-from mass_ops.export.threads import export_threads
+from mass_ops.export.torch_threads import export_threads
 
 FP8_DTYPE = torch.float8_e4m3fn
 # Stored scales are bf16 always (MASS_SPEC §9), also when a reference checkpoint keeps fp32 ones.

@@ -29,7 +29,7 @@ from mass_ops.export.safetensors_io import (
     row_chunks,
     staged_output_dir,
 )
-from mass_ops.export.threads import export_threads
+from mass_ops.export.torch_threads import export_threads
 
 MERGE_INFO_NAME = "merge_info.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

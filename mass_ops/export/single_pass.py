@@ -45,7 +45,7 @@ from mass_ops.export.safetensors_io import (
     staged_output_dir,
     storage_order,
 )
-from mass_ops.export.threads import export_threads
+from mass_ops.export.torch_threads import export_threads
 
 
 def _stored_order(layout: CheckpointLayout, entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:

@@ -12,11 +12,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
-from urllib.parse import unquote
 
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome
-from mass_ops.store.artifacts import ArtifactStore
+from mass_ops.store.artifacts import ArtifactKeyError, ArtifactStore
 
 T = TypeVar("T")
 
@@ -56,17 +55,11 @@ class ExecutorWorkspace:
 
 
 def key_for_uri(artifacts: ArtifactStore, uri: str) -> str:
-    """The store key whose URI is `uri`; EvidenceError when the URI lies outside the configured store."""
-    base = artifacts.url.rstrip("/") + "/"
-    if uri.startswith(base):
-        relative = uri[len(base) :]
-        for key in (unquote(relative), relative):
-            try:
-                if artifacts.uri(key) == uri:
-                    return key
-            except ValueError:
-                continue
-    raise EvidenceError(f"workspace {uri} is not an artifact of the configured store {artifacts.url}")
+    """The store key of a workspace's URI; EvidenceError when the URI lies outside the configured store."""
+    try:
+        return artifacts.key_of(uri)
+    except ArtifactKeyError as exc:
+        raise EvidenceError(f"workspace {exc}") from None
 
 
 @dataclass(frozen=True)

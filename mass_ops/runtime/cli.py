@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
-from urllib.parse import unquote
 
 import typer
 from rich.console import Console
@@ -350,16 +349,12 @@ def _read_prompt(store: Any, prompt_file: Path | None, prompt_uri: str | None) -
 
 def artifact_key_of(store: Any, uri: str) -> str:
     """The key of `uri` in `store`; EpisodeInputError if the URI lies outside it."""
-    base = store.url.rstrip("/") + "/"
-    if uri.startswith(base):
-        relative = uri[len(base) :]
-        for key in (unquote(relative), relative):
-            try:
-                if store.uri(key) == uri:
-                    return key
-            except ValueError:
-                continue
-    raise EpisodeInputError(f"--prompt-uri: {uri} is not an artifact of the configured store {store.url}")
+    from mass_ops.store.artifacts import ArtifactKeyError
+
+    try:
+        return store.key_of(uri)
+    except ArtifactKeyError as exc:
+        raise EpisodeInputError(f"--prompt-uri: {exc}") from None
 
 
 # --- signals, progress and logs ---------------------------------------------------------------------------------

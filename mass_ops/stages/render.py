@@ -21,8 +21,6 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
-from mass_ops.judge.evidence import EvidenceError
-from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.layout import (
     dataset_key,
     dataset_stats_key,
@@ -39,7 +37,7 @@ from mass_ops.render import (
     iter_episode_renders,
 )
 from mass_ops.stages.common import SPLITS, PostTrainingError, refuse_remote
-from mass_ops.store.artifacts import ArtifactStore
+from mass_ops.store.artifacts import ArtifactKeyError, ArtifactStore
 from mass_ops.store.model_folders import (
     fetch_model,
     is_side_file,
@@ -79,8 +77,8 @@ class _SelectedEpisode:
 
 def _store_key(artifacts: ArtifactStore, uri: str, what: str) -> str:
     try:
-        return key_for_uri(artifacts, uri)
-    except EvidenceError:
+        return artifacts.key_of(uri)
+    except ArtifactKeyError:
         raise PostTrainingError(f"{what} {uri} is not an artifact of the configured store {artifacts.url}") from None
 
 
@@ -127,7 +125,7 @@ def _selected_episodes(ctx: CycleContext, split: str) -> list[_SelectedEpisode]:
     return selected
 
 
-class _ShardWriter:
+class _WindowShardWriter:
     """Windows as gzip JSONL shards of at most `per_shard` lines; byte-identical for identical windows."""
 
     def __init__(self, folder: Path, per_shard: int) -> None:
@@ -211,7 +209,7 @@ def _render_split(
     )
     folder = scratch / split
     folder.mkdir(parents=True)
-    writer = _ShardWriter(folder, WINDOWS_PER_SHARD)
+    writer = _WindowShardWriter(folder, WINDOWS_PER_SHARD)
     ids = {item.source.episode: item.episode_id for item in selected}
     index: list[dict[str, Any]] = []
     episode_stats: list[dict[str, Any]] = []

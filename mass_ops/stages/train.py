@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -47,7 +45,9 @@ from mass_ops.train.checkpoints import (
     SELECTION_FILE,
     TRAIN_LOG_FILE,
     CheckpointSelectionError,
+    finite_number,
     is_complete,
+    log_rows,
     read_train_log,
 )
 from mass_ops.train.plan import train_args_for, training_command_for
@@ -184,23 +184,10 @@ def _read_log_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL log the trainer may be appending to: a last line without its newline is not read yet."""
     if not path.is_file():
         return []
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(keepends=True), start=1):
-        if not line.endswith("\n"):
-            break
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise PostTrainingError(f"{path}:{number}: not valid JSON") from None
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        return log_rows(path.read_text(encoding="utf-8"), str(path), complete_lines_only=True)
+    except CheckpointSelectionError as exc:
+        raise PostTrainingError(str(exc)) from None
 
 
 class _TrainingProgress:
@@ -261,13 +248,13 @@ class _TrainingProgress:
                 continue
             if "val_loss" in row:
                 entry = fields.setdefault(step, {})
-                if _finite(row["val_loss"]):
+                if finite_number(row["val_loss"]):
                     entry["val_loss"] = float(row["val_loss"])
                 else:  # kept out of the row; select_checkpoint reads the log and refuses the run
                     logger.warning("step %d: non-finite validation loss %r", step, row["val_loss"])
-                if _finite(row.get("val_tokens")):
+                if finite_number(row.get("val_tokens")):
                     entry["val_tokens"] = int(row["val_tokens"])
-            elif "loss" in row and step in self.published and _finite(row["loss"]):
+            elif "loss" in row and step in self.published and finite_number(row["loss"]):
                 fields.setdefault(step, {})["train_loss"] = float(row["loss"])
         for step, uri in self.published.items():
             if step <= through:
@@ -482,9 +469,9 @@ def select_checkpoint(config: CycleConfig) -> dict[str, Any]:
         if "val_loss" not in row:
             continue
         step, loss, tokens = row.get("step"), row.get("val_loss"), row.get("val_tokens")
-        if not _finite(loss):
+        if not finite_number(loss):
             raise PostTrainingError(f"select_checkpoint: {log_uri}: validation loss at step {step} is not finite")
-        if not _finite(tokens) or tokens <= 0:
+        if not finite_number(tokens) or tokens <= 0:
             raise PostTrainingError(f"select_checkpoint: {log_uri}: validation at step {step} counted no tokens")
         if isinstance(step, int) and not isinstance(step, bool) and step > 0 and step in rows and rows[step].uri:
             candidates.append((float(loss), step))

@@ -535,6 +535,22 @@ class ArtifactStore(ABC):
     def uri(self, key: str) -> str:
         """URI of the artifact stored under `key`."""
 
+    def key_of(self, uri: str) -> str:
+        """The key whose URI is `uri` (the inverse of `uri`, percent-encoded or not); ArtifactKeyError when `uri`
+        lies outside this store. Rows hold URIs; reading one back goes through here."""
+        from urllib.parse import unquote
+
+        base = self.url.rstrip("/") + "/"
+        if uri.startswith(base):
+            relative = uri[len(base) :]
+            for key in (unquote(relative), relative):
+                try:
+                    if self.uri(key) == uri:
+                        return key
+                except ValueError:
+                    continue
+        raise ArtifactKeyError(f"{uri} is not an artifact of the configured store {self.url}")
+
     @abstractmethod
     def _open_verified(self, key: str) -> VerifiedStream:
         """Open the artifact's bytes with its recorded SHA-256/size; `ArtifactNotFoundError` if absent."""

@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mass_ops.errors import InputError
 
@@ -69,25 +70,43 @@ class CheckpointRecord:
     val_tokens: int | None
 
 
+def finite_number(value: Any) -> bool:
+    """A real, finite number (not a bool): what a logged loss or token count must be to count."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def log_rows(text: str, where: str, *, strict: bool = True, complete_lines_only: bool = False) -> list[dict]:
+    """The JSON-object rows of a JSONL training log, each with its line number under `_line`; the one reader of
+    the trainer's logs. `strict`: a line that is not a JSON object is a CheckpointSelectionError naming `where:line`
+    (else it is skipped, for a report that shows what it can). `complete_lines_only`: a last line without its newline
+    is not read (the trainer may still be writing it)."""
+    rows = []
+    for line_no, line in enumerate(text.splitlines(keepends=True), start=1):
+        if complete_lines_only and not line.endswith("\n"):
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if strict:
+                raise CheckpointSelectionError(f"{where}:{line_no}: not valid JSON ({exc.msg})") from None
+            continue
+        if not isinstance(row, dict):
+            if strict:
+                raise CheckpointSelectionError(f"{where}:{line_no}: a log row must be a JSON object")
+            continue
+        row["_line"] = line_no
+        rows.append(row)
+    return rows
+
+
 def read_train_log(path: str | Path) -> list[dict]:
     """All rows of a JSONL training log; a bad line is an error naming file:line."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointSelectionError(f"{path}: training log not found")
-    rows = []
-    with path.open("r", encoding="utf-8") as handle:
-        for line_no, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise CheckpointSelectionError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise CheckpointSelectionError(f"{path}:{line_no}: a log row must be a JSON object")
-            row["_line"] = line_no
-            rows.append(row)
-    return rows
+    return log_rows(path.read_text(encoding="utf-8"), str(path))
 
 
 def _validation_rows(path: Path, rows: list[dict]) -> list[dict]:
@@ -97,7 +116,7 @@ def _validation_rows(path: Path, rows: list[dict]) -> list[dict]:
             continue
         where = f"{path}:{row['_line']}"
         loss, tokens, step = row.get("val_loss"), row.get("val_tokens"), row.get("step")
-        if isinstance(loss, bool) or not isinstance(loss, int | float) or not math.isfinite(loss):
+        if not finite_number(loss):
             raise CheckpointSelectionError(f"{where}: validation loss at step {step} is not finite ({loss!r})")
         if isinstance(tokens, bool) or not isinstance(tokens, int | float) or tokens <= 0:
             raise CheckpointSelectionError(f"{where}: validation at step {step} counted no tokens ({tokens!r})")

@@ -34,7 +34,6 @@ import pytest
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.pairing import RolloutPair, pairs_document, pairs_from_document
-from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.llm import LLMClient
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.stages.evaluate import workspace_alias
@@ -193,7 +192,7 @@ class BenchmarkExecutor:
         return [self._one(request) for request in requests]
 
     def workspace(self, outcome: EpisodeOutcome, dest: Path) -> Path:
-        self.ctx.artifacts.get_dir(key_for_uri(self.ctx.artifacts, outcome.artifacts["workspace"]), dest)
+        self.ctx.artifacts.get_dir(self.ctx.artifacts.key_of(outcome.artifacts["workspace"]), dest)
         return dest
 
     def _one(self, request: EpisodeRequest) -> EpisodeOutcome:

@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.context import attach_cycle
-from mass_ops.judge.workspaces import key_for_uri
 from mass_ops.stages import api as stages
 from tests.inner_loop_fakes import FakeExecutor, inner_loop_fixture  # noqa: F401  (fixture)
 
@@ -67,7 +66,7 @@ def test_stage_units_run_a_cycle_through_selection_and_rerun_as_no_ops(inner_loo
     json.dumps(selected)  # XCom-safe
 
     report = stages.report(config)
-    html = ctx.artifacts.get_bytes(key_for_uri(ctx.artifacts, report["html"])).decode()
+    html = ctx.artifacts.get_bytes(ctx.artifacts.key_of(report["html"])).decode()
     assert "RHI" in html and report["figures"] > 0
 
 

@@ -16,13 +16,14 @@ from collections.abc import Mapping, Sized
 from pathlib import Path
 from typing import Any
 
+from mass_ops_airflow import CYCLE_DAG_ID
 from mass_ops_airflow.demo import DEMO_MODEL_DIR, DEMO_STORAGE
+from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
 DEMO_AIRFLOW_HOME = Path("runs/demo/airflow")
 DAGS_DIR_ENV = "MASS_DAGS_DIR"
-CYCLE_DAG_ID = "mass_cycle"
 # Pool slots of the demo: the tiny model server takes 2 requests at once (inference.max_concurrent_requests).
-DEMO_POOLS = {"mass_inference": 2, "mass_gpu": 1}
+DEMO_POOLS = {INFERENCE_POOL: 2, GPU_POOL: 1}
 
 
 # The logger of `dag.test()`, and its note for a second in which no task instance can run (one is deferred, or the

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from mass_ops.export.threads import export_threads
+from mass_ops.export.torch_threads import export_threads
 
 
 def test_threads_are_capped_inside_and_restored_after_even_on_error():
