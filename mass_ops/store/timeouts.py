@@ -6,9 +6,9 @@ within seconds instead of hanging it (or failing after minutes of library defaul
 =================================  =======  ==============================================================
 Variable                           Default  Meaning
 =================================  =======  ==============================================================
-``MASS_STORE_CONNECT_TIMEOUT_S``   10       Opening a connection: Postgres ``connect_timeout`` (libpq,
+``MASS_STORE_CONNECT_TIMEOUT_S``   5        Opening a connection: Postgres ``connect_timeout`` (libpq,
                                             whole handshake; libpq treats values under 2 as 2), S3 TCP/TLS.
-``MASS_STORE_READ_TIMEOUT_S``      60       Waiting for the next bytes of an S3 response; the TCP user
+``MASS_STORE_READ_TIMEOUT_S``      20       Waiting for the next bytes of an S3 response; the TCP user
                                             timeout of Postgres connections (unacknowledged data).
 ``MASS_STORE_MAX_ATTEMPTS``        3        Total tries of one S3 request (botocore "standard" retry mode,
                                             exponential backoff with jitter); 1 disables retries.
@@ -36,8 +36,10 @@ READ_TIMEOUT_ENV = "MASS_STORE_READ_TIMEOUT_S"
 MAX_ATTEMPTS_ENV = "MASS_STORE_MAX_ATTEMPTS"
 STATEMENT_TIMEOUT_ENV = "MASS_STORE_STATEMENT_TIMEOUT_S"
 
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_READ_TIMEOUT_S = 60.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# Between two reads of a response, not for a whole transfer: 20 s without a byte is an endpoint that is not
+# answering. With 3 attempts a silent S3 endpoint fails a request in about a minute (botocore's defaults: minutes).
+DEFAULT_READ_TIMEOUT_S = 20.0
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_STATEMENT_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 24 * 3600.0  # beyond a day a "timeout" is a typo, not a limit
