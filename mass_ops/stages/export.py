@@ -104,6 +104,9 @@ def export(config: CycleConfig) -> dict[str, Any]:
     from mass_ops.export import export_fp8, merge_and_export_fp8, merge_lora
     from mass_ops.export.fp8 import QUANT_INFO_NAME
     from mass_ops.export.merge import MERGE_INFO_NAME
+    from mass_ops.export.tensor_parallel import check_fp8_tensor_parallel
+
+    tp = config.inference.effective_tensor_parallel_size
 
     with tempfile.TemporaryDirectory(prefix="mass-export-") as scratch_name:
         scratch = Path(scratch_name)
@@ -117,6 +120,7 @@ def export(config: CycleConfig) -> dict[str, Any]:
             if "fp8" in targets:
                 bf16_dir = fetch_model(ctx.artifacts, targets["bf16"], bf16_dir)
             if fp8_due:
+                check_fp8_tensor_parallel(bf16_dir, tp, reference_dir=reference_dir)
                 export_fp8(bf16_dir, scratch / "fp8", reference_dir=reference_dir)
         else:
             parent_dir = fetch_model(ctx.artifacts, config.models.parent_bf16, scratch / "parent")
@@ -126,6 +130,8 @@ def export(config: CycleConfig) -> dict[str, Any]:
             adapter = adapter_dir / LORA_STATE_FILE
             r, alpha = config.training.lora_r, config.training.lora_alpha
             if fp8_due:
+                # Merging keeps every shape: the parent tells whether the FP8 model loads, before anything is written.
+                check_fp8_tensor_parallel(parent_dir, tp, reference_dir=reference_dir)
                 # One pass reads the parent once and writes both models (the same bytes as merging, then quantising).
                 merge_and_export_fp8(
                     parent_dir, adapter, bf16_dir, scratch / "fp8", r=r, alpha=alpha, reference_dir=reference_dir
