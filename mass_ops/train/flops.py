@@ -126,9 +126,7 @@ def flops_model(config: Mapping[str, Any]) -> FlopsModel:
                 params += 3 * hidden * shared + hidden  # shared expert and its sigmoid gate
         else:
             params += 3 * hidden * _need(c, "intermediate_size")  # gate, up, down
-    return FlopsModel(
-        active_params=params, attention_layers=attention_layers, attention_heads=heads, head_dim=head_dim
-    )
+    return FlopsModel(active_params=params, attention_layers=attention_layers, attention_heads=heads, head_dim=head_dim)
 
 
 def read_flops_model(model_dir: str | Path) -> FlopsModel:
@@ -148,3 +146,31 @@ def mfu(flops: float, seconds: float, gpus: int, peak_tflops_per_gpu: float | No
     if not peak_tflops_per_gpu or seconds <= 0 or gpus <= 0:
         return None
     return flops / seconds / gpus / (peak_tflops_per_gpu * 1e12)
+
+
+def step_throughput(
+    window_tokens_by_rank: Mapping[int, list[int]],
+    supervised_tokens: int,
+    step_s: float,
+    model: FlopsModel | None,
+    *,
+    world_size: int,
+    peak_tflops_per_gpu: float | None,
+) -> dict[str, Any]:
+    """The throughput fields of one logged training step (one rank = one GPU).
+
+    `window_tokens_by_rank`: the token count of every window each rank processed in the step; `supervised_tokens`:
+    the loss tokens of the step over all ranks. Tokens/s count every token of a window (context included), the
+    supervised rate only the trained ones. Without an architecture (`model` None) the FLOPs fields are None.
+    """
+    per_rank = [sum(window_tokens_by_rank.get(rank, [])) for rank in range(world_size)]
+    total = sum(per_rank)
+    seconds = step_s if step_s > 0 else float("nan")
+    flops = model.step_flops(t for tokens in window_tokens_by_rank.values() for t in tokens) if model else None
+    return {
+        "tokens_per_s": round(total / seconds, 3),
+        "tokens_per_s_per_rank": [round(t / seconds, 3) for t in per_rank],
+        "supervised_tokens_per_s": round(supervised_tokens / seconds, 3),
+        "model_tflops_per_gpu": None if flops is None else round(flops / seconds / world_size / 1e12, 6),
+        "mfu": None if flops is None else mfu(flops, step_s, world_size, peak_tflops_per_gpu),
+    }

@@ -50,6 +50,7 @@ from mass_ops.train.checkpoints import (
     is_complete,
 )
 from mass_ops.train.data import TrainingWindow, WindowDataError, WindowSet, load_windows
+from mass_ops.train.flops import ArchitectureError, FlopsModel, read_flops_model, step_throughput
 from mass_ops.train.lora_targets import LoraTargetError, LoraTargetSummary, summarize_lora_targets
 from mass_ops.train.sampler import Draw, Exposure, TaskRoleSampler, draw_index
 from mass_ops.train.schedule import lr_at, lr_factor
@@ -483,6 +484,7 @@ class LoraSftRun:
         # so on CPU the output projection runs in fp32; accelerators keep the parent's dtype, as the reference does.
         on_cpu = torch.device(self.engine.device).type == "cpu"
         self.lm_weight = lm_weight.to(self.engine.device, torch.float32 if on_cpu else lm_weight.dtype)
+        self.flops_model, self.peak_tflops_per_gpu = self._flops_reference(on_cpu)
 
         if resume_state is not None:
             self._restore(Path(args.resume_from), resume_state)
@@ -501,6 +503,21 @@ class LoraSftRun:
                 args.grad_accum,
             )
         self._barrier()
+
+    def _flops_reference(self, on_cpu: bool) -> tuple[FlopsModel | None, float | None]:
+        """The architecture's FLOPs model and the per-GPU peak MFU is measured against.
+
+        An architecture the FLOPs model cannot read costs the FLOPs fields, never the run. CPU runs log no MFU:
+        the peak is a GPU's tensor-core figure. `peak_tflops_per_gpu` comes from `training.peak_tflops_per_gpu`
+        through the args file once `TrainArgs` carries it; until then no MFU is logged (achieved TFLOP/s are).
+        """
+        try:
+            model: FlopsModel | None = read_flops_model(self.args.model_dir)
+        except ArchitectureError as exc:
+            log.warning("no FLOPs figures: %s", exc)
+            model = None
+        peak = getattr(self.args, "peak_tflops_per_gpu", None)
+        return model, None if on_cpu else peak
 
     def _record_lora_targets(self) -> None:
         """`lora_targets.json` beside args.json, and the same summary as the first train_log row (no `step`)."""
@@ -751,6 +768,18 @@ class LoraSftRun:
             self.last_loss = float(local[0] / local[1])
             grad_norm = self.engine.get_global_grad_norm()
             if ranks.is_main:
+                step_s = time.perf_counter() - step_started
+                window_tokens: dict[int, list[int]] = defaultdict(list)
+                for d in step_draws:
+                    window_tokens[d["rank"]].append(self.train_set.windows[d["window"]].n_tokens)
+                throughput = step_throughput(
+                    window_tokens,
+                    int(local[1]),
+                    step_s,
+                    self.flops_model,
+                    world_size=ranks.world_size,
+                    peak_tflops_per_gpu=self.peak_tflops_per_gpu,
+                )
                 _append_jsonl(
                     self.train_log,
                     {
@@ -761,10 +790,11 @@ class LoraSftRun:
                         "tokens": int(local[1]),
                         "input_tokens": int(local[2]),
                         "windows": len(step_draws),
-                        "step_s": round(time.perf_counter() - step_started, 3),
+                        "step_s": round(step_s, 3),
                         "elapsed_s": elapsed(),
                         "peak_mem_gib": round(accelerator.max_memory_allocated() / 2**30, 3),
                         "peak_reserved_gib": round(accelerator.max_memory_reserved() / 2**30, 3),
+                        **throughput,
                     },
                 )
                 by_pair: dict[str, int] = defaultdict(int)
@@ -788,12 +818,14 @@ class LoraSftRun:
                     },
                 )
                 log.info(
-                    "step %d/%d loss %.4f lr %.3g grad_norm %s",
+                    "step %d/%d loss %.4f lr %.3g grad_norm %s tokens/s %.0f mfu %s",
                     done,
                     args.steps,
                     self.last_loss,
                     lr,
                     None if grad_norm is None else f"{float(grad_norm):.4f}",
+                    throughput["tokens_per_s"],
+                    "n/a" if throughput["mfu"] is None else f"{throughput['mfu']:.1%}",
                 )
 
             last = done == args.steps

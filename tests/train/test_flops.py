@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mass_ops.train.flops import ArchitectureError, flops_model, mfu, read_flops_model
+from mass_ops.train.flops import ArchitectureError, flops_model, mfu, read_flops_model, step_throughput
 
 TINY_QWEN3 = {  # the embedded profile's tiny model
     "architectures": ["Qwen3ForCausalLM"],
@@ -95,3 +95,18 @@ def test_a_config_without_the_shape_is_one_clear_error(tmp_path):
     assert read_flops_model(tmp_path).active_params == 19_939_328
     with pytest.raises(ArchitectureError, match="cannot read the model config"):
         read_flops_model(tmp_path / "missing")
+
+
+def test_step_throughput_of_two_ranks():
+    model = flops_model(TINY_QWEN3)
+    fields = step_throughput({0: [1000], 1: [600, 400]}, 500, 2.0, model, world_size=2, peak_tflops_per_gpu=989.0)
+    assert fields["tokens_per_s"] == 1000.0
+    assert fields["tokens_per_s_per_rank"] == [500.0, 500.0]
+    assert fields["supervised_tokens_per_s"] == 250.0
+    flops = model.sequence_flops(1000) + model.sequence_flops(600) + model.sequence_flops(400)
+    assert fields["model_tflops_per_gpu"] == round(flops / 2.0 / 2 / 1e12, 6)
+    assert fields["mfu"] == pytest.approx(flops / 2.0 / 2 / 989e12)
+    cpu = step_throughput({0: [10]}, 5, 1.0, model, world_size=1, peak_tflops_per_gpu=None)
+    assert cpu["mfu"] is None and cpu["tokens_per_s_per_rank"] == [10.0]
+    unknown = step_throughput({0: [10]}, 5, 1.0, None, world_size=1, peak_tflops_per_gpu=989.0)
+    assert unknown["model_tflops_per_gpu"] is None and unknown["mfu"] is None
