@@ -17,6 +17,7 @@ from rich.table import Table
 
 from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_config
 from mass_ops.errors import EXIT_INPUT, MassOpsError, exit_code_for
+from mass_ops.prompts.cli import prompts_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
@@ -33,6 +34,7 @@ db_app = typer.Typer(no_args_is_help=True, help="The metadata schema: create, up
 app.add_typer(db_app, name="db")
 tasks_app = typer.Typer(no_args_is_help=True, help="The task catalogue: list shipped tasks, import MASS-format ones.")
 app.add_typer(tasks_app, name="tasks")
+app.add_typer(prompts_app, name="prompts")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -81,7 +83,9 @@ def config_show(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 
 @config_app.command("validate")
 def config_validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
-    """Validate a config; prints its cycle name and hash."""
+    """Validate a config and its prompt templates; prints its cycle name and hash."""
+    from mass_ops.prompts import check_templates
+
     cfg = resolve_config(config, set_)
     try:
         cfg.require_catalogue()
@@ -96,6 +100,7 @@ def config_schema() -> None:
     sys.stdout.write(json.dumps(config_json_schema(), indent=2) + "\n")
 
 
+        check_templates(cfg)
 @app.command()
 def plan(
     config: ConfigOption = "paper",

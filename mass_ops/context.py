@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from mass_ops.config import ConfigError, CycleConfig
 from mass_ops.errors import InputError
+from mass_ops.prompts import check_recorded, check_templates, use_prompts
 from mass_ops.store.artifacts import ArtifactStore, open_artifact_store
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.tasks.catalogue import TaskCatalogue, load_catalogue
@@ -59,8 +60,10 @@ def _stores(config: CycleConfig) -> tuple[MetadataRepository, ArtifactStore]:
 
 
 def open_cycle(config: CycleConfig, *, upgrade_schema: bool = True) -> CycleContext:
-    """Validate against the catalogue, create/upgrade the schema, and freeze the config into its cycle row."""
+    """Validate against the catalogue and the prompt templates, create/upgrade the schema, and freeze the config
+    into its cycle row (with the SHA-256 of every prompt template)."""
     catalogue = load_task_catalogue(config)
+    prompts = check_templates(config)  # a template that does not render is a config error before anything is written
     if upgrade_schema:
         from mass_ops.store.migrations import upgrade
 
@@ -74,6 +77,9 @@ def open_cycle(config: CycleConfig, *, upgrade_schema: bool = True) -> CycleCont
         preset=config.preset,
         parent_model=config.models.served_name,
     )
+    check_recorded(prompts, (cycle.provenance or {}).get("prompts"), config.cycle_name)
+    repo.set_cycle_provenance(cycle.id, "prompts", prompts.digests())
+    use_prompts(prompts)
     for task_id in sorted(set(config.tasks.train_candidates) | set(config.tasks.test)):
         task = catalogue.task(task_id)
         split = "test" if task_id in config.tasks.test else "train"
@@ -91,8 +97,9 @@ def open_cycle(config: CycleConfig, *, upgrade_schema: bool = True) -> CycleCont
 
 
 def attach_cycle(config: CycleConfig) -> CycleContext:
-    """The context of a cycle that `open_cycle` already froze; refuses a changed config."""
+    """The context of a cycle that `open_cycle` already froze; refuses a changed config or changed prompts."""
     catalogue = load_task_catalogue(config)
+    prompts = check_templates(config)
     repo, artifacts = _stores(config)
     cycle = repo.get_cycle(config.cycle_name)
     if cycle is None:
@@ -100,4 +107,6 @@ def attach_cycle(config: CycleConfig) -> CycleContext:
     if cycle.config_hash != config.config_hash():
         # ensure_cycle raises the same ConfigChangedError message for a changed config.
         repo.ensure_cycle(config.cycle_name, {}, config.config_hash())
+    check_recorded(prompts, (cycle.provenance or {}).get("prompts"), config.cycle_name)
+    use_prompts(prompts)
     return CycleContext(config, catalogue, repo, artifacts, cycle.id)

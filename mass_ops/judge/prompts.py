@@ -1,4 +1,5 @@
-"""Pairwise judge prompts: domain personas, the relative rubric, labels and the verdict schema (MASS_SPEC §5).
+"""Pairwise judge prompts: domain personas, labels, the verdict schema and its parser (MASS_SPEC §5). The texts are
+the templates ``judge_system.j2`` and ``judge_user.j2`` (`mass_ops.prompts`); this module chooses their variables.
 
 The same prompt serves the RHI judge (a version against the bare reference), champion arbitration and the
 self-judge of the ranking tournament; only the labels differ.
@@ -11,6 +12,7 @@ from typing import Any, Literal
 
 from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle
+from mass_ops.prompts import PromptSet, current_prompts
 
 Winner = Literal["A", "B", "tie"]
 WINNERS: tuple[str, ...] = ("A", "B", "tie")
@@ -52,44 +54,18 @@ _DEFAULT_PERSONA = ("a senior research reviewer", "rigor, completeness and repro
 
 
 def persona(task_id: int) -> tuple[str, str]:
-    """(who the judge is, what it weighs) for a task, by id range: 1–99 finance, 200–299 pharmacy, 300–399
-    robotics, anything else a general reviewer."""
+    """(who the judge is, what it weighs) for a task — the template's `reviewer` and `focus` — by id range: 1–99
+    finance, 200–299 pharmacy, 300–399 robotics, anything else a general reviewer."""
     for ids, who, focus in _PERSONAS:
         if task_id in ids:
             return who, focus
     return _DEFAULT_PERSONA
 
 
-def judge_system_prompt(task_id: int) -> str:
-    """System prompt of a pairwise judge for `task_id`."""
+def judge_system_prompt(task_id: int, *, prompts: PromptSet | None = None) -> str:
+    """System prompt of a pairwise judge for `task_id` (template ``judge_system.j2``)."""
     who, focus = persona(task_id)
-    return (
-        f"You are {who} acting as a strict, evidence-driven reviewer of two research workspaces produced for the "
-        f"same task. You pay particular attention to {focus}.\n"
-        "Rules:\n"
-        "- The Task block is the only contract. Judge each workspace by how well it fulfils that task.\n"
-        "- The workspaces are evidence only: rely on the directory tree, preflight and excerpts you are shown and "
-        "never assume or invent contents that are not shown.\n"
-        "- Use the task's explicit Deliverables list as a checklist.\n"
-        "- Cite concrete file paths, JSON keys or report sections for every claim.\n"
-        "- Choose A or B when one workspace is clearly better overall; answer tie only when they are genuinely "
-        "comparable.\n"
-        "- Answer with one JSON object and nothing else."
-    )
-
-
-RUBRIC = """# Relative rubric (compare A with B on each point, then decide overall)
-1. Deliverable coverage: every required file, section and plot exists and is complete.
-2. Numerical and empirical rigor: sound baselines, validation without leakage, uncertainty, numbers consistent
-   between the report and the results files.
-3. Reproducibility: pinned requirements, a single entry point that regenerates the results, fixed seeds, tests.
-4. Presentation: a clear conference-style report whose claims are supported by the evidence.
-5. Engineering: correct, organised, runnable code.
-6. Task alignment: answers the question asked, with the methods and evaluations the task requires."""
-
-OUTPUT_SCHEMA = """# Output
-Return exactly one JSON object with these keys and nothing else:
-{"winner": "A" | "B" | "tie", "rationale": "<non-empty justification citing paths, keys or sections>"}"""
+    return (prompts or current_prompts()).render("judge_system.j2", task_id=task_id, reviewer=who, focus=focus)
 
 
 def judge_user_prompt(
@@ -98,23 +74,22 @@ def judge_user_prompt(
     label_b: str,
     bundle_a: EvidenceBundle,
     bundle_b: EvidenceBundle,
+    *,
+    prompts: PromptSet | None = None,
 ) -> str:
-    """The pairwise message: task, labels, both bundles, rubric and schema. Both bundles must be of one task."""
+    """The pairwise message (template ``judge_user.j2``): task, labels, both bundles, rubric and schema. Both bundles
+    must be of one task."""
     if (bundle_a.task_id, bundle_a.query_id) != (bundle_b.task_id, bundle_b.query_id):
         raise ValueError(
             f"pairwise prompt: bundles belong to different tasks ({bundle_a.query_id} vs {bundle_b.query_id})"
         )
-    return "\n\n".join(
-        [
-            f"# Task\n{task_text.strip()}",
-            "# Labels (for orientation only)\n"
-            f"- Workspace A: {label_a}\n- Workspace B: {label_b}\n"
-            "The labels only say how each run was produced; judge the evidence, not the label.",
-            bundle_a.render("Workspace A"),
-            bundle_b.render("Workspace B"),
-            RUBRIC,
-            OUTPUT_SCHEMA,
-        ]
+    return (prompts or current_prompts()).render(
+        "judge_user.j2",
+        task_text=task_text.strip(),
+        label_a=label_a,
+        label_b=label_b,
+        evidence_a=bundle_a.render("Workspace A"),
+        evidence_b=bundle_b.render("Workspace B"),
     )
 
 

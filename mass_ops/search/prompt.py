@@ -1,4 +1,6 @@
-"""The RHI optimizer prompt (MASS_SPEC §3.3 step B): every section, in the reference order.
+"""The RHI optimizer prompt (MASS_SPEC §3.3 step B): every section, in the reference order. The texts are the
+templates ``optimizer_system.j2``, ``optimizer_user.j2`` and ``optimizer_parts.j2`` (`mass_ops.prompts`); this
+module computes what they show: collapsed rationales, takeaways, recent diffs, the scoreboard and the checklist.
 
 User prompt: 1 the query (task, current design, previous best with its rationale, the v0 root, save rules), 2 the
 evidence of the current workspace, 2b execution metadata with the failure notice, 3 the history of verdicts against
@@ -13,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mass_ops.prompts import PromptSet, current_prompts
 from mass_ops.workflow import START_MARKER
 
-RULE = "-" * 100
 BEST_RATIONALE_CHARS = 2000
 HISTORY_RATIONALE_CHARS = 2400
 MAX_TAKEAWAYS = 6
@@ -27,7 +29,6 @@ _TAKEAWAY_CUES = (
     "fail", "missing", "inconsistent", "mismatch", "not ", "lack", "weak", "nan", "null", "error", "defect",
     "reproducibility",
 )  # fmt: skip
-_SCOREBOARD_MARK = {"B": "W", "A": "L", "tie": "T", "invalid": "T!"}
 
 # Six recurring-defect buckets of the delta checklist: (name, pattern over a rationale).
 DELTA_BUCKETS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -117,217 +118,103 @@ class OptimizerInputs:
         return self.version >= 1
 
 
-def optimizer_system_prompt() -> str:
-    """System prompt of the optimizer."""
-    return (
-        "You are a principal prompt engineer for autonomous coding agents. You improve ONLY the multi-agent design "
-        "block of a research task prompt so that the agent team executing it produces deliverables of higher "
-        "quality.\n"
-        "Prioritise what a multi-agent system can do and a single agent cannot: decomposition into parallel "
-        "specialists, critique across agents, agent-to-agent communication and iterative reconciliation of "
-        "their outputs.\n"
-        "Two priorities above all:\n"
-        '1. Stronger agent-to-agent communication contracts: every subagent\'s "Output to orchestrator" schema '
-        "states exactly what it returns (paths, checks run and their results, open issues).\n"
-        "2. More orchestrator-subagent hops: the orchestrator recalls subagents and re-delegates narrower work "
-        "with updated acceptance criteria instead of accepting a single pass.\n"
-        "Ground every change in concrete evidence from the workspace and the judge history. Return valid JSON only."
-    )
+def optimizer_system_prompt(*, prompts: PromptSet | None = None) -> str:
+    """System prompt of the optimizer (template ``optimizer_system.j2``)."""
+    return (prompts or current_prompts()).render("optimizer_system.j2")
 
 
-def failure_notice(run_status: Mapping[str, Any]) -> str | None:
-    """The FAILURE NOTICE (and prior-failure addenda) for a run that did not finish cleanly, else None.
-
-    A run failed when its exit code is neither 0 nor unknown, or its trace holds no success result.
-    """
-    exit_code = run_status.get("exit_code")
-    failed = exit_code not in (0, None) or run_status.get("trace_has_success_result") is not True
-    prior = run_status.get("prior_failures")
-    parts: list[str] = []
-    if failed:
-        parts.append(
-            "FAILURE NOTICE: the current run did not finish (it was force-quit or ended without a success result). "
-            "Treat this as first-order evidence about the design. The next design must make the run finish: "
-            'tighter completion and acceptance criteria in every subagent\'s "Output to orchestrator", '
-            "orchestrator progress checks with recovery and re-delegation, and shared rules for detecting and "
-            "breaking repeated tool-call loops — while still improving the quality of the work. Do not add "
-            "numerical caps (on agents, calls, rounds or time) and do not collapse the team into a single agent."
-        )
-        if prior:
-            parts.append(
-                "RECURRENT FAILURE: earlier runs of this task failed as well. Restructure the design materially "
-                "instead of adjusting wording."
-            )
-    elif prior:
-        parts.append(
-            "RESOLVED FAILURE HISTORY: earlier runs failed but this one finished. Preserve the provisions that "
-            "fixed the failure while you improve quality."
-        )
-    return "\n\n".join(parts) or None
+def run_failed(run_status: Mapping[str, Any]) -> bool:
+    """A run failed when its exit code is neither 0 nor unknown, or its trace holds no success result."""
+    return run_status.get("exit_code") not in (0, None) or run_status.get("trace_has_success_result") is not True
 
 
-def scoreboard_line(scoreboard: Sequence[tuple[int, str | None]], retained: int | None) -> str:
+def failure_notice(run_status: Mapping[str, Any], *, prompts: PromptSet | None = None) -> str | None:
+    """The FAILURE NOTICE (and prior-failure addenda) for a run that did not finish cleanly, else None (macro
+    ``failure_notice`` of ``optimizer_parts.j2``)."""
+    notice = (prompts or current_prompts()).macro("optimizer_parts.j2", "failure_notice")
+    return notice(run_failed(run_status), bool(run_status.get("prior_failures"))).strip("\n") or None
+
+
+def _scoreboard_entries(scoreboard: Sequence[tuple[int, str | None]], retained: int | None) -> list[dict[str, Any]]:
+    return [{"version": v, "verdict": verdict, "retained": v == retained} for v, verdict in scoreboard]
+
+
+def scoreboard_line(
+    scoreboard: Sequence[tuple[int, str | None]], retained: int | None, *, prompts: PromptSet | None = None
+) -> str:
     """``Record vs no_harness: v0 W★ · v1 L · v2 T · …`` (W win, L loss, T tie, T! invalid judge answer counted as
-    a tie, ? not judged; ★ marks the retained champion)."""
-    marks = []
-    for version, verdict in scoreboard:
-        mark = _SCOREBOARD_MARK.get(verdict or "", "?")
-        marks.append(f"v{version} {mark}{'★' if version == retained else ''}")
-    return "Record vs no_harness: " + " · ".join(marks)
+    a tie, ? not judged; ★ marks the retained champion), macro ``scoreboard`` of ``optimizer_parts.j2``."""
+    line = (prompts or current_prompts()).macro("optimizer_parts.j2", "scoreboard")
+    return line(_scoreboard_entries(scoreboard, retained)).strip("\n")
 
 
-def delta_checklist(rationales: Sequence[str]) -> str:
-    """Recurring defect categories across the history rationales, most frequent first, each with an example."""
+def delta_rows(rationales: Sequence[str]) -> list[dict[str, Any]]:
+    """Recurring defect categories across the history rationales, most frequent first (ties in bucket order), each
+    with its verdict count and an example sentence of the latest rationale that names it."""
     rows = []
     for order, (name, pattern) in enumerate(DELTA_BUCKETS):
         matching = [r for r in rationales if pattern.search(r)]
         if not matching:
             continue
         example = next((s for s in sentences(matching[-1]) if pattern.search(s)), collapse(matching[-1], 300))
-        rows.append((-len(matching), order, f'- {name}: {len(matching)} verdict(s); e.g. "{collapse(example, 300)}"'))
-    if not rows:
-        return "(no recurring defect category found in the verdict rationales)"
-    return "\n".join(row for _, _, row in sorted(rows))
+        rows.append((-len(matching), order, {"name": name, "count": len(matching), "example": collapse(example, 300)}))
+    return [row for _, _, row in sorted(rows, key=lambda item: item[:2])]
 
 
-def _history_block(entry: HistoryEntry, diff_chars: int) -> str:
-    lines = [
-        f"- comparison: reference (A) vs multi-agent-design-v{entry.version} (B)",
-        f"  key: {entry.key}",
-        f"  winner: {entry.winner}"
-        + (" (invalid judge answer, counted as a tie)" if entry.winner == "invalid" else ""),
-        f"  judge model: {entry.judge_model}",
-        f"  judged at: {entry.judged_at}",
-        f"  repo A: {entry.side_a}",
-        f"  repo B: {entry.side_b}",
-        f"  rationale: {collapse(entry.rationale, HISTORY_RATIONALE_CHARS)}",
-    ]
-    found = takeaways(entry.rationale)
-    if found:
-        lines.append("  actionable takeaways:")
-        lines += [f"    * {sentence}" for sentence in found]
-    if entry.diff is not None:
-        # The reference shortener collapses whitespace, so each diff reads as one line; kept for faithfulness.
-        lines.append(f"  design diff v{entry.version - 1} -> v{entry.version}: {collapse(entry.diff, diff_chars)}")
-    lines.append("  reminder: preserve the traits that won and fix the defects listed above.")
-    return "\n".join(lines)
+def delta_checklist(rationales: Sequence[str], *, prompts: PromptSet | None = None) -> str:
+    """The delta checklist of `rationales` (macro ``delta_checklist`` of ``optimizer_parts.j2``)."""
+    checklist = (prompts or current_prompts()).macro("optimizer_parts.j2", "delta_checklist")
+    return checklist(delta_rows(rationales)).strip("\n")
 
 
-def history_section(inputs: OptimizerInputs) -> str:
-    """Section 3: framing and scoreboard (baseline mode), then one block per verdict."""
-    if not inputs.baseline_mode:
-        title = "3. Pairwise history summary"
-        body = [] if inputs.history else ["(no pairwise comparisons yet)"]
-    else:
-        title = "3. Pairwise history summary vs the no-harness baseline"
-        body = [
-            scoreboard_line(inputs.scoreboard, inputs.retained),
-            "★ marks the retained champion: the best version that beat the baseline, confirmed by direct "
-            "arbitration against earlier winners.",
-            "Each entry compares that version's output with a FIXED bare single-agent baseline run of the same "
-            "task (A = baseline, B = the version; winner B means the version beat the baseline). The diffs show "
-            "what changed between consecutive versions. Trends across versions matter more than a single flip.",
-        ]
-        if not inputs.history:
-            body.append("(no verdicts recorded yet)")
+def _history_entry(entry: HistoryEntry, diff_chars: int) -> dict[str, Any]:
+    # The reference shortener collapses whitespace, so each diff reads as one line; kept for faithfulness.
+    return {
+        "key": entry.key,
+        "version": entry.version,
+        "winner": entry.winner,
+        "judge_model": entry.judge_model,
+        "judged_at": entry.judged_at,
+        "side_a": entry.side_a,
+        "side_b": entry.side_b,
+        "rationale": collapse(entry.rationale, HISTORY_RATIONALE_CHARS),
+        "takeaways": takeaways(entry.rationale),
+        "diff": None if entry.diff is None else collapse(entry.diff, diff_chars),
+    }
+
+
+def optimizer_variables(inputs: OptimizerInputs) -> dict[str, Any]:
+    """The variables of ``optimizer_user.j2`` for step k (documented in the template's header)."""
     with_diffs = [e for e in inputs.history if e.diff is not None]
     recent = {e.key for e in with_diffs[-RECENT_DIFFS:]}
-    for entry in inputs.history:
-        body.append(_history_block(entry, RECENT_DIFF_CHARS if entry.key in recent else OLDER_DIFF_CHARS))
-    return "\n".join([title, *body])
-
-
-def _save_rules() -> str:
-    return (
-        "# Save rules\n"
-        "The prompt's closing rules stay as they are: use uv for every Python workflow (`uv add` for dependencies, "
-        "`uv run` for scripts and tests, `uvx` for one-off tools) and keep logs.txt in the workspace root with the "
-        "plan, the execution steps and a reflection, documenting every spawned agent, the inter-agent workflow "
-        "(an outline or diagram) and which agents actually executed."
-    )
-
-
-def _instructions(inputs: OptimizerInputs) -> str:
-    k = inputs.version
-    goal = f"Improve the multi-agent design from v{k} to v{k + 1}."
-    if inputs.baseline_mode:
-        goal += f" The explicit goal is to decisively outperform the no-harness single-agent baseline, not merely v{k}."
-    if inputs.best is not None:
-        goal += (
-            f" Combine the strengths of the previous best design (v{inputs.best.version}) with the genuinely "
-            f"useful changes of the current design (v{k})."
-        )
-    schema = {
-        "improved_multi_agent_design": f"{START_MARKER} ... (the full replacement design block)",
-        "changes_from_previous": ["..."],
-        "why_it_should_improve": ["..."],
-        "evidence_used": ["..."],
-        "expected_impact": ["..."],
-        "verification_checks": ["..."],
+    best = inputs.best
+    return {
+        "version": inputs.version,
+        "task_text": inputs.task_text.strip(),
+        "current_design": inputs.current_design.strip(),
+        "best": None
+        if best is None
+        else {
+            "version": best.version,
+            "design": best.design.strip(),
+            "rationale": collapse(best.rationale, BEST_RATIONALE_CHARS),
+            "case": best.case,
+        },
+        "v0_design": None if inputs.v0_design is None else inputs.v0_design.strip(),
+        "evidence": inputs.evidence.strip(),
+        "run_status_json": json.dumps(dict(inputs.run_status), indent=2, default=str),
+        "run_failed": run_failed(inputs.run_status),
+        "prior_failures": bool(inputs.run_status.get("prior_failures")),
+        "baseline_mode": inputs.baseline_mode,
+        "scoreboard": _scoreboard_entries(inputs.scoreboard, inputs.retained),
+        "history": [
+            _history_entry(e, RECENT_DIFF_CHARS if e.key in recent else OLDER_DIFF_CHARS) for e in inputs.history
+        ],
+        "delta_rows": delta_rows([e.rationale for e in inputs.history]),
+        "start_marker": START_MARKER,
     }
-    return "\n".join(
-        [
-            "4. Instructions",
-            goal,
-            "- Preserve the intent of the task and every required deliverable.",
-            '- Strengthen each subagent\'s "Output to orchestrator" contract: exact paths, checks run with their '
-            "results, and open issues.",
-            "- Increase orchestrator-subagent feedback loops: the orchestrator verifies each report and recalls "
-            "earlier subagents on narrower scopes with updated acceptance criteria.",
-            "- Prioritise genuine multi-agent advantages (parallel specialists, cross-agent critique, "
-            "reconciliation) over changes a single agent could make.",
-            "- Be specific and grounded in the evidence and the verdict history above; avoid generic claims.",
-            "- Do not change anything outside the design block (task text, deliverables, save rules).",
-            "",
-            "Output schema (return exactly one JSON object with these keys):",
-            json.dumps(schema, indent=2, ensure_ascii=False),
-            f'`improved_multi_agent_design` must start with "{START_MARKER}" and contain the complete design '
-            "block, not a diff.",
-        ]
-    )
 
 
-def optimizer_user_prompt(inputs: OptimizerInputs) -> str:
-    """The user message of the optimizer call of step k."""
-    k = inputs.version
-    sections = [
-        "1. Query executed by the coding agent",
-        RULE,
-        f"# Task\n{inputs.task_text.strip()}",
-        f"# Current multi agent design (v{k})\n{inputs.current_design.strip()}",
-    ]
-    if inputs.best is not None:
-        best = inputs.best
-        if best.case == "both_win_arbitration":
-            why = (
-                f"Both v{best.version} and v{k} beat the baseline, but in direct arbitration the judge preferred "
-                f"v{best.version}. Arbitration rationale:"
-            )
-        else:
-            why = f"v{best.version} beat the baseline and v{k} did not. Rationale of v{k}'s verdict:"
-        sections.append(
-            f"# Previous best multi agent design (v{best.version})\n{best.design.strip()}\n\n{why}\n"
-            f"{collapse(best.rationale, BEST_RATIONALE_CHARS)}\n\n"
-            "Refer to both designs: keep what made the previous best strong and merge only the genuinely useful "
-            f"changes of v{k}."
-        )
-    if inputs.v0_design is not None:
-        sections.append(
-            f"# Original design (v0)\n{inputs.v0_design.strip()}\n\nv0 is the root of this version track, shown for "
-            "orientation. Do not revert to it wholesale."
-        )
-    sections += [
-        _save_rules(),
-        RULE,
-        f"2. Current submission code repo for multi-agent-design-v{k} (evidence only)\n{inputs.evidence.strip()}",
-        "2b. Execution metadata\n```json\n" + json.dumps(dict(inputs.run_status), indent=2, default=str) + "\n```",
-    ]
-    notice = failure_notice(inputs.run_status)
-    if notice:
-        sections.append(notice)
-    sections += [
-        history_section(inputs),
-        "3b. Pairwise history delta checklist\n" + delta_checklist([e.rationale for e in inputs.history]),
-        _instructions(inputs),
-    ]
-    return "\n\n".join(sections)
+def optimizer_user_prompt(inputs: OptimizerInputs, *, prompts: PromptSet | None = None) -> str:
+    """The user message of the optimizer call of step k (template ``optimizer_user.j2``)."""
+    return (prompts or current_prompts()).render("optimizer_user.j2", **optimizer_variables(inputs))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from mass_ops.errors import InputError
+from mass_ops.prompts import PromptSet, current_prompts
 from mass_ops.workflow import Agent, WorkflowPrompt, bare_task_text, parse_agents, parse_prompt
 
 Split = Literal["train", "test"]
@@ -184,9 +185,12 @@ class TaskCatalogue:
             raise UnknownTaskError(f"unknown domain {domain!r} (catalogue has {known})")
         return [self.tasks[task_id] for task_id in self.splits.domains[domain]]
 
-    def teacher_prompt(self, retained_prompt: str) -> str:
-        """Prompt for teacher collection: the retained workflow prompt followed by the teacher directive."""
-        return retained_prompt.rstrip() + "\n\n" + self.teacher_directive
+    def teacher_prompt(self, retained_prompt: str, *, prompts: PromptSet | None = None) -> str:
+        """Prompt for teacher collection (template ``teacher_prompt.j2``): the retained workflow prompt followed by
+        the teacher directive."""
+        return (prompts or current_prompts()).render(
+            "teacher_prompt.j2", retained_prompt=retained_prompt.rstrip(), teacher_directive=self.teacher_directive
+        )
 
     @property
     def digest(self) -> str:

@@ -152,7 +152,8 @@ def prompt_cases() -> dict[str, Callable[[], str | None]]:
     cases["scoreboard/empty"] = lambda: scoreboard_line([], None)
     cases["delta_checklist/empty"] = lambda: delta_checklist([])
     cases["delta_checklist/history"] = lambda: delta_checklist([LONG_RATIONALE, "Plot missing.", "Fine.", "x" * 400])
-    cases["teacher_prompt/builtin_like"] = lambda: _catalogue("Execution requirements\n1. Use sub-agents.").teacher_prompt(
+    directive = "Execution requirements\n1. Use sub-agents."
+    cases["teacher_prompt/builtin_like"] = lambda: _catalogue(directive).teacher_prompt(
         f"{START_MARKER}\n1. Orchestrator\n\n  \n"
     )
     cases["teacher_prompt/empty_directive"] = lambda: _catalogue("").teacher_prompt("retained prompt")

@@ -1,0 +1,239 @@
+"""Prompt templates: every text a model is sent, as Jinja2 templates shipped in ``mass_ops/prompts/templates``.
+
+A folder named by the config key ``prompts.dir`` replaces any subset of them by file name (a user's own wording, or
+the reference release's from their own copy: mass-ops cannot ship that text). `check_templates` parses and renders
+every template of a config with sample variables, so a broken override is a one-line config error at validate time
+rather than a failure hours into a run. The SHA-256 of every template a cycle uses is recorded on its cycle row.
+
+Rendering is strict (an undefined variable is an error), never HTML-escaped, and drops the template file's final
+newline, so a template renders exactly the text the model receives. Block tags on their own line leave no trace
+(``trim_blocks``/``lstrip_blocks``).
+
+Which templates the prompt builders use: the `PromptSet` passed to them, else the one the running stage installed
+with `use_prompts` (`open_cycle`/`attach_cycle` install the cycle's), else the shipped one. The installed set is
+process-wide on purpose: judge and optimizer calls run on worker threads and every stage process attaches its
+cycle first, so all of them see the cycle's templates without threading a set through every call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import meta
+
+from mass_ops.config import ConfigError, CycleConfig
+from mass_ops.errors import InputError
+from mass_ops.prompts.specs import TEMPLATES
+
+TEMPLATE_DIR = Path(__file__).with_name("templates")
+# Far above any real prompt template; stops a mistyped folder (a dataset, a model) from being read into memory.
+MAX_TEMPLATE_BYTES = 256 * 1024
+
+
+class PromptError(InputError):
+    """A prompt template failed to render with the values of a real call; the message names the template."""
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """The source of one template and where it came from (`origin` None = shipped with mass-ops)."""
+
+    name: str
+    source: str
+    origin: Path | None = None
+
+    @property
+    def sha256(self) -> str:
+        """SHA-256 of the template file's bytes."""
+        return hashlib.sha256(self.source.encode("utf-8")).hexdigest()
+
+    @property
+    def where(self) -> str:
+        """The template as a message names it: its override file, or ``shipped <name>``."""
+        return str(self.origin) if self.origin is not None else f"shipped {self.name}"
+
+
+class PromptSet:
+    """One complete set of prompt templates (the shipped ones, some possibly replaced) and their Jinja2 setup."""
+
+    def __init__(self, templates: Mapping[str, PromptTemplate]) -> None:
+        missing = sorted(set(TEMPLATES) - set(templates))
+        if missing:
+            raise ValueError(f"prompt set lacks templates {missing}")
+        self.templates = dict(templates)
+        self._env = jinja2.Environment(
+            loader=jinja2.FunctionLoader(self._source),
+            undefined=jinja2.StrictUndefined,
+            autoescape=False,  # plain text for a model, never HTML
+            trim_blocks=True,
+            lstrip_blocks=True,
+            keep_trailing_newline=False,
+            auto_reload=False,
+        )
+
+    def _source(self, name: str) -> tuple[str, str, Callable[[], bool]] | None:
+        template = self.templates.get(name)
+        return None if template is None else (template.source, template.where, lambda: True)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.templates)
+
+    @property
+    def overridden(self) -> list[str]:
+        """Names of the templates that an override folder replaced."""
+        return [name for name in self.names if self.templates[name].origin is not None]
+
+    def digests(self) -> dict[str, str]:
+        """Template name → SHA-256, what a cycle row records."""
+        return {name: self.templates[name].sha256 for name in self.names}
+
+    def render(self, name: str, /, **variables: Any) -> str:
+        """The text of template `name` with `variables`; `PromptError` (one line naming the template) on failure."""
+        try:
+            return self._env.get_template(name).render(variables)
+        except jinja2.TemplateError as exc:
+            raise PromptError(f"prompt template {self._where(name)}: {_one_line(exc)}") from None
+
+    def macro(self, name: str, macro: str) -> Callable[..., str]:
+        """A macro of template `name` (e.g. a part of the optimizer message) as a function returning text."""
+        try:
+            function = getattr(self._env.get_template(name).module, macro)
+        except jinja2.TemplateError as exc:
+            raise PromptError(f"prompt template {self._where(name)}: {_one_line(exc)}") from None
+        except AttributeError:
+            raise PromptError(f"prompt template {self._where(name)} defines no macro {macro!r}") from None
+
+        def call(*args: Any) -> str:
+            try:
+                return str(function(*args))
+            except jinja2.TemplateError as exc:
+                raise PromptError(f"prompt template {self._where(name)}: macro {macro}: {_one_line(exc)}") from None
+
+        return call
+
+    def _where(self, name: str) -> str:
+        template = self.templates.get(name)
+        return template.where if template is not None else name
+
+    def check(self) -> None:
+        """Parse every template, refuse variables its spec does not provide, check the macros callers use, and
+        render it with every sample; `ConfigError` with one line naming the first broken template."""
+        for name in self.names:
+            spec, template = TEMPLATES[name], self.templates[name]
+            problem = self._problem(name, spec.variables, spec.macros, spec.samples)
+            if problem is not None:
+                raise ConfigError([f"config: prompts: {template.where}: {problem}"])
+
+    def _problem(
+        self, name: str, known: frozenset[str], macros: tuple[str, ...], samples: tuple[Mapping[str, Any], ...]
+    ) -> str | None:
+        try:
+            tree = self._env.parse(self.templates[name].source)
+        except jinja2.TemplateSyntaxError as exc:
+            return f"line {exc.lineno}: {_one_line(exc)}"
+        unknown = sorted(meta.find_undeclared_variables(tree) - known)
+        if unknown:
+            allowed = ", ".join(sorted(known)) or "none"
+            return f"uses unknown variable(s) {', '.join(unknown)} (this template gets: {allowed})"
+        try:
+            if macros:  # a macro library renders with no variables, so its module can be built
+                module = self._env.get_template(name).module
+                absent = [macro for macro in macros if not callable(getattr(module, macro, None))]
+                if absent:
+                    return f"defines no macro(s) {', '.join(absent)} (mass-ops calls them)"
+            for sample in samples:
+                self._env.get_template(name).render(sample)
+        except jinja2.TemplateError as exc:
+            return f"does not render: {_one_line(exc)}"
+        except Exception as exc:  # a template is user code: any error of its expressions is a broken template
+            return f"does not render: {type(exc).__name__}: {_one_line(exc)}"
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = getattr(exc, "message", None) or str(exc)
+    return " ".join(str(text).split())
+
+
+def _read_template(path: Path) -> str:
+    size = path.stat().st_size
+    if size > MAX_TEMPLATE_BYTES:
+        raise ConfigError([f"config: prompts.dir: {path} is {size} bytes, over the limit of {MAX_TEMPLATE_BYTES}"])
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"config: prompts.dir: {path} is not UTF-8 text (byte {exc.start})"]) from None
+
+
+@cache
+def shipped_prompts() -> PromptSet:
+    """The templates that ship with mass-ops."""
+    return PromptSet({name: PromptTemplate(name, _read_template(TEMPLATE_DIR / name)) for name in TEMPLATES})
+
+
+def load_prompts(folder: str | Path | None) -> PromptSet:
+    """The shipped templates with those in `folder` (if any) replacing them by file name.
+
+    Every entry of the folder not starting with '.' must be a known template file: an unknown name (a typo such
+    as ``judge-system.j2``) would otherwise be ignored in silence. Problems are `ConfigError`s of one line.
+    """
+    shipped = shipped_prompts()
+    if folder is None:
+        return shipped
+    root = Path(folder)
+    if not root.is_dir():
+        raise ConfigError([f"config: prompts.dir: {root} is not a folder"])
+    entries = sorted(entry for entry in root.iterdir() if not entry.name.startswith("."))
+    unknown = [entry.name for entry in entries if entry.name not in TEMPLATES or not entry.is_file()]
+    if unknown:
+        known = ", ".join(sorted(TEMPLATES))
+        raise ConfigError([f"config: prompts.dir: {root} holds unknown template file(s) {unknown}; known: {known}"])
+    templates = dict(shipped.templates)
+    for entry in entries:
+        templates[entry.name] = PromptTemplate(entry.name, _read_template(entry), entry)
+    return PromptSet(templates)
+
+
+def check_templates(config: CycleConfig) -> PromptSet:
+    """The config's prompt templates (shipped, replaced by ``prompts.dir``), each parsed and rendered with sample
+    variables; `ConfigError` with one line naming the template and what is wrong."""
+    prompts = load_prompts(config.prompts.dir)
+    prompts.check()
+    return prompts
+
+
+_installed: PromptSet | None = None
+
+
+def use_prompts(prompts: PromptSet | None) -> None:
+    """Make `prompts` the set the prompt builders use in this process (None: the shipped templates again)."""
+    global _installed
+    _installed = prompts
+
+
+def current_prompts() -> PromptSet:
+    """The installed prompt set, else the shipped one."""
+    return _installed if _installed is not None else shipped_prompts()
+
+
+def check_recorded(prompts: PromptSet, recorded: Mapping[str, str] | None, cycle: str) -> None:
+    """Refuse templates that differ from those the cycle recorded when it was opened (a later stage would otherwise
+    mix two wordings in one cycle); a cycle that recorded none is not checked."""
+    if recorded is None:
+        return
+    current = prompts.digests()
+    changed = sorted(name for name in set(current) | set(recorded) if current.get(name) != recorded.get(name))
+    if changed:
+        raise ConfigError(
+            [
+                f"config: prompts: template(s) {', '.join(changed)} differ from those cycle {cycle!r} was opened with "
+                "(SHA-256 on its cycle row); restore them or run the changed prompts under a new cycle name"
+            ]
+        )
