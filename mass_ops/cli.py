@@ -89,6 +89,7 @@ def config_validate(config: ConfigOption = "paper", set_: SetOption = None) -> N
     cfg = resolve_config(config, set_)
     try:
         cfg.require_catalogue()
+        check_templates(cfg)
     except ConfigError as exc:
         raise fail(exc.problems) from None
     console.print(f"ok: cycle {cfg.cycle_name} config {cfg.config_hash()}")
@@ -100,7 +101,6 @@ def config_schema() -> None:
     sys.stdout.write(json.dumps(config_json_schema(), indent=2) + "\n")
 
 
-        check_templates(cfg)
 @app.command()
 def plan(
     config: ConfigOption = "paper",

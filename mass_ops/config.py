@@ -787,6 +787,20 @@ class EvaluationConfig(_Section):
     )
 
 
+class PromptsConfig(_Section):
+    """Where the prompt texts come from: mass-ops ships its own wording as Jinja2 templates (`mass-ops prompts list`);
+    a folder may replace any of them by file name."""
+
+    dir: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None,
+        description=(
+            "Folder of prompt templates that replace the shipped ones by file name (e.g. judge_system.j2); start "
+            "from `mass-ops prompts export DIR`. null = the shipped wording. Every file must be a known template; "
+            "validate renders each one, and the cycle row records every template's SHA-256."
+        ),
+    )
+
+
 class StorageConfig(_Section):
     """Where records and artifacts live. Overridden by MASS_METADATA_URL / MASS_ARTIFACT_URL."""
 
@@ -807,20 +821,6 @@ class StorageConfig(_Section):
 
     @model_validator(mode="after")
     def _urls(self) -> StorageConfig:
-class PromptsConfig(_Section):
-    """Where the prompt texts come from: mass-ops ships its own wording as Jinja2 templates (`mass-ops prompts list`);
-    a folder may replace any of them by file name."""
-
-    dir: Annotated[str, Field(min_length=1)] | None = Field(
-        default=None,
-        description=(
-            "Folder of prompt templates that replace the shipped ones by file name (e.g. judge_system.j2); start "
-            "from `mass-ops prompts export DIR`. null = the shipped wording. Every file must be a known template; "
-            "validate renders each one, and the cycle row records every template's SHA-256."
-        ),
-    )
-
-
         problems = []
         meta = self.metadata_url
         if not (meta.startswith("sqlite:///") or re.match(r"^postgresql(\+[a-z0-9]+)?://[^/]+/[^/?#]+", meta)):
@@ -1036,6 +1036,10 @@ class CycleConfig(_Section):
         default_factory=EvaluationConfig,
         description="Rollouts, external judging and the nightly regression check.",
     )
+    prompts: PromptsConfig = Field(
+        default_factory=PromptsConfig,
+        description="The prompt templates every model call is built from (shipped, or replaced from a folder).",
+    )
     storage: StorageConfig = Field(
         default_factory=StorageConfig,
         description="Where records and artifacts live (not part of the config hash).",
@@ -1060,10 +1064,6 @@ class CycleConfig(_Section):
         # validations step by step, so the step count is bounded here.
         if self.training.steps > MAX_TRAINING_STEPS:
             problems.append(f"training.steps: {self.training.steps} exceeds the maximum of {MAX_TRAINING_STEPS}")
-    prompts: PromptsConfig = Field(
-        default_factory=PromptsConfig,
-        description="The prompt templates every model call is built from (shipped, or replaced from a folder).",
-    )
         pool = self.evaluation.tasks or []
         known = set(self.tasks.train_candidates) | set(self.tasks.test)
         stray = sorted(set(pool) - known)
