@@ -56,6 +56,7 @@ MAX_BOOTSTRAP_SAMPLES = 100_000  # [1000]
 MAX_ROLLOUTS = 1000  # rollouts per task and generation [10]
 MAX_JUDGE_SEEDS = 16  # [3]
 MAX_JUDGES = 16  # external judges [2]
+MAX_JUDGE_INVALID_RETRIES = 16  # extra judge calls per unusable verdict, per run [2]
 MAX_TRAINING_STEPS = 100_000  # optimizer steps [1624]
 MAX_MAP_ENTRIES = 64  # node selectors, tolerations
 
@@ -379,9 +380,6 @@ class SearchConfig(_Section):
             "seed_base + q + 1000·k. Reference: 450000 (cycle 2: 1450000)."
         ),
     )
-    judge_invalid_retries: NonNegativeInt = Field(
-        default=2, description="Extra judge calls when the output is not a valid verdict; then recorded as invalid/tie."
-    )
     swap_consistent: StrictBool = Field(default=False, description="Judge both orders; disagreement = tie (not paper).")
     on_invalid_proposal: Literal["fail", "keep_design"] = Field(
         default="fail",
@@ -413,6 +411,28 @@ class SearchConfig(_Section):
         default=120000,
         description=(
             "Characters of all results/*.json files together shown to the optimizer and judge. Reference: 120000."
+        ),
+    )
+
+
+class JudgeConfig(_Section):
+    """What happens when a judge answers with something that is not a usable verdict (MASS_SPEC §5), in every stage
+    that judges: search (judging and arbitration), rank (self-judge) and evaluate (external judges, self-judge)."""
+
+    invalid_retries: Annotated[StrictInt, Field(ge=0, le=MAX_JUDGE_INVALID_RETRIES)] = Field(
+        default=2,
+        description=(
+            "Extra calls a judge gets, per run of a stage, when its answer is not a usable verdict (not JSON, wrong "
+            "schema, empty); each retry samples with a seed derived from the call's seed and the number of unusable "
+            "answers so far (seeds.judge_retry_seed). The reference makes no retry; at most 16."
+        ),
+    )
+    max_invalid_fraction: Probability = Field(
+        default=0.0,
+        description=(
+            "Largest share of a stage's verdicts (per task in search and rank, per judge in evaluate) that may stay "
+            "invalid after the retries and count as ties. Above it the stage fails; finished verdicts stay recorded "
+            "and a rerun judges only the missing ones. Reference: 0 (it aborts on invalid output); demo: 1."
         ),
     )
 
@@ -1015,6 +1035,10 @@ class CycleConfig(_Section):
     search: SearchConfig = Field(
         default_factory=SearchConfig,
         description="RHI workflow search.",
+    )
+    judge: JudgeConfig = Field(
+        default_factory=JudgeConfig,
+        description="Retries and tolerance of judge answers that are not usable verdicts.",
     )
     collection: CollectionConfig = Field(
         default_factory=CollectionConfig,

@@ -1,11 +1,14 @@
 """Every seed formula of a MASS cycle, in one place (MASS_SPEC §1, §3, §6, §10).
 
 Seeds make a rerun reproduce the reference run: an episode's seed goes to qwen-code's sampling params, a judge or
-optimizer call's seed to the chat request. A retried attempt keeps its unit's seed.
+optimizer call's seed to the chat request. An attempt retried after an infrastructure failure keeps its unit's seed;
+a judge call retried because its answer was not a usable verdict gets a derived seed (`judge_retry_seed`), since a
+deterministic server would repeat the same unusable answer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from datetime import date
 
@@ -28,6 +31,28 @@ def search_call_seed(search_seed_base: int, task_id: int) -> int:
 def collection_seed(collection_seed_base: int, task_id: int, candidate: int) -> int:
     """Teacher candidate i of task q: seed_base + 100·q + i."""
     return collection_seed_base + 100 * task_id + candidate
+
+
+# Derived seeds stay below 2**31: every server accepts them, whatever integer width it parses seeds into.
+JUDGE_RETRY_SEED_BITS = 31
+
+
+def judge_retry_seed(seed: int | None, retry: int) -> int | None:
+    """Sampling seed of a judge call whose unit seed is `seed` after `retry` unusable answers (0, 1, 2, …).
+
+    `retry` is the number of attempts of the unit already recorded ``invalid``, across runs. Retry 0 uses the unit's
+    seed itself, so a first answer that is a usable verdict is exactly the reference's; retry r ≥ 1 uses the first
+    four bytes of SHA-256(``"<seed>/judge-retry/<r>"``) read big-endian, masked to 31 bits: a fresh, reproducible
+    seed that no other formula here produces except by chance. An attempt that failed on infrastructure does not
+    count, so it is retried with the same seed (ARCHITECTURE: units and retries). No seed (OpenRouter and external
+    judges send none) stays none.
+    """
+    if retry < 0:
+        raise ValueError(f"judge retry numbers start at 0, got {retry}")
+    if seed is None or retry == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/judge-retry/{retry}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & ((1 << JUDGE_RETRY_SEED_BITS) - 1)
 
 
 def schedule_seed(ranking_seed: int, task_id: int) -> int:

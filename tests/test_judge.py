@@ -32,8 +32,10 @@ from mass_ops.judge.prompts import (
     persona,
 )
 from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling
+from mass_ops.seeds import judge_retry_seed
 from mass_ops.store.schema import CallStatus
 from tests.inner_loop_fakes import InnerLoopEnv, inner_loop_fixture  # noqa: F401
+from tests.judge.scripted import open_judged_cycle
 from tests.policy_server import Fault, FaultRule, PolicyReply, RequestKind, classify_request
 
 
@@ -294,19 +296,32 @@ def _case(tmp_path: Path, key: str, label_a: str = "alpha", label_b: str = "beta
     return PairwiseCase(CallUnit(key, "judge", 51), 51, "Study SPY.", label_a, label_b, a, b, seed=450051)
 
 
-def _judge(inner_loop: InnerLoopEnv, **options: object) -> tuple[PairwiseJudge, CallLedger]:
-    opened = inner_loop.open(**options)
+def _judge(
+    inner_loop: InnerLoopEnv, judge: dict[str, object] | None = None, **options: object
+) -> tuple[PairwiseJudge, CallLedger]:
+    opened = open_judged_cycle(inner_loop, judge or {}, **options)
     ctx = opened.ctx
     ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
-    search = opened.config.search
-    judge = PairwiseJudge(
+    pairwise = PairwiseJudge(
         opened.client,
         ledger,
         lambda seed: in_loop_sampling(opened.config, seed),
-        invalid_retries=search.judge_invalid_retries,
-        swap_consistent=search.swap_consistent,
+        invalid_retries=opened.config.judge.invalid_retries,
+        swap_consistent=opened.config.search.swap_consistent,
     )
-    return judge, ledger
+    return pairwise, ledger
+
+
+def test_retry_seeds_start_at_the_unit_seed_and_differ_per_retry() -> None:
+    assert judge_retry_seed(450051, 0) == 450051  # a first usable answer is the reference's own
+    derived = [judge_retry_seed(450051, retry) for retry in range(1, 50)]
+    assert len(set(derived)) == 49 and 450051 not in derived
+    assert all(0 <= seed < 2**31 for seed in derived)  # type: ignore[operator]
+    assert derived[:2] == [judge_retry_seed(450051, 1), judge_retry_seed(450051, 2)]  # reproducible
+    assert judge_retry_seed(450052, 1) != derived[0]
+    assert judge_retry_seed(None, 3) is None  # no seed is sent (OpenRouter, external judges): none to derive
+    with pytest.raises(ValueError, match="start at 0"):
+        judge_retry_seed(450051, -1)
 
 
 def test_a_valid_verdict_is_one_recorded_call_and_is_reused_on_rerun(
@@ -357,7 +372,7 @@ def test_invalid_answers_are_retried_within_the_budget(inner_loop: InnerLoopEnv,
         PolicyReply(content=json.dumps({"winner": "maybe", "rationale": "?"})),
     ]
     inner_loop.policy.judge_winner = lambda request: "A"
-    judge, ledger = _judge(inner_loop, judge_invalid_retries=2)
+    judge, ledger = _judge(inner_loop, {"invalid_retries": 2})
     case = _case(tmp_path, "task51/rhi/v0_vs_no_harness")
     outcome = judge.judge(case)
     assert (outcome.verdict, outcome.calls) == ("A", 3)
@@ -365,19 +380,49 @@ def test_invalid_answers_are_retried_within_the_budget(inner_loop: InnerLoopEnv,
     assert statuses == [CallStatus.INVALID, CallStatus.INVALID, CallStatus.SUCCEEDED]
     errors = [row.error for row in ledger.attempts(case.unit)[:2]]
     assert "no JSON object" in errors[0] and "winner" in errors[1]
+    # A deterministic server would repeat an unusable answer: every retry samples with its own derived seed, sent
+    # with the request and recorded with the attempt.
+    expected = [450051, judge_retry_seed(450051, 1), judge_retry_seed(450051, 2)]
+    assert [body["seed"] for body in inner_loop.judge_requests()] == expected
+    assert [row.seed for row in ledger.attempts(case.unit)] == expected
+    assert len(set(expected)) == 3
 
 
 def test_an_exhausted_budget_records_invalid_counted_as_a_tie(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
     inner_loop.server.config.faults.append(FaultRule(Fault.WRONG_SCHEMA, kind=RequestKind.JUDGE))
-    judge, ledger = _judge(inner_loop, judge_invalid_retries=1)
+    judge, ledger = _judge(inner_loop, {"invalid_retries": 1})
     case = _case(tmp_path, "task51/ranking/a_vs_b")
     outcome = judge.judge(case)
     assert (outcome.verdict, outcome.effective, outcome.calls) == ("invalid", "tie", 2)
     assert "invalid after 2 attempts" in outcome.rationale
     assert [r.status for r in ledger.attempts(case.unit)] == [CallStatus.INVALID] * 2
-    # A rerun finds the budget spent in the ledger and makes no further call.
+    # The stage either records the invalid verdict (never asking again) or fails without recording it; then a rerun
+    # asks again: a fresh round whose seeds continue the unit's count of unusable answers, never repeating one.
+    inner_loop.server.config.faults.clear()
+    inner_loop.policy.judge_winner = lambda request: "B"
+    again = judge.judge(case)
+    assert (again.verdict, again.calls) == ("B", 1)
+    rows = ledger.attempts(case.unit)
+    assert [r.status for r in rows] == [CallStatus.INVALID, CallStatus.INVALID, CallStatus.SUCCEEDED]
+    assert [r.seed for r in rows] == [450051, judge_retry_seed(450051, 1), judge_retry_seed(450051, 2)]
+    # Once a usable verdict is stored, it is reused without a call.
+    assert (judge.judge(case).verdict, len(inner_loop.judge_requests())) == ("B", 3)
+
+
+def test_an_infrastructure_failure_is_retried_with_the_same_seed(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    inner_loop.policy.judge_replies.append(PolicyReply(content="no verdict here"))
+    inner_loop.policy.judge_winner = lambda request: "A"
+    judge, ledger = _judge(inner_loop, {"invalid_retries": 0})
+    case = _case(tmp_path, "task51/rhi/v3_vs_no_harness")
     assert judge.judge(case).verdict == "invalid"
-    assert len(inner_loop.judge_requests()) == 2
+    # The next run's attempt fails on infrastructure (503 on every transport retry): it uses the first derived seed.
+    inner_loop.server.config.faults.append(FaultRule(Fault.HTTP_503, kind=RequestKind.JUDGE, times=2))
+    with pytest.raises(Exception, match="503"):
+        judge.judge(case)
+    assert judge.judge(case).verdict == "A"
+    rows = ledger.attempts(case.unit)
+    assert [r.status for r in rows] == [CallStatus.INVALID, CallStatus.FAILED, CallStatus.SUCCEEDED]
+    assert [r.seed for r in rows] == [450051, judge_retry_seed(450051, 1), judge_retry_seed(450051, 1)]
 
 
 def test_reasoning_that_eats_the_output_is_an_invalid_attempt(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mass_ops.judge.invalid_verdicts import TooManyInvalidVerdictsError
 from mass_ops.llm.calls import CallLedger, CallUnit
 from mass_ops.search import (
     ProposalError,
@@ -33,6 +34,7 @@ from mass_ops.search.prompt import (
     scoreboard_line,
     takeaways,
 )
+from mass_ops.seeds import judge_retry_seed
 from mass_ops.store.schema import CallStatus
 from mass_ops.workflow import END_MARKER, START_MARKER, parse_prompt
 from tests.inner_loop_fakes import (  # noqa: F401
@@ -42,6 +44,7 @@ from tests.inner_loop_fakes import (  # noqa: F401
     kill_when,
     spawn_stage,
 )
+from tests.judge.scripted import break_judge, open_judged_cycle
 from tests.policy_server import ChatRequest, Fault, FaultRule, PolicyReply, RequestKind
 
 # -- the champion rule ---------------------------------------------------------------------------------------------
@@ -361,6 +364,51 @@ def test_malformed_optimizer_output_fails_the_step_and_the_rerun_retries_it(
     attempts = ledger.attempts(CallUnit("task51/optimizer/v0_to_v1", "optimizer", 51))
     assert [a.status for a in attempts] == [CallStatus.INVALID, CallStatus.SUCCEEDED]
     assert len(opened.executor.executed) == 2  # reference and v0 ran once; the rerun reused them
+
+
+def _judges_v1_against_the_reference(request: ChatRequest) -> bool:
+    text = request.user_text()
+    return "- Workspace A: no-harness-single-agent-baseline\n- Workspace B: multi-agent-design-v1" in text
+
+
+def test_an_invalid_verdict_at_fraction_zero_fails_the_step_and_the_rerun_judges_only_that_pair(
+    inner_loop: InnerLoopEnv,
+) -> None:
+    inner_loop.policy.judge_winner = lambda request: "B"
+    opened = open_judged_cycle(inner_loop, {"invalid_retries": 2, "max_invalid_fraction": 0.0}, tasks=(51,))
+    search_step(opened.ctx, opened.executor, 51, 0, client=opened.client)
+    fix = break_judge(inner_loop, _judges_v1_against_the_reference)
+    with pytest.raises(TooManyInvalidVerdictsError) as failure:
+        search_step(opened.ctx, opened.executor, 51, 1, client=opened.client)
+    message = str(failure.value)
+    assert "\n" not in message and message.startswith("search task 51: verdict task51/rhi/v1_vs_no_harness is invalid")
+    assert "1 invalid of 2 planned verdicts exceeds judge.max_invalid_fraction = 0" in message
+    # v0's verdict finished and stays; v1's is not recorded, nor is anything that depends on it.
+    assert _keys(opened, "rhi", 51) == ["v0_vs_no_harness"] and _keys(opened, "champion", 51) == []
+    assert opened.ctx.repo.retained_workflows(opened.ctx.cycle_id) == []
+    ledger = CallLedger(opened.ctx.repo, opened.ctx.artifacts, opened.ctx.cycle_id, opened.ctx.cycle_name)
+    unit = CallUnit("task51/rhi/v1_vs_no_harness", "judge", 51)
+    seeds = [judge_retry_seed(450051, retry) for retry in range(4)]
+    assert [(a.status, a.seed) for a in ledger.attempts(unit)] == [(CallStatus.INVALID, s) for s in seeds[:3]]
+
+    fix()
+    judged_before = len(inner_loop.judge_requests())
+    step = search_step(opened.ctx, opened.executor, 51, 1, client=opened.client)
+    assert step.final and step.retained == 1 and step.invalid_verdicts == 0
+    # One call for v1 (with the next derived seed) and the arbitration it makes necessary; v0 is not judged again.
+    assert len(inner_loop.judge_requests()) == judged_before + 2
+    assert [(a.status, a.seed) for a in ledger.attempts(unit)][3:] == [(CallStatus.SUCCEEDED, seeds[3])]
+    assert _keys(opened, "rhi", 51) == ["v0_vs_no_harness", "v1_vs_no_harness"]
+
+
+def test_tolerated_invalid_verdicts_are_recorded_as_ties_and_counted_in_the_summary(inner_loop: InnerLoopEnv) -> None:
+    inner_loop.policy.judge_winner = lambda request: "B"
+    break_judge(inner_loop, _judges_v1_against_the_reference)
+    opened = open_judged_cycle(inner_loop, {"invalid_retries": 1, "max_invalid_fraction": 0.5}, tasks=(51,))
+    (result,) = search_tasks(opened.ctx, opened.executor, client=opened.client)
+    row = result.as_row()
+    assert (row["invalid_verdicts"], row["scoreboard"], row["retained_version"]) == (1, "v0:W v1:T!", 0)
+    assert result.steps[-1].invalid_verdicts == 1
 
 
 def test_one_failing_task_does_not_stop_the_others(inner_loop: InnerLoopEnv) -> None:

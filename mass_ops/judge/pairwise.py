@@ -2,8 +2,12 @@
 answers, every attempt in the call ledger (MASS_SPEC §5; ARCHITECTURE: optional swap-consistent judging).
 
 An answer that is not a valid verdict (not JSON, not an object, empty, wrong schema) is retried up to
-`invalid_retries` more times; after that the pair is recorded with the verdict ``invalid``, which every consumer
-counts as a tie. Infrastructure failures are not retried here: they raise, and a rerun makes a new attempt.
+`invalid_retries` more times in one `judge()`; each retry samples with `seeds.judge_retry_seed` of the unit's seed and
+the number of unusable answers the unit already has, so a deterministic server does not repeat itself. After that the
+outcome is ``invalid``: the stage decides (`judge.invalid_verdicts`) whether to record it — every consumer counts it
+as a tie — or to fail, in which case a rerun's `judge()` makes a fresh round of attempts (fresh seeds: the count of
+unusable answers keeps growing across runs). Infrastructure failures are not retried here: they raise, and a rerun
+makes a new attempt with the same seed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from mass_ops.judge.evidence import EvidenceBundle
 from mass_ops.judge.prompts import PairwiseVerdict, judge_system_prompt, judge_user_prompt, parse_verdict
 from mass_ops.llm import LLMClient, LLMOutputError, SamplingParams
 from mass_ops.llm.calls import CallAttempt, CallLedger, CallUnit
+from mass_ops.seeds import judge_retry_seed
 from mass_ops.store.schema import CallStatus
 
 Verdict = Literal["A", "B", "tie", "invalid"]
@@ -119,7 +124,8 @@ class PairwiseJudge:
         return JudgeOutcome(verdict, rationale, forward.call_id, usage, calls)
 
     def _judge_order(self, unit: CallUnit, system: str, user: str, seed: int | None) -> _OrderResult:
-        """One presentation order: a finished attempt, else calls until a valid verdict or the retry budget ends."""
+        """One presentation order: a finished attempt, else new attempts until a valid verdict or until
+        1 + `invalid_retries` answers of this round were unusable."""
         attempts = self.ledger.attempts(unit)
         stored = self.ledger.finished(unit, attempts)
         if stored is not None:
@@ -127,19 +133,17 @@ class PairwiseJudge:
             return _OrderResult(verdict, "", stored.row.id, _usage(stored.row.usage), 0)
         calls = 0
         usage: dict[str, Any] = {}
+        unusable = sum(1 for row in attempts if row.status == CallStatus.INVALID)  # earlier runs' included
+        invalid_now = 0
         while True:
-            invalid = [row for row in attempts if row.status == CallStatus.INVALID]
-            if len(invalid) > self.invalid_retries:
-                last = invalid[-1]
-                reason = f"judge output invalid after {len(invalid)} attempts (last: {last.error})"
-                return _OrderResult(None, reason, last.id, usage, calls)
             verdict = None
             attempt: CallAttempt | None = None
             try:
                 with self.ledger.attempt(unit, len(attempts) + 1) as attempt:
                     calls += 1
+                    sampling = self.sampling(judge_retry_seed(seed, unusable))
                     result = self.client.chat(
-                        system, user, purpose=unit.purpose, sampling=self.sampling(seed), json_mode="json_object"
+                        system, user, purpose=unit.purpose, sampling=sampling, json_mode="json_object"
                     )
                     usage = _add_usage(usage, result.usage)
                     try:
@@ -155,6 +159,11 @@ class PairwiseJudge:
             attempts.append(attempt.row)
             if verdict is not None:
                 return _OrderResult(verdict, "", attempt.row.id, usage, calls)
+            unusable += 1
+            invalid_now += 1
+            if invalid_now > self.invalid_retries:
+                reason = f"judge output invalid after {invalid_now} attempts (last: {attempt.row.error})"
+                return _OrderResult(None, reason, attempt.row.id, usage, calls)
 
 
 def _usage(value: dict[str, Any] | None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, results_json_appendix
+from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import REFERENCE_LABEL, version_label
 from mass_ops.judge.workspaces import EvidenceCache, ExecutorWorkspace, WorkspaceSource
@@ -74,6 +75,7 @@ class StepResult:
     arbitrated: bool = False
     proposed_version: int | None = None
     final: bool = False
+    invalid_verdicts: int = 0  # the task's verdicts recorded invalid so far (counted as ties)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class TaskSearchResult:
             "last_evaluated_version": self.last_evaluated_version,
             "scoreboard": self.scoreboard,
             "judge_calls": sum(step.judge_calls for step in self.steps),
+            "invalid_verdicts": self.steps[-1].invalid_verdicts if self.steps else 0,
             "error": self.error,
         }
 
@@ -228,7 +231,7 @@ class _TaskSearch:
             client,
             ledger,
             lambda seed: in_loop_sampling(config, seed),
-            invalid_retries=config.search.judge_invalid_retries,
+            invalid_retries=config.judge.invalid_retries,
             swap_consistent=config.search.swap_consistent,
         )
         token_model = config.models.served_name
@@ -240,6 +243,7 @@ class _TaskSearch:
         self._finished: dict[EpisodeRequest, EpisodeOutcome] = {}
         # Prompt texts of versions this process stored or verified against their recorded hash.
         self._prompts: dict[int, str] = {}
+        self.invalid_budget = self._invalid_budget(Verdicts((), ()))
 
     def _build_evidence(self, root: Path, source: WorkspaceSource) -> tuple[EvidenceBundle, str]:
         """The judge bundle of a workspace and the optimizer's results/ appendix, from one materialisation."""
@@ -320,6 +324,15 @@ class _TaskSearch:
 
     # -- verdicts --------------------------------------------------------------------------------------------------
 
+    def _invalid_budget(self, verdicts: Verdicts) -> InvalidVerdictBudget:
+        """The task's invalid-verdict budget: one verdict per version plus each arbitration recorded so far."""
+        return InvalidVerdictBudget(
+            f"search task {self.task_id}",
+            max_fraction=self.ctx.config.judge.max_invalid_fraction,
+            planned=self.iterations + 1 + len(verdicts.champion),
+            already_invalid=_invalid_count(verdicts),
+        )
+
     def verdicts(self) -> Verdicts:
         rows = self.ctx.repo.task_comparisons(self.ctx.cycle_id, self.task_id, (Ledger.RHI, Ledger.CHAMPION))
         return Verdicts(
@@ -350,6 +363,8 @@ class _TaskSearch:
         )
         outcome = self.judge.judge(case)
         if outcome.verdict == "invalid":
+            # Beyond judge.max_invalid_fraction the step fails here, unrecorded: a rerun judges the pair again.
+            self.invalid_budget.admit(unit.key, outcome.rationale)
             logger.warning(
                 "task %s: %s recorded as invalid (counted as a tie): %s", self.task_id, key, outcome.rationale
             )
@@ -589,6 +604,7 @@ class _TaskSearch:
         arbitrated = False
         # One read of the ledgers per step; what this step records is added to the snapshot as it is recorded.
         verdicts = self.verdicts()
+        self.invalid_budget = self._invalid_budget(verdicts)
         if current >= 1:
             baselines = self.judge_baselines(reference, by_version, verdicts)
             judged = len(baselines)
@@ -615,20 +631,26 @@ class _TaskSearch:
             )
             return StepResult(
                 self.task_id, current, current_outcome.status, state.champion, state.retained, judged, arbitrated,
-                final=True,
+                final=True, invalid_verdicts=_invalid_count(verdicts),
             )  # fmt: skip
         if current + 1 in versions:
             proposed = current + 1
         else:
             proposed = self.propose(current, current_outcome, versions, verdicts)
         return StepResult(
-            self.task_id, current, current_outcome.status, state.champion, state.retained, judged, arbitrated, proposed
-        )
+            self.task_id, current, current_outcome.status, state.champion, state.retained, judged, arbitrated, proposed,
+            invalid_verdicts=_invalid_count(verdicts),
+        )  # fmt: skip
 
     def scoreboard(self) -> str:
         baseline = self.verdicts().baseline()
         marks = {"B": "W", "A": "L", "tie": "T", "invalid": "T!"}
         return " ".join(f"v{v}:{marks.get(baseline.get(v, ''), '?')}" for v in range(self.iterations + 1))
+
+
+def _invalid_count(verdicts: Verdicts) -> int:
+    """Verdicts of a task's two ledgers recorded invalid."""
+    return sum(1 for row in (*verdicts.rhi, *verdicts.champion) if row.verdict == "invalid")
 
 
 @dataclass

@@ -53,6 +53,7 @@ from mass_ops.evaluation.stats import (
     summarize_judgments,
 )
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
+from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget, TooManyInvalidVerdictsError
 from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace, WorkspaceSource
 from mass_ops.layout import PAIRWISE_KIND, report_prefix
 from mass_ops.llm.calls import CallLedger, CallUnit
@@ -144,11 +145,13 @@ def workspace_alias(episode_ref: str) -> str:
 
 @dataclass
 class JudgingResult:
-    """What `judge_pairs` did: judgments made now, judgments already recorded, failures by ledger key."""
+    """What `judge_pairs` did: judgments made now, judgments already recorded, failures by ledger key, and each
+    judge's verdicts over these pairs and seeds recorded invalid (counted as ties), earlier runs' included."""
 
     judged: int = 0
     skipped: int = 0
     failures: dict[str, str] = field(default_factory=dict)
+    invalid: dict[str, int] = field(default_factory=dict)
 
 
 def _side(ref: str) -> str:
@@ -169,7 +172,8 @@ def judge_pairs(
     """Judge every (pair, judge, seed) not yet in the external ledger; concurrent within `max_workers`.
 
     Raises EvaluationStageError after the batch when some judgments failed (the rest stay recorded; rerun to
-    finish). Seeds default to `evaluation.judge_seeds`.
+    finish), or TooManyInvalidVerdictsError when the only failures are a judge's invalid verdicts beyond
+    `judge.max_invalid_fraction` of its (pair, seed) judgments. Seeds default to `evaluation.judge_seeds`.
     """
     config = ctx.config
     seeds = list(config.evaluation.judge_seeds if seeds is None else seeds)
@@ -179,8 +183,17 @@ def judge_pairs(
     if len(set(names)) != len(names):
         raise EvaluationStageError(f"judge_pairs: judge names must be unique, got {names}")
     swap = config.evaluation.swap_consistent if swap_consistent is None else swap_consistent
-    retries = config.search.judge_invalid_retries if invalid_retries is None else invalid_retries
-    recorded = {row.key for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.EXTERNAL)}
+    retries = config.judge.invalid_retries if invalid_retries is None else invalid_retries
+    recorded = {row.key: row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.EXTERNAL)}
+    budgets: dict[str, InvalidVerdictBudget] = {}
+    for judge in judges:
+        keys = {ledger_key(pair.pair_id, judge.name, seed) for pair in pairs for seed in seeds}
+        budgets[judge.name] = InvalidVerdictBudget(
+            f"evaluate judge {judge.name}",
+            max_fraction=config.judge.max_invalid_fraction,
+            planned=len(keys),
+            already_invalid=sum(1 for key in keys if key in recorded and recorded[key].verdict == "invalid"),
+        )
     todo = [
         (pair, judge, seed)
         for pair in pairs
@@ -190,6 +203,7 @@ def judge_pairs(
     ]
     result = JudgingResult(skipped=len(pairs) * len(judges) * len(seeds) - len(todo))
     if not todo:
+        result.invalid = {name: budget.invalid for name, budget in budgets.items()}
         return result
     ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
     caps = EvidenceCaps.local(REPORT_TOKEN_MODEL)
@@ -225,6 +239,8 @@ def judge_pairs(
         )
         outcome = presented.outcome
         if outcome.verdict == "invalid":
+            # Beyond judge.max_invalid_fraction this judgment fails, unrecorded: a rerun judges it again.
+            budgets[judge.name].admit(key, outcome.rationale)
             logger.warning("external judgment %s recorded as invalid (a tie): %s", key, outcome.rationale)
         rationale = outcome.rationale
         if presented.swapped:
@@ -251,6 +267,7 @@ def judge_pairs(
 
     workers = max(1, min(max_workers, len(todo)))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="external-judge")
+    too_many: list[TooManyInvalidVerdictsError] = []
     try:
         futures = {ledger_key(p.pair_id, j.name, s): pool.submit(judge_one, p, j, s) for p, j, s in todo}
         for key, future in futures.items():
@@ -259,11 +276,16 @@ def judge_pairs(
                 result.judged += 1
             except Exception as exc:  # one failed judgment must not lose the others: report them all
                 result.failures[key] = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, TooManyInvalidVerdictsError):
+                    too_many.append(exc)
     except BaseException:
         # Terminated (signal, task kill): start nothing new; what finished is recorded and a rerun does the rest.
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    result.invalid = {name: budget.invalid for name, budget in budgets.items()}
+    if result.failures and len(too_many) == len(result.failures):
+        raise too_many[0]  # already one line naming the judge, the count, the limit and what to do
     if result.failures:
         first = next(iter(result.failures.items()))
         raise EvaluationStageError(
@@ -518,6 +540,7 @@ def evaluate(ctx: CycleContext, *, executor: ExecutorFactory = episode_pool) -> 
         "baseline": parent,
         "pairs": len(pairs),
         "judged_now": judged.judged,
+        "invalid_verdicts": judged.invalid,
         "win_rate": overall["win_rate"],
         "stand_in_judge": stand_in,
         "results_uri": summary.results_uri,

@@ -20,6 +20,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
+from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import CANDIDATE_A_LABEL, CANDIDATE_B_LABEL
 from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace
@@ -119,6 +120,13 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
         list(by_name), config.ranking.opponents_per_episode, seed=schedule_seed(config.ranking.seed, task_id)
     )
     recorded = {row.key: row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.RANKING, task_id=task_id)}
+    scheduled = {match_key(a, b) for a, b in pairs}
+    budget = InvalidVerdictBudget(
+        f"rank task {task_id}",
+        max_fraction=config.judge.max_invalid_fraction,
+        planned=len(pairs),
+        already_invalid=sum(1 for key, row in recorded.items() if key in scheduled and row.verdict == "invalid"),
+    )
     task_text = ctx.catalogue.task(task_id).task_text
     caps = _ranking_caps(config)
     bundles: EvidenceCache[EvidenceBundle] = EvidenceCache(
@@ -144,6 +152,9 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
             seed=seed,
         )
         outcome = judge.judge(case)
+        if outcome.verdict == "invalid":
+            # Beyond judge.max_invalid_fraction the task fails here, unrecorded: a rerun judges the match again.
+            budget.admit(case.unit.key, outcome.rationale)
         return ctx.repo.record_comparison(
             ctx.cycle_id,
             task_id,
@@ -215,7 +226,7 @@ def rank_tasks(
             active,
             ledger,
             lambda seed: in_loop_sampling(ctx.config, seed),
-            invalid_retries=ctx.config.search.judge_invalid_retries,
+            invalid_retries=ctx.config.judge.invalid_retries,
             swap_consistent=ctx.config.search.swap_consistent,
         )
         results = []

@@ -8,10 +8,12 @@ from collections import Counter
 import pytest
 import sqlalchemy as sa
 
+from mass_ops.errors import InputError
+from mass_ops.judge.invalid_verdicts import TooManyInvalidVerdictsError
 from mass_ops.layout import teacher_prompt_key, workflow_version_key
 from mass_ops.llm.calls import CallLedger, CallUnit
 from mass_ops.ranking import tournament_pairs
-from mass_ops.seeds import match_seed, schedule_seed
+from mass_ops.seeds import judge_retry_seed, match_seed, schedule_seed
 from mass_ops.stages.collect import collect_batch, run_collect
 from mass_ops.stages.rank import (
     RankStageError,
@@ -32,6 +34,7 @@ from tests.inner_loop_fakes import (  # noqa: F401
     OpenCycle,
     inner_loop_fixture,
 )
+from tests.judge.scripted import break_judge, open_judged_cycle
 from tests.policy_server import ChatRequest, Fault, FaultRule, RequestKind, ResearchTeamPolicy
 from tests.stages.test_collect import retain
 
@@ -152,17 +155,61 @@ def test_select_needs_a_ranking_first(inner_loop: InnerLoopEnv) -> None:
 
 def test_invalid_self_judge_verdicts_count_as_ties_and_are_visible(inner_loop: InnerLoopEnv) -> None:
     inner_loop.server.config.faults.append(FaultRule(Fault.WRONG_SCHEMA, kind=RequestKind.JUDGE))
-    opened = inner_loop.open(tasks=(51,), candidates=4, train_ranks=2, judge_invalid_retries=0)
+    # The demo's tolerance: every verdict may stay invalid (a random model's verdicts are noise).
+    opened = open_judged_cycle(
+        inner_loop, {"invalid_retries": 0, "max_invalid_fraction": 1.0}, tasks=(51,), candidates=4, train_ranks=2
+    )
     retain(opened.ctx, 51, 1)
     collect_batch(opened.ctx, opened.executor)
     (result,) = rank_tasks(opened.ctx, client=opened.client)
-    assert (result.matches, result.invalid) == (4, 4)
+    assert (result.matches, result.invalid, result.as_row()["invalid_verdicts"]) == (4, 4, 4)
     assert {r.verdict for r in opened.ctx.repo.comparisons(opened.ctx.cycle_id, "ranking")} == {"invalid"}
     scores = [r.score for r in opened.ctx.repo.rankings(opened.ctx.cycle_id, 51)]
     assert max(scores) - min(scores) < 1e-9  # all ties: equal strengths, order by name
     names = [c.name for c in ranking_candidates(opened.ctx, 51)]
     ranked_names = [e.name for e in result.ranked]
     assert ranked_names == sorted(names)
+
+
+def test_invalid_verdicts_beyond_the_limit_fail_the_task_and_a_rerun_after_the_fix_finishes_it(
+    inner_loop: InnerLoopEnv,
+) -> None:
+    opened = open_judged_cycle(
+        inner_loop, {"invalid_retries": 1, "max_invalid_fraction": 0.0}, tasks=(51,), candidates=4, train_ranks=2
+    )
+    ctx = opened.ctx
+    retain(ctx, 51, 1)
+    collect_batch(ctx, opened.executor)
+    # The judge writes prose instead of a verdict for match 0, whatever seed it samples with.
+    broken_seed = match_seed(1234, 51, 0)
+    fix = break_judge(inner_loop, lambda request: request.seed in {judge_retry_seed(broken_seed, r) for r in range(9)})
+    with pytest.raises(TooManyInvalidVerdictsError) as failure:
+        rank_tasks(ctx, client=opened.client)
+    message = str(failure.value)
+    names = [c.name for c in ranking_candidates(ctx, 51)]
+    broken_key = match_key(*tournament_pairs(names, 2, seed=schedule_seed(1234, 51))[0])
+    assert isinstance(failure.value, InputError) and "\n" not in message
+    assert message.startswith(f"rank task 51: verdict task51/ranking/{broken_key} is invalid (judge output invalid")
+    assert "1 invalid of 4 planned verdicts exceeds judge.max_invalid_fraction = 0" in message
+    # The other matches finished and stay recorded; the broken one is not recorded, the task is not ranked.
+    recorded = {row.key: row.verdict for row in ctx.repo.comparisons(ctx.cycle_id, "ranking")}
+    assert len(recorded) == 3 and broken_key not in recorded and "invalid" not in recorded.values()
+    assert ctx.repo.rankings(ctx.cycle_id, 51) == []
+    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+    unit = CallUnit(f"task51/ranking/{broken_key}", "self_judge", 51)
+    assert [(a.status, a.seed) for a in ledger.attempts(unit)] == [
+        (CallStatus.INVALID, broken_seed),
+        (CallStatus.INVALID, judge_retry_seed(broken_seed, 1)),
+    ]
+
+    fix()
+    requests = len(inner_loop.judge_requests())
+    (result,) = rank_tasks(ctx, client=opened.client)
+    assert (result.judged_now, result.invalid, len(inner_loop.judge_requests())) == (1, 0, requests + 1)
+    assert [(a.status, a.seed) for a in ledger.attempts(unit)][2:] == [
+        (CallStatus.SUCCEEDED, judge_retry_seed(broken_seed, 2))
+    ]
+    assert len(ctx.repo.rankings(ctx.cycle_id, 51)) == 4
 
 
 def test_an_interrupted_ranking_judges_only_the_missing_matches(inner_loop: InnerLoopEnv) -> None:
