@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.live import Live
 
 from mass_ops.config import CycleConfig, load_config
 
@@ -45,35 +46,60 @@ def prepare_parent(config: CycleConfig) -> Path:
     return model_dir
 
 
-def run_demo(config: CycleConfig, console: Console | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def run_demo(
+    config: CycleConfig,
+    console: Console | None = None,
+    overrides: list[str] | None = None,
+    *,
+    verbose: bool = False,
+) -> dict[str, Any]:
     """Run the whole demo cycle as one `mass_cycle` DAG run through Airflow's own machinery (`dag.test()` on the
     demo's private Airflow home); returns where the report and the new model are, and the wall-clock per stage.
 
-    Raises RuntimeError naming the failed tasks when the run does not succeed (rerunning resumes: every stage skips
-    the units it already finished).
+    By default Airflow's records (and every child process's output) go to a file under `runs/demo/logs/` and the
+    terminal shows the live view of `live` (one plain line per finished task instance when it is not a TTY);
+    `verbose` prints everything as it comes instead. Raises RuntimeError naming the failed tasks when the run does
+    not succeed (rerunning resumes: every stage skips the units it already finished).
     """
     from mass_ops_airflow.demo import airflow_home as demo_airflow
+    from mass_ops_airflow.demo import live
 
     console = console or Console()
     started = time.monotonic()
     demo_airflow.use_demo_airflow()  # before anything imports airflow
 
-    def step(name: str, call: Callable[[], Any]) -> Any:
-        console.rule(f"[bold]{name}")
-        t0 = time.monotonic()
-        result = call()
-        console.print(f"{name}: done in {time.monotonic() - t0:.1f} s", markup=False)
-        return result
+    if verbose:
 
-    step("build and publish the tiny L0 model", lambda: prepare_parent(config))
-    step("Airflow database and pools", demo_airflow.prepare_database)
-    dag = demo_airflow.load_dag()
-    demo_airflow.quiet_waiting_notes()
-    run = step("mass_cycle DAG run", lambda: dag.test(run_conf=demo_airflow.demo_run_conf(overrides)))
+        def step(name: str, call: Callable[[], Any]) -> Any:
+            console.rule(f"[bold]{name}")
+            t0 = time.monotonic()
+            result = call()
+            console.print(f"{name}: done in {time.monotonic() - t0:.1f} s", markup=False)
+            return result
+
+        step("build and publish the tiny L0 model", lambda: prepare_parent(config))
+        step("Airflow database and pools", demo_airflow.prepare_database)
+        dag = demo_airflow.load_dag()
+        demo_airflow.quiet_waiting_notes()
+        run = step("mass_cycle DAG run", lambda: dag.test(run_conf=demo_airflow.demo_run_conf(overrides)))
+        log_path = None
+    else:
+        log_path = live.new_log_path()
+        console.print(f"Airflow logs: {log_path}", markup=False)
+        with live.redirected_output(log_path) as terminal:
+            view = Console(file=terminal)  # a TTY when the terminal is one: the live table; else plain lines
+            with view.status("building the tiny L0 model and the Airflow database"):
+                prepare_parent(config)
+                demo_airflow.prepare_database()
+                dag = demo_airflow.load_dag()
+            demo_airflow.quiet_waiting_notes()
+            run = _watched_run(dag, overrides, view, log_path)
     states = demo_airflow.task_states(run)
     if str(run.state) != "success":
-        failed = ", ".join(demo_airflow.failed_tasks(run)) or "none failed (see the log)"
-        raise RuntimeError(f"mass_cycle run {run.run_id} ended {run.state}; failed tasks: {failed}; states {states}")
+        failed = ", ".join(demo_airflow.failed_tasks(run)) or "none failed"
+        where = f"see {log_path}" if log_path else "see the output above"
+        counts = ", ".join(f"{n} {state}" for state, n in states.items())
+        raise RuntimeError(f"mass_cycle run {run.run_id} ended {run.state}; failed tasks: {failed} ({counts}); {where}")
     report = demo_airflow.xcom_result(run, "report") or {}
     registered = demo_airflow.xcom_result(run, "register") or {}
     evaluated = demo_airflow.xcom_result(run, "evaluate") or {}
@@ -86,7 +112,30 @@ def run_demo(config: CycleConfig, console: Console | None = None, overrides: lis
         "task_states": states,
         "timings_s": _task_durations(run),
         "total_s": round(time.monotonic() - started, 1),
+        "log": str(log_path) if log_path else None,
     }
+
+
+def _watched_run(dag: Any, overrides: list[str] | None, view: Console, log_path: Path) -> Any:
+    """`dag.test()` with a second thread polling the run's task instances into the live view (or plain lines)."""
+    from mass_ops_airflow.demo import airflow_home as demo_airflow
+    from mass_ops_airflow.demo import live
+
+    after = live.newest_run_id(dag.dag_id)
+    progress = live.DemoProgress(order=dag.task_ids, log_path=log_path)
+    on_finished = None if view.is_terminal else (lambda ti: view.print(live.finished_line(ti), markup=False))
+    watcher = live.RunWatcher(lambda: live.airflow_snapshots(dag.dag_id, after), progress, on_finished=on_finished)
+    watcher.start()
+    try:
+        if view.is_terminal:
+            with Live(progress, console=view, refresh_per_second=2, transient=False):
+                run = dag.test(run_conf=demo_airflow.demo_run_conf(overrides))
+                watcher.stop()
+        else:
+            run = dag.test(run_conf=demo_airflow.demo_run_conf(overrides))
+    finally:
+        watcher.stop()
+    return run
 
 
 def _task_durations(run: Any) -> dict[str, float]:
