@@ -422,8 +422,15 @@ def demo(
     port: Annotated[
         int | None, typer.Option("--port", min=1, max=65535, help="Port of the UI on 127.0.0.1 (default 8080).")
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", help="Print Airflow's task-runner logs as they come instead of the live view."),
+    ] = False,
 ) -> None:
-    """A whole demo cycle on the embedded default: tiny random Qwen3 on CPU, SQLite, a local artifact folder."""
+    """A whole demo cycle on the embedded default: tiny random Qwen3 on CPU, SQLite, a local artifact folder.
+
+    The terminal shows one line per stage of the DAG run (a plain line per finished task when it is not a TTY);
+    Airflow's logs go to a file under runs/demo/logs/."""
     if port is not None and not ui:
         raise fail("demo: --port is the port of the web UI; use it with --ui")
     if ui:
@@ -431,6 +438,7 @@ def demo(
 
         raise typer.Exit(run_ui(set_, port=port or DEFAULT_PORT, console=console, err_console=err_console))
     from mass_ops_airflow.demo import demo_config, run_demo
+    from mass_ops_airflow.demo.live import print_summary
 
     from mass_ops.stages.plan import build_plan
     from mass_ops.train.plan import training_command_for
@@ -440,18 +448,14 @@ def demo(
     except ConfigError as exc:
         raise fail(exc.problems) from None
     cycle_plan = build_plan(cfg, training_command_for(cfg))
-    console.print(f"demo cycle {cfg.cycle_name}: planned totals {cycle_plan.totals}", markup=False)
+    planned = ", ".join(f"{count} {what}" for what, count in cycle_plan.totals.items())
+    console.print(f"demo cycle {cfg.cycle_name}: planned {planned}", markup=False)
     try:
-        result = run_demo(cfg, console, set_)
+        result = run_demo(cfg, console, set_, verbose=verbose)
     except HANDLED as exc:
         raise failure("demo", exc, resume_hint="rerun to resume (finished units are kept)") from None
     console.rule("[bold]done")
-    console.print(f"report: {result['report']}", markup=False)
-    console.print(f"new model: {result['generation']}", markup=False)
-    console.print(f"evaluation: {result['evaluation']}", markup=False)
-    console.print(f"DAG run {result['run_id']}: task states {result['task_states']}", markup=False)
-    console.print(f"stage wall-clock (s): {result['timings_s']}", markup=False)
-    console.print(f"total run time: {result['total_s']} s", markup=False)
+    print_summary(console, result)
 
 
 _mount_episode_app()
