@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,8 +243,12 @@ class CallLedger:
             "parsed": current.parsed if status == CallStatus.SUCCEEDED else None,
             "extra": current.extra,
         }
-        prompt_info = self.artifacts.put_json(self.prompt_key(unit_key), prompt)
-        result_info = self.artifacts.put_json(self.result_key(unit_key), result)
+        # The answer is paid for yet lives only in this process until its row is committed: a kill in between asks
+        # (and pays) again on the rerun. Both documents are written side by side so that window is one put long.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="call-ledger") as beside:
+            prompt_put = beside.submit(self.artifacts.put_json, self.prompt_key(unit_key), prompt)
+            result_info = self.artifacts.put_json(self.result_key(unit_key), result)
+            prompt_info = prompt_put.result()
         usage = record.usage or {}
         current.row = self.repo.record_llm_call(
             self.cycle_id,
