@@ -32,6 +32,8 @@ def _mount_episode_app() -> None:
 
 db_app = typer.Typer(no_args_is_help=True, help="The metadata schema: create, upgrade, downgrade.")
 app.add_typer(db_app, name="db")
+store_app = typer.Typer(no_args_is_help=True, help="The artifact store: staging leftovers and unreferenced files.")
+app.add_typer(store_app, name="store")
 tasks_app = typer.Typer(no_args_is_help=True, help="The task catalogue: list shipped tasks, import MASS-format ones.")
 app.add_typer(tasks_app, name="tasks")
 app.add_typer(prompts_app, name="prompts")
@@ -66,6 +68,17 @@ def failure(title: str, exc: BaseException, *, resume_hint: str = "rerun to resu
 HANDLED = (MassOpsError, ValueError, RuntimeError, OSError)
 
 
+def shown_config(cfg: CycleConfig) -> dict:
+    """The config as JSON for printing: store URLs with their passwords masked (they come from MASS_METADATA_URL /
+    MASS_ARTIFACT_URL and may carry credentials)."""
+    from mass_ops.store.urls import mask_url
+
+    data = cfg.model_dump(mode="json")
+    for key in ("metadata_url", "artifact_url"):
+        data["storage"][key] = mask_url(data["storage"][key])
+    return data
+
+
 def resolve_config(config: str, overrides: list[str] | None) -> CycleConfig:
     """Load and validate a config, turning `ConfigError` into exit 2."""
     try:
@@ -78,7 +91,7 @@ def resolve_config(config: str, overrides: list[str] | None) -> CycleConfig:
 def config_show(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Print the validated config as JSON."""
     cfg = resolve_config(config, set_)
-    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    console.print_json(json.dumps(shown_config(cfg)))
 
 
 @config_app.command("validate")
@@ -134,11 +147,11 @@ def plan(
             )
     cycle_plan = build_plan(cfg, training_command_for(cfg))
     if as_json:
-        sys.stdout.write(json.dumps({"config": cfg.model_dump(mode="json"), "plan": cycle_plan.as_dict()}) + "\n")
+        sys.stdout.write(json.dumps({"config": shown_config(cfg), "plan": cycle_plan.as_dict()}) + "\n")
         return
     gen = cfg.generation
     console.rule(f"cycle {cycle_plan.cycle}: L{gen} -> RHI -> teacher collection -> SFT -> L{gen + 1}")
-    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    console.print_json(json.dumps(shown_config(cfg)))
     table = Table(title="Stage graph and planned counts")
     table.add_column("#", justify="right")
     table.add_column("stage")
@@ -189,8 +202,11 @@ def db_upgrade(
     from mass_ops.store.migrations import current, upgrade
 
     target = _metadata_url(config, set_, url)
-    upgrade(target, revision)
-    console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+    try:
+        upgrade(target, revision)
+        console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+    except HANDLED as exc:
+        raise failure("db upgrade", exc, resume_hint="fix the store and run it again") from None
 
 
 @db_app.command("downgrade")
@@ -205,8 +221,11 @@ def db_downgrade(
     from mass_ops.store.migrations import current, downgrade
 
     target = _metadata_url(config, set_, url)
-    downgrade(target, revision)
-    console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+    try:
+        downgrade(target, revision)
+        console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+    except HANDLED as exc:
+        raise failure("db downgrade", exc, resume_hint="fix the store and run it again") from None
 
 
 @db_app.command("current")
@@ -214,7 +233,48 @@ def db_current(config: OptionalConfig = None, set_: SetOption = None, url: UrlOp
     """Print the schema revision of the metadata database."""
     from mass_ops.store.migrations import current
 
-    console.print(str(current(_metadata_url(config, set_, url))), markup=False)
+    try:
+        console.print(str(current(_metadata_url(config, set_, url))), markup=False)
+    except HANDLED as exc:
+        raise failure("db current", exc, resume_hint="fix the store and run it again") from None
+
+
+@store_app.command("gc")
+def store_gc(
+    config: ConfigOption = "demo",
+    set_: SetOption = None,
+    apply: Annotated[
+        bool, typer.Option("--apply", help="Remove what is found (default: a dry run that lists).")
+    ] = False,
+    delete_unreferenced: Annotated[
+        bool, typer.Option("--delete-unreferenced", help="With --apply, also delete artifacts no row references.")
+    ] = False,
+    grace_s: Annotated[
+        float | None, typer.Option("--grace-s", help="Leave anything younger (default $MASS_STORE_GC_GRACE_S, 6 h).")
+    ] = None,
+) -> None:
+    """List (or with --apply remove) staging leftovers of killed writers and artifacts that no metadata row
+    references; referenced artifacts are never touched. One tab-separated line per item, then a summary."""
+    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.gc import gc
+    from mass_ops.store.repository import MetadataRepository
+
+    if delete_unreferenced and not apply:
+        raise fail("store gc: --delete-unreferenced deletes, so it needs --apply")
+    cfg = resolve_config(config, set_)
+    try:
+        report = gc(
+            open_artifact_store(cfg.storage.artifact_url),
+            MetadataRepository.from_url(cfg.storage.metadata_url),
+            dry_run=not apply,
+            delete_unreferenced=delete_unreferenced,
+            grace_s=grace_s,
+        )
+    except HANDLED as exc:
+        raise failure("store gc", exc, resume_hint="run it again") from None
+    sys.stdout.write("".join(f"{line}\n" for line in report.lines()))  # plain: tab-separated for scripts
+    if report.failures:
+        raise typer.Exit(1)
 
 
 @tasks_app.command("list")

@@ -19,7 +19,13 @@ from mass_ops.stages.common import episode_executor, jsonable
 
 
 def validate_config(config: CycleConfig) -> dict[str, Any]:
-    """Check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle row."""
+    """Check that both stores answer (a silent or read-only store fails here, in the run's first minute, not at its
+    last task), check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle
+    row."""
+    from mass_ops.store.probe import probe_stores
+
+    config.require_catalogue()
+    probe_stores(config.storage.metadata_url, config.storage.artifact_url)
     ctx = open_cycle(config)
     return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash()}
 
