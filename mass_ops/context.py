@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 from mass_ops.config import ConfigError, CycleConfig
 from mass_ops.errors import InputError
@@ -55,6 +56,13 @@ def load_task_catalogue(config: CycleConfig) -> TaskCatalogue:
     return catalogue
 
 
+def catalogue_provenance(catalogue: TaskCatalogue) -> dict[str, Any]:
+    """What a cycle row records of its task catalogue: its identity (``builtin``, ``imported:<folder>@<digest>``…)
+    and, for an imported one, its import record (source folder name, SHA-256 of every file, import time)."""
+    record = catalogue.provenance
+    return {"identity": catalogue.identity(), "provenance": record.as_dict() if record is not None else None}
+
+
 def _stores(config: CycleConfig) -> tuple[MetadataRepository, ArtifactStore]:
     return MetadataRepository.from_url(config.storage.metadata_url), open_artifact_store(config.storage.artifact_url)
 
@@ -79,6 +87,8 @@ def open_cycle(config: CycleConfig, *, upgrade_schema: bool = True) -> CycleCont
     )
     check_recorded(prompts, (cycle.provenance or {}).get("prompts"), config.cycle_name)
     repo.set_cycle_provenance(cycle.id, "prompts", prompts.digests())
+    # Which tasks the cycle runs on (ours, or the reference's imported from the user's copy), for the report.
+    repo.set_cycle_provenance(cycle.id, "catalogue", catalogue_provenance(catalogue))
     use_prompts(prompts)
     for task_id in sorted(set(config.tasks.train_candidates) | set(config.tasks.test)):
         task = catalogue.task(task_id)

@@ -1,7 +1,8 @@
 """The cycle report researchers read: Markdown and a self-contained HTML page with PNG figures.
 
-Sections: RHI scoreboard per task (W/L/T of each version against the bare reference, the champion marked), search
-coverage, pairwise win rates by generation with 95% intervals (per split, task and judge), judge agreement by
+Sections: what the cycle ran with (task catalogue identity, prompt-template hashes), RHI scoreboard per task (W/L/T
+of each version against the bare reference, the champion marked), search coverage, invalid judge verdicts per
+stage, pairwise win rates by generation with 95% intervals (per split, task and judge), judge agreement by
 generation, public benchmarks with score per output token, training and validation loss curves, tokens and cost per
 stage, wall-clock and GPU-hours per stage — and an explicit note for every task the config let into teacher
 collection although its workflow never beat the reference (the demo preset does this).
@@ -33,10 +34,11 @@ from mass_ops.evaluation.agreement import Agreement
 from mass_ops.evaluation.benchmarks.mlr import MLR, summarize_mlr
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, TrialResult, recorded_trials, summarize_trials
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
-from mass_ops.evaluation.stats import PairwiseSummary, WinRate, format_rate
+from mass_ops.evaluation.stats import LedgerKeyError, PairwiseSummary, WinRate, format_rate, parse_ledger_key
 from mass_ops.layout import PAIRWISE_KIND, report_prefix, training_prefix
+from mass_ops.prompts import shipped_prompts
 from mass_ops.search.champion import BASELINE_WIN, derive_champion
-from mass_ops.store.schema import TrainingRun
+from mass_ops.store.schema import CallStatus, Ledger, TrainingRun
 from mass_ops.train.checkpoints import finite_number, log_rows
 
 FIGURES = (
@@ -59,6 +61,10 @@ EPISODE_STAGE = {
 }
 CALL_STAGE = {"judge": "search", "optimizer": "search", "arbitration": "search", "self_judge": "rank"}
 STAGE_ORDER = ("search", "collect", "rank", "train", "evaluate", "benchmark")
+# Judging stages by ledger, in the order of the cycle; evaluation rows are per judge ("evaluate: <judge>").
+JUDGING_STAGES = {Ledger.RHI: "search: vs reference", Ledger.CHAMPION: "search: arbitration", Ledger.RANKING:
+                  "rank: self-judge"}  # fmt: skip
+PROMPT_DIGEST_CHARS = 16
 _COLOURS = {"W": "#4c9a5f", "L": "#c8553d", "T": "#b8b8b8"}
 
 
@@ -97,6 +103,27 @@ class PairwiseEvaluation:
     seeds: list[int]
     summary: PairwiseSummary
     agreement: dict[str, Agreement]
+
+
+@dataclass(frozen=True)
+class JudgeValidity:
+    """The judging of one stage: verdicts recorded, those recorded invalid (counted as ties), and judge answers
+    that were not usable verdicts (each one an attempt, retried with a derived seed or ending in an invalid
+    verdict)."""
+
+    stage: str
+    verdicts: int
+    invalid: int
+    unusable_answers: int
+
+
+@dataclass(frozen=True)
+class PromptDigest:
+    """One prompt template the cycle recorded: its SHA-256 and whether it is the shipped text."""
+
+    name: str
+    sha256: str
+    shipped: bool | None  # None: a template this version of mass-ops does not ship
 
 
 @dataclass(frozen=True)
@@ -145,6 +172,11 @@ class ReportData:
     served_model: str
     config_hash: str
     generated_at: str
+    catalogue: str = "not recorded"
+    catalogue_import: dict[str, Any] | None = None
+    prompts: list[PromptDigest] = field(default_factory=list)
+    max_invalid_fraction: float = 0.0
+    judging: list[JudgeValidity] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     scoreboard: list[TaskScoreboard] = field(default_factory=list)
     evaluations: list[PairwiseEvaluation] = field(default_factory=list)
@@ -208,6 +240,61 @@ def _scoreboard(ctx: CycleContext) -> list[TaskScoreboard]:
             )
         )
     return boards
+
+
+def _provenance(ctx: CycleContext) -> tuple[str, dict[str, Any] | None, list[PromptDigest]]:
+    """(catalogue identity, its import record, prompt templates) as the cycle row recorded them at open time."""
+    cycle = ctx.repo.get_cycle(ctx.cycle_name)
+    recorded = (cycle.provenance if cycle is not None else None) or {}
+    catalogue = recorded.get("catalogue") if isinstance(recorded.get("catalogue"), dict) else {}
+    identity = str(catalogue.get("identity") or "not recorded")
+    imported = catalogue.get("provenance") if isinstance(catalogue.get("provenance"), dict) else None
+    prompts = recorded.get("prompts") if isinstance(recorded.get("prompts"), dict) else {}
+    shipped = shipped_prompts().digests()
+    digests = [
+        PromptDigest(str(name), str(sha), None if name not in shipped else shipped[name] == sha)
+        for name, sha in sorted(prompts.items())
+    ]
+    return identity, imported, digests
+
+
+def _judging_stage(ledger: str, key: str) -> str | None:
+    """The report's stage name of a verdict (its ledger and key), or None for a key it cannot place."""
+    if ledger != Ledger.EXTERNAL:
+        return JUDGING_STAGES.get(Ledger(ledger))
+    try:
+        return f"evaluate: {parse_ledger_key(key)[1]}"
+    except LedgerKeyError:
+        return None
+
+
+def _judge_validity(ctx: CycleContext) -> list[JudgeValidity]:
+    """Verdicts, invalid verdicts and unusable answers per judging stage (stages without a verdict are left out)."""
+    verdicts: dict[str, int] = defaultdict(int)
+    invalid: dict[str, int] = defaultdict(int)
+    unusable: dict[str, int] = defaultdict(int)
+    for ledger in Ledger:
+        for row in ctx.repo.comparisons(ctx.cycle_id, ledger):
+            stage = _judging_stage(ledger, row.key)
+            if stage is not None:
+                verdicts[stage] += 1
+                invalid[stage] += row.verdict == "invalid"
+    for call in ctx.repo.llm_calls(ctx.cycle_id):
+        if call.status != CallStatus.INVALID:
+            continue
+        # Attempt keys: task<q>/<ledger>/<key>[/swapped]/a<n> in the inner loop, eval/external/<key>/a<n> in evaluate.
+        parts = call.unit_key.split("/")
+        if parts[0] == "eval" and len(parts) >= 5:
+            stage = _judging_stage(Ledger.EXTERNAL, "/".join(parts[2:5]))
+        elif len(parts) >= 3 and parts[1] in JUDGING_STAGES:
+            stage = _judging_stage(parts[1], parts[2])
+        else:
+            stage = None  # an optimizer answer, reported with the search's own notes
+        if stage is not None:
+            unusable[stage] += 1
+    order = [*JUDGING_STAGES.values()]
+    stages = sorted(set(verdicts) | set(unusable), key=lambda s: (order.index(s) if s in order else len(order), s))
+    return [JudgeValidity(s, verdicts[s], invalid[s], unusable[s]) for s in stages]
 
 
 def _let_through_notes(ctx: CycleContext) -> list[str]:
@@ -469,7 +556,10 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
         served_model=config.models.served_name,
         config_hash=config.config_hash(),
         generated_at=(now or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC"),
+        max_invalid_fraction=config.judge.max_invalid_fraction,
     )
+    data.catalogue, data.catalogue_import, data.prompts = _provenance(ctx)
+    data.judging = _judge_validity(ctx)
     data.notes.extend(_let_through_notes(ctx))
     data.notes.extend(_carried_design_notes(ctx))
     data.scoreboard = _scoreboard(ctx)
@@ -773,6 +863,7 @@ def build_blocks(data: ReportData) -> list[Block]:
             f"{data.served_model}, config {data.config_hash[:12]}. Generated {data.generated_at}.",
         ),
     ]
+    blocks.extend(_provenance_blocks(data))
     if data.notes:
         blocks.append(Block("h2", "Notes"))
         blocks.extend(Block("note", note) for note in data.notes)
@@ -810,6 +901,32 @@ def build_blocks(data: ReportData) -> list[Block]:
         headers = ("task", "planned versions", "executed", "judged", "beat reference", "coverage")
         blocks.append(Block("table", headers=headers, rows=rows))
     blocks.append(Block("figure", "search_coverage"))
+
+    blocks.append(Block("h2", "Invalid judge verdicts"))
+    if data.judging:
+        rows = tuple(
+            (
+                j.stage,
+                str(j.verdicts),
+                str(j.invalid),
+                f"{j.invalid / j.verdicts:.1%}" if j.verdicts else "n/a",
+                str(j.unusable_answers),
+            )
+            for j in data.judging
+        )
+        headers = ("stage", "verdicts", "invalid (ties)", "invalid share", "unusable answers")
+        blocks.append(Block("table", headers=headers, rows=rows))
+    else:
+        blocks.append(Block("p", "No judge verdict is recorded for this cycle."))
+    blocks.append(
+        Block(
+            "p",
+            "An answer that is not a usable verdict is retried (judge.invalid_retries) with a seed derived from the "
+            "call's; a verdict still invalid counts as a tie. A stage fails when its invalid share exceeds "
+            f"judge.max_invalid_fraction = {data.max_invalid_fraction:g} (per task in search and rank, per judge in "
+            "evaluate), and its rerun judges the pair again.",
+        )
+    )
 
     blocks.append(Block("h2", "Pairwise evaluation (external judges)"))
     blocks.append(
@@ -946,6 +1063,39 @@ def build_blocks(data: ReportData) -> list[Block]:
             )
         )
     blocks.append(Block("figure", "wallclock_gpu"))
+    return blocks
+
+
+def _provenance_blocks(data: ReportData) -> list[Block]:
+    """What the cycle ran with: its task catalogue and the SHA-256 of each prompt template (first section)."""
+    text = f"Task catalogue: {data.catalogue}"
+    record = data.catalogue_import
+    if record is not None:
+        files = record.get("files") if isinstance(record.get("files"), dict) else {}
+        text += (
+            f" — imported from a folder named {record.get('source', '?')!s} at {record.get('imported_at', '?')!s} "
+            f"({len(files)} files, each SHA-256 recorded in the cycle row)"
+        )
+    elif data.catalogue == "builtin":
+        text += " — mass-ops' own 12 tasks, not the reference's (`mass-ops tasks import` brings in those)"
+    blocks = [Block("p", text + ".")]
+    if data.prompts:
+        replaced = sum(1 for p in data.prompts if p.shipped is not True)
+        blocks.append(
+            Block(
+                "p",
+                f"Prompt templates: {len(data.prompts)} recorded, {replaced} not the shipped text (prompts.dir).",
+            )
+        )
+        rows = tuple(
+            (
+                p.name,
+                p.sha256[:PROMPT_DIGEST_CHARS],
+                "shipped" if p.shipped else "replaced" if p.shipped is False else "not shipped by this version",
+            )
+            for p in data.prompts
+        )
+        blocks.append(Block("table", headers=("template", "SHA-256 (prefix)", "text"), rows=rows))
     return blocks
 
 

@@ -250,3 +250,68 @@ def test_an_evaluation_without_a_decisive_judgment_draws_a_note_not_an_empty_leg
     [ax] = figure.axes
     assert [text.get_text() for text in ax.texts] == [report.NO_DECISIVE_PAIR]
     assert ax.get_legend() is None and not ax.containers  # no error bars drawn
+
+
+def test_invalid_verdicts_are_counted_per_judging_stage(eval_env):
+    ctx = report_cycle(eval_env)
+    repo, cycle = ctx.repo, ctx.cycle_id
+    verdicts = [
+        ("rhi", "v0_vs_no_harness", "A"),
+        ("rhi", "v1_vs_no_harness", "invalid"),
+        ("champion", "champion_v0_vs_v1", "B"),
+        ("ranking", "a_vs_b", "invalid"),
+        ("ranking", "b_vs_c", "tie"),
+        ("external", "p1/gpt-judge/42", "invalid"),
+        ("external", "p1/self/42", "A"),
+    ]
+    for ledger, key, verdict in verdicts:
+        repo.record_comparison(cycle, 51, ledger, key, side_a="a", side_b="b", judge_model="m", verdict=verdict)
+    unusable = [
+        "task51/rhi/v1_vs_no_harness/a1", "task51/rhi/v1_vs_no_harness/a2", "task51/rhi/v1_vs_no_harness/a3",
+        "task51/ranking/a_vs_b/a1", "task51/ranking/b_vs_c/swapped/a1", "eval/external/p1/gpt-judge/42/a1",
+        "task51/optimizer/v0_to_v1/a1",  # an optimizer answer: not a judge's
+    ]  # fmt: skip
+    for key in unusable:
+        purpose = "optimizer" if "optimizer" in key else "judge"
+        repo.record_llm_call(cycle, key, purpose=purpose, model="m", status="invalid", error="no JSON object")
+    repo.record_llm_call(cycle, "task51/ranking/b_vs_c/a1", purpose="self_judge", model="m", status="succeeded")
+
+    data = collect_report_data(ctx)
+    assert [(j.stage, j.verdicts, j.invalid, j.unusable_answers) for j in data.judging] == [
+        ("search: vs reference", 2, 1, 3),
+        ("search: arbitration", 1, 0, 0),
+        ("rank: self-judge", 2, 1, 2),
+        ("evaluate: gpt-judge", 1, 1, 1),
+        ("evaluate: self", 1, 0, 0),
+    ]
+    markdown = read(write_report(ctx)["markdown"]).decode()
+    assert "## Invalid judge verdicts" in markdown
+    assert "| search: vs reference | 2 | 1 | 50.0% | 3 |" in markdown
+    assert "| evaluate: gpt-judge | 1 | 1 | 100.0% | 1 |" in markdown
+    assert "judge.max_invalid_fraction = 1" in markdown  # the demo-based test config tolerates every invalid one
+
+
+def test_the_first_section_names_the_task_catalogue_and_the_prompt_templates(eval_env, tmp_path):
+    from mass_ops.prompts import shipped_prompts
+    from mass_ops.tasks import builtin_catalogue_dir, import_task_dir
+
+    markdown = read(write_report(eval_env.ctx)["markdown"]).decode()
+    first_section = markdown.split("\n## ", 1)[0]
+    assert "Task catalogue: builtin — mass-ops' own 12 tasks, not the reference's" in first_section
+    digests = shipped_prompts().digests()
+    assert f"Prompt templates: {len(digests)} recorded, 0 not the shipped text" in first_section
+    for name, sha in digests.items():
+        assert f"| {name} | {sha[:16]} | shipped |" in first_section
+
+    # An imported catalogue: the cycle row records its identity and import record, and the report names them.
+    imported = import_task_dir(builtin_catalogue_dir(), tmp_path / "reference" / "tasks")
+    data = eval_env.config.model_dump(mode="json")
+    data["name"] = "imported-tasks"
+    data["tasks"]["catalogue"] = str(imported.source)
+    ctx = open_test_cycle(validate_config(data))
+    recorded = ctx.repo.get_cycle(ctx.cycle_name).provenance["catalogue"]
+    assert recorded["identity"] == imported.identity() and recorded["identity"].startswith("imported:")
+    assert recorded["provenance"] == imported.provenance.as_dict()
+    first_section = read(write_report(ctx)["markdown"]).decode().split("\n## ", 1)[0]
+    assert f"Task catalogue: {imported.identity()} — imported from a folder named" in first_section
+    assert f"({len(imported.provenance.files)} files, each SHA-256 recorded in the cycle row)" in first_section
