@@ -294,6 +294,7 @@ def run_rollouts(
         results=rollout_set.as_results(),
         cycle_id=ctx.cycle_id,
         results_uri=manifest.uri,
+        results_sha256=manifest.sha256,
     )
     # A concurrent run may have recorded the same label first: its row is the truth.
     return RolloutSet.from_results(row.results)

@@ -266,6 +266,8 @@ class CallLedger:
             latency_s=record.latency_s,
             prompt_uri=prompt_info.uri,
             result_uri=result_info.uri,
+            prompt_sha256=prompt_info.sha256,
+            result_sha256=result_info.sha256,
             error=error,
         )
 

@@ -843,8 +843,9 @@ def publish_episode(
 
 def publish_artifacts(
     store: ArtifactStore, publication: EpisodePublication, abort: threading.Event | None = None
-) -> dict[str, str]:
-    """Every artifact of the attempt, each published atomically, in `PUBLISH_ORDER`; returns name → URI."""
+) -> dict[str, ArtifactInfo]:
+    """Every artifact of the attempt, each published atomically, in `PUBLISH_ORDER`; returns name → what was
+    published (URI and SHA-256, both recorded in the episode's row)."""
     files, unit = publication.files, publication.unit
 
     def put_workspace(key: str) -> ArtifactInfo:
@@ -861,15 +862,17 @@ def publish_artifacts(
         "settings": lambda key: store.put_file(key, files.settings),
         "status": lambda key: store.put_json(key, publication.status),
     }
-    uris = {}
+    published = {}
     for name in PUBLISH_ORDER:
         if abort is not None and abort.is_set():
             raise PublishAborted
-        uris[name] = puts[name](unit.artifact_key(name)).uri
-    return uris
+        published[name] = puts[name](unit.artifact_key(name))
+    return published
 
 
-def record_publication(ctx: CycleContext, publication: EpisodePublication, artifacts: dict[str, str]) -> EpisodeOutcome:
+def record_publication(
+    ctx: CycleContext, publication: EpisodePublication, published: Mapping[str, ArtifactInfo]
+) -> EpisodeOutcome:
     """Commit the attempt's row (after its artifacts are durable) and return the recorded outcome."""
     request, unit, record = publication.request, publication.unit, publication.record
     row = ctx.repo.record_episode(
@@ -894,7 +897,8 @@ def record_publication(ctx: CycleContext, publication: EpisodePublication, artif
         started_at=record.started_at,
         finished_at=record.finished_at,
         duration_s=(record.finished_at - record.started_at).total_seconds(),
-        artifacts=artifacts,
+        artifacts={name: info.uri for name, info in published.items()},
+        artifact_sha256={name: info.sha256 for name, info in published.items()},
         qwen_code_version=record.qwen_code_version,
         retry_of_id=publication.retry_of_id,
     )

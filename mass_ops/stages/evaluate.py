@@ -407,6 +407,7 @@ def summarize(
         results=results,
         cycle_id=ctx.cycle_id,
         results_uri=info.uri,
+        results_sha256=info.sha256,
     )
     return EvaluationSummary(key=row.key, results=row.results, results_uri=row.results_uri)
 

@@ -12,6 +12,8 @@ from mass_ops.stages.common import SPLITS, PostTrainingError
 from mass_ops.stages.export import export_targets
 from mass_ops.stages.train import finished_run, log_key, rendered_datasets
 from mass_ops.store.model_folders import (
+    MANIFEST_NAME,
+    ModelLocation,
     read_manifest,
     resolve_model_location,
 )
@@ -19,6 +21,14 @@ from mass_ops.store.schema import Ledger
 from mass_ops.train.checkpoints import (
     SELECTION_FILE,
 )
+
+
+def _manifest_sha256(where: ModelLocation) -> str | None:
+    """The hash of a model's manifest.json in the store (None for a local folder, which the store does not hold)."""
+    if where.store is None or where.is_local_folder:
+        return None
+    info = where.store.info(where.key(MANIFEST_NAME))
+    return info.sha256
 
 
 def register(config: CycleConfig) -> dict[str, Any]:
@@ -33,10 +43,13 @@ def register(config: CycleConfig) -> dict[str, Any]:
     selected = ctx.artifacts.get_json(selection_key)
     targets = export_targets(config)
     uris: dict[str, str] = {}
+    hashes: dict[str, str | None] = {}  # SHA-256 of each model's manifest.json, which hashes every file
     export_record: dict[str, Any] | None = None
     for fmt, location in targets.items():
         manifest = read_manifest(ctx.artifacts, location)
-        uri = resolve_model_location(ctx.artifacts, location).uri
+        where = resolve_model_location(ctx.artifacts, location)
+        uri = where.uri
+        hashes[fmt] = _manifest_sha256(where)
         if manifest is None:
             raise PostTrainingError(f"register: no {fmt} model is published at {uri}; run export first")
         provenance = manifest.metadata.get("provenance") or {}
@@ -97,6 +110,8 @@ def register(config: CycleConfig) -> dict[str, Any]:
         g + 1,
         bf16_uri=uris["bf16"],
         fp8_uri=uris.get("fp8"),
+        bf16_sha256=hashes.get("bf16"),
+        fp8_sha256=hashes.get("fp8"),
         parent_id=parent.id,
         cycle_id=ctx.cycle_id,
         checkpoint_id=selected["checkpoint_id"],

@@ -202,6 +202,8 @@ class _TrainingProgress:
         self.run_id = run_id
         self.out_dir = out_dir
         self.published = dict(published)
+        self.manifest_sha256: dict[int, str] = {}  # step → SHA-256 of its manifest.json (which hashes every file)
+        self.log_sha256: str | None = None  # of the train log as last published
         self._lock = threading.Lock()
 
     def poll(self) -> None:
@@ -238,7 +240,11 @@ class _TrainingProgress:
         for path in sources:
             if path.is_file():
                 data = path.read_bytes()
-                self.ctx.artifacts.put_bytes(log_key(self.ctx.cycle_name, path.name), data[: data.rfind(b"\n") + 1])
+                info = self.ctx.artifacts.put_bytes(
+                    log_key(self.ctx.cycle_name, path.name), data[: data.rfind(b"\n") + 1]
+                )
+                if path.name == TRAIN_LOG_FILE:
+                    self.log_sha256 = info.sha256
 
     def _record(self, through: int) -> None:
         fields: dict[int, dict[str, Any]] = {}
@@ -258,9 +264,15 @@ class _TrainingProgress:
                 fields.setdefault(step, {})["train_loss"] = float(row["loss"])
         for step, uri in self.published.items():
             if step <= through:
-                fields.setdefault(step, {})["uri"] = uri
+                fields.setdefault(step, {}).update(uri=uri, sha256=self._manifest_sha256(step))
         for step, values in sorted(fields.items()):
             self.ctx.repo.record_checkpoint(self.run_id, step, **values)
+
+    def _manifest_sha256(self, step: int) -> str:
+        if step not in self.manifest_sha256:
+            key = f"{_checkpoint_key(self.ctx.cycle_name, step)}/{MANIFEST_NAME}"
+            self.manifest_sha256[step] = self.ctx.artifacts.info(key).sha256
+        return self.manifest_sha256[step]
 
 
 def _default_accelerator() -> str:
@@ -420,7 +432,7 @@ def train(
             raise
         log_uri = ctx.artifacts.uri(log_key(ctx.cycle_name, TRAIN_LOG_FILE))
         if code != 0:
-            ctx.repo.set_training_run_status(run.id, RunStatus.FAILED, log_uri=log_uri)
+            ctx.repo.set_training_run_status(run.id, RunStatus.FAILED, log_uri=log_uri, log_sha256=progress.log_sha256)
             last = tail[-1] if tail else "no output"
             raise PostTrainingError(f"train: the training job exited with status {code}: {last}")
         if config.training.steps not in progress.published:
@@ -428,7 +440,9 @@ def train(
             raise PostTrainingError(
                 f"train: the job finished without a checkpoint at the last step {config.training.steps}"
             )
-        run = ctx.repo.set_training_run_status(run.id, RunStatus.SUCCEEDED, log_uri=log_uri)
+        run = ctx.repo.set_training_run_status(
+            run.id, RunStatus.SUCCEEDED, log_uri=log_uri, log_sha256=progress.log_sha256
+        )
     return _training_summary(ctx, run, reused=False, resumed_from=max(published) if published else None)
 
 

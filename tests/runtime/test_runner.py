@@ -153,6 +153,10 @@ def test_attempt_publishes_every_artifact_then_the_row(
     [row] = ctx.repo.episodes(ctx.cycle_id)
     assert row.id == outcome.episode_id and row.status == "succeeded" and row.attempt == 1 and row.seed == 11
     assert row.prompt_sha256 == episode.prompt_sha256 and row.artifacts == outcome.artifacts
+    # The row holds the SHA-256 each artifact was published with (a reader hands it back to the store).
+    assert row.artifact_sha256 == {
+        name: ctx.artifacts.info(f"{_prefix(outcome)}/{EPISODE_FILES[name]}").sha256 for name in EPISODE_FILES
+    }
     assert row.requests == 2 and row.prompt_tokens == outcome.status_record["usage"]["prompt_tokens"] > 0
     assert row.qwen_code_version == "stand-in" and row.condition == "t51_bare"
 

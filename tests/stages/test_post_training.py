@@ -447,6 +447,8 @@ def test_export_and_register_a_hand_made_adapter_then_rerun_as_no_ops(tmp_path: 
     assert lineage["comparisons"] == {"rhi": 0, "champion": 0, "ranking": 2, "external": 0}
     assert set(lineage["datasets"]) == {"train", "val"} and lineage["export"] == provenance
     assert [g.name for g in ctx.repo.lineage(l1.id)] == ["L1", "L0"]
+    assert l1.bf16_sha256 == ctx.artifacts.info(f"models/L1-bf16/{MANIFEST_NAME}").sha256
+    assert l1.fp8_sha256 == ctx.artifacts.info(f"models/L1-fp8/{MANIFEST_NAME}").sha256
 
     counts = cycle.counts()
     manifests = {k: ctx.artifacts.info(k).sha256 for k in stored_keys(cycle, "models/") if k.endswith(MANIFEST_NAME)}

@@ -64,6 +64,12 @@ def test_stage_units_run_a_cycle_through_selection_and_rerun_as_no_ops(inner_loo
         comparisons
     )
     json.dumps(selected)  # XCom-safe
+    calls = ctx.repo.llm_calls(ctx.cycle_id)
+    assert calls and all(
+        call.prompt_sha256 == ctx.artifacts.info(ctx.artifacts.key_of(call.prompt_uri)).sha256
+        and call.result_sha256 == ctx.artifacts.info(ctx.artifacts.key_of(call.result_uri)).sha256
+        for call in calls
+    )
 
     report = stages.report(config)
     html = ctx.artifacts.get_bytes(ctx.artifacts.key_of(report["html"])).decode()

@@ -250,7 +250,13 @@ def record_trial(ctx: CycleContext, result: TrialResult) -> TrialResult:
         document,
     )
     row = ctx.repo.record_evaluation(
-        key, BENCHMARK_KIND, generation_id=model.id, results=document, cycle_id=ctx.cycle_id, results_uri=info.uri
+        key,
+        BENCHMARK_KIND,
+        generation_id=model.id,
+        results=document,
+        cycle_id=ctx.cycle_id,
+        results_uri=info.uri,
+        results_sha256=info.sha256,
     )
     return TrialResult.from_results(row.results)
 
