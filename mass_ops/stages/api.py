@@ -22,9 +22,11 @@ def validate_config(config: CycleConfig) -> dict[str, Any]:
     """Check that both stores answer (a silent or read-only store fails here, in the run's first minute, not at its
     last task), check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle
     row."""
+    from mass_ops.prompts import check_templates
     from mass_ops.store.probe import probe_stores
 
     config.require_catalogue()
+    check_templates(config)  # bad input first: nothing is touched, not even a probe object
     probe_stores(config.storage.metadata_url, config.storage.artifact_url)
     ctx = open_cycle(config)
     return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash()}
