@@ -115,7 +115,80 @@ class InferenceReadinessTrigger(BaseTrigger):
         self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
 
 
-class JobCompletionTrigger(BaseTrigger):
+class _CompletionTrigger(BaseTrigger):
+    """Wait until a Kubernetes workload finishes, failing fast when its pods cannot start (the shared loop of the
+    Job and TrainJob triggers). A subclass names its workload's field (`name_field`), reads its state
+    (`_observe`) and deletes it (`_delete`); the event carries the state, a message and the workload's name under
+    `name_field`."""
+
+    name_field = "name"
+
+    def __init__(
+        self,
+        workload_name: str,
+        *,
+        namespace: str,
+        conn_id: str | None,
+        schedule_timeout_s: float,
+        poll_interval_s: float = 30.0,
+    ) -> None:
+        super().__init__()
+        self.workload_name = workload_name
+        self.namespace = namespace
+        self.conn_id = conn_id
+        self.schedule_timeout_s = schedule_timeout_s
+        self.poll_interval_s = poll_interval_s
+
+    def _extra_fields(self) -> dict[str, Any]:
+        """Serialized fields beyond the shared ones."""
+        return {}
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                self.name_field: self.workload_name,
+                "namespace": self.namespace,
+                "conn_id": self.conn_id,
+                "schedule_timeout_s": self.schedule_timeout_s,
+                "poll_interval_s": self.poll_interval_s,
+                **self._extra_fields(),
+            },
+        )
+
+    def _observe(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def _delete(self, clients: Any) -> list[str]:
+        raise NotImplementedError
+
+    def _with_pod_problems(self, state: str, message: str, clients: Any, selector: str) -> tuple[str, str]:
+        """A running workload whose pods cannot start (unschedulable too long, image pull errors) has failed."""
+        if state == "running":
+            problem = kube.pods_problem(
+                clients.core, self.namespace, selector, schedule_timeout_s=self.schedule_timeout_s
+            )
+            if problem:
+                return "failed", problem
+        return state, message
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            state, message = await asyncio.to_thread(self._observe)
+            if state != "running":
+                yield TriggerEvent({"status": state, "message": message, self.name_field: self.workload_name})
+                return
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def on_kill(self) -> None:
+        def delete() -> list[str]:
+            return self._delete(kube.kubernetes_clients(self.conn_id))
+
+        deleted = await asyncio.to_thread(delete)
+        self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
+
+
+class JobCompletionTrigger(_CompletionTrigger):
     """Wait until a Job completes or fails, failing fast when its pods cannot start.
 
     :param job_name: the Job (and its headless Service, deleted with it on kill).
@@ -126,70 +199,31 @@ class JobCompletionTrigger(BaseTrigger):
     :param service_name: headless Service to delete with the Job on kill (None: none).
     """
 
-    def __init__(
-        self,
-        *,
-        job_name: str,
-        namespace: str,
-        conn_id: str | None,
-        schedule_timeout_s: float,
-        poll_interval_s: float = 30.0,
-        service_name: str | None = None,
-    ) -> None:
-        super().__init__()
-        self.job_name = job_name
-        self.namespace = namespace
-        self.conn_id = conn_id
-        self.schedule_timeout_s = schedule_timeout_s
-        self.poll_interval_s = poll_interval_s
+    name_field = "job_name"
+
+    def __init__(self, *, job_name: str, service_name: str | None = None, **common: Any) -> None:
+        super().__init__(job_name, **common)
         self.service_name = service_name
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "job_name": self.job_name,
-                "namespace": self.namespace,
-                "conn_id": self.conn_id,
-                "schedule_timeout_s": self.schedule_timeout_s,
-                "poll_interval_s": self.poll_interval_s,
-                "service_name": self.service_name,
-            },
-        )
+    @property
+    def job_name(self) -> str:
+        return self.workload_name
+
+    def _extra_fields(self) -> dict[str, Any]:
+        return {"service_name": self.service_name}
 
     def _observe(self) -> tuple[str, str]:
         clients = kube.kubernetes_clients(self.conn_id)
         # The full object carries the status; `jobs/status` is a subresource the launcher Role does not grant.
-        job = clients.batch.read_namespaced_job(name=self.job_name, namespace=self.namespace)
-        state, message = kube.job_state(job)
-        if state == "running":
-            selector = f"{JOB_NAME_LABEL}={self.job_name}"
-            problem = kube.pods_problem(
-                clients.core, self.namespace, selector, schedule_timeout_s=self.schedule_timeout_s
-            )
-            if problem:
-                return "failed", problem
-        return state, message
+        job = clients.batch.read_namespaced_job(name=self.workload_name, namespace=self.namespace)
+        return self._with_pod_problems(*kube.job_state(job), clients, f"{JOB_NAME_LABEL}={self.workload_name}")
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        while True:
-            state, message = await asyncio.to_thread(self._observe)
-            if state != "running":
-                yield TriggerEvent({"status": state, "message": message, "job_name": self.job_name})
-                return
-            await asyncio.sleep(self.poll_interval_s)
-
-    async def on_kill(self) -> None:
-        def delete() -> list[str]:
-            clients = kube.kubernetes_clients(self.conn_id)
-            services = [self.service_name] if self.service_name else []
-            return kube.delete_objects(clients, self.namespace, jobs=[self.job_name], services=services)
-
-        deleted = await asyncio.to_thread(delete)
-        self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
+    def _delete(self, clients: Any) -> list[str]:
+        services = [self.service_name] if self.service_name else []
+        return kube.delete_objects(clients, self.namespace, jobs=[self.workload_name], services=services)
 
 
-class TrainJobCompletionTrigger(BaseTrigger):
+class TrainJobCompletionTrigger(_CompletionTrigger):
     """Wait until a Kubeflow TrainJob completes or fails, failing fast when its pods cannot start.
 
     :param trainjob_name: the TrainJob (its JobSet labels every pod with this name).
@@ -199,63 +233,23 @@ class TrainJobCompletionTrigger(BaseTrigger):
     :param poll_interval_s: seconds between status reads.
     """
 
-    def __init__(
-        self,
-        *,
-        trainjob_name: str,
-        namespace: str,
-        conn_id: str | None,
-        schedule_timeout_s: float,
-        poll_interval_s: float = 30.0,
-    ) -> None:
-        super().__init__()
-        self.trainjob_name = trainjob_name
-        self.namespace = namespace
-        self.conn_id = conn_id
-        self.schedule_timeout_s = schedule_timeout_s
-        self.poll_interval_s = poll_interval_s
+    name_field = "trainjob_name"
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            f"{type(self).__module__}.{type(self).__qualname__}",
-            {
-                "trainjob_name": self.trainjob_name,
-                "namespace": self.namespace,
-                "conn_id": self.conn_id,
-                "schedule_timeout_s": self.schedule_timeout_s,
-                "poll_interval_s": self.poll_interval_s,
-            },
-        )
+    def __init__(self, *, trainjob_name: str, **common: Any) -> None:
+        super().__init__(trainjob_name, **common)
+
+    @property
+    def trainjob_name(self) -> str:
+        return self.workload_name
 
     def _observe(self) -> tuple[str, str]:
         from mass_ops.compute.kubernetes import JOBSET_NAME_LABEL
 
         clients = kube.kubernetes_clients(self.conn_id)
-        trainjob = kube.read_trainjob(clients.custom, self.trainjob_name, self.namespace)
+        trainjob = kube.read_trainjob(clients.custom, self.workload_name, self.namespace)
         if trainjob is None:
-            return "failed", f"TrainJob {self.trainjob_name} disappeared"
-        state, message = kube.trainjob_state(trainjob)
-        if state == "running":
-            selector = f"{JOBSET_NAME_LABEL}={self.trainjob_name}"
-            problem = kube.pods_problem(
-                clients.core, self.namespace, selector, schedule_timeout_s=self.schedule_timeout_s
-            )
-            if problem:
-                return "failed", problem
-        return state, message
+            return "failed", f"TrainJob {self.workload_name} disappeared"
+        return self._with_pod_problems(*kube.trainjob_state(trainjob), clients, f"{JOBSET_NAME_LABEL}={self.workload_name}")
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        while True:
-            state, message = await asyncio.to_thread(self._observe)
-            if state != "running":
-                yield TriggerEvent({"status": state, "message": message, "trainjob_name": self.trainjob_name})
-                return
-            await asyncio.sleep(self.poll_interval_s)
-
-    async def on_kill(self) -> None:
-        def delete() -> list[str]:
-            clients = kube.kubernetes_clients(self.conn_id)
-            return kube.delete_objects(clients, self.namespace, trainjobs=[self.trainjob_name])
-
-        deleted = await asyncio.to_thread(delete)
-        self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
+    def _delete(self, clients: Any) -> list[str]:
+        return kube.delete_objects(clients, self.namespace, trainjobs=[self.workload_name])
