@@ -249,7 +249,9 @@ class TrainJobCompletionTrigger(_CompletionTrigger):
         trainjob = kube.read_trainjob(clients.custom, self.workload_name, self.namespace)
         if trainjob is None:
             return "failed", f"TrainJob {self.workload_name} disappeared"
-        return self._with_pod_problems(*kube.trainjob_state(trainjob), clients, f"{JOBSET_NAME_LABEL}={self.workload_name}")
+        return self._with_pod_problems(
+            *kube.trainjob_state(trainjob), clients, f"{JOBSET_NAME_LABEL}={self.workload_name}"
+        )
 
     def _delete(self, clients: Any) -> list[str]:
         return kube.delete_objects(clients, self.namespace, trainjobs=[self.workload_name])
