@@ -189,7 +189,7 @@ class Repeats:
 
     total: int
     answered_before_kill: int  # the ledger's window: answered, then killed before the row was committed
-    unmatched: int  # trial calls the reference never made (a request that is not deterministic)
+    unmatched: int  # trial calls the reference never made (evidence of an episode rerun after the kill differs)
 
 
 def count_repeats(reference: Sequence[Answer], trial: Sequence[Answer], kill_at: float | None) -> Repeats:
@@ -639,7 +639,10 @@ def format_lines(lines: Sequence[StageLine]) -> list[str]:
         )
     unmatched = sum(line.unmatched for line in lines)
     if unmatched:
-        out.append(f"warning: {unmatched} trial calls had no twin in the reference run (requests not deterministic)")
+        out.append(
+            f"note: {unmatched} trial call(s) had a prompt no reference call had (an episode rerun after the kill "
+            "gives new evidence): new calls, not counted as repeats"
+        )
     for line in lines:
         for example in line.examples:
             out.append(f"  {line.stage}: {example}")

