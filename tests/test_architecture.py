@@ -151,3 +151,24 @@ def test_at_most_twelve_modules_at_the_root_and_the_stage_layer_in_stages():
         stage_families
     )
 
+
+def test_the_airflow_side_reaches_the_core_through_the_stage_api():
+    """Operators, DAGs and the demo call `mass_ops.stages.api`; they never attach a cycle or run a stage family
+    themselves (they may build Kubernetes specs with `mass_ops.compute`)."""
+    root = PACKAGE.parent
+    offenders = []
+    for folder in (root / "plugins", root / "dags"):
+        for path in folder.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                for name in names:
+                    stage_family = name.startswith("mass_ops.stages.") and not (
+                        name == "mass_ops.stages.api" or name.startswith("mass_ops.stages.api.")
+                    )
+                    if name == "mass_ops.context" or stage_family:
+                        offenders.append(f"{path.relative_to(root)}:{node.lineno} imports {name}")
+    assert offenders == []

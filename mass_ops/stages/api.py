@@ -357,3 +357,21 @@ def nightly_report(config: CycleConfig) -> dict[str, Any]:
     written = {"markdown": uris["markdown"], "html": uris["html"], "figures": len(uris["figures"])}
     return {"cycle": ctx.cycle_name, **written}
 
+
+def bind_episode(config: CycleConfig, episode: Any) -> Any:
+    """An episode pod's spec (`compute.kubernetes.EpisodeSpec`) bound to the exact request its stage runs for that
+    unit (seed, condition, prompt), with the prompt stored where the pod's publisher fetches it; EpisodeUnitError
+    (one line) when the unit's prompt is not known yet."""
+    from mass_ops.stages.units import episode_request, publish_prompt
+
+    ctx = attach_cycle(config)
+    request = episode_request(ctx, episode)
+    return episode.bound(request, publish_prompt(ctx, request))
+
+
+def next_cycle_overrides(config: CycleConfig) -> dict[str, Any]:
+    """The config keys of the cycle after `config` (L(k+1) as parent, models one generation on, seeds one stride);
+    see `stages.plan.next_cycle_overrides`."""
+    from mass_ops.stages.plan import next_cycle_overrides as following
+
+    return following(config)

@@ -57,10 +57,13 @@ class StageRecorder(types.ModuleType):
         super().__init__("mass_ops.stages.api")
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.results: dict[str, Any] = {}
+        self.passthrough: dict[str, Any] = {}  # real stage functions, called and not recorded
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name in self.passthrough:
+            return self.passthrough[name]
 
         def stage(config: Any, *args: Any) -> Any:
             self.calls.append((name, (config, *args)))
@@ -75,7 +78,11 @@ class StageRecorder(types.ModuleType):
 
 @pytest.fixture
 def stages(monkeypatch) -> StageRecorder:
+    import mass_ops.stages.api as real
+
     recorder = StageRecorder()
+    # Binding an episode pod to its unit's request is real work the episode operator needs, not a stage under test.
+    recorder.passthrough["bind_episode"] = real.bind_episode
     monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
     import mass_ops.stages
 

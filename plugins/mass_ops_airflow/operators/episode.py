@@ -97,12 +97,9 @@ class EpisodePodOperator(BaseOperator):
     def bound_episode(config: CycleConfig, episode: EpisodeSpec) -> EpisodeSpec:
         """`episode` bound to the request its stage runs, with the prompt stored where the pod's publisher fetches
         it; `EpisodeUnitError` (one line) when the unit's prompt is not known yet."""
-        from mass_ops.context import attach_cycle
-        from mass_ops.stages.units import episode_request, publish_prompt
+        from mass_ops_airflow.cycle import stage_function
 
-        ctx = attach_cycle(config)
-        request = episode_request(ctx, episode)
-        return episode.bound(request, publish_prompt(ctx, request))
+        return stage_function("bind_episode")(config, episode)
 
     def _build_runner(self, config: CycleConfig, episode: EpisodeSpec) -> Any:
         from mass_ops.compute import kubernetes as specs
