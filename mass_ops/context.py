@@ -8,12 +8,12 @@ schema, and freezes the config into the cycle row by hash (a different config fo
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mass_ops.config import ConfigError, CycleConfig
 from mass_ops.errors import InputError
-from mass_ops.prompts import check_recorded, check_templates, use_prompts
+from mass_ops.prompts import PromptSet, check_recorded, check_templates, shipped_prompts
 from mass_ops.store.artifacts import ArtifactStore, open_artifact_store
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.tasks.catalogue import TaskCatalogue, load_catalogue
@@ -32,6 +32,8 @@ class CycleContext:
     repo: MetadataRepository
     artifacts: ArtifactStore
     cycle_id: int
+    # The prompt templates the cycle recorded (shipped, or overridden by `prompts.dir`); every builder gets them.
+    prompts: PromptSet = field(default_factory=shipped_prompts)
 
     @property
     def cycle_name(self) -> str:
@@ -89,7 +91,6 @@ def open_cycle(config: CycleConfig, *, upgrade_schema: bool = True) -> CycleCont
     repo.set_cycle_provenance(cycle.id, "prompts", prompts.digests())
     # Which tasks the cycle runs on (ours, or the reference's imported from the user's copy), for the report.
     repo.set_cycle_provenance(cycle.id, "catalogue", catalogue_provenance(catalogue))
-    use_prompts(prompts)
     for task_id in sorted(set(config.tasks.train_candidates) | set(config.tasks.test)):
         task = catalogue.task(task_id)
         split = "test" if task_id in config.tasks.test else "train"
@@ -103,7 +104,7 @@ def open_cycle(config: CycleConfig, *, upgrade_schema: bool = True) -> CycleCont
             bare_prompt_sha256=hashlib.sha256(task.bare_prompt.encode()).hexdigest(),
             initial_prompt_sha256=hashlib.sha256(task.initial_prompt.encode()).hexdigest(),
         )
-    return CycleContext(config, catalogue, repo, artifacts, cycle.id)
+    return CycleContext(config, catalogue, repo, artifacts, cycle.id, prompts)
 
 
 def attach_cycle(config: CycleConfig) -> CycleContext:
@@ -118,5 +119,4 @@ def attach_cycle(config: CycleConfig) -> CycleContext:
         # ensure_cycle raises the same ConfigChangedError message for a changed config.
         repo.ensure_cycle(config.cycle_name, {}, config.config_hash())
     check_recorded(prompts, (cycle.provenance or {}).get("prompts"), config.cycle_name)
-    use_prompts(prompts)
-    return CycleContext(config, catalogue, repo, artifacts, cycle.id)
+    return CycleContext(config, catalogue, repo, artifacts, cycle.id, prompts)

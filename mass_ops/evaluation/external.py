@@ -47,6 +47,7 @@ from mass_ops.llm import (
     send_with_retries,
 )
 from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling
+from mass_ops.prompts import PromptSet
 from mass_ops.seeds import presentation_swapped
 
 if TYPE_CHECKING:
@@ -429,6 +430,7 @@ def judge_presentation(
     seed: int,
     invalid_retries: int = 2,
     swap_consistent: bool = False,
+    prompts: PromptSet | None = None,
 ) -> PresentedVerdict:
     """Judge side A against side B under presentation seed `seed`.
 
@@ -453,6 +455,7 @@ def judge_presentation(
         judge.sampling,
         invalid_retries=invalid_retries,
         swap_consistent=swap_consistent,
+        prompts=prompts,
     )
     outcome = pairwise.judge(case)
     verdict = _FLIP[outcome.verdict] if swapped else outcome.verdict

@@ -20,6 +20,7 @@ from mass_ops.judge.evidence import EvidenceBundle
 from mass_ops.judge.prompts import PairwiseVerdict, judge_system_prompt, judge_user_prompt, parse_verdict
 from mass_ops.llm import LLMClient, LLMOutputError, SamplingParams
 from mass_ops.llm.calls import CallAttempt, CallLedger, CallUnit
+from mass_ops.prompts import PromptSet, shipped_prompts
 from mass_ops.seeds import judge_retry_seed
 from mass_ops.store.schema import CallStatus
 
@@ -77,6 +78,7 @@ class PairwiseJudge:
         *,
         invalid_retries: int = 2,
         swap_consistent: bool = False,
+        prompts: PromptSet | None = None,
     ) -> None:
         if invalid_retries < 0:
             raise ValueError(f"invalid_retries must be ≥ 0, got {invalid_retries}")
@@ -85,14 +87,17 @@ class PairwiseJudge:
         self.sampling = sampling
         self.invalid_retries = invalid_retries
         self.swap_consistent = swap_consistent
+        self.prompts = prompts or shipped_prompts()
 
     def judge(self, case: PairwiseCase) -> JudgeOutcome:
         """The verdict of `case`, reusing any finished attempt already in the ledger."""
-        system = judge_system_prompt(case.task_id)
+        system = judge_system_prompt(case.task_id, prompts=self.prompts)
         forward = self._judge_order(
             case.unit,
             system,
-            judge_user_prompt(case.task_text, case.label_a, case.label_b, case.bundle_a, case.bundle_b),
+            judge_user_prompt(
+                case.task_text, case.label_a, case.label_b, case.bundle_a, case.bundle_b, prompts=self.prompts
+            ),
             case.seed,
         )
         if not self.swap_consistent:
@@ -105,7 +110,9 @@ class PairwiseJudge:
         backward = self._judge_order(
             swapped_unit,
             system,
-            judge_user_prompt(case.task_text, case.label_b, case.label_a, case.bundle_b, case.bundle_a),
+            judge_user_prompt(
+                case.task_text, case.label_b, case.label_a, case.bundle_b, case.bundle_a, prompts=self.prompts
+            ),
             case.seed,
         )
         usage = _add_usage(forward.usage, backward.usage)

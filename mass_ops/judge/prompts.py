@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle
-from mass_ops.prompts import PromptSet, current_prompts
+from mass_ops.prompts import PromptSet, shipped_prompts
 
 Winner = Literal["A", "B", "tie"]
 WINNERS: tuple[str, ...] = ("A", "B", "tie")
@@ -65,7 +65,7 @@ def persona(task_id: int) -> tuple[str, str]:
 def judge_system_prompt(task_id: int, *, prompts: PromptSet | None = None) -> str:
     """System prompt of a pairwise judge for `task_id` (template ``judge_system.j2``)."""
     who, focus = persona(task_id)
-    return (prompts or current_prompts()).render("judge_system.j2", task_id=task_id, reviewer=who, focus=focus)
+    return (prompts or shipped_prompts()).render("judge_system.j2", task_id=task_id, reviewer=who, focus=focus)
 
 
 def judge_user_prompt(
@@ -83,7 +83,7 @@ def judge_user_prompt(
         raise ValueError(
             f"pairwise prompt: bundles belong to different tasks ({bundle_a.query_id} vs {bundle_b.query_id})"
         )
-    return (prompts or current_prompts()).render(
+    return (prompts or shipped_prompts()).render(
         "judge_user.j2",
         task_text=task_text.strip(),
         label_a=label_a,

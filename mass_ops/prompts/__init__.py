@@ -7,10 +7,8 @@ from mass_ops.prompts.library import (
     PromptTemplate,
     check_recorded,
     check_templates,
-    current_prompts,
     load_prompts,
     shipped_prompts,
-    use_prompts,
 )
 from mass_ops.prompts.specs import TEMPLATES, TemplateSpec
 
@@ -22,8 +20,6 @@ __all__ = [
     "TemplateSpec",
     "check_recorded",
     "check_templates",
-    "current_prompts",
     "load_prompts",
     "shipped_prompts",
-    "use_prompts",
 ]

@@ -9,10 +9,9 @@ Rendering is strict (an undefined variable is an error), never HTML-escaped, and
 newline, so a template renders exactly the text the model receives. Block tags on their own line leave no trace
 (``trim_blocks``/``lstrip_blocks``).
 
-Which templates the prompt builders use: the `PromptSet` passed to them, else the one the running stage installed
-with `use_prompts` (`open_cycle`/`attach_cycle` install the cycle's), else the shipped one. The installed set is
-process-wide on purpose: judge and optimizer calls run on worker threads and every stage process attaches its
-cycle first, so all of them see the cycle's templates without threading a set through every call.
+Which templates the prompt builders use: the `PromptSet` passed to them (a stage passes its cycle's,
+`CycleContext.prompts`, which `open_cycle`/`attach_cycle` load and check against the recorded hashes), else the
+shipped one. Nothing is process-wide: two cycles with different templates can run in one process.
 """
 
 from __future__ import annotations
@@ -209,18 +208,6 @@ def check_templates(config: CycleConfig) -> PromptSet:
     return prompts
 
 
-_installed: PromptSet | None = None
-
-
-def use_prompts(prompts: PromptSet | None) -> None:
-    """Make `prompts` the set the prompt builders use in this process (None: the shipped templates again)."""
-    global _installed
-    _installed = prompts
-
-
-def current_prompts() -> PromptSet:
-    """The installed prompt set, else the shipped one."""
-    return _installed if _installed is not None else shipped_prompts()
 
 
 def check_recorded(prompts: PromptSet, recorded: Mapping[str, str] | None, cycle: str) -> None:

@@ -233,6 +233,7 @@ class _TaskSearch:
             lambda seed: in_loop_sampling(config, seed),
             invalid_retries=config.judge.invalid_retries,
             swap_consistent=config.search.swap_consistent,
+            prompts=ctx.prompts,
         )
         token_model = config.models.served_name
         self.caps = EvidenceCaps.remote(token_model) if config.is_remote_backend else EvidenceCaps.local(token_model)
@@ -532,7 +533,8 @@ class _TaskSearch:
             call_id = stored.row.id
         else:
             inputs = self.optimizer_inputs(current, outcome, versions, verdicts)
-            system, user = optimizer_system_prompt(), optimizer_user_prompt(inputs)
+            prompts = self.ctx.prompts
+            system, user = optimizer_system_prompt(prompts=prompts), optimizer_user_prompt(inputs, prompts=prompts)
             try:
                 with self.ledger.attempt(unit, len(attempts) + 1) as attempt:
                     result = self.client.chat(

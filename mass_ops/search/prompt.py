@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mass_ops.prompts import PromptSet, current_prompts
+from mass_ops.prompts import PromptSet, shipped_prompts
 from mass_ops.workflow import START_MARKER
 
 BEST_RATIONALE_CHARS = 2000
@@ -120,7 +120,7 @@ class OptimizerInputs:
 
 def optimizer_system_prompt(*, prompts: PromptSet | None = None) -> str:
     """System prompt of the optimizer (template ``optimizer_system.j2``)."""
-    return (prompts or current_prompts()).render("optimizer_system.j2")
+    return (prompts or shipped_prompts()).render("optimizer_system.j2")
 
 
 def run_failed(run_status: Mapping[str, Any]) -> bool:
@@ -131,7 +131,7 @@ def run_failed(run_status: Mapping[str, Any]) -> bool:
 def failure_notice(run_status: Mapping[str, Any], *, prompts: PromptSet | None = None) -> str | None:
     """The FAILURE NOTICE (and prior-failure addenda) for a run that did not finish cleanly, else None (macro
     ``failure_notice`` of ``optimizer_parts.j2``)."""
-    notice = (prompts or current_prompts()).macro("optimizer_parts.j2", "failure_notice")
+    notice = (prompts or shipped_prompts()).macro("optimizer_parts.j2", "failure_notice")
     return notice(run_failed(run_status), bool(run_status.get("prior_failures"))).strip("\n") or None
 
 
@@ -144,7 +144,7 @@ def scoreboard_line(
 ) -> str:
     """``Record vs no_harness: v0 W★ · v1 L · v2 T · …`` (W win, L loss, T tie, T! invalid judge answer counted as
     a tie, ? not judged; ★ marks the retained champion), macro ``scoreboard`` of ``optimizer_parts.j2``."""
-    line = (prompts or current_prompts()).macro("optimizer_parts.j2", "scoreboard")
+    line = (prompts or shipped_prompts()).macro("optimizer_parts.j2", "scoreboard")
     return line(_scoreboard_entries(scoreboard, retained)).strip("\n")
 
 
@@ -163,7 +163,7 @@ def delta_rows(rationales: Sequence[str]) -> list[dict[str, Any]]:
 
 def delta_checklist(rationales: Sequence[str], *, prompts: PromptSet | None = None) -> str:
     """The delta checklist of `rationales` (macro ``delta_checklist`` of ``optimizer_parts.j2``)."""
-    checklist = (prompts or current_prompts()).macro("optimizer_parts.j2", "delta_checklist")
+    checklist = (prompts or shipped_prompts()).macro("optimizer_parts.j2", "delta_checklist")
     return checklist(delta_rows(rationales)).strip("\n")
 
 
@@ -217,4 +217,4 @@ def optimizer_variables(inputs: OptimizerInputs) -> dict[str, Any]:
 
 def optimizer_user_prompt(inputs: OptimizerInputs, *, prompts: PromptSet | None = None) -> str:
     """The user message of the optimizer call of step k (template ``optimizer_user.j2``)."""
-    return (prompts or current_prompts()).render("optimizer_user.j2", **optimizer_variables(inputs))
+    return (prompts or shipped_prompts()).render("optimizer_user.j2", **optimizer_variables(inputs))

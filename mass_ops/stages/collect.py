@@ -125,7 +125,7 @@ def version_prompt(ctx: CycleContext, task_id: int, version: int) -> str:
 
 def freeze_teacher_prompt(ctx: CycleContext, task_id: int, version: int) -> str:
     """The teacher prompt of a task, stored on first use; a different stored prompt is refused."""
-    prompt = ctx.catalogue.teacher_prompt(version_prompt(ctx, task_id, version))
+    prompt = ctx.catalogue.teacher_prompt(version_prompt(ctx, task_id, version), prompts=ctx.prompts)
     key = teacher_prompt_key(ctx.cycle_name, task_id)
     if ctx.artifacts.exists(key):
         stored = ctx.artifacts.get_bytes(key).decode("utf-8")

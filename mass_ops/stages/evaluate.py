@@ -234,6 +234,7 @@ def judge_pairs(
             bundle_a=bundle(pair.task, pair.a, pair.workspace_a),
             bundle_b=bundle(pair.task, pair.b, pair.workspace_b),
             seed=seed,
+            prompts=ctx.prompts,
             invalid_retries=retries,
             swap_consistent=swap,
         )

@@ -38,7 +38,7 @@ def test_a_cycle_runs_with_its_override_and_refuses_a_changed_one(tmp_path: Path
     ctx = open_cycle(config, upgrade_schema=False)
     recorded = ctx.repo.get_cycle(ctx.cycle_name).provenance["prompts"]  # type: ignore[union-attr]
     assert recorded == load_prompts(folder).digests() != shipped_prompts().digests()
-    assert judge_system_prompt(51) == "Judge task 51 strictly."  # the stage's prompts are the cycle's
+    assert judge_system_prompt(51, prompts=ctx.prompts) == "Judge task 51 strictly."  # the cycle's prompts
     attach_cycle(config)  # unchanged: attaches
 
     (folder / "judge_system.j2").write_text(OWN_JUDGE.replace("strictly", "kindly"), encoding="utf-8")

@@ -19,10 +19,8 @@ from mass_ops.prompts import (
     PromptError,
     check_recorded,
     check_templates,
-    current_prompts,
     load_prompts,
     shipped_prompts,
-    use_prompts,
 )
 from mass_ops.prompts.library import TEMPLATE_DIR
 from mass_ops.search.prompt import failure_notice, optimizer_system_prompt
@@ -87,9 +85,7 @@ def test_a_folder_replaces_only_the_templates_it_holds(tmp_path: Path) -> None:
     shipped = shipped_prompts().digests()
     changed = [name for name, sha in prompts.digests().items() if sha != shipped[name]]
     assert changed == ["judge_system.j2"]
-    use_prompts(prompts)  # what open_cycle and attach_cycle do
-    assert current_prompts() is prompts
-    assert judge_system_prompt(51) == "Judge task 51 as a senior quantitative researcher."
+    assert judge_system_prompt(51) != judge_system_prompt(51, prompts=prompts)  # nothing is installed process-wide
 
 
 def test_an_override_reaches_the_judge_message_the_teacher_prompt_and_the_optimizer_parts(tmp_path: Path) -> None:
