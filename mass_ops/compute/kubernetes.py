@@ -498,8 +498,10 @@ def inference_deployment(
         {"name": "XDG_CACHE_HOME", "value": "/scratch/cache"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
-    if server.gpus > 1:
-        env.append({"name": "MASS_SERVE_TENSOR_PARALLEL_SIZE", "value": str(server.gpus)})
+    # The FP8 export checked its weights against this split (export.tensor_parallel): serve with the same one.
+    tensor_parallel = config.inference.effective_tensor_parallel_size
+    if tensor_parallel > 1:
+        env.append({"name": "MASS_SERVE_TENSOR_PARALLEL_SIZE", "value": str(tensor_parallel)})
     env += settings.secret_env("inference")
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
     container = {

@@ -166,7 +166,7 @@ def _module_of(weight_name: str) -> str:
     return weight_name.removesuffix(".weight")
 
 
-def _auto_quantizable(entry: TensorEntry, block: tuple[int, int]) -> bool:
+def auto_quantizable(entry: TensorEntry, block: tuple[int, int]) -> bool:
     """Whether a tensor is a whole-block decoder linear weight (the default selection without a reference)."""
     if not entry.name.endswith(".weight") or len(entry.shape) != 2 or entry.dtype not in _FLOAT_CODES:
         return False
@@ -240,7 +240,7 @@ def _plan_auto(src_entries: dict[str, TensorEntry], src_map: dict[str, str]) -> 
     not_converted = {"lm_head"}  # tied heads are absent from the shards but still must stay unconverted
     for name, entry in src_entries.items():
         specs = shards.setdefault(src_map[name], [])
-        if _auto_quantizable(entry, BLOCK):
+        if auto_quantizable(entry, BLOCK):
             scale_name = name + SCALE_SUFFIX
             quantized[name] = scale_name
             specs.append(TensorSpec(name, DTYPE_CODES[FP8_DTYPE], entry.shape))

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mass_ops.export.fp8 import BLOCK, SCALE_SUFFIX, _auto_quantizable
+from mass_ops.export.fp8 import BLOCK, SCALE_SUFFIX, auto_quantizable
 from mass_ops.export.safetensors_io import ExportError, read_layout
 
 # Linears vLLM shards along their input dimension; every other quantized linear is sharded along its output.
@@ -70,7 +70,7 @@ def quantized_weight_shapes(
         return {
             n: (entries[n].shape[0], entries[n].shape[1]) for n in names if n in entries and len(entries[n].shape) == 2
         }
-    return {n: (e.shape[0], e.shape[1]) for n, e in entries.items() if _auto_quantizable(e, BLOCK)}
+    return {n: (e.shape[0], e.shape[1]) for n, e in entries.items() if auto_quantizable(e, BLOCK)}
 
 
 def _kv_heads(src_dir: Path) -> int | None:

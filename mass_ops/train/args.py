@@ -95,6 +95,8 @@ class TrainArgs:
     master adapters and Adam moments in the optimizer. False: fp32 throughout (debugging only)."""
     gradient_checkpointing: bool = True
     """Non-reentrant activation checkpointing of every decoder layer."""
+    peak_tflops_per_gpu: float | None = None
+    """Dense BF16 peak of one GPU (TFLOP/s) that MFU is measured against; None: MFU is not reported."""
     attn_implementation: str = "sdpa"
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     """DeepSpeed accelerator; `cpu` runs on gloo (tests, the laptop demo)."""

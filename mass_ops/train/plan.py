@@ -62,6 +62,7 @@ def train_args_for(
         val_at_start=t.val_at_start,
         autocast_bf16=t.autocast_bf16,
         gradient_checkpointing=t.gradient_checkpointing,
+        peak_tflops_per_gpu=t.peak_tflops_per_gpu,
         accelerator=accelerator,  # type: ignore[arg-type]
         resume_from=str(resume_from) if resume_from is not None else None,
     )

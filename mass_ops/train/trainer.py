@@ -516,7 +516,7 @@ class LoraSftRun:
         except ArchitectureError as exc:
             log.warning("no FLOPs figures: %s", exc)
             model = None
-        peak = getattr(self.args, "peak_tflops_per_gpu", None)
+        peak = self.args.peak_tflops_per_gpu
         return model, None if on_cpu else peak
 
     def _record_lora_targets(self) -> None:

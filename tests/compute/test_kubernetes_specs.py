@@ -375,6 +375,16 @@ def test_multi_gpu_serving_sets_tensor_parallelism(chart_dir, settings):
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
 
 
+def test_the_served_tensor_parallel_size_is_the_one_the_export_checked(chart_dir, settings):
+    """`inference.tensor_parallel_size` (what the FP8 export's divisibility check used) wins over the GPU count."""
+    config = cluster_config(chart_dir, "paper", "inference.server.gpus=4", "inference.tensor_parallel_size=2")
+    container = specs.inference_deployment(config, settings, specs.current_serving_target(config), scope="c")["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MASS_SERVE_TENSOR_PARALLEL_SIZE"] == "2"
+
+
 # --- training and export Jobs -------------------------------------------------------------------------------------
 
 

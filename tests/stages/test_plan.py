@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from mass_ops.cli import app
 from mass_ops.config import load_config
 from mass_ops.stages.plan import build_plan, count_checkpoints, count_validations, next_cycle_config
-from mass_ops.train.plan import training_command_for
+from mass_ops.train.plan import train_args_for, training_command_for
 
 runner = CliRunner()
 
@@ -113,3 +113,9 @@ def test_plan_names_the_lora_pattern_with_the_linear_attention_projections():
     for name in ("q_proj", "down_proj", "in_proj_qkv", "in_proj_z", "out_proj"):
         assert name in plan["lora_target_pattern"]
     assert "LoRA targets:" in runner.invoke(app, ["plan", "--config", "paper"]).output
+
+
+def test_the_training_args_carry_the_gpu_peak_for_mfu():
+    config = load_config("paper", ["training.peak_tflops_per_gpu=756"], environ={})
+    args = train_args_for(config, model_dir="model", train_data="train.jsonl", val_data="val.jsonl", out_dir="out")
+    assert args.peak_tflops_per_gpu == 756
