@@ -117,6 +117,7 @@ class DemoUiProcess:
         paths = [str(STAND_IN_SITE)] if self.stand_in_policy else []
         paths += [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["MASS_DAGS_DIR"] = str(REPO_ROOT / "dags")  # it runs in a temporary folder, not a clone
         return env
 
     def start(self) -> None:

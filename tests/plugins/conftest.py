@@ -83,6 +83,7 @@ def stages(monkeypatch) -> StageRecorder:
     recorder = StageRecorder()
     # Binding an episode pod to its unit's request is real work the episode operator needs, not a stage under test.
     recorder.passthrough["bind_episode"] = real.bind_episode
+    recorder.passthrough["next_cycle_overrides"] = real.next_cycle_overrides  # arithmetic on a config
     monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
     import mass_ops.stages
 
