@@ -57,7 +57,16 @@ PUBLISHER_GRACE_S = 30
 # Row columns that differ between two runs of the same unit by nature: identity in its database, and timings.
 # Artifact URIs and hashes differ by run (timestamps in the stream, the workspace archive); their contents are
 # compared below.
-ROW_VOLATILE = {"id", "cycle_id", "started_at", "finished_at", "duration_s", "created_at", "artifacts", "artifact_sha256"}
+ROW_VOLATILE = {
+    "id",
+    "cycle_id",
+    "started_at",
+    "finished_at",
+    "duration_s",
+    "created_at",
+    "artifacts",
+    "artifact_sha256",
+}
 # Status-document fields that are timings, and in its `hiw` part those naming places (the proxy's port, the store).
 STATUS_VOLATILE = {"started_at", "finished_at", "durations"}
 HIW_PLACES = ("client_endpoint", "prompt_source", "api_log")
