@@ -435,6 +435,15 @@ class JudgeConfig(_Section):
             "and a rerun judges only the missing ones. Reference: 0 (it aborts on invalid output); demo: 1."
         ),
     )
+    position_bias_sample: Probability = Field(
+        default=0.0,
+        description=(
+            "Share of judged pairs (every judging stage and external judge) judged once more with A and B swapped, "
+            "to measure position bias: the report's flip rate per judge. The pick is a hash of the call's key, so "
+            "it is the same on every rerun. The extra call is recorded (key '<call>/swapped') but never changes the "
+            "verdict used for RHI or ranking. Reference: 0 (one call per pair); demo: 0.5."
+        ),
+    )
 
 
 class CollectionConfig(_Section):
@@ -1005,6 +1014,87 @@ class RuntimeConfig(_Section):
     )
 
 
+UsdAmount = Annotated[StrictFloat, Field(gt=0.0, le=1e9)]
+
+
+class BudgetsConfig(_Section):
+    """Spending limits that hold while a cycle runs (ISSUE #15.2); every field is optional, null = unlimited.
+
+    Tokens are prompt + completion tokens as the server reports them (cached prompt tokens count as prompt tokens).
+    The episode proxy checks each agent request before forwarding it (prompt estimate + its max tokens against what
+    is left); in-loop calls check before each call. Spend per cycle and scope lives in the metadata store, so every
+    process and pod of the cycle shares it. Budgets are not part of the config hash: raise one and rerun, and the
+    cycle continues where it stopped (finished units are reused).
+    """
+
+    episode_tokens: PositiveInt | None = Field(
+        default=None,
+        description="Tokens one episode attempt may use through its proxy (all its requests, subagents included).",
+    )
+    task_tokens: PositiveInt | None = Field(
+        default=None,
+        description="Tokens all episodes and in-loop calls of one task may use in this cycle.",
+    )
+    task_cost_usd: UsdAmount | None = Field(
+        default=None,
+        description="US dollars (server-reported cost) all episodes and in-loop calls of one task may cost.",
+    )
+    cycle_tokens: PositiveInt | None = Field(
+        default=None,
+        description="Tokens the whole cycle may use (every episode and in-loop call).",
+    )
+    cycle_cost_usd: UsdAmount | None = Field(
+        default=None,
+        description="US dollars (server-reported cost) the whole cycle may cost.",
+    )
+    in_loop_tokens: PositiveInt | None = Field(
+        default=None,
+        description="Tokens the in-loop calls of the cycle (judge, optimizer, arbitration, self-judge) may use.",
+    )
+    in_loop_cost_usd: UsdAmount | None = Field(
+        default=None,
+        description="US dollars (server-reported cost) the in-loop calls of the cycle may cost.",
+    )
+
+
+class ModelPrice(_Section):
+    """What one API model charges, in US dollars per million tokens (the provider's price list)."""
+
+    prompt_per_million: Annotated[StrictFloat, Field(ge=0.0)] = Field(
+        default=0.0, description="USD per million prompt (input) tokens not served from the provider's cache."
+    )
+    completion_per_million: Annotated[StrictFloat, Field(ge=0.0)] = Field(
+        default=0.0, description="USD per million completion (output) tokens, reasoning tokens included."
+    )
+    cached_per_million: Annotated[StrictFloat, Field(ge=0.0)] = Field(
+        default=0.0, description="USD per million prompt tokens the provider served from its prompt cache."
+    )
+
+
+class PricesConfig(_Section):
+    """The price table of the cost estimate (`mass-ops plan`) and of spend in `status` and the report (ISSUE #15).
+    Not part of the config hash: a new price list changes what a cycle costs, not what it is."""
+
+    models: Annotated[dict[str, ModelPrice], Field(max_length=MAX_MAP_ENTRIES)] = Field(
+        default_factory=dict,
+        description=(
+            "Per-token prices of API models by model name (an external judge's `model`, or the served name when the "
+            "policy itself is an API model). A model not listed costs nothing per token: self-hosted models are "
+            "paid by the GPU-hour instead, and the estimate names API judges left unpriced."
+        ),
+    )
+    serving_gpu_hour_usd: Annotated[StrictFloat, Field(ge=0.0)] = Field(
+        default=3.0,
+        description=(
+            "USD per GPU-hour of the self-hosted inference server (vLLM or `transformers serve`). Default 3.0: a "
+            "typical on-demand H100/H200 rate; set your own."
+        ),
+    )
+    training_gpu_hour_usd: Annotated[StrictFloat, Field(ge=0.0)] = Field(
+        default=3.0, description="USD per GPU-hour of training jobs. Default 3.0, as for serving."
+    )
+
+
 class CycleConfig(_Section):
     """One MASS cycle L(generation) → L(generation + 1)."""
 
@@ -1076,6 +1166,14 @@ class CycleConfig(_Section):
         default_factory=RuntimeConfig,
         description="Limits of one episode.",
     )
+    budgets: BudgetsConfig = Field(
+        default_factory=BudgetsConfig,
+        description="Token and cost budgets per episode, task, cycle and for in-loop calls (not part of the hash).",
+    )
+    prices: PricesConfig = Field(
+        default_factory=PricesConfig,
+        description="Token and GPU-hour prices of the cost estimate and spend reports (not part of the config hash).",
+    )
 
     @model_validator(mode="after")
     def _cross(self) -> CycleConfig:
@@ -1125,8 +1223,9 @@ class CycleConfig(_Section):
         return list(self.evaluation.tasks) if self.evaluation.tasks else list(self.tasks.train) + list(self.tasks.test)
 
     def config_hash(self) -> str:
-        """SHA-256 of the canonical config without `storage` (where records live is not what the cycle is)."""
-        payload = self.model_dump(mode="json", exclude={"storage"})
+        """SHA-256 of the canonical config without `storage` (where records live is not what the cycle is) and
+        `budgets` (raising a budget and rerunning continues the same cycle) or `prices` (what things cost)."""
+        payload = self.model_dump(mode="json", exclude={"storage", "budgets", "prices"})
         return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -430,12 +430,14 @@ def judge_presentation(
     seed: int,
     invalid_retries: int = 2,
     swap_consistent: bool = False,
+    position_bias_sample: float = 0.0,
     prompts: PromptSet | None = None,
 ) -> PresentedVerdict:
     """Judge side A against side B under presentation seed `seed`.
 
     If `presentation_swapped(seed)`, B's bundle is shown as workspace A (and A's as B) and the verdict is mapped
-    back. Labels are neutral (candidate-a / candidate-b) so that no generation name can sway the judge.
+    back. Labels are neutral (candidate-a / candidate-b) so that no generation name can sway the judge. A pair in the
+    `position_bias_sample` is judged once more in the other presentation, recorded only (`PairwiseJudge`).
     """
     swapped = presentation_swapped(seed)
     shown_a, shown_b = (bundle_b, bundle_a) if swapped else (bundle_a, bundle_b)
@@ -455,6 +457,7 @@ def judge_presentation(
         judge.sampling,
         invalid_retries=invalid_retries,
         swap_consistent=swap_consistent,
+        position_bias_sample=position_bias_sample,
         prompts=prompts,
     )
     outcome = pairwise.judge(case)

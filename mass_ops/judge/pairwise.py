@@ -1,6 +1,11 @@
 """The pairwise judge: one JSON call per pair (or two with swap-consistent judging), bounded retries of unusable
 answers, every attempt in the call ledger (MASS_SPEC §5; ARCHITECTURE: optional swap-consistent judging).
 
+Position-bias sample (`judge.position_bias_sample`): a pair picked by `in_position_bias_sample` (a hash of its call
+key, so the pick is the same on every rerun) is judged once more with A and B swapped, under the unit key
+``<key>/swapped`` — the very call swap-consistent judging makes, so the two never pay twice. That call is a
+measurement only: the pair's verdict stays the single forward call's, as in the reference.
+
 An answer that is not a valid verdict (not JSON, not an object, empty, wrong schema) is retried up to
 `invalid_retries` more times in one `judge()`; each retry samples with `seeds.judge_retry_seed` of the unit's seed and
 the number of unusable answers the unit already has, so a deterministic server does not repeat itself. After that the
@@ -12,6 +17,7 @@ makes a new attempt with the same seed.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,6 +32,26 @@ from mass_ops.store.schema import CallStatus
 
 Verdict = Literal["A", "B", "tie", "invalid"]
 _FLIP = {"A": "B", "B": "A", "tie": "tie"}
+SWAPPED_SUFFIX = "/swapped"
+
+
+def in_position_bias_sample(unit_key: str, fraction: float) -> bool:
+    """Whether the pair judged under `unit_key` is in the position-bias sample of size `fraction` (0..1).
+
+    The first 8 bytes of SHA-256(`unit_key`) as a number in [0, 1) below `fraction`: deterministic across processes
+    and reruns (no RNG state, no dependence on which pairs a run happens to judge), independent of every seed.
+    """
+    if fraction <= 0:
+        return False
+    if fraction >= 1:
+        return True
+    digest = hashlib.sha256(unit_key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def swapped_unit(unit: CallUnit) -> CallUnit:
+    """The call unit of a pair judged with A and B swapped (swap-consistent judging or the position-bias sample)."""
+    return CallUnit(f"{unit.key}{SWAPPED_SUFFIX}", unit.purpose, unit.task_id)
 
 
 @dataclass(frozen=True)
@@ -51,6 +77,9 @@ class JudgeOutcome:
     call_id: int | None
     usage: dict[str, Any] | None
     calls: int
+    # The swapped order's verdict mapped back to A/B orientation, when the pair was judged in both orders
+    # (swap-consistent judging or the position-bias sample); never used for `verdict` outside swap-consistent judging.
+    swapped_verdict: Verdict | None = None
 
     @property
     def effective(self) -> Literal["A", "B", "tie"]:
@@ -78,15 +107,19 @@ class PairwiseJudge:
         *,
         invalid_retries: int = 2,
         swap_consistent: bool = False,
+        position_bias_sample: float = 0.0,
         prompts: PromptSet | None = None,
     ) -> None:
         if invalid_retries < 0:
             raise ValueError(f"invalid_retries must be ≥ 0, got {invalid_retries}")
+        if not 0.0 <= position_bias_sample <= 1.0:
+            raise ValueError(f"position_bias_sample must lie in [0, 1], got {position_bias_sample}")
         self.client = ledger.bind(client)
         self.ledger = ledger
         self.sampling = sampling
         self.invalid_retries = invalid_retries
         self.swap_consistent = swap_consistent
+        self.position_bias_sample = position_bias_sample
         self.prompts = prompts or shipped_prompts()
 
     def judge(self, case: PairwiseCase) -> JudgeOutcome:
@@ -100,26 +133,38 @@ class PairwiseJudge:
             ),
             case.seed,
         )
+
+        def backward_prompt() -> str:
+            return judge_user_prompt(
+                case.task_text, case.label_b, case.label_a, case.bundle_b, case.bundle_a, prompts=self.prompts
+            )
+
         if not self.swap_consistent:
             if forward.verdict is None:
+                # An invalid verdict has nothing to compare a swapped one with: no position-bias call for it.
                 return JudgeOutcome("invalid", forward.reason, forward.call_id, forward.usage, forward.calls)
+            checked: Verdict | None = None
+            calls = forward.calls
+            if in_position_bias_sample(case.unit.key, self.position_bias_sample):
+                # A measurement only: recorded in the ledger, never folded into the verdict, usage or rationale.
+                check = self._judge_order(swapped_unit(case.unit), system, backward_prompt(), case.seed)
+                checked = "invalid" if check.verdict is None else _FLIP[check.verdict.winner]
+                calls += check.calls
             return JudgeOutcome(
-                forward.verdict.winner, forward.verdict.rationale, forward.call_id, forward.usage, forward.calls
+                forward.verdict.winner,
+                forward.verdict.rationale,
+                forward.call_id,
+                forward.usage,
+                calls,
+                swapped_verdict=checked,
             )
-        swapped_unit = CallUnit(f"{case.unit.key}/swapped", case.unit.purpose, case.unit.task_id)
-        backward = self._judge_order(
-            swapped_unit,
-            system,
-            judge_user_prompt(
-                case.task_text, case.label_b, case.label_a, case.bundle_b, case.bundle_a, prompts=self.prompts
-            ),
-            case.seed,
-        )
+        backward = self._judge_order(swapped_unit(case.unit), system, backward_prompt(), case.seed)
         usage = _add_usage(forward.usage, backward.usage)
         calls = forward.calls + backward.calls
         if forward.verdict is None or backward.verdict is None:
             reason = forward.reason if forward.verdict is None else backward.reason
-            return JudgeOutcome("invalid", reason, forward.call_id, usage, calls)
+            mapped: Verdict | None = None if backward.verdict is None else _FLIP[backward.verdict.winner]
+            return JudgeOutcome("invalid", reason, forward.call_id, usage, calls, swapped_verdict=mapped)
         mapped_back = _FLIP[backward.verdict.winner]
         verdict: Verdict = forward.verdict.winner if forward.verdict.winner == mapped_back else "tie"
         rationale = (
@@ -128,7 +173,7 @@ class PairwiseJudge:
         )
         if verdict == "tie" and forward.verdict.winner != mapped_back:
             rationale = "The two presentation orders disagree, so the pair is a tie.\n" + rationale
-        return JudgeOutcome(verdict, rationale, forward.call_id, usage, calls)
+        return JudgeOutcome(verdict, rationale, forward.call_id, usage, calls, swapped_verdict=mapped_back)
 
     def _judge_order(self, unit: CallUnit, system: str, user: str, seed: int | None) -> _OrderResult:
         """One presentation order: a finished attempt, else new attempts until a valid verdict or until

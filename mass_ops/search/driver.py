@@ -233,6 +233,7 @@ class _TaskSearch:
             lambda seed: in_loop_sampling(config, seed),
             invalid_retries=config.judge.invalid_retries,
             swap_consistent=config.search.swap_consistent,
+            position_bias_sample=config.judge.position_bias_sample,
             prompts=ctx.prompts,
         )
         token_model = config.models.served_name

@@ -237,6 +237,7 @@ def judge_pairs(
             prompts=ctx.prompts,
             invalid_retries=retries,
             swap_consistent=swap,
+            position_bias_sample=config.judge.position_bias_sample,
         )
         outcome = presented.outcome
         if outcome.verdict == "invalid":

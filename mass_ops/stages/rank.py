@@ -228,6 +228,7 @@ def rank_tasks(
             lambda seed: in_loop_sampling(ctx.config, seed),
             invalid_retries=ctx.config.judge.invalid_retries,
             swap_consistent=ctx.config.search.swap_consistent,
+            position_bias_sample=ctx.config.judge.position_bias_sample,
             prompts=ctx.prompts,
         )
         results = []
