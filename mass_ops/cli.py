@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,6 +18,9 @@ from rich.table import Table
 from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_config
 from mass_ops.errors import EXIT_INPUT, MassOpsError, exit_code_for
 from mass_ops.prompts.cli import prompts_app
+
+if TYPE_CHECKING:
+    from mass_ops.cost.estimate import CycleEstimate
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and validate cycle configs.")
@@ -129,7 +132,13 @@ def plan(
     ] = None,
 ) -> None:
     """Print the validated config, the stage graph with planned counts, the training command and resources."""
-    from mass_ops.stages.plan import build_plan, frozen_cycle_config, next_cycle_config, next_cycle_overrides
+    from mass_ops.stages.plan import (
+        build_plan,
+        cycle_estimate,
+        frozen_cycle_config,
+        next_cycle_config,
+        next_cycle_overrides,
+    )
     from mass_ops.train.plan import training_command_for
 
     cfg = resolve_config(config, set_)
@@ -146,8 +155,10 @@ def plan(
                 f"next cycle of {next_of}: {cfg.cycle_name}; start it with: {lines}", markup=False, soft_wrap=True
             )
     cycle_plan = build_plan(cfg, training_command_for(cfg))
+    estimate = cycle_estimate(cfg, cycle_plan)
     if as_json:
-        sys.stdout.write(json.dumps({"config": shown_config(cfg), "plan": cycle_plan.as_dict()}) + "\n")
+        payload = {"config": shown_config(cfg), "plan": cycle_plan.as_dict(), "estimate": estimate.as_dict()}
+        sys.stdout.write(json.dumps(payload) + "\n")
         return
     gen = cfg.generation
     console.rule(f"cycle {cycle_plan.cycle}: L{gen} -> RHI -> teacher collection -> SFT -> L{gen + 1}")
@@ -178,6 +189,43 @@ def plan(
         f"(reference topology: {r.reference_training_gpus} GPUs); export 1 CPU job",
         markup=False,
     )
+    print_estimate(estimate, cfg)
+
+
+def print_estimate(estimate: CycleEstimate, cfg: CycleConfig) -> None:
+    """The per-stage cost estimate as a table, with what it was made from and the budget it is checked against."""
+    from mass_ops.cost.estimate import check_budget
+
+    def tokens(value: int, sd: int) -> str:
+        return f"{value / 1e6:,.1f}M" + (f"±{sd / 1e6:,.1f}M" if sd else "")
+
+    table = Table(title="Estimate per stage (tokens in millions, ± one standard deviation)")
+    for column in ("stage", "episodes", "calls", "prompt", "completion", "GPU-h serve", "GPU-h train", "wall h", "USD"):
+        table.add_column(column, justify="left" if column == "stage" else "right", overflow="fold")
+    for s in [*estimate.stages, estimate.total]:
+        table.add_row(
+            s.stage, str(s.episodes), str(s.llm_calls), tokens(s.prompt_tokens, s.prompt_tokens_sd),
+            tokens(s.completion_tokens, s.completion_tokens_sd), f"{s.serving_gpu_hours:.1f}",
+            f"{s.training_gpu_hours:.1f}", f"{s.wall_clock_s / 3600:.1f}", f"{s.cost_usd:,.2f}",
+        )  # fmt: skip
+    console.print(table)
+    source = (
+        f"measured on {estimate.lineage_cycle}" if estimate.lineage_cycle else "defaults (mass_ops/cost/estimate.py)"
+    )
+    console.print(
+        f"per-unit figures: {source}; prices: config.prices (serving {cfg.prices.serving_gpu_hour_usd} USD/GPU-h, "
+        f"training {cfg.prices.training_gpu_hour_usd} USD/GPU-h)",
+        markup=False,
+        soft_wrap=True,
+    )
+    if estimate.unpriced_models:
+        console.print(
+            f"not priced (no prices.models entry, counted at 0 USD): {', '.join(estimate.unpriced_models)}",
+            markup=False,
+        )
+    check = check_budget(estimate, cfg.budgets.cycle_cost_usd, cfg.budgets.cycle_tokens)
+    for line in check.problems:
+        console.print(f"over budget: {line}", markup=False)
 
 
 def _metadata_url(config: str | None, overrides: list[str] | None, url: str | None) -> str:

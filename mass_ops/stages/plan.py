@@ -7,13 +7,17 @@ reference; arbitration calls only happen when two versions beat it). Window coun
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.errors import InputError
 from mass_ops.layout import next_generation_key
 from mass_ops.seeds import next_cycle_seed_base
 from mass_ops.train.lora_targets import lora_target_pattern
+
+if TYPE_CHECKING:
+    from mass_ops.cost.estimate import CycleEstimate, StageWork
 
 STAGES: tuple[str, ...] = (
     "validate_config",
@@ -252,3 +256,97 @@ def frozen_cycle_config(config: CycleConfig, cycle: str) -> CycleConfig:
     if row is None:
         raise InputError(f"--next-of {cycle}: no cycle of that name in {config.storage.metadata_url}")
     return validate_config(row.config)
+
+
+def cycle_work(config: CycleConfig, plan: CyclePlan) -> list[StageWork]:
+    """The planned work of the stages that cost something (model calls, episodes, GPU time), from `plan`'s counts:
+    what `cost.estimate` prices. Counts that are upper bounds (arbitration, collection) stay upper bounds."""
+    from mass_ops.cost.estimate import StageWork, WorkItem
+
+    counts = {stage.stage: stage.counts for stage in plan.stages}
+    served = config.models.served_name
+    search, evaluate = counts["search"], counts["evaluate"]
+    versions = int(search["versions_per_task"])
+    per_judge = int(evaluate["pairs"]) * len(config.evaluation.judge_seeds)
+    external = [
+        WorkItem("external_judge", per_judge, judge.model, on_server=False) for judge in config.evaluation.judges
+    ]
+    return [
+        StageWork(
+            "search",
+            (
+                WorkItem("episode", int(search["episodes"]), served, episode=True, chain=versions),
+                WorkItem("judge", int(search["baseline_judge_calls"]) + int(search["arbitration_calls_max"]), served),
+                WorkItem("optimizer", int(search["optimizer_calls"]), served, chain=versions - 1),
+            ),
+        ),
+        StageWork("collect", (WorkItem("episode", int(counts["collect"]["episodes"]), served, episode=True),)),
+        StageWork("rank", (WorkItem("judge", int(counts["rank"]["self_judge_calls"]), served),)),
+        StageWork("train", train_steps=config.training.steps, train_gpus=plan.resources.training_gpus, servers=0),
+        StageWork(
+            "evaluate",
+            (
+                WorkItem("episode", 2 * int(evaluate["rollouts_per_generation"]), served, episode=True),
+                WorkItem("judge", int(evaluate["self_judge_calls"]), served),
+                *external,
+            ),
+            servers=2,  # L(k+1) and L(k) are served side by side
+        ),
+    ]
+
+
+def cycle_estimate(config: CycleConfig, plan: CyclePlan, *, lineage: bool = True) -> CycleEstimate:
+    """The pre-run estimate of the cycle (`cost.estimate`): per-unit figures measured on the parent generation's
+    cycle when this config's metadata store holds it (and `lineage`), else the documented defaults. A store that
+    cannot be read leaves the defaults: `plan` works offline."""
+    from mass_ops.cost.estimate import Capacity, estimate_cycle
+
+    measured: dict = {}
+    step_s = None
+    parent_name = None
+    if lineage:
+        measured, step_s, parent_name = _lineage_figures(config)
+    capacity = Capacity(
+        concurrency=config.inference.max_concurrent_requests,
+        server_gpus=config.inference.server.gpus,
+        self_hosted=not config.is_remote_backend and config.models.served_name not in config.prices.models,
+    )
+    return estimate_cycle(
+        config.cycle_name,
+        cycle_work(config, plan),
+        capacity,
+        config.prices,
+        measured,
+        train_step_s=step_s,
+        lineage_cycle=parent_name,
+    )
+
+
+def _lineage_figures(config: CycleConfig) -> tuple[dict, float | None, str | None]:
+    """(figures, seconds per training step, parent cycle name) of the parent generation's cycle, or empty."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from mass_ops.cost.lineage import measured_figures, measured_step_seconds, parent_cycle
+    from mass_ops.stages.common import TRAINING_RUN_KEY
+    from mass_ops.store.errors import StorageError
+    from mass_ops.store.repository import MetadataRepository
+
+    url = config.storage.metadata_url
+    if url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(url).database
+        if not database or not Path(database).is_file():
+            return {}, None, None  # nothing recorded yet; opening it would create the file
+    try:
+        repo = MetadataRepository.from_url(config.storage.metadata_url)
+        parent = parent_cycle(repo, config.generation)
+        if parent is None:
+            return {}, None, None
+        return (
+            measured_figures(repo, parent.id),
+            measured_step_seconds(repo, parent.id, TRAINING_RUN_KEY),
+            parent.name,
+        )
+    except (SQLAlchemyError, StorageError, OSError):
+        return {}, None, None

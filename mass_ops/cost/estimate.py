@@ -1,0 +1,279 @@
+"""The pre-run estimate of a cycle: per stage, LLM calls, agent episodes, prompt/completion tokens (with their
+spread), GPU-hours of serving and training, wall-clock on the configured capacity, and cost.
+
+Inputs are planned counts (`StageWork`, built by `stages.plan.cycle_work` from `build_plan`) and per-unit figures
+(`UnitFigures`): measured on the parent generation's cycle when it has records (`cost.lineage`), else the
+documented defaults below. Everything here is arithmetic; nothing reads a store or calls a model.
+
+Model of time: work on our inference server shares its `concurrency` (requests in flight), so a stage's server
+time is its busy seconds over the concurrency, but never less than its longest chain of units that must run one
+after another (a task's RHI versions). Calls to external judges run beside it with the same concurrency. Serving
+GPU-hours are that server time × the server's GPUs × the servers up; training GPU-hours are steps × seconds per
+step × the training GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mass_ops.config import PricesConfig
+from mass_ops.cost.prices import is_priced, serving_cost, token_cost, training_cost
+
+
+@dataclass(frozen=True)
+class UnitFigures:
+    """Per-unit means (and standard deviations) of one kind of unit: tokens and seconds of one episode or call."""
+
+    prompt_tokens: float
+    completion_tokens: float
+    seconds: float
+    prompt_sd: float = 0.0
+    completion_sd: float = 0.0
+    samples: int = 0  # units measured; 0 = a default
+    source: str = "default"
+
+
+# Defaults until a parent cycle has records. They are orders of magnitude for the paper preset on one H200 serving a
+# 27B FP8 model with 4 requests in flight, not measurements; the lineage replaces them after the first cycle.
+DEFAULT_FIGURES: dict[str, UnitFigures] = {
+    # A qwen-code research episode: ~60 requests whose prompt grows to ~60k tokens and is resent on each request
+    # (~2M prompt tokens in all), ~40k tokens written (reasoning included), ~40 minutes.
+    "episode": UnitFigures(prompt_tokens=2_000_000, completion_tokens=40_000, seconds=2_400),
+    # An in-loop pairwise judge call (RHI baseline, arbitration, ranking self-judge): two trajectories' evidence
+    # (~30k tokens) in, a short reasoned verdict (~3k tokens) out, ~90 s.
+    "judge": UnitFigures(prompt_tokens=30_000, completion_tokens=3_000, seconds=90),
+    # An optimizer call: the workflow, the results and the history (~60k tokens) in, a new design (~8k) out, ~4 min.
+    "optimizer": UnitFigures(prompt_tokens=60_000, completion_tokens=8_000, seconds=240),
+    # An external judge call: the same evidence as an in-loop judge, a longer high-effort answer (~6k), ~2 min.
+    "external_judge": UnitFigures(prompt_tokens=30_000, completion_tokens=6_000, seconds=120),
+}
+# One optimizer step of the paper preset (3 windows of 49,152 tokens, ZeRO-3 LoRA on a 27B model): ~60 s.
+DEFAULT_TRAIN_STEP_S = 60.0
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """`count` units of one kind (`figures`: a key of DEFAULT_FIGURES) answered by `model`."""
+
+    figures: str
+    count: int
+    model: str
+    episode: bool = False  # an agent episode (else an LLM call)
+    on_server: bool = True  # served by our inference server (else an external API)
+    chain: int = 1  # units of this item that must run one after another
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """The planned work of one stage."""
+
+    stage: str
+    items: tuple[WorkItem, ...] = ()
+    servers: int = 1  # inference servers up while the stage runs (evaluation serves two generations)
+    train_steps: int = 0
+    train_gpus: int = 0
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the cycle runs on: requests in flight per server, GPUs per server, whether we pay for serving by the
+    GPU-hour (self-hosted) or per token (an API policy)."""
+
+    concurrency: int
+    server_gpus: int
+    self_hosted: bool = True
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """The estimate of one stage; `*_sd` are standard deviations of the totals (independent units)."""
+
+    stage: str
+    episodes: int = 0
+    llm_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_sd: int = 0
+    completion_tokens_sd: int = 0
+    serving_gpu_hours: float = 0.0
+    training_gpu_hours: float = 0.0
+    wall_clock_s: float = 0.0
+    cost_usd: float = 0.0
+    source: str = "default"
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.serving_gpu_hours + self.training_gpu_hours
+
+
+@dataclass(frozen=True)
+class CycleEstimate:
+    """The estimate of a cycle: its stages, their total, and what it was made from."""
+
+    cycle: str
+    stages: list[StageEstimate]
+    total: StageEstimate
+    lineage_cycle: str | None = None  # the parent's cycle the per-unit figures were measured on
+    unpriced_models: list[str] = field(default_factory=list)  # external API models without a price
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (`plan --json`, XCom, the cycle's provenance)."""
+        return asdict(self)
+
+    def stage(self, name: str) -> StageEstimate | None:
+        return next((s for s in self.stages if s.stage == name), None)
+
+
+def figures_for(key: str, measured: Mapping[str, UnitFigures]) -> UnitFigures:
+    """Measured figures of `key` when the lineage has them, else the default."""
+    return measured.get(key) or DEFAULT_FIGURES[key]
+
+
+def estimate_stage(
+    work: StageWork,
+    capacity: Capacity,
+    prices: PricesConfig,
+    measured: Mapping[str, UnitFigures] | None = None,
+    train_step_s: float = DEFAULT_TRAIN_STEP_S,
+    train_source: str = "default",
+) -> StageEstimate:
+    """The estimate of one stage's work (see the module docstring for the model of time)."""
+    measured = measured or {}
+    episodes = calls = 0
+    prompt = completion = prompt_var = completion_var = 0.0
+    busy = external_busy = path = cost = 0.0
+    sources = set()
+    for item in work.items:
+        if item.count <= 0:
+            continue
+        figures = figures_for(item.figures, measured)
+        sources.add(figures.source)
+        if item.episode:
+            episodes += item.count
+        else:
+            calls += item.count
+        prompt += item.count * figures.prompt_tokens
+        completion += item.count * figures.completion_tokens
+        prompt_var += item.count * figures.prompt_sd**2
+        completion_var += item.count * figures.completion_sd**2
+        seconds = item.count * figures.seconds
+        if item.on_server:
+            busy += seconds
+            path += item.chain * figures.seconds
+        else:
+            external_busy += seconds
+        cost += token_cost(
+            prices, item.model, item.count * figures.prompt_tokens, item.count * figures.completion_tokens
+        )
+    concurrency = max(1, capacity.concurrency)
+    server_s = max(busy / concurrency, path) if busy else 0.0
+    wall = max(server_s, external_busy / concurrency)
+    serving_h = server_s / 3600 * capacity.server_gpus * work.servers if capacity.self_hosted else 0.0
+    train_s = work.train_steps * train_step_s
+    training_h = train_s / 3600 * work.train_gpus
+    if work.train_steps:
+        sources.add(train_source)
+    cost += serving_cost(prices, serving_h) + training_cost(prices, training_h)
+    return StageEstimate(
+        stage=work.stage,
+        episodes=episodes,
+        llm_calls=calls,
+        prompt_tokens=round(prompt),
+        completion_tokens=round(completion),
+        prompt_tokens_sd=round(math.sqrt(prompt_var)),
+        completion_tokens_sd=round(math.sqrt(completion_var)),
+        serving_gpu_hours=serving_h,
+        training_gpu_hours=training_h,
+        wall_clock_s=wall + train_s,
+        cost_usd=cost,
+        source="+".join(sorted(sources)) or "default",
+    )
+
+
+def total_of(stages: Sequence[StageEstimate]) -> StageEstimate:
+    """The sum of stage estimates (wall-clock adds up: the stages run one after another; spreads add in variance)."""
+    return StageEstimate(
+        stage="total",
+        episodes=sum(s.episodes for s in stages),
+        llm_calls=sum(s.llm_calls for s in stages),
+        prompt_tokens=sum(s.prompt_tokens for s in stages),
+        completion_tokens=sum(s.completion_tokens for s in stages),
+        prompt_tokens_sd=round(math.sqrt(sum(s.prompt_tokens_sd**2 for s in stages))),
+        completion_tokens_sd=round(math.sqrt(sum(s.completion_tokens_sd**2 for s in stages))),
+        serving_gpu_hours=sum(s.serving_gpu_hours for s in stages),
+        training_gpu_hours=sum(s.training_gpu_hours for s in stages),
+        wall_clock_s=sum(s.wall_clock_s for s in stages),
+        cost_usd=sum(s.cost_usd for s in stages),
+        source="+".join(sorted({part for s in stages for part in s.source.split("+")})),
+    )
+
+
+def estimate_cycle(
+    cycle: str,
+    work: Sequence[StageWork],
+    capacity: Capacity,
+    prices: PricesConfig,
+    measured: Mapping[str, UnitFigures] | None = None,
+    *,
+    train_step_s: float | None = None,
+    lineage_cycle: str | None = None,
+) -> CycleEstimate:
+    """The estimate of every stage of `work` and their total."""
+    step_s = train_step_s if train_step_s is not None else DEFAULT_TRAIN_STEP_S
+    train_source = "lineage" if train_step_s is not None else "default"
+    stages = [estimate_stage(w, capacity, prices, measured, step_s, train_source) for w in work]
+    external = {item.model for w in work for item in w.items if not item.on_server and item.count}
+    unpriced = sorted(model for model in external if not is_priced(prices, model))
+    return CycleEstimate(
+        cycle=cycle,
+        stages=stages,
+        total=total_of(stages),
+        lineage_cycle=lineage_cycle,
+        unpriced_models=unpriced,
+    )
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    """The estimate against the cycle budget (`budgets.cycle_cost_usd`, `budgets.cycle_tokens`)."""
+
+    estimated_cost_usd: float
+    estimated_tokens: int
+    cycle_cost_usd: float | None
+    cycle_tokens: int | None
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per budget the estimate exceeds."""
+        lines = []
+        if self.cycle_cost_usd is not None and self.estimated_cost_usd > self.cycle_cost_usd:
+            lines.append(
+                f"estimated cost {self.estimated_cost_usd:,.2f} USD exceeds budgets.cycle_cost_usd "
+                f"{self.cycle_cost_usd:,.2f} USD"
+            )
+        if self.cycle_tokens is not None and self.estimated_tokens > self.cycle_tokens:
+            lines.append(
+                f"estimated tokens {self.estimated_tokens:,} exceed budgets.cycle_tokens {self.cycle_tokens:,}"
+            )
+        return lines
+
+    @property
+    def over_budget(self) -> bool:
+        return bool(self.problems)
+
+
+def check_budget(estimate: CycleEstimate, cycle_cost_usd: float | None, cycle_tokens: int | None) -> BudgetCheck:
+    """Compare the estimate's total with the cycle budgets (None = unlimited)."""
+    return BudgetCheck(
+        estimated_cost_usd=estimate.total.cost_usd,
+        estimated_tokens=estimate.total.tokens,
+        cycle_cost_usd=cycle_cost_usd,
+        cycle_tokens=cycle_tokens,
+    )
