@@ -91,8 +91,15 @@ with DAG(
 
     @task(retries=0, execution_timeout=SHORT_TIMEOUT)
     def validate_config(params: dict[str, Any] | None = None) -> Any:
-        """Check the config against the catalogue and freeze it into the cycle row."""
-        return _stage("validate_config", params or {})
+        """Check the config against the catalogue and its cost estimate against the cycle budget (refused unless
+        `allow_over_budget` is checked), freeze it into the cycle row; the estimate goes to the log and XCom."""
+        params = params or {}
+        result = _stage("validate_config", params, *((True,) if params.get("allow_over_budget") else ()))
+        if isinstance(result, dict) and "estimate" in result:
+            import logging
+
+            logging.getLogger(__name__).info("cycle estimate: %s", result["estimate"])
+        return result
 
     @task(execution_timeout=SHORT_TIMEOUT)
     def search_tasks(params: dict[str, Any] | None = None) -> list[int]:

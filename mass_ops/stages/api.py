@@ -18,18 +18,58 @@ from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.stages.common import episode_executor, jsonable
 
 
-def validate_config(config: CycleConfig) -> dict[str, Any]:
+def validate_config(config: CycleConfig, allow_over_budget: bool = False) -> dict[str, Any]:
     """Check that both stores answer (a silent or read-only store fails here, in the run's first minute, not at its
-    last task), check the config against the catalogue, create/upgrade the schema, freeze the config into the cycle
-    row."""
+    last task), check the config against the catalogue and its cost estimate against the cycle budget (refused
+    unless `allow_over_budget`), create/upgrade the schema, freeze the config into the cycle row and record the
+    estimate in its provenance (the first one made: the report compares the actuals with it)."""
     from mass_ops.prompts import check_templates
     from mass_ops.store.probe import probe_stores
 
     config.require_catalogue()
     check_templates(config)  # bad input first: nothing is touched, not even a probe object
+    estimate, summary = _budget_gate(config, allow_over_budget)
     probe_stores(config.storage.metadata_url, config.storage.artifact_url)
     ctx = open_cycle(config)
-    return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash()}
+    cycle = ctx.repo.get_cycle(ctx.cycle_name)
+    if cycle is not None and "estimate" not in (cycle.provenance or {}):
+        ctx.repo.set_cycle_provenance(ctx.cycle_id, "estimate", jsonable(estimate.as_dict()))
+    return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash(), **summary}
+
+
+def _budget_gate(config: CycleConfig, allow_over_budget: bool) -> tuple[Any, dict[str, Any]]:
+    """The cycle's estimate and its small summary for XCom; InputError (one line) when it exceeds
+    `budgets.cycle_cost_usd` or `budgets.cycle_tokens` and `allow_over_budget` is not set."""
+    from mass_ops.cost.estimate import check_budget
+    from mass_ops.stages.plan import build_plan, cycle_estimate
+    from mass_ops.train.plan import training_command_for
+
+    estimate = cycle_estimate(config, build_plan(config, training_command_for(config)))
+    check = check_budget(estimate, config.budgets.cycle_cost_usd, config.budgets.cycle_tokens)
+    if check.over_budget and not allow_over_budget:
+        raise InputError(
+            f"cycle {config.cycle_name}: {'; '.join(check.problems)}; raise the budget, shrink the run, or check "
+            "allow_over_budget in the trigger form"
+        )
+    total = estimate.total
+    summary = {
+        "estimate": {
+            "cost_usd": round(total.cost_usd, 2),
+            "tokens": total.tokens,
+            "gpu_hours": round(total.gpu_hours, 2),
+            "wall_clock_h": round(total.wall_clock_s / 3600, 2),
+            "figures": f"lineage of {estimate.lineage_cycle}" if estimate.lineage_cycle else "defaults",
+            "per_stage_usd": {s.stage: round(s.cost_usd, 2) for s in estimate.stages},
+        },
+        "over_budget": check.over_budget,
+    }
+    return estimate, summary
+
+
+def cycle_estimate(config: CycleConfig, allow_over_budget: bool = False) -> dict[str, Any]:
+    """The cycle's cost estimate summary (what `validate_config` checks and returns), refused over budget unless
+    `allow_over_budget`; touches no store beyond reading the parent cycle's records."""
+    return _budget_gate(config, allow_over_budget)[1]
 
 
 def _server_state_file(config: CycleConfig) -> Path:

@@ -225,6 +225,16 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
         description="When the new generation is registered and evaluated, trigger the next cycle on it.",
         section="Advanced",
     )
+    params["allow_over_budget"] = Param(
+        False,
+        type="boolean",
+        title="Allow over budget",
+        description=(
+            "Start the run even when its cost estimate (validate_config's log and XCom; `mass-ops plan` prints it "
+            "per stage) exceeds budgets.cycle_cost_usd or budgets.cycle_tokens."
+        ),
+        section="Advanced",
+    )
     return params
 
 
@@ -282,7 +292,7 @@ def build_config(
     from mass_ops.compute.kubernetes import settings_dir as default_settings_dir
     from mass_ops.config import ConfigError, apply_environment, apply_overrides, read_config_source, validate_config
 
-    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", "auto_continue"})
+    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", "auto_continue", "allow_over_budget"})
     if unknown:
         raise ParamsError(f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)}")
     preset = params.get("preset") or default_preset()
@@ -334,6 +344,7 @@ def next_cycle_params(params: Mapping[str, Any], config: CycleConfig) -> dict[st
     nxt.update(
         {
             "cycle_name": None,
+            "allow_over_budget": False,  # an over-budget run is a decision per run, not inherited
             "generation": following["generation"],
             "served_name": following["models.served_name"],
             "parent_model": following["models.parent_bf16"],
