@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 
 from mass_ops.layout import EpisodeKind, EpisodeUnit
 
-EpisodeStatus = Literal["succeeded", "model_failure", "infra_failure"]
+EpisodeStatus = Literal["succeeded", "model_failure", "infra_failure", "budget_exhausted"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class EpisodeOutcome:
     """The final recorded attempt of one episode unit.
 
     `status` is `succeeded` (qwen-code reported a success result), `model_failure` (the agent failed: data for the
-    optimizer) or `infra_failure` (every allowed attempt hit an infrastructure failure). `status_record` is the
+    optimizer), `infra_failure` (every allowed attempt hit an infrastructure failure) or `budget_exhausted` (its
+    proxy refused a request a budget had no room for; rerun after raising it). `status_record` is the
     run_status document (MASS_SPEC §4 fields plus token totals); `artifacts` maps names of
     `mass_ops.layout.EPISODE_FILES` to URIs.
     """

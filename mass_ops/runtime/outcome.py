@@ -15,6 +15,11 @@ wall-clock limit, or the agent crashed) is a model failure with subtype `wall_cl
 rule 2 or 4 makes it an infrastructure failure. Status: success → `succeeded`, `api_error_infra` → `infra_failure`,
 anything else → `model_failure`.
 
+Budgets (ISSUE #15.2) come before all of these: an attempt whose proxy refused a request because a budget would have
+been crossed (a record with `budget_exhausted`) is `budget_exhausted`, failure subtype `budget_exhausted` with the
+budget that refused. It is neither data about the model nor an infrastructure fault: it is never retried, and a rerun
+after the budget was raised runs the unit again as its next attempt. A budget refusal is not an API failure of rule 4.
+
 The status record (`status.json`) carries every field of the reference `run_status.json` plus `status`, `attempt`,
 `unit`, token `usage` totals (prompt, completion, requests, max prompt tokens), `durations` and the proxy failures.
 """
@@ -44,6 +49,7 @@ INFRA_ERROR_MARKERS = (
     "503",
 )
 INFRA_SUBTYPE = "api_error_infra"
+BUDGET_SUBTYPE = "budget_exhausted"
 PROXY_FAILURE_MESSAGE = "API failure recorded in proxy log"
 WALL_CLOCK_SUBTYPE = "wall_clock_limit"
 NO_RESULT_SUBTYPE = "no_result"
@@ -128,10 +134,12 @@ class UsageTotals:
     completion_tokens: int = 0
     requests: int = 0
     max_prompt_tokens: int = 0
+    # usage.prompt_tokens_details.cached_tokens summed over the requests whose server reported it (prompt-cache hits)
+    cached_prompt_tokens: int = 0
 
     @classmethod
     def from_records(cls, records: Iterable[Mapping[str, Any]]) -> UsageTotals:
-        prompt = completion = requests = largest = 0
+        prompt = completion = requests = largest = cached = 0
         for record in records:
             if not str(record.get("path", "")).endswith(CHAT_COMPLETIONS_SUFFIX):
                 continue
@@ -144,7 +152,9 @@ class UsageTotals:
             prompt += p
             completion += c
             largest = max(largest, p)
-        return cls(prompt, completion, requests, largest)
+            details = usage.get("prompt_tokens_details")
+            cached += _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+        return cls(prompt, completion, requests, largest, cached)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -154,6 +164,8 @@ def proxy_failures(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]
     """Proxy records that show an API failure (rule 4): proxy error, HTTP status ≥ 400, or an error body."""
     found = []
     for record in records:
+        if record.get("budget_exhausted"):
+            continue  # refused by a budget on purpose, not a failure of the API (see `budget_refusals`)
         status = record.get("status")
         response = record.get("response")
         error = response.get("error") if isinstance(response, dict) else None
@@ -169,6 +181,15 @@ def proxy_failures(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]
                 }
             )
     return found
+
+
+def budget_refusals(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The `budget_exhausted` documents of the requests the episode's proxy refused because of a budget."""
+    return [
+        {"seq": record.get("seq"), **record["budget_exhausted"]}
+        for record in records
+        if isinstance(record.get("budget_exhausted"), dict)
+    ]
 
 
 @dataclass(frozen=True)
@@ -194,6 +215,15 @@ def classify(
     wall_clock_s: int | None = None,
 ) -> Classification:
     """Apply MASS_SPEC §4's rules (module docstring) to one attempt's transcript and proxy records."""
+    refusals = budget_refusals(records)
+    if refusals:
+        first = refusals[0]
+        message = (
+            f"the episode proxy refused request {first.get('seq')}: {first.get('setting')} = {first.get('limit')} "
+            f"would be exceeded ({first.get('spent')} spent, up to {first.get('need')} needed)"
+        )
+        failure = {"subtype": BUDGET_SUBTYPE, "message": message, "budget": first, "refused_requests": len(refusals)}
+        return Classification("budget_exhausted", False, failure, tuple(proxy_failures(records)))
     success = transcript.has_success_result()
     failure: dict[str, Any] | None = None
 

@@ -15,6 +15,14 @@ the fewest running episodes, then the fewest started so far, so a task with 18 c
 Capacity and fairness hold across concurrent `run()` calls too (the RHI search calls `run()` from one thread per
 task): every call is scheduled on the pool's one event loop.
 
+Budgets (ISSUE #15.2): a `budget_exhausted` attempt (its proxy refused a request a budget had no room for) is
+neither final nor retried: the next run of the pool runs the unit as its next attempt. Once a task's budget is
+exhausted its remaining units are not started, and once the cycle's is, none are: before each attempt the pool
+checks the runner's budget ledger (shared by every process of the cycle) and what this pool has seen. A `run()`
+that stopped for a budget raises `BudgetStopError` (a `BudgetExhaustedError`: which budget, how to raise it) after
+every started attempt has ended and been recorded; `outcomes` holds what finished. Raise the budget and rerun: finished
+units are reused, nothing is redone.
+
 Cancellation: an exception that interrupts `run()` in the calling thread (KeyboardInterrupt from Ctrl-C, the
 exception a SIGTERM handler raises, an Airflow kill) cancels every attempt of that call: qwen-code's process group
 and the proxy are stopped, scratch is removed, and no row is written; then the exception propagates.
@@ -42,6 +50,7 @@ from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.runner import EndpointUnreachableError, EpisodeRunner
 from mass_ops.store.artifacts import ArtifactNotFoundError
+from mass_ops.store.budgets import CYCLE_SCOPE, EPISODE_SCOPE, BudgetExhaustedError, Refusal
 from mass_ops.store.schema import Episode
 
 logger = logging.getLogger(__name__)
@@ -64,6 +73,29 @@ class EpisodeBatchError(InfrastructureError):
         super().__init__(
             f"{len(errors)} of {len(outcomes)} episode(s) could not run; first: {first_key}: {type(first).__name__}: "
             f"{first}"
+        )
+
+
+class BudgetStopError(BudgetExhaustedError):
+    """A `run()` stopped because a budget is exhausted: `stopped` attempts ended `budget_exhausted`, `not_started`
+    units were not run; `outcomes` are those that finished (None for the others, in request order)."""
+
+    def __init__(
+        self,
+        refusal: Refusal,
+        *,
+        stopped: Sequence[str],
+        not_started: Sequence[str],
+        outcomes: list[EpisodeOutcome | None],
+    ) -> None:
+        self.stopped = list(stopped)
+        self.not_started = list(not_started)
+        self.outcomes = outcomes
+        finished = sum(o is not None and o.status != "budget_exhausted" for o in outcomes)
+        super().__init__(
+            refusal,
+            f"{len(self.stopped)} episode(s) stopped by their proxy, {len(self.not_started)} not started, "
+            f"{finished} finished",
         )
 
 
@@ -191,6 +223,7 @@ class EpisodePool:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._batches: set[asyncio.Task[Any]] = set()
+        self._exhausted: dict[str, Refusal] = {}  # scope → why, as seen by this pool (task and cycle scopes)
 
     # -- lifecycle --
 
@@ -353,6 +386,15 @@ class EpisodePool:
             if isinstance(result, BaseException)
         }
         outcomes = [None if isinstance(r, BaseException) else r for r in results]
+        stopped = [o.request.unit.key for o in outcomes if o is not None and o.status == "budget_exhausted"]
+        skipped = {key: error for key, error in errors.items() if isinstance(error, BudgetExhaustedError)}
+        if stopped or skipped:
+            if len(skipped) < len(errors):
+                other = {key: error for key, error in errors.items() if key not in skipped}
+                logger.error("episodes that failed besides the budget stop: %s", EpisodeBatchError(other, outcomes))
+            raise BudgetStopError(
+                self._first_refusal(outcomes, skipped), stopped=stopped, not_started=list(skipped), outcomes=outcomes
+            )
         if errors:
             raise EpisodeBatchError(errors, outcomes)
         return [outcome for outcome in outcomes if outcome is not None]
@@ -431,7 +473,8 @@ class EpisodePool:
 
     async def _attempt(self, request: EpisodeRequest, attempt: int, previous: int | None) -> EpisodeOutcome:
         """One attempt inside a capacity slot; an endpoint that vanished before the agent started is waited for
-        (nothing was created, so no attempt number is used up)."""
+        (nothing was created, so no attempt number is used up). A unit whose task or cycle budget is exhausted is
+        not started (`BudgetExhaustedError`)."""
         assert self._scheduler is not None
         task_id = request.unit.task_id
         scheduler = self._scheduler
@@ -440,8 +483,13 @@ class EpisodePool:
             release = _releaser(scheduler, task_id)
             started = time.monotonic()
             try:
+                refused = await self._budget_refusal(request.unit)
+                if refused is not None:
+                    self._emit(PoolEvent("done", request.unit, attempt, "budget_exhausted"))
+                    raise BudgetExhaustedError(refused, f"episode {request.unit.slug} not started")
                 self._emit(PoolEvent("started", request.unit, attempt))
                 outcome = await self.runner.run_attempt(request, attempt, retry_of_id=previous, on_agent_exit=release)
+                self._note_budget(outcome)
             except EndpointUnreachableError as exc:
                 if wait == self.preflight_waits:
                     raise
@@ -455,6 +503,42 @@ class EpisodePool:
                 release()
             await asyncio.sleep(self.retry_backoff_s * 2**wait)
         raise AssertionError("unreachable")
+
+    async def _budget_refusal(self, unit: EpisodeUnit) -> Refusal | None:
+        """Why `unit` may not start: its task's or the cycle's budget is exhausted (seen here, or in the ledger)."""
+        scopes_of = getattr(self.runner, "budget_scopes", None)
+        ledger = getattr(self.runner, "budgets", None)
+        if scopes_of is None:
+            return None
+        scopes = scopes_of(unit)
+        for scope in scopes:
+            if scope in self._exhausted:
+                return self._exhausted[scope]
+        if ledger is None or not ledger.limits.limited(scopes):
+            return None
+        refused = await asyncio.to_thread(ledger.exhausted, scopes)
+        if refused is not None:
+            self._exhausted[refused.scope] = refused
+        return refused
+
+    def _note_budget(self, outcome: EpisodeOutcome) -> None:
+        """Remember a task or cycle budget that stopped an attempt: that scope's other units will not start."""
+        if outcome.status != "budget_exhausted":
+            return
+        refused = _refusal_of(outcome)
+        if refused is not None and refused.scope != EPISODE_SCOPE:
+            self._exhausted.setdefault(refused.scope, refused)
+            if refused.scope == CYCLE_SCOPE:
+                logger.warning("cycle budget exhausted: no further episode starts (%s)", refused.message)
+
+    def _first_refusal(self, outcomes: Sequence[EpisodeOutcome | None], skipped: dict[str, BaseException]) -> Refusal:
+        for error in skipped.values():
+            if isinstance(error, BudgetExhaustedError):
+                return error.refusal
+        for outcome in outcomes:
+            if outcome is not None and (refused := _refusal_of(outcome)) is not None:
+                return refused
+        raise AssertionError("a budget stop without a refusal")
 
     def _reused(self, request: EpisodeRequest, row: Episode) -> EpisodeOutcome:
         unit = dataclasses.replace(request.unit, attempt=row.attempt)
@@ -489,6 +573,17 @@ class EpisodePool:
                 self.on_event(event)
             except Exception:  # a broken display must not break episodes
                 logger.exception("episode pool event callback failed")
+
+
+def _refusal_of(outcome: EpisodeOutcome) -> Refusal | None:
+    """The budget that stopped a `budget_exhausted` attempt, from its failure document."""
+    budget = (outcome.status_record.get("failure") or {}).get("budget")
+    if not isinstance(budget, dict):
+        return None
+    try:
+        return Refusal(**{name: budget[name] for name in Refusal.__dataclass_fields__})
+    except (KeyError, TypeError):
+        return None
 
 
 def _releaser(scheduler: FairScheduler, task_id: int) -> Callable[[], None]:

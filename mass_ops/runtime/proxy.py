@@ -27,6 +27,16 @@ lose the agent's `Authorization` header and get `Authorization: Bearer <upstream
 random value per episode (`new_agent_token`), worthless once the episode's proxy session ends. As a second line of
 defence every record is written with the upstream key's bytes replaced by `[REDACTED]` (an upstream could echo it).
 
+Budgets (ISSUE #15.2): given an `EpisodeBudget`, every chat completion is checked before it is forwarded. Its need
+is the request's prompt estimate (body bytes / 4: the JSON around the messages makes it an over-estimate) plus its
+`max_tokens` / `max_completion_tokens` (else the configured episode max output). When the need does not fit what is
+left of the episode's token budget (this proxy's spend plus its requests in flight), or of the cycle's shared ledger
+scopes (`mass_ops.store.budgets`: the task's and the cycle's), the request gets HTTP 402 with an OpenAI-shaped error
+whose `code` is `budget_exhausted` — never forwarded — and its record carries `budget_exhausted` (scope, setting,
+limit, spent, need). Each response's reported usage is added to the episode's spend and to the ledger when its
+record is written. Where the server reports cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`), the
+record carries them as `cached_prompt_tokens` too.
+
 Deployment decision: **one proxy per episode, on an ephemeral port** (`port=0`), not one shared proxy.
 - Isolation: the log *is* the episode's trajectory; a per-episode proxy needs no request-to-episode attribution
   (qwen-code sends no episode id) and the log file is complete and closed when the episode ends, ready to gzip.
@@ -55,11 +65,13 @@ import hmac
 import io
 import itertools
 import json
+import logging
 import os
 import secrets
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +86,9 @@ from yarl import URL
 
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.runtime.sse import SSEAssembler
+from mass_ops.store.budgets import EPISODE_SCOPE, BudgetLedger, Refusal
+
+logger = logging.getLogger(__name__)
 
 HOP_BY_HOP_HEADERS = frozenset(
     {
@@ -106,6 +121,12 @@ CONTROL_PREFIX = "/_mass_proxy"
 CONTROL_TIMEOUT_S = 30.0
 MAX_SESSIONS = 64
 REJECTED_LOG = "rejected.jsonl"
+# A request refused by a budget: 402 (payment required), which OpenAI clients and qwen-code do not retry as they do a
+# 429, and an error code no server uses, so neither the agent nor the classifier can take it for anything else.
+BUDGET_STATUS = 402
+BUDGET_ERROR_CODE = "budget_exhausted"
+COMPLETION_PATH_SUFFIXES = ("/chat/completions", "/completions")
+PROMPT_BYTES_PER_TOKEN = 4
 
 
 class ProxyConfigError(InputError):
@@ -130,6 +151,104 @@ def upstream_key_from_env(name: str, environ: Mapping[str, str] | None = None) -
     if any(char.isspace() for char in value):
         raise ProxyConfigError(f"episode proxy: environment variable {name} (the API key) contains whitespace")
     return value
+
+
+def usage_tokens(usage: Any) -> tuple[int, int | None]:
+    """(prompt + completion tokens, cached prompt tokens or None) of an OpenAI `usage` object (zeros if absent)."""
+    if not isinstance(usage, dict):
+        return 0, None
+    total = sum(
+        value
+        for value in (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0
+    )
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return total, cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
+def usage_cost(usage: Any) -> float:
+    """The server-reported cost of a response in USD (OpenRouter's `usage.cost`), else 0."""
+    cost = usage.get("cost") if isinstance(usage, dict) else None
+    return float(cost) if isinstance(cost, int | float) and not isinstance(cost, bool) and cost > 0 else 0.0
+
+
+class EpisodeBudget:
+    """What one episode's proxy enforces before forwarding a completion (module docstring, "Budgets").
+
+    `episode_tokens` is held here in memory (the proxy sees all of the episode's requests); `ledger` + `scopes`
+    are the cycle's shared budgets (the task's and the cycle's). Thread-safe: records are settled on worker threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        episode_tokens: int | None,
+        default_max_tokens: int,
+        ledger: BudgetLedger | None = None,
+        scopes: Sequence[str] = (),
+    ) -> None:
+        self.episode_tokens = episode_tokens
+        self.default_max_tokens = default_max_tokens
+        self.ledger = ledger if ledger is not None and ledger.limits.limited(scopes) else None
+        self.ledger_scopes = tuple(scopes)
+        self.spent = 0  # tokens of this episode's responses so far
+        self.in_flight = 0  # needs of admitted requests whose spend is not settled yet
+        self.refusals = 0
+        self._lock = threading.Lock()
+
+    @property
+    def uses_store(self) -> bool:
+        """Whether admitting a request reads the metadata store (then call `admit` off the event loop)."""
+        return self.ledger is not None
+
+    def need(self, body: bytes) -> int:
+        """Tokens a request may use at most: its prompt estimate plus its max output tokens."""
+        max_tokens = None
+        try:
+            document = json.loads(body) if body else None
+        except ValueError:
+            document = None
+        if isinstance(document, dict):
+            for name in ("max_completion_tokens", "max_tokens"):
+                value = document.get(name)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    max_tokens = value
+                    break
+        prompt = -(-len(body) // PROMPT_BYTES_PER_TOKEN)
+        return prompt + (max_tokens if max_tokens is not None else self.default_max_tokens)
+
+    def admit(self, need: int) -> Refusal | None:
+        """Hold `need` in flight and return None, or return why the request may not be sent."""
+        with self._lock:
+            used = self.spent + self.in_flight
+            if self.episode_tokens is not None and used + need > self.episode_tokens:
+                self.refusals += 1
+                return Refusal(EPISODE_SCOPE, "budgets.episode_tokens", self.episode_tokens, used, need, "tokens")
+            self.in_flight += need
+        if self.ledger is not None:
+            refused = self.ledger.try_admit(self.ledger_scopes, need)
+            if refused is not None:
+                with self._lock:
+                    self.in_flight -= need
+                    self.refusals += 1
+                return refused
+        return None
+
+    def settle(self, need: int, usage: Any) -> None:
+        """The admitted request of `need` ended with `usage` (None when it failed): add its spend, end its hold."""
+        tokens, _cached = usage_tokens(usage)
+        try:
+            if self.ledger is not None:
+                self.ledger.record(self.ledger_scopes, tokens=tokens, cost_usd=usage_cost(usage))
+        except Exception as exc:  # the record must still be written; the spend stays counted for this episode
+            logger.warning("episode proxy: could not record %d tokens in the budget ledger: %s", tokens, exc)
+        finally:
+            with self._lock:
+                self.spent += tokens
+                self.in_flight -= need
+            if self.ledger is not None:
+                self.ledger.release(self.ledger_scopes, need)
 
 
 def _end_to_end_headers(headers: Any) -> list[tuple[str, str]]:
@@ -185,6 +304,7 @@ class _Session:
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     pending: set[asyncio.Task[None]] = field(default_factory=set)
     records: int = 0
+    budget: EpisodeBudget | None = None
 
 
 class LoggingProxy:
@@ -205,6 +325,7 @@ class LoggingProxy:
         keep_raw_sse: bool = True,
         agent_token: str | None = None,
         upstream_api_key: str | None = None,
+        budget: EpisodeBudget | None = None,
     ) -> None:
         if upstream_api_key is not None and agent_token is None:
             # An open proxy that adds the key would hand the key's power to anything that can reach the port.
@@ -215,6 +336,7 @@ class LoggingProxy:
         self.keep_raw_sse = keep_raw_sse
         self._agent_token = agent_token
         self._upstream_api_key = upstream_api_key
+        self.budget = budget
         self._requested_port = port
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -241,7 +363,11 @@ class LoggingProxy:
     def _open_logs(self) -> None:
         token = self._agent_token.encode() if self._agent_token is not None else None
         episode = _Session(
-            "episode", token, self.upstream_base_url, _RecordLog(self.log_path, redact=self._upstream_api_key)
+            "episode",
+            token,
+            self.upstream_base_url,
+            _RecordLog(self.log_path, redact=self._upstream_api_key),
+            budget=self.budget,
         )
         self._sessions[episode.name] = episode
         self._rejections = episode  # one log per episode: its refused requests belong to its trajectory's evidence
@@ -348,6 +474,14 @@ class LoggingProxy:
         exchange = _Exchange(seq=next(session.seq), method=request.method, path=request.path)
         exchange.request_body = await request.read()
         exchange.request_bytes = len(exchange.request_body)
+        budget = session.budget
+        if budget is not None and request.method == "POST" and request.path.endswith(COMPLETION_PATH_SUFFIXES):
+            need = budget.need(exchange.request_body)
+            # The shared ledger is a database read: off the loop that relays every other stream.
+            refused = await asyncio.to_thread(budget.admit, need) if budget.uses_store else budget.admit(need)
+            if refused is not None:
+                return self._refuse_over_budget(session, exchange, refused)
+            exchange.budget_need = need
         target = URL(session.upstream + request.raw_path, encoded=True)
         try:
             async with self._session.request(
@@ -420,6 +554,23 @@ class LoggingProxy:
             exchange.client_disconnected = True
         return response
 
+    def _refuse_over_budget(self, session: _Session, exchange: _Exchange, refused: Refusal) -> web.Response:
+        """HTTP 402 `budget_exhausted`, never forwarded; the record says which budget refused and why."""
+        exchange.status = BUDGET_STATUS
+        exchange.budget_exhausted = {
+            "scope": refused.scope,
+            "setting": refused.setting,
+            "limit": refused.limit,
+            "spent": refused.spent,
+            "need": refused.need,
+            "unit": refused.unit,
+        }
+        error = {"message": refused.message, "type": BUDGET_ERROR_CODE, "code": BUDGET_ERROR_CODE}
+        exchange.response_body += json.dumps({"error": error}).encode()
+        exchange.response_bytes = len(exchange.response_body)
+        self._record_later(session, exchange)
+        return web.json_response({"error": error}, status=BUDGET_STATUS)
+
     def _record_later(self, log: _Session, exchange: _Exchange) -> None:
         """Parse and append the record on a worker thread, so neither this client nor others wait for it."""
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._append, log, exchange))
@@ -427,8 +578,15 @@ class LoggingProxy:
         task.add_done_callback(log.pending.discard)
 
     def _append(self, log: _Session, exchange: _Exchange) -> None:
-        log.log.append(exchange.to_record(keep_raw_sse=self.keep_raw_sse))
-        log.records += 1
+        record = exchange.to_record(keep_raw_sse=self.keep_raw_sse)
+        try:
+            log.log.append(record)
+            log.records += 1
+        finally:
+            if log.budget is not None and exchange.budget_need is not None:
+                response = record.get("response")
+                usage = response.get("usage") if isinstance(response, dict) else None
+                log.budget.settle(exchange.budget_need, usage)
 
 
 @dataclass
@@ -452,6 +610,8 @@ class _Exchange:
     client_disconnected: bool = False
     proxy_error: str | None = None
     rejected: str | None = None  # why the proxy refused the request (no token, wrong token): never forwarded
+    budget_need: int | None = None  # tokens held for this request by the episode's budget until it is settled
+    budget_exhausted: dict[str, Any] | None = None  # the budget that refused it (never forwarded)
 
     def to_record(self, *, keep_raw_sse: bool) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -482,6 +642,12 @@ class _Exchange:
             record["proxy_error"] = self.proxy_error
         if self.rejected is not None:
             record["rejected"] = self.rejected
+        if self.budget_exhausted is not None:
+            record["budget_exhausted"] = self.budget_exhausted
+        response = record.get("response")
+        _total, cached = usage_tokens(response.get("usage") if isinstance(response, dict) else None)
+        if cached is not None:
+            record["cached_prompt_tokens"] = cached
         return record
 
 
@@ -529,7 +695,8 @@ class SessionProxy(LoggingProxy):
     `allowed_host_suffixes` (e.g. `.<namespace>.svc`: a rollout's server of another generation) is accepted too.
     The key is sent to no other host. Control routes (JSON):
 
-        POST {CONTROL_PREFIX}/sessions              {"upstream"?}      -> 201 {"session", "token", "log"}
+        POST {CONTROL_PREFIX}/sessions              {"upstream"?, "episode_tokens"?, "default_max_tokens"?}
+                                                                       -> 201 {"session", "token", "log"}
         POST {CONTROL_PREFIX}/sessions/ID/close     {"discard"?}       -> 200 {"records"}
         GET  {CONTROL_PREFIX}/health                                   -> 200 {"status": "ok", "sessions"}
 
@@ -596,10 +763,18 @@ class SessionProxy(LoggingProxy):
             return _control_error(403, "upstream not allowed for this proxy")
         if len(self._sessions) >= MAX_SESSIONS:
             return _control_error(429, f"too many open sessions ({MAX_SESSIONS})")
+        limits = [body.get(key) for key in ("episode_tokens", "default_max_tokens")]
+        if any(value is not None and (not isinstance(value, int) or value < 1) for value in limits):
+            return _control_error(400, "episode_tokens and default_max_tokens must be positive integers")
+        budget = None
+        if limits[0] is not None:
+            # A pod's proxy holds the episode's own token budget; the cycle's shared ledger is checked by the runner
+            # before each attempt (this container has no metadata store).
+            budget = EpisodeBudget(episode_tokens=limits[0], default_max_tokens=limits[1] or 1)
         name = secrets.token_hex(8)
         token = new_agent_token()
         log = _RecordLog(self.sessions_dir / f"{name}.jsonl", redact=self._upstream_api_key)
-        self._sessions[name] = _Session(name, token.encode(), upstream, log)
+        self._sessions[name] = _Session(name, token.encode(), upstream, log, budget=budget)
         return web.json_response({"session": name, "token": token, "log": log.path.name}, status=201)
 
     async def _close_session(self, request: web.Request) -> web.Response:
@@ -666,10 +841,21 @@ async def _control(proxy_url: str, path: str, payload: dict[str, Any], timeout_s
 
 
 async def open_proxy_session(
-    proxy_url: str, log_dir: Path | str, *, upstream: str | None = None, timeout_s: float = CONTROL_TIMEOUT_S
+    proxy_url: str,
+    log_dir: Path | str,
+    *,
+    upstream: str | None = None,
+    timeout_s: float = CONTROL_TIMEOUT_S,
+    episode_tokens: int | None = None,
+    default_max_tokens: int | None = None,
 ) -> ProxySession:
-    """Open a session on the pod's proxy at `proxy_url` (its logs readable under `log_dir`); ProxySessionError."""
-    data = await _control(proxy_url, "/sessions", {} if upstream is None else {"upstream": upstream}, timeout_s)
+    """Open a session on the pod's proxy at `proxy_url` (its logs readable under `log_dir`); ProxySessionError.
+
+    `episode_tokens` (with the request default `default_max_tokens`) makes the session enforce that token budget."""
+    payload: dict[str, Any] = {} if upstream is None else {"upstream": upstream}
+    if episode_tokens is not None:
+        payload |= {"episode_tokens": episode_tokens, "default_max_tokens": default_max_tokens}
+    data = await _control(proxy_url, "/sessions", payload, timeout_s)
     name, token, log = data.get("session"), data.get("token"), data.get("log")
     if not all(isinstance(value, str) and value for value in (name, token, log)) or Path(str(log)).name != log:
         raise ProxySessionError(f"episode proxy {proxy_url}: the session answer is malformed")

@@ -76,6 +76,7 @@ from mass_ops.runtime.proxy import (
     DEFAULT_KEY_VALUE,
     MIN_REDACTED_SECRET,
     REDACTION,
+    EpisodeBudget,
     LoggingProxy,
     ProxySessionError,
     close_proxy_session,
@@ -86,6 +87,7 @@ from mass_ops.runtime.proxy import (
 from mass_ops.runtime.qwen_install import QwenInstall, ensure_qwen_code
 from mass_ops.runtime.settings import AGENT_TOKEN_ENV, SETTINGS_FILE, qwen_settings, write_settings
 from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore
+from mass_ops.store.budgets import CYCLE_SCOPE, BudgetLedger, BudgetLimits, task_scope
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +202,7 @@ class EpisodeRecord(BaseModel):
     started_at: AwareDatetime
     finished_at: AwareDatetime
     qwen_code_version: str
+    cached_prompt_tokens: NonNegativeInt = 0
 
 
 @dataclass(frozen=True)
@@ -488,6 +491,24 @@ class EpisodeRunner:
         if bool(proxy_url) != bool(proxy_logs):
             raise EpisodePreflightError(f"episode runtime: set both {PROXY_URL_ENV} and {PROXY_LOG_DIR_ENV}, or none")
         self.pod_proxy: tuple[str, Path] | None = (proxy_url, Path(proxy_logs)) if proxy_url and proxy_logs else None
+        # One ledger for every attempt of this runner: requests in flight in this process count against the budgets.
+        self.budgets = BudgetLedger(ctx.repo, ctx.cycle_id, BudgetLimits.from_mapping(self.config.budgets.model_dump()))
+
+    def budget_scopes(self, unit: EpisodeUnit) -> tuple[str, ...]:
+        """The shared budget scopes an episode of `unit` spends from: its task's and the cycle's."""
+        return (task_scope(unit.task_id), CYCLE_SCOPE)
+
+    def _episode_budget(self, unit: EpisodeUnit) -> EpisodeBudget | None:
+        """What the attempt's proxy enforces (None when no budget applies: the proxy then checks nothing)."""
+        episode_tokens = self.config.budgets.episode_tokens
+        if episode_tokens is None and not self.budgets.limits.limited(self.budget_scopes(unit)):
+            return None
+        return EpisodeBudget(
+            episode_tokens=episode_tokens,
+            default_max_tokens=self.config.inference.episode_max_output_tokens,
+            ledger=self.budgets,
+            scopes=self.budget_scopes(unit),
+        )
 
     @property
     def install(self) -> QwenInstall:
@@ -515,28 +536,38 @@ class EpisodeRunner:
                 await close_proxy_session(session, discard=True)
         return None
 
-    async def _open_pod_session(self, upstream: str) -> Any:
+    async def _open_pod_session(self, upstream: str, *, episode_tokens: int | None = None) -> Any:
         assert self.pod_proxy is not None
         proxy_url, log_dir = self.pod_proxy
         try:
-            return await open_proxy_session(proxy_url, log_dir, upstream=upstream)
+            return await open_proxy_session(
+                proxy_url,
+                log_dir,
+                upstream=upstream,
+                episode_tokens=episode_tokens,
+                default_max_tokens=self.config.inference.episode_max_output_tokens,
+            )
         except ProxySessionError as exc:
             # The proxy container may still be starting: transient, like an endpoint that does not answer yet.
             raise EndpointUnreachableError(f"episode preflight: {exc}") from None
 
     @contextlib.asynccontextmanager
-    async def _episode_proxy(self, paths: AttemptPaths, upstream: str, api_key: str | None) -> AsyncIterator[Any]:
+    async def _episode_proxy(
+        self, paths: AttemptPaths, upstream: str, api_key: str | None, unit: EpisodeUnit
+    ) -> AsyncIterator[Any]:
         """The attempt's proxy: yields (base URL, agent token); when it ends, `paths.api_log` holds its whole log."""
         if self.pod_proxy is None:
             token = new_agent_token()
-            proxy = LoggingProxy(upstream, paths.api_log, agent_token=token, upstream_api_key=api_key)
+            proxy = LoggingProxy(
+                upstream, paths.api_log, agent_token=token, upstream_api_key=api_key, budget=self._episode_budget(unit)
+            )
             await proxy.start()
             try:
                 yield proxy.url, token
             finally:
                 await proxy.stop()
             return
-        session = await self._open_pod_session(upstream)
+        session = await self._open_pod_session(upstream, episode_tokens=self.config.budgets.episode_tokens)
         try:
             yield session.proxy_url, session.token
         finally:
@@ -569,7 +600,7 @@ class EpisodeRunner:
         clock = time.monotonic()
         async with self._attempt_folder(unit, request.prompt) as paths:
             upstream, client_path = _split_endpoint(self.config.inference.endpoint)
-            async with self._episode_proxy(paths, upstream, api_key) as (proxy_url, agent_token):
+            async with self._episode_proxy(paths, upstream, api_key, unit) as (proxy_url, agent_token):
                 client_endpoint = f"{proxy_url}{client_path}"
                 settings = qwen_settings(self.config, client_base_url=client_endpoint, seed=unit.seed)
                 write_settings(paths.settings, settings)
@@ -802,6 +833,7 @@ class EpisodeRunner:
                 started_at=started_at,
                 finished_at=finished_at,
                 qwen_code_version=context.qwen_code_version,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
             ),
             retry_of_id=retry_of_id,
         )
@@ -901,6 +933,7 @@ def record_publication(
         artifact_sha256={name: info.sha256 for name, info in published.items()},
         qwen_code_version=record.qwen_code_version,
         retry_of_id=publication.retry_of_id,
+        cached_prompt_tokens=record.cached_prompt_tokens,
     )
     status = publication.status
     recorded_at = row.started_at or record.started_at
@@ -992,6 +1025,7 @@ def _read_proxy_log(path: Path) -> list[dict[str, Any]]:
                     "status": record.get("status"),
                     "proxy_error": record.get("proxy_error"),
                     "response": summary,
+                    "budget_exhausted": record.get("budget_exhausted"),
                 }
             )
     return records

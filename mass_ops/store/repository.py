@@ -31,6 +31,7 @@ from mass_ops.errors import InputError
 from mass_ops.store.metadata import MetadataStore
 from mass_ops.store.schema import (
     Base,
+    BudgetSpend,
     CallPurpose,
     CallStatus,
     Checkpoint,
@@ -452,6 +453,7 @@ class MetadataRepository:
         qwen_code_version: str | None = None,
         retry_of_id: int | None = None,
         artifact_sha256: Mapping[str, str] | None = None,
+        cached_prompt_tokens: int | None = None,
     ) -> Episode:
         """A finished episode (record it after its artifacts are durable); `artifact_sha256` maps names of
         `artifacts` to the SHA-256 each was published with.
@@ -500,6 +502,7 @@ class MetadataRepository:
             "qwen_code_version": qwen_code_version,
             "retry_of_id": retry_of_id,
             "artifact_sha256": _hashes(artifact_sha256, artifacts, "episode artifact_sha256"),
+            "cached_prompt_tokens": cached_prompt_tokens,
         }
         return self._record(
             Episode, {"cycle_id": cycle_id, "unit_key": unit_key}, values, must_match=("prompt_sha256",)
@@ -605,6 +608,7 @@ class MetadataRepository:
         error: str | None = None,
         prompt_sha256: str | None = None,
         result_sha256: str | None = None,
+        cached_prompt_tokens: int | None = None,
     ) -> LLMCall:
         """One judge / optimizer / arbitration call, keyed by a caller-chosen `unit_key` unique in the cycle."""
         values = {
@@ -624,6 +628,7 @@ class MetadataRepository:
             "error": error,
             "prompt_sha256": _sha256(prompt_sha256, "LLM call prompt_sha256"),
             "result_sha256": _sha256(result_sha256, "LLM call result_sha256"),
+            "cached_prompt_tokens": cached_prompt_tokens,
         }
         return self._record(
             LLMCall, {"cycle_id": cycle_id, "unit_key": unit_key}, values, must_match=("purpose", "model")
@@ -1097,6 +1102,49 @@ class MetadataRepository:
         if kind is not None:
             statement = statement.where(Evaluation.kind == kind)
         return self._all(statement)
+
+    # -- budgets -------------------------------------------------------------------------------------------------
+
+    def add_budget_spend(
+        self, cycle_id: int, scopes: Sequence[str], *, tokens: int, cost_usd: float = 0.0, requests: int = 1
+    ) -> None:
+        """Add spend to every scope of `scopes` in one transaction: an atomic increment (INSERT … ON CONFLICT DO
+        UPDATE SET x = x + excluded.x), so concurrent processes never lose one another's spend."""
+        if not scopes:
+            return
+        table = BudgetSpend.__table__
+        insert = self._dialect_insert(BudgetSpend)
+        statement = insert.on_conflict_do_update(
+            index_elements=["cycle_id", "scope"],
+            set_={
+                "tokens": table.c.tokens + insert.excluded.tokens,
+                "cost_usd": table.c.cost_usd + insert.excluded.cost_usd,
+                "requests": table.c.requests + insert.excluded.requests,
+                "updated_at": insert.excluded.updated_at,
+            },
+        )
+        now = utcnow()
+        rows = [
+            {
+                "cycle_id": cycle_id,
+                "scope": scope,
+                "tokens": tokens,
+                "cost_usd": cost_usd,
+                "requests": requests,
+                "updated_at": now,
+            }
+            for scope in dict.fromkeys(scopes)
+        ]
+        with self.store.transaction() as connection:
+            for row in rows:  # one statement per scope: executemany of an upsert is not portable
+                connection.execute(statement, row)
+
+    def budget_spend(self, cycle_id: int, scopes: Sequence[str] | None = None) -> dict[str, BudgetSpend]:
+        """Spend so far per scope of a cycle (all scopes, or those among `scopes`; absent ones spent nothing)."""
+        statement = sa.select(BudgetSpend).where(BudgetSpend.cycle_id == cycle_id)
+        if scopes is not None:
+            statement = statement.where(BudgetSpend.scope.in_(list(scopes)))
+        return {row.scope: row for row in self._all(statement)}
 
     # -- artifact references -------------------------------------------------------------------------------------
 

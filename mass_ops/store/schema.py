@@ -74,6 +74,7 @@ class EpisodeStatus(enum.StrEnum):
     SUCCEEDED = "succeeded"
     MODEL_FAILURE = "model_failure"
     INFRA_FAILURE = "infra_failure"
+    BUDGET_EXHAUSTED = "budget_exhausted"  # its proxy refused a request that would cross a budget (revision 0004)
 
 
 class CallPurpose(enum.StrEnum):
@@ -251,6 +252,8 @@ class LLMCall(Base):
     prompt_sha256: Mapped[str | None] = mapped_column(sa.String(64))
     result_sha256: Mapped[str | None] = mapped_column(sa.String(64))
     created_at: Mapped[datetime] = _created()
+    # usage.prompt_tokens_details.cached_tokens where the server reports it (prompt-cache hits), else NULL
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
 
 
 class WorkflowVersion(Base):
@@ -312,6 +315,8 @@ class Episode(Base):
     created_at: Mapped[datetime] = _created()
     # name -> SHA-256 of each entry of `artifacts`
     artifact_sha256: Mapped[dict[str, Any] | None] = mapped_column()
+    # sum of usage.prompt_tokens_details.cached_tokens over the episode's requests (prompt-cache hits)
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(sa.BigInteger)
 
 
 class Comparison(Base):
@@ -523,3 +528,19 @@ class Evaluation(Base):
     results_uri: Mapped[str | None] = mapped_column(sa.String(1024))
     created_at: Mapped[datetime] = _created()
     results_sha256: Mapped[str | None] = mapped_column(sa.String(64))
+
+
+class BudgetSpend(Base):
+    """Spend so far of one budget scope of a cycle (``cycle``, ``task:<id>``, ``in_loop``): tokens, server-reported
+    cost and requests, incremented atomically by every process and pod of the cycle (revision 0004)."""
+
+    __tablename__ = "budget_spend"
+    __table_args__ = (sa.UniqueConstraint("cycle_id", "scope"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cycle_id: Mapped[int] = mapped_column(sa.ForeignKey("cycles.id", ondelete="CASCADE"))
+    scope: Mapped[str] = mapped_column(sa.String(80))
+    tokens: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    cost_usd: Mapped[float] = mapped_column(sa.Float, default=0.0)
+    requests: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    updated_at: Mapped[datetime] = _created()

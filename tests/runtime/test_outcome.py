@@ -232,7 +232,13 @@ def test_status_record_has_every_reference_field_and_the_additions() -> None:
     }
     assert record["execution_mode"] == "headless_host_visible_yolo"
     assert record["trace_has_success_result"] is True and record["status"] == "succeeded"
-    assert record["usage"] == {"prompt_tokens": 100, "completion_tokens": 5, "requests": 1, "max_prompt_tokens": 100}
+    assert record["usage"] == {
+        "prompt_tokens": 100,
+        "completion_tokens": 5,
+        "requests": 1,
+        "max_prompt_tokens": 100,
+        "cached_prompt_tokens": 0,
+    }
     assert record["durations"] == {"agent_s": 88.123, "total_s": 90.0}
     assert record["attempt"] == 2 and record["unit"] == "c/reference-t51-s450051/a2"
     json.dumps(record)  # a JSON document

@@ -1,0 +1,184 @@
+"""The budget ledger of a cycle: spend per scope in the metadata store, and the check made before each paid request.
+
+Scopes: ``cycle`` (everything the cycle spends), ``task:<id>`` (the episodes and in-loop calls of one task) and
+``in_loop`` (judge, optimizer, arbitration and self-judge calls). Every process and pod of a cycle adds what its
+requests spent (tokens as the server reports them, server-reported cost in USD) with atomic increments, and reads the
+same rows before sending a request, so concurrent workers share one budget.
+
+The rule (`BudgetLedger.refusal`): a request that needs up to `need` tokens (its prompt estimate plus its max output
+tokens) is refused when spent + in flight here + need would exceed a scope's token limit, or when the scope's cost
+has already reached its limit (a request's cost is only known afterwards). Spend is recorded when a response
+arrives, so requests in flight in other processes are invisible: the overshoot of a budget is bounded by one
+request's tokens per concurrent request, never more.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from mass_ops.errors import InfrastructureError
+from mass_ops.store.repository import MetadataRepository
+
+CYCLE_SCOPE = "cycle"
+IN_LOOP_SCOPE = "in_loop"
+EPISODE_SCOPE = "episode"  # held by an episode's proxy in memory, never in the store
+TASK_PREFIX = "task:"
+
+
+def task_scope(task_id: object) -> str:
+    """The scope of one task's spend, e.g. ``task:51``."""
+    return f"{TASK_PREFIX}{task_id}"
+
+
+@dataclass(frozen=True)
+class BudgetLimits:
+    """The configured limits (`budgets` section of the config); None = unlimited. Tokens are prompt + completion."""
+
+    episode_tokens: int | None = None
+    task_tokens: int | None = None
+    task_cost_usd: float | None = None
+    cycle_tokens: int | None = None
+    cycle_cost_usd: float | None = None
+    in_loop_tokens: int | None = None
+    in_loop_cost_usd: float | None = None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> BudgetLimits:
+        """From `config.budgets.model_dump()` (unknown keys are ignored: the config validated them)."""
+        return cls(**{name: values.get(name) for name in cls.__dataclass_fields__})
+
+    def for_scope(self, scope: str) -> tuple[int | None, float | None, str]:
+        """(token limit, cost limit, config key prefix) of a scope."""
+        if scope == CYCLE_SCOPE:
+            return self.cycle_tokens, self.cycle_cost_usd, "budgets.cycle"
+        if scope == IN_LOOP_SCOPE:
+            return self.in_loop_tokens, self.in_loop_cost_usd, "budgets.in_loop"
+        if scope == EPISODE_SCOPE:
+            return self.episode_tokens, None, "budgets.episode"
+        if scope.startswith(TASK_PREFIX):
+            return self.task_tokens, self.task_cost_usd, "budgets.task"
+        raise ValueError(f"unknown budget scope {scope!r}")
+
+    def limited(self, scopes: Sequence[str]) -> list[str]:
+        """The scopes among `scopes` that have a limit at all."""
+        return [s for s in scopes if any(limit is not None for limit in self.for_scope(s)[:2])]
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, name) is not None for name in self.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request may not be sent: which scope and limit, what was spent, what the request needed."""
+
+    scope: str
+    setting: str  # the config key that would have to be raised, e.g. budgets.task_tokens
+    limit: float
+    spent: float
+    need: float
+    unit: str  # "tokens" or "USD"
+
+    @property
+    def message(self) -> str:
+        what = "the cycle" if self.scope == CYCLE_SCOPE else self.scope.replace(":", " ").replace("_", "-")
+        if self.unit == "USD":
+            amounts = f"has cost ${self.spent:.4f} of {self.setting} = ${self.limit:.4f}"
+        else:
+            amounts = (
+                f"has used {int(self.spent):,} of {self.setting} = {int(self.limit):,} tokens and the next request "
+                f"needs up to {int(self.need):,}"
+            )
+        return (
+            f"budget exhausted: {what} {amounts}; raise {self.setting} in the config and rerun (finished units are "
+            "reused)"
+        )
+
+
+class BudgetExhaustedError(InfrastructureError):
+    """A budget refuses the next paid request. Not a fault to retry: raise the budget and rerun the stage."""
+
+    def __init__(self, refusal: Refusal, detail: str = "") -> None:
+        self.refusal = refusal
+        super().__init__(refusal.message + (f" ({detail})" if detail else ""))
+
+
+class BudgetLedger:
+    """Checks and records the spend of one cycle's scopes (thread-safe; one per process is enough).
+
+    Requests this ledger admitted but whose spend is not recorded yet count as in flight (by their `need`), so
+    threads of one process never overshoot together; other processes see them once recorded.
+    """
+
+    def __init__(self, repo: MetadataRepository, cycle_id: int, limits: BudgetLimits) -> None:
+        self.repo = repo
+        self.cycle_id = cycle_id
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = {}
+
+    def refusal(self, scopes: Sequence[str], need_tokens: int, *, extra_tokens: int = 0) -> Refusal | None:
+        """The first scope that refuses a request needing `need_tokens` (plus `extra_tokens` spent elsewhere but
+        not yet recorded), or None when every scope admits it."""
+        limited = self.limits.limited(scopes)
+        if not limited:
+            return None
+        spend = self.repo.budget_spend(self.cycle_id, limited)
+        for scope in limited:
+            token_limit, cost_limit, prefix = self.limits.for_scope(scope)
+            row = spend.get(scope)
+            tokens = (row.tokens if row else 0) + self._in_flight.get(scope, 0) + extra_tokens
+            cost = row.cost_usd if row else 0.0
+            if token_limit is not None and tokens + need_tokens > token_limit:
+                return Refusal(scope, f"{prefix}_tokens", token_limit, tokens, need_tokens, "tokens")
+            if cost_limit is not None and cost >= cost_limit:
+                return Refusal(scope, f"{prefix}_cost_usd", cost_limit, cost, 0.0, "USD")
+        return None
+
+    def check(self, scopes: Sequence[str], need_tokens: int) -> None:
+        """Raise `BudgetExhaustedError` when a scope refuses the request (see `refusal`)."""
+        refused = self.refusal(scopes, need_tokens)
+        if refused is not None:
+            raise BudgetExhaustedError(refused)
+
+    def try_admit(self, scopes: Sequence[str], need_tokens: int) -> Refusal | None:
+        """Check, and on success hold `need_tokens` as in flight in this process until `release`; the refusal
+        otherwise. Check and hold happen together: two threads here cannot both take the last tokens."""
+        limited = self.limits.limited(scopes)
+        with self._lock:
+            refused = self.refusal(limited, need_tokens)
+            if refused is None:
+                for scope in limited:
+                    self._in_flight[scope] = self._in_flight.get(scope, 0) + need_tokens
+        return refused
+
+    def release(self, scopes: Sequence[str], need_tokens: int) -> None:
+        """End the hold `try_admit` took (after the request's spend is recorded, or when it was not sent)."""
+        with self._lock:
+            for scope in self.limits.limited(scopes):
+                self._in_flight[scope] = self._in_flight.get(scope, 0) - need_tokens
+
+    @contextmanager
+    def admitted(self, scopes: Sequence[str], need_tokens: int) -> Iterator[None]:
+        """`try_admit` … `release` around a block (record the spend inside it); `BudgetExhaustedError` when refused."""
+        refused = self.try_admit(scopes, need_tokens)
+        if refused is not None:
+            raise BudgetExhaustedError(refused)
+        try:
+            yield
+        finally:
+            self.release(scopes, need_tokens)
+
+    def record(self, scopes: Sequence[str], *, tokens: int, cost_usd: float | None = None) -> None:
+        """Add what one request spent to every scope (all of them, limited or not: status and reports read it)."""
+        if tokens <= 0 and not cost_usd:
+            return
+        self.repo.add_budget_spend(self.cycle_id, scopes, tokens=max(tokens, 0), cost_usd=cost_usd or 0.0)
+
+    def exhausted(self, scopes: Sequence[str]) -> Refusal | None:
+        """A scope whose budget has no room for even one more token (used to stop scheduling new units)."""
+        return self.refusal(scopes, 1)
