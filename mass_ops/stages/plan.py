@@ -6,13 +6,14 @@ reference; arbitration calls only happen when two versions beat it). Window coun
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.errors import InputError
-from mass_ops.layout import next_generation_key
+from mass_ops.layout import next_generation_key, training_prefix
 from mass_ops.seeds import next_cycle_seed_base
 from mass_ops.train.lora_targets import lora_target_pattern
 
@@ -59,6 +60,91 @@ class ResourcePlan:
     reference_training_gpus: int
 
 
+# Without a measured throughput, a training step takes cost.estimate.DEFAULT_TRAIN_STEP_S (60 s): the plan's
+# tokens/s is the planned tokens of a step over that, so the plan and the cost estimate agree.
+DEFAULT_TRAIN_STEP_S = 60.0
+
+
+@dataclass(frozen=True)
+class TrainingTime:
+    """The training job's planned duration: tokens per optimizer step over tokens per second, for the configured
+    steps and GPUs. `source` says where tokens/s came from (the parent generation's cycle, or the default)."""
+
+    tokens_per_step: float
+    tokens_per_s: float
+    steps: int
+    gpus: int
+    source: str
+    measured_cycle: str | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.tokens_per_step / self.tokens_per_s
+
+    @property
+    def wall_clock_h(self) -> float:
+        return self.steps * self.step_s / 3600
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.wall_clock_h * self.gpus
+
+
+@dataclass(frozen=True)
+class MeasuredThroughput:
+    """Training throughput measured on a finished run: all tokens over all step time of its logged steps, and the
+    mean tokens of a window (what a step of another batch size would process)."""
+
+    cycle: str
+    run: str
+    steps: int
+    tokens_per_s: float
+    tokens_per_window: float
+
+
+def measured_throughput(cycle: str, run: str, rows: list[dict[str, Any]]) -> MeasuredThroughput | None:
+    """The throughput of a training log's step rows (those with `tokens_per_s`, `step_s` and `windows`); None when
+    no row has all three (a log written before the trainer recorded throughput)."""
+    tokens = seconds = 0.0
+    windows = steps = 0
+    for row in rows:
+        rate, step_s, count = row.get("tokens_per_s"), row.get("step_s"), row.get("windows")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (rate, step_s, count)):
+            continue
+        tokens += float(rate) * float(step_s)  # type: ignore[arg-type]
+        seconds += float(step_s)  # type: ignore[arg-type]
+        windows += int(count)  # type: ignore[call-overload]
+        steps += 1
+    if not steps or tokens <= 0:
+        return None
+    return MeasuredThroughput(cycle, run, steps, tokens / seconds, tokens / windows)
+
+
+def training_time(config: CycleConfig, measured: MeasuredThroughput | None) -> TrainingTime:
+    """The planned training duration: with a measurement, this config's windows per step × the measured tokens of
+    a window (at most `training.window`) over the measured tokens/s; else full windows over DEFAULT_TRAIN_STEP_S."""
+    t = config.training
+    windows = t.effective_windows_per_step
+    if measured is None:
+        tokens_per_step = float(windows * t.window)
+        return TrainingTime(
+            tokens_per_step,
+            tokens_per_step / DEFAULT_TRAIN_STEP_S,
+            t.steps,
+            t.replicas,
+            f"default: {DEFAULT_TRAIN_STEP_S:g} s per step (no finished training run of the parent generation's cycle)",
+        )
+    tokens_per_step = windows * min(measured.tokens_per_window, float(t.window))
+    return TrainingTime(
+        tokens_per_step,
+        measured.tokens_per_s,
+        t.steps,
+        t.replicas,
+        f"measured on cycle {measured.cycle} (run {measured.run}, {measured.steps} logged steps)",
+        measured_cycle=measured.cycle,
+    )
+
+
 @dataclass(frozen=True)
 class CyclePlan:
     """Everything `mass-ops plan` reports."""
@@ -72,6 +158,7 @@ class CyclePlan:
     totals: dict[str, int] = field(default_factory=dict)
     # The regex of the modules LoRA adapts (MASS_SPEC §8: the reference's set on any Qwen3-family model).
     lora_target_pattern: str = ""
+    training_time: TrainingTime | None = None
 
     def as_dict(self) -> dict:
         """Plain data for JSON output."""
@@ -101,8 +188,9 @@ def count_checkpoints(steps: int, save_every: int) -> int:
     return len(set(range(save_every, steps + 1, save_every)) | {steps})
 
 
-def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
-    """Compute the plan of one cycle from its config."""
+def build_plan(config: CycleConfig, training_command: list[str], *, lineage: bool = True) -> CyclePlan:
+    """Compute the plan of one cycle from its config; with `lineage`, the training time uses the tokens/s measured
+    on the parent generation's cycle when this config's metadata store holds its finished training run."""
     tasks = config.tasks
     search_tasks = list(tasks.train_candidates)
     versions = config.search.iterations + 1
@@ -126,6 +214,7 @@ def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
     external = pairs * len(config.evaluation.judges) * len(config.evaluation.judge_seeds)
 
     per_task = sorted(set(comparisons_per_task.values()))
+    timing = training_time(config, parent_training_throughput(config) if lineage else None)
     stages = [
         StagePlan("validate_config", {"config_hash": config.config_hash()[:16]}),
         StagePlan("inference_up", {"served_name": config.models.served_name, "backend": config.inference.backend}),
@@ -164,6 +253,11 @@ def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
                 "windows_drawn": t.steps * windows_per_step,
                 "validations": count_validations(t.steps, t.val_every, t.val_at_start),
                 "checkpoints": count_checkpoints(t.steps, t.save_every),
+                "tokens_per_step": round(timing.tokens_per_step),
+                "tokens_per_s": round(timing.tokens_per_s),
+                "wall_clock_h": f"{timing.wall_clock_h:.2f}",
+                "gpu_hours": f"{timing.gpu_hours:.2f}",
+                "throughput": timing.source,
             },
         ),
         StagePlan("select_checkpoint", {"criterion": "minimum validation loss, step 0 excluded"}),
@@ -207,6 +301,7 @@ def build_plan(config: CycleConfig, training_command: list[str]) -> CyclePlan:
         resources=resources,
         totals=totals,
         lora_target_pattern=lora_target_pattern(config.training.lora_target_modules),
+        training_time=timing,
     )
 
 
@@ -306,6 +401,8 @@ def cycle_estimate(config: CycleConfig, plan: CyclePlan, *, lineage: bool = True
     parent_name = None
     if lineage:
         measured, step_s, parent_name = _lineage_figures(config)
+        if plan.training_time is not None and plan.training_time.measured_cycle is not None:
+            step_s = plan.training_time.step_s  # the parent's tokens/s at this config's tokens per step
     capacity = Capacity(
         concurrency=config.inference.max_concurrent_requests,
         server_gpus=config.inference.server.gpus,
@@ -350,3 +447,48 @@ def _lineage_figures(config: CycleConfig) -> tuple[dict, float | None, str | Non
         )
     except (SQLAlchemyError, StorageError, OSError):
         return {}, None, None
+
+
+def parent_training_throughput(config: CycleConfig) -> MeasuredThroughput | None:
+    """The throughput logged by the finished training run of the parent generation's cycle (the cycle that
+    registered L(generation)), read from this config's stores; None when there is none or a store cannot be read
+    (`plan` works offline, and never creates an SQLite file)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from mass_ops.cost.lineage import parent_cycle
+    from mass_ops.stages.common import TRAINING_RUN_KEY
+    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.errors import StorageError
+    from mass_ops.store.repository import MetadataRepository
+    from mass_ops.store.schema import RunStatus, TrainingRun
+    from mass_ops.train.checkpoints import log_rows
+
+    url = config.storage.metadata_url
+    if url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(url).database
+        if not database or not Path(database).is_file():
+            return None
+    try:
+        repo = MetadataRepository.from_url(url)
+        parent = parent_cycle(repo, config.generation)
+        if parent is None:
+            return None
+        with repo.store.read() as session:
+            run = session.query(TrainingRun).filter_by(cycle_id=parent.id, key=TRAINING_RUN_KEY).one_or_none()
+        if run is None or run.status != RunStatus.SUCCEEDED:
+            return None
+        artifacts = open_artifact_store(config.storage.artifact_url)
+        keys = [f"{training_prefix(parent.name)}/{run.key}/train_log.jsonl"]
+        if run.log_uri:
+            with contextlib.suppress(ValueError):
+                key = artifacts.key_of(run.log_uri)
+                keys.insert(0, key if key.endswith(".jsonl") else f"{key.rstrip('/')}/train_log.jsonl")
+        for key in keys:
+            if artifacts.exists(key):
+                text = artifacts.get_bytes(key).decode("utf-8", errors="replace")
+                return measured_throughput(parent.name, run.key, log_rows(text, key, strict=False))
+        return None
+    except (SQLAlchemyError, StorageError, OSError):
+        return None
