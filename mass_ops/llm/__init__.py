@@ -290,6 +290,11 @@ class ChatResult:
     provider: str | None = None
     response_id: str | None = None
 
+    @property
+    def cached_prompt_tokens(self) -> int | None:
+        """Prompt tokens the server served from its prompt cache, where it reports them."""
+        return cached_prompt_tokens(self.usage)
+
 
 @dataclass(frozen=True)
 class CallRecord:
@@ -308,6 +313,20 @@ class CallRecord:
     request: dict[str, Any]
     response: dict[str, Any] | None
     error: str | None = None
+
+
+class CallGate(Protocol):
+    """Admits a call before it is sent (budgets): returns a release to call once the call has ended, or raises
+    (e.g. `mass_ops.store.budgets.BudgetExhaustedError`) so that nothing is sent."""
+
+    def admit(self, purpose: str, need_tokens: int) -> Callable[[], None]: ...
+
+
+def cached_prompt_tokens(usage: dict[str, Any] | None) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` (prompt-cache hits) where the server reports it, else None."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
 class CallRecorder(Protocol):
@@ -385,6 +404,10 @@ class LLMClient:
         self.endpoint = endpoint
         self.retry = retry or RetryPolicy()
         self.recorder = recorder
+        # Budgets: `gate` admits every call before it is sent; `budget_limits` are the cycle's limits that
+        # `llm.calls.open_client` attaches for the `CallLedger` that binds this client.
+        self.gate: CallGate | None = None
+        self.budget_limits: Any = None
         self._sleep = sleep
         import httpx  # deferred with the SDK; imported here, once, because a first import racing in threads fails
         import openai  # deferred: the SDK takes seconds to import and DAG files must parse fast
@@ -517,6 +540,26 @@ class LLMClient:
             )
         request = self.build_request(system, user, sampling, json_mode, schema)
         sdk = self._sdk()
+        release = None
+        if self.gate is not None:  # after every local check, before the network: a refused call sends nothing
+            release = self.gate.admit(purpose, estimate_input_tokens(system, user) + (sampling.max_tokens or 0))
+        try:
+            return self._chat(sdk, request, purpose=purpose, sampling=sampling, json_mode=json_mode)
+        finally:
+            if release is not None:
+                release()
+
+    def _chat(
+        self,
+        sdk: openai.OpenAI,
+        request: dict[str, Any],
+        *,
+        purpose: str,
+        sampling: SamplingParams,
+        json_mode: JsonMode | None,
+    ) -> ChatResult:
+        """`chat` from the first request on (retries, fallback, recording, output validation)."""
+        e = self.endpoint
         started = time.monotonic()
         attempts = 0
         fallback_used = False

@@ -6,6 +6,12 @@ to the artifact store under `layout.llm_call_prefix` first, then one `llm_calls`
 ledger for a finished attempt and reuses its stored answer instead of calling the model again, so a crash between
 the call and the record that consumes it (a comparison, a workflow version) never costs a second call.
 
+Budgets (ISSUE #15.2): the ledger is also the client's `CallGate`. Before each call it checks the cycle's shared
+budget ledger (`mass_ops.store.budgets`, scopes `in_loop`, `cycle` and the call's task) with the call's prompt
+estimate plus its max tokens, and refuses with `BudgetExhaustedError` (one line: which budget, how to raise it) before
+anything is sent; each answer's usage is added to those scopes as soon as it arrives. A reused answer costs nothing
+and checks nothing, so a rerun after raising a budget continues where it stopped.
+
 Nothing secret is stored: the recorded request is what `LLMClient.build_request` sends (model, messages, sampling),
 and endpoints refuse URLs with credentials.
 """
@@ -13,7 +19,7 @@ and endpoints refuse URLs with credentials.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,8 +27,24 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.layout import llm_call_prefix
-from mass_ops.llm import CallRecord, LLMClient, LLMEndpoint, LLMOutputError, RetryPolicy, SamplingParams
+from mass_ops.llm import (
+    CallRecord,
+    LLMClient,
+    LLMEndpoint,
+    LLMOutputError,
+    RetryPolicy,
+    SamplingParams,
+    cached_prompt_tokens,
+)
 from mass_ops.store.artifacts import ArtifactStore
+from mass_ops.store.budgets import (
+    CYCLE_SCOPE,
+    IN_LOOP_SCOPE,
+    BudgetExhaustedError,
+    BudgetLedger,
+    BudgetLimits,
+    task_scope,
+)
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import CallPurpose, CallStatus, LLMCall
 
@@ -67,8 +89,11 @@ def in_loop_sampling(config: CycleConfig, seed: int | None) -> SamplingParams:
 
 
 def open_client(config: CycleConfig, *, retry: RetryPolicy | None = None) -> LLMClient:
-    """A client for the cycle's endpoint; close it (or use it as a context manager) when done."""
-    return LLMClient(endpoint_from_config(config), retry=retry)
+    """A client for the cycle's endpoint, carrying the cycle's budgets for the `CallLedger` that binds it; close it
+    (or use it as a context manager) when done."""
+    client = LLMClient(endpoint_from_config(config), retry=retry)
+    client.budget_limits = BudgetLimits.from_mapping(config.budgets.model_dump())
+    return client
 
 
 @dataclass(frozen=True)
@@ -128,16 +153,55 @@ class CallLedger:
     a context variable set by `attempt()`, so one client can serve many threads.
     """
 
-    def __init__(self, repo: MetadataRepository, artifacts: ArtifactStore, cycle_id: int, cycle_name: str) -> None:
+    def __init__(
+        self,
+        repo: MetadataRepository,
+        artifacts: ArtifactStore,
+        cycle_id: int,
+        cycle_name: str,
+        *,
+        limits: BudgetLimits | None = None,
+    ) -> None:
         self.repo = repo
         self.artifacts = artifacts
         self.cycle_id = cycle_id
         self.cycle_name = cycle_name
+        self.budgets: BudgetLedger | None = None
+        if limits is not None:
+            self.set_limits(limits)
+
+    def set_limits(self, limits: BudgetLimits) -> None:
+        """Check every call against `limits` (kept: the first limits set win, one ledger per cycle process)."""
+        if self.budgets is None and limits.any:
+            self.budgets = BudgetLedger(self.repo, self.cycle_id, limits)
 
     def bind(self, client: LLMClient) -> LLMClient:
-        """Make this ledger the client's recorder (returns the client)."""
+        """Make this ledger the client's recorder and gate (returns the client); the budgets come from the client
+        (`open_client`) unless this ledger was given limits."""
         client.recorder = self
+        limits = getattr(client, "budget_limits", None)
+        if isinstance(limits, BudgetLimits):
+            self.set_limits(limits)
+        client.gate = self
         return client
+
+    def budget_scopes(self, unit: CallUnit | None) -> tuple[str, ...]:
+        """The budget scopes an in-loop call spends from: in-loop calls, the cycle, and its task when it has one."""
+        task = (task_scope(unit.task_id),) if unit is not None and unit.task_id is not None else ()
+        return (IN_LOOP_SCOPE, CYCLE_SCOPE, *task)
+
+    def admit(self, purpose: str, need_tokens: int) -> Callable[[], None]:
+        """`CallGate`: refuse (`BudgetExhaustedError`, nothing sent) when a budget has no room for the call."""
+        if self.budgets is None:
+            return _nothing
+        current = _current_attempt.get()
+        scopes = self.budget_scopes(current.unit if current is not None else None)
+        refused = self.budgets.try_admit(scopes, need_tokens)
+        if refused is not None:
+            what = current.unit.key if current is not None else purpose
+            raise BudgetExhaustedError(refused, f"in-loop call {what} not sent")
+        budgets = self.budgets
+        return lambda: budgets.release(scopes, need_tokens)
 
     def prompt_key(self, unit_key: str) -> str:
         return f"{llm_call_prefix(self.cycle_name, unit_key)}/{PROMPT_FILE}"
@@ -208,6 +272,11 @@ class CallLedger:
         if current is None:
             raise RuntimeError(f"LLM call {record.purpose!r} made outside CallLedger.attempt(); it would go unrecorded")
         current.record = record
+        if self.budgets is not None and record.usage:
+            # Spent as soon as it is answered, before the row: other processes see it at their next check.
+            usage = record.usage
+            tokens = sum(_int_or_none(usage.get(name)) or 0 for name in ("prompt_tokens", "completion_tokens"))
+            self.budgets.record(self.budget_scopes(current.unit), tokens=tokens, cost_usd=record.cost_usd)
 
     def _persist(self, current: CallAttempt, failure: str | None) -> None:
         record = current.record
@@ -269,7 +338,12 @@ class CallLedger:
             prompt_sha256=prompt_info.sha256,
             result_sha256=result_info.sha256,
             error=error,
+            cached_prompt_tokens=cached_prompt_tokens(usage),
         )
+
+
+def _nothing() -> None:
+    """The release of a call no budget holds anything for."""
 
 
 def _content(response: dict[str, Any] | None) -> str | None:

@@ -154,6 +154,8 @@ class BudgetLedger:
             if refused is None:
                 for scope in limited:
                     self._in_flight[scope] = self._in_flight.get(scope, 0) + need_tokens
+        if refused is not None and refused.unit == "tokens":
+            self.repo.note_budget_refusal(self.cycle_id, refused.scope, int(refused.need))
         return refused
 
     def release(self, scopes: Sequence[str], need_tokens: int) -> None:
@@ -180,5 +182,19 @@ class BudgetLedger:
         self.repo.add_budget_spend(self.cycle_id, scopes, tokens=max(tokens, 0), cost_usd=cost_usd or 0.0)
 
     def exhausted(self, scopes: Sequence[str]) -> Refusal | None:
-        """A scope whose budget has no room for even one more token (used to stop scheduling new units)."""
-        return self.refusal(scopes, 1)
+        """A scope that has no room for the request it last refused (in any process; with no refusal yet, for one
+        more token): what stops scheduling new units of that scope. Raising the limit clears it."""
+        limited = self.limits.limited(scopes)
+        if not limited:
+            return None
+        spend = self.repo.budget_spend(self.cycle_id, limited)
+        for scope in limited:
+            token_limit, cost_limit, prefix = self.limits.for_scope(scope)
+            row = spend.get(scope)
+            tokens, cost = (row.tokens, row.cost_usd) if row else (0, 0.0)
+            need = (row.refused_need if row and row.refused_need else 0) or 1
+            if token_limit is not None and tokens + need > token_limit:
+                return Refusal(scope, f"{prefix}_tokens", token_limit, tokens, need, "tokens")
+            if cost_limit is not None and cost >= cost_limit:
+                return Refusal(scope, f"{prefix}_cost_usd", cost_limit, cost, 0.0, "USD")
+        return None

@@ -1139,6 +1139,16 @@ class MetadataRepository:
             for row in rows:  # one statement per scope: executemany of an upsert is not portable
                 connection.execute(statement, row)
 
+    def note_budget_refusal(self, cycle_id: int, scope: str, need: int) -> None:
+        """Remember that `scope` refused a request needing `need` tokens (its latest refusal)."""
+        insert = self._dialect_insert(BudgetSpend)
+        statement = insert.on_conflict_do_update(
+            index_elements=["cycle_id", "scope"], set_={"refused_need": insert.excluded.refused_need}
+        )
+        row = {"cycle_id": cycle_id, "scope": scope, "tokens": 0, "cost_usd": 0.0, "requests": 0}
+        with self.store.transaction() as connection:
+            connection.execute(statement, {**row, "refused_need": need, "updated_at": utcnow()})
+
     def budget_spend(self, cycle_id: int, scopes: Sequence[str] | None = None) -> dict[str, BudgetSpend]:
         """Spend so far per scope of a cycle (all scopes, or those among `scopes`; absent ones spent nothing)."""
         statement = sa.select(BudgetSpend).where(BudgetSpend.cycle_id == cycle_id)

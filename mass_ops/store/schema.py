@@ -544,3 +544,6 @@ class BudgetSpend(Base):
     cost_usd: Mapped[float] = mapped_column(sa.Float, default=0.0)
     requests: Mapped[int] = mapped_column(sa.BigInteger, default=0)
     updated_at: Mapped[datetime] = _created()
+    # need (tokens) of the latest request this scope refused: the scope stays exhausted while spent + this exceeds
+    # its limit, in every process, and no longer once the limit is raised
+    refused_need: Mapped[int | None] = mapped_column(sa.BigInteger)

@@ -48,6 +48,7 @@ def upgrade() -> None:
         sa.Column("cost_usd", sa.Float(), nullable=False),
         sa.Column("requests", sa.BigInteger(), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("refused_need", sa.BigInteger(), nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_budget_spend"),
         sa.ForeignKeyConstraint(
             ["cycle_id"], ["cycles.id"], name="fk_budget_spend_cycle_id_cycles", ondelete="CASCADE"

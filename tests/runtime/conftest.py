@@ -44,6 +44,7 @@ def episode_config(
     inference: dict[str, Any] | None = None,
     metadata_url: str | None = None,
     artifact_url: str | None = None,
+    budgets: dict[str, Any] | None = None,
     **runtime: Any,
 ) -> CycleConfig:
     """The demo preset pointed at `endpoint` and stores under `tmp`, with small budgets and the given runtime limits."""
@@ -61,6 +62,8 @@ def episode_config(
         }
     )
     data["runtime"] = {**data.get("runtime", {}), **runtime}
+    if budgets is not None:
+        data["budgets"] = budgets
     data["storage"] = {
         "metadata_url": metadata_url or migrated_sqlite(tmp / "metadata.db"),
         "artifact_url": artifact_url or str(tmp / "artifacts"),
