@@ -24,6 +24,7 @@ from typing import Any, Literal
 from mass_ops.evaluation.stats import wilson_interval
 from mass_ops.judge.prompts import JudgeOutputError, parse_verdict
 from mass_ops.llm.calls import CallLedger
+from mass_ops.store.artifacts import ArtifactNotFoundError
 from mass_ops.store.schema import CallStatus, LLMCall
 
 Outcome = Literal["A", "B", "tie"]
@@ -146,10 +147,15 @@ def _winner(parsed: Any) -> Outcome | None:
 
 
 def _stored_winner(ledger: CallLedger, row: LLMCall | None) -> Outcome | None:
-    """The verdict of a succeeded attempt as its stored answer holds it; None without one."""
+    """The verdict of a succeeded attempt as its stored answer holds it; None without one (or without its answer
+    document)."""
     if row is None:
         return None
-    return _winner(ledger.artifacts.get_json(ledger.result_key(row.unit_key)).get("parsed"))
+    try:
+        stored = ledger.artifacts.get_json(ledger.result_key(row.unit_key))
+    except ArtifactNotFoundError:
+        return None  # a row whose answer document is gone (deleted by hand): nothing to compare, not a crash
+    return _winner(stored.get("parsed") if isinstance(stored, dict) else None)
 
 
 def order_checks(ledger: CallLedger, calls: Iterable[LLMCall]) -> list[OrderCheck]:

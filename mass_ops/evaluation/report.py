@@ -34,8 +34,10 @@ from mass_ops.evaluation.agreement import Agreement
 from mass_ops.evaluation.benchmarks.mlr import MLR, summarize_mlr
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, TrialResult, recorded_trials, summarize_trials
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
+from mass_ops.evaluation.position_bias import FlipRate, flip_rates, order_checks
 from mass_ops.evaluation.stats import LedgerKeyError, PairwiseSummary, WinRate, format_rate, parse_ledger_key
-from mass_ops.layout import PAIRWISE_KIND, report_prefix, training_prefix
+from mass_ops.layout import PAIRWISE_KIND, episode_name, report_prefix, teacher_condition, training_prefix
+from mass_ops.llm.calls import CallLedger
 from mass_ops.prompts import shipped_prompts
 from mass_ops.search.champion import BASELINE_WIN, derive_champion
 from mass_ops.store.schema import CallStatus, Ledger, TrainingRun
@@ -46,7 +48,9 @@ FIGURES = (
     ("search_coverage", "Search coverage per task"),
     ("win_rate_by_generation", "Win rate by generation (95% intervals)"),
     ("judge_agreement", "Judge agreement by generation"),
+    ("ranking_scores", "Bradley–Terry score per trajectory (95% bootstrap intervals)"),
     ("loss_curves", "Training and validation loss"),
+    ("training_throughput", "Training throughput (tokens/s) and MFU"),
     ("tokens_cost", "Tokens and cost per stage"),
     ("wallclock_gpu", "Wall-clock and GPU-hours per stage"),
 )
@@ -162,6 +166,58 @@ class StageCost:
         return self.call_completion_tokens + self.agent_completion_tokens
 
 
+@dataclass(frozen=True)
+class RankedTrajectory:
+    """One teacher trajectory's Bradley–Terry result in its task's tournament."""
+
+    task: int
+    name: str
+    rank: int
+    score: float
+    ci_low: float | None
+    ci_high: float | None
+
+
+@dataclass(frozen=True)
+class ThroughputCurve:
+    """Per logged step of one training run: tokens/s (all ranks), supervised tokens/s, MFU (None when not
+    computed), and peak memory."""
+
+    run: str
+    tokens_per_s: list[tuple[int, float]]
+    supervised_tokens_per_s: list[tuple[int, float]]
+    mfu: list[tuple[int, float]]
+    peak_mem_gib: float | None
+
+    @property
+    def median_tokens_per_s(self) -> float | None:
+        return _median([v for _, v in self.tokens_per_s])
+
+
+@dataclass(frozen=True)
+class CacheShare:
+    """Prompt-cache hits of one stage: cached prompt tokens over the prompt tokens of the units (LLM calls and
+    agent episodes) whose server reported cached tokens; the others are counted, not guessed."""
+
+    stage: str
+    units: int
+    reporting: int
+    cached_tokens: int
+    prompt_tokens: int
+
+    @property
+    def share(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 @dataclass
 class ReportData:
     """Everything the report shows, gathered from the stores."""
@@ -185,6 +241,11 @@ class ReportData:
     efficiency: list[Efficiency] = field(default_factory=list)
     curves: list[LossCurve] = field(default_factory=list)
     stages: list[StageCost] = field(default_factory=list)
+    flip_rates: list[FlipRate] = field(default_factory=list)
+    position_bias_sample: float = 0.0
+    rankings: list[RankedTrajectory] = field(default_factory=list)
+    throughput: list[ThroughputCurve] = field(default_factory=list)
+    cache_shares: list[CacheShare] = field(default_factory=list)
 
     @property
     def own_evaluations(self) -> list[PairwiseEvaluation]:
@@ -546,6 +607,89 @@ def _stages(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[StageCost]:
     return stages
 
 
+def _flip_rates(ctx: CycleContext) -> list[FlipRate]:
+    """Flip rates per judging stage and judge, from the pairs the ledger holds in both presentations."""
+    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+    return flip_rates(order_checks(ledger, ctx.repo.llm_calls(ctx.cycle_id)))
+
+
+def _rankings(ctx: CycleContext) -> list[RankedTrajectory]:
+    """Every ranked trajectory of the cycle, by task then rank, named as the rank stage names them."""
+    seeds = {e.id: e.seed for e in ctx.repo.episodes(ctx.cycle_id, kind="collection")}
+    tasks = sorted({int(t) for t in ctx.config.tasks.train} | {int(t) for t in ctx.config.tasks.train_candidates})
+    rows = []
+    for task in tasks:
+        condition = teacher_condition(task, ctx.config.generation)
+        for row in sorted(ctx.repo.rankings(ctx.cycle_id, task), key=lambda r: r.rank):
+            seed = seeds.get(row.episode_id)
+            name = episode_name(condition, seed) if seed is not None else f"episode {row.episode_id}"
+            rows.append(RankedTrajectory(task, name, row.rank, row.score, row.ci_low, row.ci_high))
+    return rows
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if finite_number(value) else None
+
+
+def _throughput(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[ThroughputCurve]:
+    """The throughput fields the trainer logs per step (runs whose log has none are left out)."""
+    curves = []
+    for run in runs:
+        tokens, supervised, mfu, peaks = [], [], [], []
+        for row in _read_log_rows(ctx, run):
+            step = row.get("step")
+            if not isinstance(step, int) or "val_loss" in row:
+                continue
+            for name, series in (("tokens_per_s", tokens), ("supervised_tokens_per_s", supervised), ("mfu", mfu)):
+                value = _number(row.get(name))
+                if value is not None:
+                    series.append((step, value))
+            peak = _number(row.get("peak_mem_gib"))
+            if peak is not None:
+                peaks.append(peak)
+        if tokens:
+            curves.append(ThroughputCurve(run.key, tokens, supervised, mfu, max(peaks) if peaks else None))
+    return curves
+
+
+def _cached_tokens(row: Any, usage: Mapping[str, Any] | None) -> int | None:
+    """Cached prompt tokens of a call or episode: its own column when recorded, else the server's
+    ``usage.prompt_tokens_details.cached_tokens``; None when the server did not report any."""
+    value = getattr(row, "cached_prompt_tokens", None)
+    if value is None and isinstance(usage, Mapping):
+        details = usage.get("prompt_tokens_details")
+        value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _cache_shares(ctx: CycleContext) -> list[CacheShare]:
+    """Prompt-cache shares per stage; empty when no unit of the cycle reported cached tokens."""
+    units: dict[str, int] = defaultdict(int)
+    reporting: dict[str, int] = defaultdict(int)
+    cached: dict[str, int] = defaultdict(int)
+    prompt: dict[str, int] = defaultdict(int)
+
+    def add(stage: str, hits: int | None, prompt_tokens: int | None) -> None:
+        units[stage] += 1
+        if hits is not None and prompt_tokens:
+            reporting[stage] += 1
+            cached[stage] += hits
+            prompt[stage] += prompt_tokens
+
+    for call in ctx.repo.llm_calls(ctx.cycle_id):
+        stage = "evaluate" if call.unit_key.startswith("eval/") else CALL_STAGE.get(call.purpose, "evaluate")
+        add(stage, _cached_tokens(call, call.usage), call.prompt_tokens)
+    for episode in ctx.repo.episodes(ctx.cycle_id):
+        add(EPISODE_STAGE.get(episode.kind, episode.kind), _cached_tokens(episode, None), episode.prompt_tokens)
+    if not any(reporting.values()):
+        return []
+    order = {stage: i for i, stage in enumerate(STAGE_ORDER)}
+    return [
+        CacheShare(stage, units[stage], reporting[stage], cached[stage], prompt[stage])
+        for stage in sorted(units, key=lambda s: (order.get(s, len(order)), s))
+    ]
+
+
 def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> ReportData:
     """Gather the report's content from the stores."""
     config = ctx.config
@@ -571,6 +715,11 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
     runs = _training_runs(ctx)
     data.curves = _curves(ctx, runs)
     data.stages = _stages(ctx, runs)
+    data.flip_rates = _flip_rates(ctx)
+    data.position_bias_sample = config.judge.position_bias_sample
+    data.rankings = _rankings(ctx)
+    data.throughput = _throughput(ctx, runs)
+    data.cache_shares = _cache_shares(ctx)
     if not data.own_evaluations:
         data.notes.append("No pairwise evaluation of this cycle is recorded yet (rollouts → pairs → judges → summary).")
     return data
@@ -748,6 +897,66 @@ def _loss_figure(data: ReportData) -> Any:
     return figure
 
 
+def _ranking_figure(data: ReportData) -> Any:
+    """One panel per ranked task: each trajectory's Bradley–Terry score with its bootstrap interval, best on top."""
+    tasks = sorted({r.task for r in data.rankings})
+    columns = min(3, max(1, len(tasks)))
+    rows = max(1, -(-len(tasks) // columns))
+    per_panel = max((sum(1 for r in data.rankings if r.task == t) for t in tasks), default=1)
+    figure = _new_figure(3.4 * columns + 0.6, max(2.6, 0.22 * per_panel + 1.2) * rows)
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    if not tasks:
+        _empty(axes[0], "No ranking recorded")
+        return figure
+    for ax, task in zip(axes, tasks, strict=False):
+        ranked = sorted((r for r in data.rankings if r.task == task), key=lambda r: r.rank)
+        y = list(range(len(ranked)))[::-1]
+        scores = [r.score for r in ranked]
+        has_ci = [r.ci_low is not None and r.ci_high is not None for r in ranked]
+        lower = [r.score - r.ci_low if ok else 0.0 for r, ok in zip(ranked, has_ci, strict=True)]  # type: ignore[operator]
+        upper = [r.ci_high - r.score if ok else 0.0 for r, ok in zip(ranked, has_ci, strict=True)]  # type: ignore[operator]
+        ax.errorbar(scores, y, xerr=[lower, upper], fmt="o", color="#3d6f94", ecolor="#7aa6c2", capsize=2)
+        ax.set_yticks(y, [f"{r.rank}. {r.name}" for r in ranked], fontsize=7)
+        ax.axvline(0.0, color="#999999", linewidth=0.6)
+        ax.set_title(f"task {task}", fontsize=9)
+        ax.set_xlabel("Bradley–Terry score", fontsize=8)
+    for ax in axes[len(tasks) :]:
+        ax.set_axis_off()
+    return figure
+
+
+def _throughput_figure(data: ReportData) -> Any:
+    """Tokens/s (all tokens and supervised ones) per step, and MFU where the trainer computed it."""
+    figure = _new_figure(9.0, 3.6)
+    left, right = figure.subplots(1, 2)
+    if not data.throughput:
+        _empty(left, "No training throughput logged")
+        right.set_axis_off()
+        return figure
+    for curve in data.throughput:
+        left.plot(*zip(*curve.tokens_per_s, strict=True), label=f"{curve.run} tokens/s", linewidth=1.2)
+        if curve.supervised_tokens_per_s:
+            left.plot(
+                *zip(*curve.supervised_tokens_per_s, strict=True),
+                label=f"{curve.run} supervised tokens/s",
+                linewidth=1.0,
+                linestyle="--",
+            )
+    left.set_xlabel("optimizer step")
+    left.set_ylabel("tokens/s (all ranks)")
+    left.legend(fontsize=8)
+    with_mfu = [c for c in data.throughput if c.mfu]
+    if not with_mfu:
+        _empty(right, "MFU not computed (no architecture or no training.peak_tflops_per_gpu)")
+        return figure
+    for curve in with_mfu:
+        right.plot([s for s, _ in curve.mfu], [100 * v for _, v in curve.mfu], label=curve.run, linewidth=1.2)
+    right.set_xlabel("optimizer step")
+    right.set_ylabel("MFU (%)")
+    right.legend(fontsize=8)
+    return figure
+
+
 def _tokens_figure(data: ReportData) -> Any:
     stages = [s for s in data.stages if s.prompt_tokens or s.completion_tokens]
     figure = _new_figure(7.0, 3.8)
@@ -799,7 +1008,9 @@ FIGURE_BUILDERS: dict[str, Callable[[ReportData], Any]] = {
     "search_coverage": _coverage_figure,
     "win_rate_by_generation": _win_rate_figure,
     "judge_agreement": _agreement_figure,
+    "ranking_scores": _ranking_figure,
     "loss_curves": _loss_figure,
+    "training_throughput": _throughput_figure,
     "tokens_cost": _tokens_figure,
     "wallclock_gpu": _time_figure,
 }
@@ -928,6 +1139,9 @@ def build_blocks(data: ReportData) -> list[Block]:
         )
     )
 
+    blocks.extend(_position_bias_blocks(data))
+    blocks.extend(_ranking_blocks(data))
+
     blocks.append(Block("h2", "Pairwise evaluation (external judges)"))
     blocks.append(
         Block(
@@ -1029,6 +1243,7 @@ def build_blocks(data: ReportData) -> list[Block]:
         headers = ("run", "last logged step", "min validation loss", "selected step", "selected val loss")
         blocks.append(Block("table", headers=headers, rows=rows))
     blocks.append(Block("figure", "loss_curves"))
+    blocks.extend(_throughput_blocks(data))
 
     blocks.append(Block("h2", "Tokens and cost per stage"))
     if data.stages:
@@ -1046,6 +1261,7 @@ def build_blocks(data: ReportData) -> list[Block]:
         headers = ("stage", "LLM calls", "episodes", "prompt tokens", "completion tokens", "cost (reported)")
         blocks.append(Block("table", headers=headers, rows=rows))
     blocks.append(Block("figure", "tokens_cost"))
+    blocks.extend(_cache_blocks(data))
 
     blocks.append(Block("h2", "Wall-clock and GPU-hours per stage"))
     if data.stages:
@@ -1064,6 +1280,121 @@ def build_blocks(data: ReportData) -> list[Block]:
         )
     blocks.append(Block("figure", "wallclock_gpu"))
     return blocks
+
+
+def _interval(bounds: tuple[float, float] | None, digits: int = 2) -> str:
+    return "n/a" if bounds is None else f"[{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
+
+
+def _position_bias_blocks(data: ReportData) -> list[Block]:
+    """Flip rate per judge: how often the verdict changes when the two workspaces swap places."""
+    blocks = [Block("h2", "Judge position bias")]
+    if data.flip_rates:
+        rows = tuple(
+            (
+                r.stage,
+                r.judge,
+                str(r.checked),
+                str(r.flips),
+                _fmt(r.rate),
+                _interval(r.wilson),
+                str(r.reversals),
+                str(r.first_shown_won_twice),
+                str(r.unusable),
+            )
+            for r in data.flip_rates
+        )
+        headers = ("stage", "judge", "pairs in both orders", "flips", "flip rate", "Wilson 95%", "A/B reversals",
+                   "first shown won both", "invalid in an order")  # fmt: skip
+        blocks.append(Block("table", headers=headers, rows=rows))
+    else:
+        blocks.append(Block("p", "No pair was judged in both presentations (judge.position_bias_sample is "
+                                 f"{data.position_bias_sample:g} and swap-consistent judging is off)."))  # fmt: skip
+    blocks.append(
+        Block(
+            "p",
+            "A flip: the verdict changes when A and B swap places (the swapped verdict mapped back) — a reversal, or "
+            "a tie in one order and a winner in the other; a tie in both is consistent. Pairs with an invalid "
+            "verdict in either order are left out. The swapped call is a measurement (judge.position_bias_sample "
+            f"= {data.position_bias_sample:g} of the pairs, picked by a hash of the call key): the verdicts used for "
+            "RHI and ranking are the single forward calls, as in the reference.",
+        )
+    )
+    return blocks
+
+
+def _ranking_blocks(data: ReportData) -> list[Block]:
+    """Per task: the ranked trajectories and the best one's score with its bootstrap interval."""
+    blocks = [Block("h2", "Ranking (self-judged tournament, Bradley–Terry)")]
+    tasks = sorted({r.task for r in data.rankings})
+    if tasks:
+        rows = []
+        for task in tasks:
+            ranked = sorted((r for r in data.rankings if r.task == task), key=lambda r: r.rank)
+            best = ranked[0]
+            bounds = (best.ci_low, best.ci_high) if best.ci_low is not None and best.ci_high is not None else None
+            widths = [r.ci_high - r.ci_low for r in ranked if r.ci_low is not None and r.ci_high is not None]
+            rows.append(
+                (str(task), str(len(ranked)), best.name, _fmt(best.score), _interval(bounds), _fmt(_median(widths)))
+            )
+        headers = ("task", "trajectories", "rank 1", "score", "95% bootstrap", "median interval width")
+        blocks.append(Block("table", headers=headers, rows=tuple(rows)))
+    else:
+        blocks.append(Block("p", "No ranking is recorded for this cycle."))
+    blocks.append(Block("figure", "ranking_scores"))
+    return blocks
+
+
+def _throughput_blocks(data: ReportData) -> list[Block]:
+    """Median training throughput and MFU per run (the figure shows every logged step)."""
+    blocks: list[Block] = []
+    if data.throughput:
+        rows = tuple(
+            (
+                c.run,
+                str(len(c.tokens_per_s)),
+                _fmt(c.median_tokens_per_s, 0),
+                _fmt(_median([v for _, v in c.supervised_tokens_per_s]), 0),
+                "n/a" if not c.mfu else f"{100 * (_median([v for _, v in c.mfu]) or 0.0):.1f}%",
+                _fmt(c.peak_mem_gib, 2),
+            )
+            for c in data.throughput
+        )
+        headers = ("run", "logged steps", "median tokens/s", "median supervised tokens/s", "median MFU",
+                   "peak memory GiB (rank 0)")  # fmt: skip
+        blocks.append(Block("table", headers=headers, rows=rows))
+    blocks.append(Block("figure", "training_throughput"))
+    return blocks
+
+
+def _cache_blocks(data: ReportData) -> list[Block]:
+    """Prompt-cache hits per stage, when any server reported cached prompt tokens."""
+    if not data.cache_shares:
+        return []
+    rows = tuple(
+        (
+            c.stage,
+            f"{c.reporting}/{c.units}",
+            _int(c.cached_tokens),
+            _int(c.prompt_tokens),
+            "n/a" if c.share is None else f"{c.share:.1%}",
+        )
+        for c in data.cache_shares
+    )
+    return [
+        Block("h3", "Prompt-cache hits"),
+        Block(
+            "table",
+            headers=("stage", "units reporting", "cached prompt tokens", "their prompt tokens", "cached share"),
+            rows=rows,
+        ),
+        Block(
+            "p",
+            "Cached share = cached prompt tokens (usage.prompt_tokens_details.cached_tokens) over the prompt tokens "
+            "of the LLM calls and agent episodes whose server reported them; agents resend their context every "
+            "turn, so a falling share is a cost regression.",
+        ),
+    ]
 
 
 def _provenance_blocks(data: ReportData) -> list[Block]:

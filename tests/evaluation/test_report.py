@@ -19,6 +19,7 @@ from mass_ops.evaluation.report import FIGURES, collect_report_data
 from mass_ops.evaluation.stats import Judgment, summarize_judgments
 from mass_ops.layout import training_prefix
 from mass_ops.llm import RetryPolicy
+from mass_ops.llm.calls import CallLedger
 from mass_ops.stages.evaluate import (
     judge_pairs,
     pair_rollouts,
@@ -73,7 +74,11 @@ def populate_training(ctx: CycleContext) -> None:
     repo = ctx.repo
     run = repo.ensure_training_run(ctx.cycle_id, "sft", {"steps": 6})
     rows = [{"step": 0, "val_loss": 2.4, "val_tokens": 500}]
-    rows += [{"step": s, "loss": 2.5 - 0.2 * s, "lr": 1e-3} for s in range(1, 7)]
+    rows += [
+        {"step": s, "loss": 2.5 - 0.2 * s, "lr": 1e-3, "tokens_per_s": 900.0 + 20 * s, "step_s": 2.0, "windows": 3,
+         "supervised_tokens_per_s": 300.0 + 10 * s, "mfu": 0.30 + 0.01 * s, "peak_mem_gib": 1.25 + 0.05 * s}
+        for s in range(1, 7)
+    ]  # fmt: skip
     rows += [{"step": 3, "val_loss": 1.9, "val_tokens": 500}, {"step": 6, "val_loss": 2.0, "val_tokens": 500}]
     log = ctx.artifacts.put_bytes(f"{training_prefix(ctx.cycle_name)}/sft/train_log.jsonl",
                                   "".join(json.dumps(r) + "\n" for r in rows).encode())  # fmt: skip
@@ -83,6 +88,39 @@ def populate_training(ctx: CycleContext) -> None:
     for step, val in ((3, 1.9), (6, 2.0)):
         repo.record_checkpoint(run.id, step, uri=f"file:///ckpt/{step}", train_loss=2.5 - 0.2 * step, val_loss=val,
                                val_tokens=500)  # fmt: skip
+
+
+def record_answer(
+    ctx: CycleContext, key: str, winner: str | None, *, purpose: str = "self_judge", usage: dict | None = None
+) -> None:
+    """One judge attempt as the call ledger records it: the answer document, then the row (invalid: no answer)."""
+    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+    parsed = None if winner is None else {"winner": winner, "rationale": "because"}
+    ctx.artifacts.put_json(ledger.result_key(key), {"unit_key": key, "parsed": parsed})
+    ctx.repo.record_llm_call(ctx.cycle_id, key, purpose=purpose, model="m", task_id=51,
+                             status="invalid" if winner is None else "succeeded", usage=usage,
+                             prompt_tokens=(usage or {}).get("prompt_tokens"))  # fmt: skip
+
+
+def populate_position_bias(ctx: CycleContext) -> None:
+    """Ranking pairs judged in both orders (raw answers of the swapped call, before mapping back), and one
+    external judgment: 2 flips in 3 usable rank checks (one reversal that favoured the first-shown workspace, one
+    tie against a winner), one check with an invalid swapped answer; the external one is consistent."""
+    for pair, forward, swapped in (("p1", "A", "A"), ("p2", "B", "A"), ("p3", "tie", "B"), ("p4", "A", None)):
+        record_answer(ctx, f"task51/ranking/{pair}/a1", forward)
+        record_answer(ctx, f"task51/ranking/{pair}/swapped/a1", swapped)
+    record_answer(ctx, "task51/ranking/p5/a1", "A")  # not in the sample: no swapped call
+    record_answer(ctx, "eval/external/x1/gpt-judge/42/a1", "B", purpose="external_judge")
+    record_answer(ctx, "eval/external/x1/gpt-judge/42/swapped/a1", "A", purpose="external_judge")
+
+
+def populate_ranking(ctx: CycleContext) -> None:
+    """Task 51's four teacher trajectories with Bradley–Terry scores and bootstrap intervals."""
+    for candidate, (score, low, high) in enumerate(((0.9, 0.2, 1.6), (0.3, -0.4, 1.0), (-0.2, -0.9, 0.5),
+                                                    (-1.0, -1.8, -0.3))):  # fmt: skip
+        episode = ctx.repo.record_episode(ctx.cycle_id, task_id=51, kind="collection", seed=715100 + candidate,
+                                          candidate=candidate, status="succeeded")  # fmt: skip
+        ctx.repo.record_ranking(ctx.cycle_id, episode.id, score=score, rank=candidate + 1, ci_low=low, ci_high=high)
 
 
 def populate_evaluation(env: EvalEnv, ctx: CycleContext) -> None:
@@ -136,6 +174,8 @@ def test_report_renders_every_figure_and_section(eval_env):
     populate_training(ctx)
     populate_evaluation(eval_env, ctx)
     populate_benchmarks(ctx)
+    populate_ranking(ctx)
+    populate_position_bias(ctx)
     ctx.repo.record_llm_call(ctx.cycle_id, "eval/manual/a1", purpose="external_judge", model="gpt", cost_usd=0.42,
                              prompt_tokens=1000, completion_tokens=100)  # fmt: skip
 
@@ -315,3 +355,59 @@ def test_the_first_section_names_the_task_catalogue_and_the_prompt_templates(eva
     first_section = read(write_report(ctx)["markdown"]).decode().split("\n## ", 1)[0]
     assert f"Task catalogue: {imported.identity()} — imported from a folder named" in first_section
     assert f"({len(imported.provenance.files)} files, each SHA-256 recorded in the cycle row)" in first_section
+
+
+def test_position_bias_ranking_throughput_and_cache_sections(eval_env):
+    ctx = report_cycle(eval_env)
+    populate_training(ctx)
+    populate_ranking(ctx)
+    populate_position_bias(ctx)
+    # Prompt-cache hits: one rank call reports 600 of 1 000 prompt tokens cached; the others report nothing.
+    usage = {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 600}}
+    record_answer(ctx, "task51/ranking/p6/a1", "B", usage=usage)
+    data = collect_report_data(ctx)
+
+    rates = {(r.stage, r.judge): r for r in data.flip_rates}
+    rank = rates[("rank: self-judge", "m")]
+    assert (rank.checked, rank.flips, rank.reversals, rank.first_shown_won_twice, rank.unusable) == (3, 2, 1, 1, 1)
+    assert rank.wilson == pytest.approx((0.207660, 0.938508), abs=1e-6)
+    external = rates[("evaluate", "gpt-judge")]
+    assert (external.checked, external.flips) == (1, 0)
+    first = data.rankings[0]
+    assert (first.rank, first.name, first.score, first.ci_low, first.ci_high) == (1, "t51_L0_s715100", 0.9, 0.2, 1.6)
+    (curve,) = data.throughput
+    assert curve.median_tokens_per_s == pytest.approx(970.0) and curve.peak_mem_gib == pytest.approx(1.55)
+    assert curve.mfu[0] == (1, pytest.approx(0.31))
+    shares = {c.stage: c for c in data.cache_shares}
+    assert (shares["rank"].reporting, shares["rank"].units, shares["rank"].share) == (1, 10, 0.6)
+
+    markdown = read(write_report(ctx)["markdown"]).decode()
+    assert "## Judge position bias" in markdown
+    assert "| rank: self-judge | m | 3 | 2 | 0.667 | [0.21, 0.94] | 1 | 1 | 1 |" in markdown
+    assert "| evaluate | gpt-judge | 1 | 0 | 0.000 | [0.00, 0.79] | 0 | 0 | 0 |" in markdown
+    assert "| 51 | 4 | t51_L0_s715100 | 0.900 | [0.20, 1.60] | 1.400 |" in markdown
+    assert "](figures/ranking_scores.png)" in markdown and "](figures/training_throughput.png)" in markdown
+    assert "| sft | 6 | 970 | 335 | 33.5% | 1.55 |" in markdown
+    assert "| rank | 1/10 | 600 | 1,000 | 60.0% |" in markdown
+
+
+def test_the_ranking_and_throughput_figures_draw_intervals_and_mfu():
+    from mass_ops.evaluation import report
+
+    data = report.ReportData(
+        cycle="c", preset="demo", generation=0, served_model="m", config_hash="h", generated_at="now",
+        rankings=[report.RankedTrajectory(51, "a", 1, 0.5, 0.1, 0.9), report.RankedTrajectory(51, "b", 2, -0.5, None,
+                                                                                             None)],
+        throughput=[report.ThroughputCurve("sft", [(1, 900.0), (2, 950.0)], [(1, 300.0)], [], None)],
+    )  # fmt: skip
+    [ranking] = report.FIGURE_BUILDERS["ranking_scores"](data).axes
+    (bars,) = ranking.containers  # one error-bar container: scores with their intervals
+    labels = [label.get_text() for label in ranking.get_yticklabels()]
+    assert dict(zip(ranking.get_yticks(), labels, strict=True)) == {1: "1. a", 0: "2. b"}  # rank 1 on top
+    segments = bars.lines[2][0].get_segments()
+    assert [tuple(s[:, 0]) for s in segments] == [pytest.approx((0.1, 0.9)), pytest.approx((-0.5, -0.5))]
+    left, right = report.FIGURE_BUILDERS["training_throughput"](data).axes
+    assert len(left.lines) == 2
+    assert [t.get_text() for t in right.texts] == [
+        "MFU not computed (no architecture or no training.peak_tflops_per_gpu)"
+    ]
