@@ -299,6 +299,7 @@ def inner_loop_config(
     train_ranks: int = 2,
     opponents: int = 2,
     require_beats_reference: bool = True,
+    position_bias_sample: float = 0.0,
     **search: Any,
 ) -> CycleConfig:
     """The demo preset shrunk to the inner-loop test budgets, pointed at a policy server and the given stores."""
@@ -321,6 +322,9 @@ def inner_loop_config(
         require_beats_reference=require_beats_reference,
     )
     data["ranking"].update(opponents_per_episode=opponents, bootstrap_samples=50)
+    # The demo measures judge position bias with extra swapped calls; inner-loop tests count calls exactly, as the
+    # paper preset makes them, unless they ask for the sample.
+    data.setdefault("judge", {})["position_bias_sample"] = position_bias_sample
     data["storage"] = {"metadata_url": metadata_url, "artifact_url": artifact_url}
     return validate_config(data)
 
