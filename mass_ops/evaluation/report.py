@@ -913,8 +913,10 @@ def _ranking_figure(data: ReportData) -> Any:
         y = list(range(len(ranked)))[::-1]
         scores = [r.score for r in ranked]
         has_ci = [r.ci_low is not None and r.ci_high is not None for r in ranked]
-        lower = [r.score - r.ci_low if ok else 0.0 for r, ok in zip(ranked, has_ci, strict=True)]  # type: ignore[operator]
-        upper = [r.ci_high - r.score if ok else 0.0 for r, ok in zip(ranked, has_ci, strict=True)]  # type: ignore[operator]
+        # A bootstrap percentile interval need not contain the point estimate (a fit on all matches can lie outside
+        # the resampled fits' range, e.g. when every verdict is a tie): draw the interval's side that exists.
+        lower = [max(0.0, r.score - r.ci_low) if ok else 0.0 for r, ok in zip(ranked, has_ci, strict=True)]  # type: ignore[operator]
+        upper = [max(0.0, r.ci_high - r.score) if ok else 0.0 for r, ok in zip(ranked, has_ci, strict=True)]  # type: ignore[operator]
         ax.errorbar(scores, y, xerr=[lower, upper], fmt="o", color="#3d6f94", ecolor="#7aa6c2", capsize=2)
         ax.set_yticks(y, [f"{r.rank}. {r.name}" for r in ranked], fontsize=7)
         ax.axvline(0.0, color="#999999", linewidth=0.6)

@@ -411,3 +411,21 @@ def test_the_ranking_and_throughput_figures_draw_intervals_and_mfu():
     assert [t.get_text() for t in right.texts] == [
         "MFU not computed (no architecture or no training.peak_tflops_per_gpu)"
     ]
+
+
+def test_the_ranking_figure_draws_an_interval_that_misses_its_score():
+    """A bootstrap percentile interval may lie beside the full-data score (all ties, a lopsided resample): the figure
+    draws the side that exists instead of failing the report (matplotlib refuses negative error bars)."""
+    from mass_ops.evaluation import report
+
+    data = report.ReportData(
+        cycle="c", preset="demo", generation=0, served_model="m", config_hash="h", generated_at="now",
+        rankings=[report.RankedTrajectory(51, "a", 1, 0.0, 0.2, 0.6), report.RankedTrajectory(51, "b", 2, 0.0, -0.6,
+                                                                                             -0.1)],
+    )  # fmt: skip
+    [ranking] = report.FIGURE_BUILDERS["ranking_scores"](data).axes
+    (bars,) = ranking.containers
+    assert [tuple(s[:, 0]) for s in bars.lines[2][0].get_segments()] == [
+        pytest.approx((0.0, 0.6)),
+        pytest.approx((-0.6, 0.0)),
+    ]
