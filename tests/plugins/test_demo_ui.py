@@ -155,6 +155,54 @@ def test_standalone_command_uses_this_environments_airflow():
 # --- login ------------------------------------------------------------------------------------------------------
 
 
+def test_the_password_file_is_not_written_through_a_planted_link(tmp_path):
+    """The staging file's name is unpredictable and created exclusively: a link planted at the old guessable name
+    (`.<file>.<pid>.tmp`) neither receives the secret nor redirects the write."""
+    ui = DemoUi(home=tmp_path / "airflow")
+    ui.home.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    planted = ui.passwords_file.with_name(f".{ui.passwords_file.name}.{os.getpid()}.tmp")
+    planted.symlink_to(victim)
+    password = demo_ui.ensure_password(ui)
+    assert victim.read_text() == "untouched" and password not in victim.read_text()
+    assert not ui.passwords_file.is_symlink() and ui.passwords_file.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in ui.home.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()] == []
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} write them) of sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_airflow_log_servers_of_the_ui_listen_on_loopback_only(tmp_path):
+    """Airflow's log server binds every interface; under the UI's environment it binds 127.0.0.1."""
+    port = _free_port()
+    ui = DemoUi(home=tmp_path / "airflow")
+    env = demo_ui.ui_environment(ui, dict(os.environ))
+    code = f"from airflow.utils.serve_logs import serve_logs; serve_logs({port})"
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening_addresses(port):
+            if server.poll() is not None:
+                pytest.fail(f"the log server exited {server.returncode}: {server.stderr.read().decode()[-500:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("the log server did not listen within 60 s")
+            time.sleep(0.2)
+        assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1 only, no 0.0.0.0 / :: socket
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def test_password_is_generated_once_into_a_private_file_and_never_into_the_environment(tmp_path):
     ui = DemoUi(home=tmp_path / "airflow")
     password = demo_ui.ensure_password(ui)

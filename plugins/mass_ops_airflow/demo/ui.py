@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,6 +44,7 @@ from mass_ops.config import CycleConfig
 from mass_ops_airflow.demo.airflow_home import CYCLE_DAG_ID, DEMO_AIRFLOW_HOME, airflow_environment
 
 HOST = "127.0.0.1"
+LOOPBACK_SITE = Path(__file__).resolve().with_name("site")
 DEFAULT_PORT = 8080
 ADMIN_USER = "admin"
 PASSWORDS_FILE = "simple_auth_manager_passwords.json"
@@ -93,6 +95,11 @@ def ui_environment(ui: DemoUi, base: Mapping[str, str]) -> dict[str, str]:
     """The environment of `airflow standalone`: `base` plus the demo's Airflow home, API address, login and form."""
     env = {k: v for k, v in base.items() if k not in FOREIGN_VARIABLES}
     env.update(airflow_environment(ui.home))
+    # Airflow's log servers listen on every interface and have no address setting: an interpreter hook (site/)
+    # binds them to 127.0.0.1 in every process standalone starts. Last on the path, so that a caller's own
+    # sitecustomize (a test's stand-in) comes first; such a hook must install the loopback hook itself.
+    paths = [*filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), str(LOOPBACK_SITE)]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     # standalone starts its components as `airflow <component>` from PATH: the venv's script must come first.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), base.get("PATH") or os.defpath])
     env.update(
@@ -128,13 +135,18 @@ def check_port_free(port: int, host: str = HOST) -> None:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, readable by the owner only."""
+    """Write `text` to `path` atomically, readable by the owner only. The staging file gets an unpredictable name and
+    is created exclusively with mode 0600 (`mkstemp`), so nothing planted under a guessable name is written through
+    and the secret is never readable by others, not even for a moment."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(temp, path)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 def read_passwords(ui: DemoUi) -> dict[str, str]:
