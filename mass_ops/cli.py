@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -434,6 +434,16 @@ def rank(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOpt
     _stage("ranking", lambda: stages.rank(cfg, tasks))
 
 
+@app.command("inner-loop")
+def inner_loop(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
+    """Search, collection and ranking per task, pipelined: a task collects as soon as its own search is done and
+    ranks as soon as its own collection is; selection follows with `select`."""
+    from mass_ops.stages import api as stages
+
+    cfg = resolve_config(config, set_)
+    _stage("inner loop", lambda: stages.inner_loop(cfg, tasks))
+
+
 @app.command("select")
 def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Ranks 1..train_ranks to training, validation_rank to validation."""
@@ -497,6 +507,139 @@ def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
 
     cfg = resolve_config(config, set_)
     _stage("report", lambda: [stages.report(cfg)])
+
+
+CycleArgument = Annotated[str, typer.Argument(help="Cycle name, as recorded in the metadata store.")]
+
+
+@app.command("status")
+def status_cmd(
+    cycle: CycleArgument,
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    watch: Annotated[
+        float | None,
+        typer.Option(
+            "--watch",
+            flag_value=10.0,
+            is_flag=False,
+            min=0.5,
+            help="Refresh every SECONDS (default 10) until Ctrl-C or --watch-count.",
+        ),
+    ] = None,
+    watch_count: Annotated[int | None, typer.Option("--watch-count", min=1, help="Stop after N refreshes.")] = None,
+) -> None:
+    """Where a cycle stands, from the metadata store only (CLI and Airflow runs alike): per stage units planned /
+    done / failed / budget-stopped / pending, tokens and cost against budgets, elapsed and ETA."""
+    import time
+
+    from mass_ops.stages.status import cycle_status
+
+    cfg = resolve_config(config, set_)
+    shown = 0
+    try:
+        while True:
+            try:
+                current = cycle_status(cfg, cycle)
+            except HANDLED as exc:
+                raise failure("status", exc, resume_hint="check the store and the cycle name") from None
+            if as_json:
+                sys.stdout.write(json.dumps(current.as_dict()) + "\n")
+            else:
+                print_status(current)
+            shown += 1
+            if watch is None or (watch_count is not None and shown >= watch_count):
+                return
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def print_status(current: Any) -> None:
+    """A `stages.status.CycleStatus` as tables: stages, then budgets."""
+    console.rule(
+        f"cycle {current.cycle} ({current.cycle_status}): elapsed {_duration(current.elapsed_s)}, "
+        f"ETA of started stages {_duration(current.eta_s)}"
+    )
+    table = Table(title="Stages")
+    for column in ("stage", "planned", "done", "failed", "budget", "pending", "tokens", "USD", "elapsed", "ETA"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for s in current.stages:
+        if not s.started and not s.planned:
+            continue
+        table.add_row(
+            s.stage + ("" if s.started else " (not started)"), str(s.planned), str(s.done), str(s.failed),
+            str(s.budget_exhausted), str(s.pending), f"{s.tokens:,}", f"{s.cost_usd:,.2f}", _duration(s.elapsed_s),
+            _duration(s.eta_s),
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"pending = in flight or not started: {current.in_flight_note}", markup=False, soft_wrap=True)
+    for s in current.stages:
+        if s.note:
+            console.print(f"{s.stage}: {s.note}", markup=False)
+    broken = [u for u in current.units if u.state in ("failed", "budget_exhausted")]
+    for unit in broken:
+        console.print(f"{unit.stage}: {unit.key} {unit.state} ({unit.detail})", markup=False)
+    budgets = Table(title=f"Budgets (limits from {current.budgets_from}; spend from the ledger)")
+    for column in ("scope", "tokens", "token limit", "USD", "USD limit", "requests", "exhausted"):
+        budgets.add_column(column, justify="left" if column == "scope" else "right")
+    for b in current.budgets:
+        budgets.add_row(
+            b.scope, f"{b.tokens:,}", "none" if b.token_limit is None else f"{b.token_limit:,}", f"{b.cost_usd:,.4f}",
+            "none" if b.cost_limit is None else f"{b.cost_limit:,.2f}", str(b.requests), "yes" if b.exhausted else "no",
+        )  # fmt: skip
+    if current.budgets:
+        console.print(budgets)
+    else:
+        console.print("budgets: no spend recorded in the ledger yet", markup=False)
+    console.print(f"total: {current.tokens:,} tokens, {current.cost_usd:,.2f} USD", markup=False)
+
+
+@app.command("repair")
+def repair_cmd(
+    cycle: CycleArgument,
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what is missing or failed and the commands; change nothing.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    dag_run_id: Annotated[
+        str | None, typer.Option("--dag-run-id", help="The Airflow run of the cycle, for the REST call.")
+    ] = None,
+) -> None:
+    """List the missing or failed units of a cycle per stage, the Airflow clear (REST and CLI) and the mass-ops
+    commands that redo them; without --dry-run, run those stages (each redoes only its missing units)."""
+    from mass_ops.stages.repair import plan_repair, run_repair
+
+    cfg = resolve_config(config, set_)
+    config_args = ["--config", config, *(arg for value in set_ or [] for arg in ("--set", value))]
+    try:
+        plan = plan_repair(cfg, cycle)
+    except HANDLED as exc:
+        raise failure("repair", exc, resume_hint="check the store and the cycle name") from None
+    if as_json:
+        sys.stdout.write(json.dumps(plan.as_dict(config_args, dag_run_id)) + "\n")
+    else:
+        for line in plan.lines(config_args, dag_run_id):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if dry_run or plan.nothing_to_repair:
+        return
+    try:
+        rows = run_repair(cfg, plan)
+    except HANDLED as exc:
+        raise failure("repair", exc) from None
+    for row in rows:
+        console.print(f"repaired {row['stage']}: {row['units']} unit(s) redone", markup=False)
 
 
 STAGE_NAMES = ("validate_config", "render", "train", "select_checkpoint", "export", "register", "report")

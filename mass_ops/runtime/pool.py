@@ -10,8 +10,11 @@ For each request the pool reads the unit's recorded attempts first (ARCHITECTURE
 
 Capacity: at most `inference.max_concurrent_requests` attempts use the endpoint at once (its capacity; an attempt
 holds one slot from its preflight until its agent and proxy have stopped — publishing artifacts and the row happen
-after the slot is freed, since they do not load the endpoint). Fairness: when a slot frees, it goes to the task with
-the fewest running episodes, then the fewest started so far, so a task with 18 candidates cannot starve one with 2.
+after the slot is freed, since they do not load the endpoint). Priority and fairness: when a slot frees, it goes to
+the waiting episode on the longest remaining chain of its task (`chain_priority`: an early search version before a
+late one, any search before collection — a task's search chain is the cycle's critical path, so another task's
+collection must not delay it, ISSUE #17.2); among equals, to the task with the fewest running episodes, then the
+fewest started so far, so a task with 18 candidates cannot starve one with 2.
 Capacity and fairness hold across concurrent `run()` calls too (the RHI search calls `run()` from one thread per
 task): every call is scheduled on the pool's one event loop.
 
@@ -129,8 +132,17 @@ class PoolEvent:
     duration_s: float | None = None
 
 
+def chain_priority(unit: EpisodeUnit, iterations: int) -> int:
+    """How many phases of its task's chain are left once `unit` is done (higher = more urgent): a search episode at
+    version k leaves the later versions, collection and ranking; a collection episode leaves ranking."""
+    if unit.kind in ("search", "reference"):
+        return 2 + max(0, iterations - (unit.version or 0))
+    return 1 if unit.kind == "collection" else 0
+
+
 class FairScheduler:
-    """`capacity` slots; waiting episodes are granted per task, fewest running first, then fewest started."""
+    """`capacity` slots; waiting episodes are granted highest priority first, then per task, fewest running first,
+    then fewest started."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -139,28 +151,29 @@ class FairScheduler:
         self.running: collections.Counter[int] = collections.Counter()
         self.started: collections.Counter[int] = collections.Counter()
         self.peak = 0
-        self._waiting: dict[int, collections.deque[asyncio.Future[None]]] = {}
-        self._arrival: dict[int, int] = {}
+        self._waiting: dict[tuple[int, int], collections.deque[asyncio.Future[None]]] = {}  # (task, priority)
+        self._arrival: dict[tuple[int, int], int] = {}
 
     @property
     def in_use(self) -> int:
         return sum(self.running.values())
 
-    async def acquire(self, task_id: int) -> None:
-        """Wait for a slot for an episode of `task_id` (cancellable)."""
+    async def acquire(self, task_id: int, priority: int = 0) -> None:
+        """Wait for a slot for an episode of `task_id` with `priority` (see `chain_priority`; cancellable)."""
         if self.in_use < self.capacity and not any(self._waiting.values()):
             self._grant(task_id)
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(task_id, collections.deque()).append(future)
-        self._arrival.setdefault(task_id, len(self._arrival))
+        queue_key = (task_id, priority)
+        self._waiting.setdefault(queue_key, collections.deque()).append(future)
+        self._arrival.setdefault(queue_key, len(self._arrival))
         try:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self.release(task_id)  # granted just before the cancellation landed: give the slot back
             else:
-                self._waiting[task_id].remove(future)
+                self._waiting[queue_key].remove(future)
             raise
 
     def release(self, task_id: int) -> None:
@@ -174,11 +187,11 @@ class FairScheduler:
 
     def _dispatch(self) -> None:
         while self.in_use < self.capacity:
-            ready = [task for task, queue in self._waiting.items() if queue]
+            ready = [key for key, queue in self._waiting.items() if queue]
             if not ready:
                 return
-            task = min(ready, key=lambda t: (self.running[t], self.started[t], self._arrival[t]))
-            future = self._waiting[task].popleft()
+            task, priority = min(ready, key=lambda k: (-k[1], self.running[k[0]], self.started[k[0]], self._arrival[k]))
+            future = self._waiting[(task, priority)].popleft()
             self._grant(task)
             future.set_result(None)
 
@@ -478,8 +491,9 @@ class EpisodePool:
         assert self._scheduler is not None
         task_id = request.unit.task_id
         scheduler = self._scheduler
+        priority = chain_priority(request.unit, self.ctx.config.search.iterations)
         for wait in range(self.preflight_waits + 1):
-            await scheduler.acquire(task_id)
+            await scheduler.acquire(task_id, priority)
             release = _releaser(scheduler, task_id)
             started = time.monotonic()
             try:

@@ -210,6 +210,17 @@ def rank(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[s
     return [jsonable(row) for row in run_rank(config, tasks)]
 
 
+def inner_loop(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Search → collection → ranking per task, pipelined: each task's next phase starts when its own previous phase
+    is done, every chain concurrently through one episode pool (ISSUE #17.2); one row per task. Selection follows
+    separately, once every task is ranked."""
+    from mass_ops.stages.inner_loop import run_inner_loop
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        return [jsonable(result.as_row()) for result in run_inner_loop(ctx, executor, tasks)]
+
+
 def select(config: CycleConfig) -> dict[str, Any]:
     """Ranks 1..train_ranks → training, validation_rank → validation, per eligible task."""
     from mass_ops.stages.rank import run_select
@@ -415,3 +426,24 @@ def next_cycle_overrides(config: CycleConfig) -> dict[str, Any]:
     from mass_ops.stages.plan import next_cycle_overrides as following
 
     return following(config)
+
+
+def status(config: CycleConfig, cycle: str | None = None) -> dict[str, Any]:
+    """Where `cycle` (default: the config's) stands, read from the metadata store only: per stage units planned /
+    done / failed / budget-stopped / pending, tokens and cost, budgets against the ledger, elapsed and ETA (see
+    `stages.status`)."""
+    from mass_ops.stages.status import cycle_status
+
+    return cycle_status(config, cycle or config.cycle_name).as_dict()
+
+
+def repair(config: CycleConfig, cycle: str | None = None, *, dry_run: bool = True) -> dict[str, Any]:
+    """The missing or failed units of `cycle` (default: the config's) per stage and the commands that redo them;
+    without `dry_run`, run the stage functions too (see `stages.repair`)."""
+    from mass_ops.stages.repair import plan_repair, run_repair
+
+    plan = plan_repair(config, cycle or config.cycle_name)
+    result = plan.as_dict()
+    if not dry_run and not plan.nothing_to_repair:
+        result["ran"] = [jsonable(row) for row in run_repair(config, plan)]
+    return result
