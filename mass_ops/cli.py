@@ -518,16 +518,9 @@ def status_cmd(
     config: ConfigOption = "paper",
     set_: SetOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    watch: Annotated[
-        float | None,
-        typer.Option(
-            "--watch",
-            flag_value=10.0,
-            is_flag=False,
-            min=0.5,
-            help="Refresh every SECONDS (default 10) until Ctrl-C or --watch-count.",
-        ),
-    ] = None,
+    # A flag plus --interval rather than an optional value (--watch [SECONDS]): Typer is dropping flag_value.
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C or --watch-count.")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.5, help="Seconds between refreshes.")] = 10.0,
     watch_count: Annotated[int | None, typer.Option("--watch-count", min=1, help="Stop after N refreshes.")] = None,
 ) -> None:
     """Where a cycle stands, from the metadata store only (CLI and Airflow runs alike): per stage units planned /
@@ -549,9 +542,9 @@ def status_cmd(
             else:
                 print_status(current)
             shown += 1
-            if watch is None or (watch_count is not None and shown >= watch_count):
+            if not watch or (watch_count is not None and shown >= watch_count):
                 return
-            time.sleep(watch)
+            time.sleep(interval)
     except KeyboardInterrupt:
         return
 

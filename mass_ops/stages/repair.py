@@ -1,0 +1,252 @@
+"""Repair a cycle: list exactly which units are missing or failed per stage, print the commands that redo them (the
+Airflow clear, as a REST call and as the `airflow tasks clear` command, and the equivalent `mass-ops` stage
+commands), and — unless it is a dry run — run the stage functions, which redo only what is missing.
+
+What counts (from `stages.status`): a stage needs repair when it has started (any record) and has units that are not
+done — failed on infrastructure, stopped by a budget, or not recorded. Stages that have not started are not a repair:
+they are the rest of the run, listed as such. A budget-stopped unit is redone only after its budget is raised
+(`budgets.*`: not part of the config hash, so the same cycle continues).
+
+Make sure the cycle is not running while repairing it: a unit in flight cannot be told from a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mass_ops.config import CycleConfig
+from mass_ops.errors import InputError
+from mass_ops.stages.status import (
+    STAGES,
+    UnitState,
+    _Records,
+    cycle_row,
+    cycle_units,
+    open_repository,
+    recorded_config,
+)
+
+DAG_ID = "mass_cycle"  # mass_ops_airflow.CYCLE_DAG_ID (mass_ops never imports the Airflow side)
+CLEAR_PATH = f"/api/v2/dags/{DAG_ID}/clearTaskInstances"
+# The DAG task to clear for each stage (downstream tasks follow with include_downstream / --downstream).
+AIRFLOW_TASKS = {
+    "collect": ("collect_candidate",),
+    "rank": ("rank_task",),
+    "select": ("select",),
+    "render": ("render",),
+    "train": ("train",),
+    "export": ("select_checkpoint",),
+    "rollout": ("rollout",),
+    "evaluate": ("evaluate",),
+}
+# Stages whose `mass-ops` command takes --tasks (redo only the tasks with gaps).
+PER_TASK = ("search", "collect", "rank")
+NOT_DONE = ("failed", "budget_exhausted", "pending", "running")
+
+StageRunner = Callable[[CycleConfig, list[int] | None], Any]
+
+
+class RepairError(InputError):
+    """A repair cannot run as asked (the config is not the cycle's); one line."""
+
+
+@dataclass(frozen=True)
+class StageRepair:
+    """One stage's units to redo and how."""
+
+    stage: str
+    units: list[UnitState]
+    tasks: list[int] | None  # the tasks to redo (per-task stages), None = the whole stage
+    airflow_tasks: list[str]
+
+    @property
+    def budget_stopped(self) -> list[UnitState]:
+        return [u for u in self.units if u.state == "budget_exhausted"]
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    """What `mass-ops repair` redoes for one cycle."""
+
+    cycle: str
+    stages: list[StageRepair]
+    not_started: list[str] = field(default_factory=list)
+
+    @property
+    def nothing_to_repair(self) -> bool:
+        return not self.stages
+
+    @property
+    def airflow_tasks(self) -> list[str]:
+        return list(dict.fromkeys(t for s in self.stages for t in s.airflow_tasks))
+
+    def airflow_rest(self, dag_run_id: str | None = None) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of the Airflow REST call that clears the failed instances and their downstream.
+        `dry_run` is false explicitly: the endpoint defaults to a dry run that changes nothing."""
+        body = {
+            "dag_run_id": dag_run_id or "<dag_run_id>",
+            "task_ids": self.airflow_tasks,
+            "only_failed": True,
+            "include_downstream": True,
+            "dry_run": False,
+        }
+        return CLEAR_PATH, body
+
+    def airflow_cli(self) -> str:
+        """The same clear as an `airflow` command (add ``-s DATE -e DATE`` for a run with a logical date)."""
+        pattern = "^(" + "|".join(t.replace(".", r"\.") for t in self.airflow_tasks) + ")$"
+        return f"airflow tasks clear {DAG_ID} -t {shlex.quote(pattern)} --only-failed --downstream --yes"
+
+    def stage_commands(self, config_args: Sequence[str]) -> list[str]:
+        """The `mass-ops` commands that redo each stage, with the config arguments the cycle runs with."""
+        lines = []
+        base = " ".join(shlex.quote(a) for a in config_args)
+        for repair in self.stages:
+            tasks = "".join(f" --tasks {t}" for t in repair.tasks or [])
+            if repair.stage in ("rollout", "evaluate"):
+                # No `mass-ops` command runs the cycle's evaluation alone; repair itself calls its stage function.
+                lines.append(f"mass-ops repair {shlex.quote(self.cycle)} {base}  # runs mass_ops.stages.api.evaluate")
+                continue
+            lines.append(f"mass-ops {repair.stage} {base}{tasks}")
+        return list(dict.fromkeys(lines))
+
+    def as_dict(self, config_args: Sequence[str] = (), dag_run_id: str | None = None) -> dict[str, Any]:
+        path, body = self.airflow_rest(dag_run_id)
+        return {
+            "cycle": self.cycle,
+            "nothing_to_repair": self.nothing_to_repair,
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "tasks": s.tasks,
+                    "units": [{"key": u.key, "state": u.state, "detail": u.detail} for u in s.units],
+                    "airflow_tasks": s.airflow_tasks,
+                }
+                for s in self.stages
+            ],
+            "not_started": self.not_started,
+            "airflow_rest": {"method": "POST", "path": path, "body": body} if self.stages else None,
+            "airflow_cli": self.airflow_cli() if self.stages else None,
+            "commands": self.stage_commands(config_args) if self.stages else [],
+        }
+
+    def lines(self, config_args: Sequence[str], dag_run_id: str | None = None) -> list[str]:
+        """The plan as text (what `repair --dry-run` prints)."""
+        if self.nothing_to_repair:
+            rest = f" (not started yet: {', '.join(self.not_started)})" if self.not_started else ""
+            return [f"cycle {self.cycle}: nothing to repair{rest}"]
+        out = [f"cycle {self.cycle}: {sum(len(s.units) for s in self.stages)} unit(s) to redo"]
+        for repair in self.stages:
+            out.append(f"{repair.stage}:")
+            out += [f"  {u.key}  {u.state}" + (f" ({u.detail})" if u.detail else "") for u in repair.units]
+            if repair.budget_stopped:
+                out.append("  stopped by a budget: raise budgets.* (see `mass-ops status`) before redoing them")
+        if self.not_started:
+            out.append(f"not started yet (the rest of the run, not a repair): {', '.join(self.not_started)}")
+        path, body = self.airflow_rest(dag_run_id)
+        out.append("Airflow (REST):")
+        out.append(f"  POST {path} {json.dumps(body)}")
+        out.append("Airflow (CLI):")
+        out.append(f"  {self.airflow_cli()}")
+        out.append("mass-ops:")
+        out += [f"  {line}" for line in self.stage_commands(config_args)]
+        return out
+
+
+def _search_airflow_tasks(units: Sequence[UnitState]) -> list[str]:
+    """The RHI task-group instances of the broken search steps (v0 also has its two episode pods)."""
+    tasks = []
+    for unit in units:
+        version = int(unit.key.rsplit("-v", 1)[1])
+        if version == 0:
+            tasks += ["rhi.reference_episode", "rhi.episode_v0"]
+        tasks.append(f"rhi.step_v{version}")
+    return list(dict.fromkeys(tasks))
+
+
+def plan_repair(config: CycleConfig, cycle: str) -> RepairPlan:
+    """The repair plan of `cycle` in `config`'s metadata store (read only)."""
+    repo = open_repository(config)
+    row = cycle_row(repo, cycle)
+    own, _ = recorded_config(config, row)
+    records = _Records.read(repo, row.id)
+    units = cycle_units(own, records)
+    started = _started_stages(records, units)
+    repairs: list[StageRepair] = []
+    not_started = []
+    for stage in STAGES:
+        todo = [u for u in units if u.stage == stage and u.state in NOT_DONE]
+        if stage not in started:
+            if any(u.stage == stage for u in units):
+                not_started.append(stage)
+            continue
+        if not todo:
+            continue
+        tasks = sorted({u.task_id for u in todo if u.task_id is not None}) if stage in PER_TASK else None
+        airflow = _search_airflow_tasks(todo) if stage == "search" else list(AIRFLOW_TASKS[stage])
+        repairs.append(StageRepair(stage, todo, tasks, airflow))
+    return RepairPlan(row.name, repairs, not_started)
+
+
+def _started_stages(records: _Records, units: Sequence[UnitState]) -> set[str]:
+    """Stages with any record: a unit that is not pending, or an episode / call row of the stage."""
+    from mass_ops.stages.status import EPISODE_STAGES, call_stage
+
+    started = {u.stage for u in units if u.state != "pending"}
+    started |= {EPISODE_STAGES[e.kind] for e in records.episodes if e.kind in EPISODE_STAGES}
+    started |= {call_stage(c) for c in records.calls}
+    return started
+
+
+# -- running it -------------------------------------------------------------------------------------------------------
+
+
+def default_runners() -> dict[str, StageRunner]:
+    """The stage functions a repair runs (`mass_ops.stages.api`), by stage; rollouts and evaluation are one stage
+    function (it runs the missing rollouts, then judges)."""
+    from mass_ops.stages import api
+
+    def export(config: CycleConfig, _tasks: list[int] | None) -> Any:
+        return [api.select_checkpoint(config), api.export(config), api.register(config)]
+
+    def evaluate(config: CycleConfig, _tasks: list[int] | None) -> Any:
+        return api.evaluate(config)
+
+    return {
+        "search": api.search,
+        "collect": api.collect,
+        "rank": api.rank,
+        "select": lambda config, _tasks: api.select(config),
+        "render": lambda config, _tasks: api.render(config),
+        "train": lambda config, _tasks: api.train(config),
+        "export": export,
+        "rollout": evaluate,
+        "evaluate": evaluate,
+    }
+
+
+def run_repair(
+    config: CycleConfig, plan: RepairPlan, *, runners: Mapping[str, StageRunner] | None = None
+) -> list[dict[str, Any]]:
+    """Run the stage function of every stage in `plan`, in cycle order (each redoes only its missing units); one row
+    per stage run. `config` must be the cycle's own (its name and hash), as for any stage command."""
+    if config.cycle_name != plan.cycle:
+        raise RepairError(
+            f"repair {plan.cycle}: the config names cycle {config.cycle_name!r}; pass the config the cycle runs "
+            "with (the same --config and --set as its stages)"
+        )
+    chosen = {**default_runners(), **(runners or {})}
+    rows = []
+    done: set[int] = set()
+    for repair in plan.stages:
+        runner = chosen[repair.stage]
+        if id(runner) in done:  # rollout and evaluate share one stage function
+            continue
+        done.add(id(runner))
+        result = runner(config, repair.tasks)
+        rows.append({"stage": repair.stage, "units": len(repair.units), "result": result})
+    return rows

@@ -1,0 +1,495 @@
+"""Where a cycle stands, read from the metadata store only: per stage, units planned / done / failed / stopped by a
+budget / in flight, tokens and cost so far, budgets against the ledger, elapsed wall-clock and an ETA.
+
+It works the same for a cycle run from the CLI and from Airflow because it reads nothing but the rows every stage
+writes. The store records most units only when they end (an episode row is written when its attempt ends, a search
+step when it proposes the next version), so a unit that is running cannot be told from one not started: those are
+counted together as ``pending``; ``in_flight`` is a number only where the store records a start (the training run's
+``running`` status) and None otherwise — the output says so rather than guess.
+
+The unit lists here are also what `stages.repair` redoes: one place decides what a missing or failed unit is.
+
+Unit states: ``done`` (a final record: a succeeded or model-failed episode — a model failure is data, never
+redone), ``failed`` (the latest attempt failed on infrastructure, or a training run failed), ``budget_exhausted``
+(the latest attempt was stopped by a budget: raise it, then redo), ``running`` (recorded as started) and
+``pending`` (nothing final recorded).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from mass_ops.config import CycleConfig, validate_config
+from mass_ops.cost.prices import token_cost
+from mass_ops.errors import InputError
+from mass_ops.stages.common import TRAINING_RUN_KEY
+from mass_ops.store.budgets import BudgetLimits
+from mass_ops.store.repository import MetadataRepository
+from mass_ops.store.schema import (
+    Cycle,
+    Dataset,
+    Episode,
+    Evaluation,
+    LLMCall,
+    ModelGeneration,
+    Ranking,
+    RetainedWorkflow,
+    RunStatus,
+    Selection,
+    TrainingRun,
+    WorkflowVersion,
+)
+
+# The stages `status` and `repair` follow, in the order of the cycle. "export" is the CLI's `mass-ops export`
+# (select_checkpoint, export and register in the DAG); "rollout" is the evaluation's rollout episodes and
+# "evaluate" its judged summary.
+STAGES: tuple[str, ...] = (
+    "search", "collect", "rank", "select", "render", "train", "export", "rollout", "evaluate",
+)  # fmt: skip
+FINAL_EPISODE = ("succeeded", "model_failure")
+NOT_RECORDED = (
+    "the store records a unit when it ends, so a running unit cannot be told from one not started: both are "
+    "counted as pending (in flight is known only for the training run)"
+)
+
+
+class StatusError(InputError):
+    """No such cycle in the store (or no store at all); the message names the cycle and the store."""
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """One unit of a stage and its state (see the module docstring); `key` names it for people and for repair."""
+
+    stage: str
+    key: str
+    state: str
+    detail: str = ""
+    task_id: int | None = None
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    """Progress, spend and timing of one stage."""
+
+    stage: str
+    planned: int
+    done: int
+    failed: int
+    budget_exhausted: int
+    pending: int
+    in_flight: int | None  # None: the store cannot tell (see NOT_RECORDED)
+    started: bool
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    elapsed_s: float | None = None
+    eta_s: float | None = None
+    note: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """One ledger scope: spend so far and its limits (None = unlimited)."""
+
+    scope: str
+    tokens: int
+    cost_usd: float
+    requests: int
+    token_limit: int | None
+    cost_limit: float | None
+    exhausted: bool
+
+
+@dataclass(frozen=True)
+class CycleStatus:
+    """Everything `mass-ops status` prints."""
+
+    cycle: str
+    cycle_status: str
+    generated_at: datetime
+    created_at: datetime
+    elapsed_s: float
+    stages: list[StageStatus]
+    budgets: list[BudgetStatus]
+    budgets_from: str
+    units: list[UnitState] = field(default_factory=list)
+    eta_s: float | None = None
+    in_flight_note: str = NOT_RECORDED
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.stages)
+
+    @property
+    def cost_usd(self) -> float:
+        return sum(s.cost_usd for s in self.stages)
+
+    def stage(self, name: str) -> StageStatus:
+        return next(s for s in self.stages if s.stage == name)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON data (`status --json`): units other than done are listed; times as ISO strings."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, datetime):
+                return value.isoformat()
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [plain(v) for v in value]
+            return value
+
+        data = asdict(self)
+        data["units"] = [u for u in data["units"] if u["state"] != "done"]
+        data["tokens"] = self.tokens
+        data["cost_usd"] = self.cost_usd
+        for stage, row in zip(self.stages, data["stages"], strict=True):
+            row["tokens"] = stage.tokens
+        return plain(data)
+
+
+# -- reading the cycle ------------------------------------------------------------------------------------------------
+
+
+def open_repository(config: CycleConfig) -> MetadataRepository:
+    """The metadata store of `config`, opened read-only in spirit: a missing SQLite file is an error, never created."""
+    url = config.storage.metadata_url
+    if url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(url).database
+        if not database or not Path(database).is_file():
+            raise StatusError(f"no metadata store at {url}: nothing has been recorded there")
+    return MetadataRepository.from_url(url)
+
+
+def cycle_row(repo: MetadataRepository, cycle: str) -> Cycle:
+    """The cycle's row; StatusError when it was never opened in this store."""
+    row = repo.get_cycle(cycle)
+    if row is None:
+        from mass_ops.store.metadata import mask_url
+
+        store = mask_url(repo.store.url)
+        raise StatusError(f"cycle {cycle!r}: not in the metadata store {store}; run validate_config first")
+    return row
+
+
+def recorded_config(config: CycleConfig, row: Cycle) -> tuple[CycleConfig, str]:
+    """The cycle's own config: `config` when it is the one frozen in the row (same name and hash: its budgets are
+    the operator's current ones), else the row's frozen config on `config`'s storage. Second: where budgets came
+    from."""
+    if config.cycle_name == row.name and config.config_hash() == row.config_hash:
+        return config, "the given config"
+    data = dict(row.config)
+    data["storage"] = config.storage.model_dump(mode="json")
+    return validate_config(data), "the config frozen in the cycle row"
+
+
+def _rows(repo: MetadataRepository, model: type, cycle_id: int) -> list[Any]:
+    import sqlalchemy as sa
+
+    with repo.store.read() as session:
+        return list(session.scalars(sa.select(model).where(model.cycle_id == cycle_id).order_by(model.id)).all())
+
+
+@dataclass
+class _Records:
+    """The rows of one cycle that decide its units (read once per status)."""
+
+    episodes: list[Episode]
+    calls: list[LLMCall]
+    versions: list[WorkflowVersion]
+    retained: list[RetainedWorkflow]
+    rankings: list[Ranking]
+    selections: list[Selection]
+    datasets: list[Dataset]
+    runs: list[TrainingRun]
+    generations: list[ModelGeneration]
+    evaluations: list[Evaluation]
+
+    @classmethod
+    def read(cls, repo: MetadataRepository, cycle_id: int) -> _Records:
+        return cls(
+            episodes=repo.episodes(cycle_id),
+            calls=repo.llm_calls(cycle_id),
+            versions=_rows(repo, WorkflowVersion, cycle_id),
+            retained=repo.retained_workflows(cycle_id),
+            rankings=_rows(repo, Ranking, cycle_id),
+            selections=_rows(repo, Selection, cycle_id),
+            datasets=_rows(repo, Dataset, cycle_id),
+            runs=_rows(repo, TrainingRun, cycle_id),
+            generations=_rows(repo, ModelGeneration, cycle_id),
+            evaluations=_rows(repo, Evaluation, cycle_id),
+        )
+
+    def latest_attempts(self) -> dict[tuple[str, str, int | None, int | None, str | None], Episode]:
+        """The latest attempt of every episode unit, by (kind, task, version, candidate, generation)."""
+        latest: dict[tuple[str, str, int | None, int | None, str | None], Episode] = {}
+        for e in self.episodes:
+            key = (e.kind, e.task_id, e.version, e.candidate, e.generation)
+            if key not in latest or e.attempt > latest[key].attempt:
+                latest[key] = e
+        return latest
+
+
+def _episode_state(stage: str, key: str, task: int, episode: Episode | None) -> UnitState:
+    """A unit whose record is one episode (its latest attempt)."""
+    if episode is None:
+        return UnitState(stage, key, "pending", task_id=task)
+    if episode.status in FINAL_EPISODE:
+        return UnitState(stage, key, "done", episode.status, task, episode.finished_at)
+    state = "budget_exhausted" if episode.status == "budget_exhausted" else "failed"
+    return UnitState(stage, key, state, f"attempt {episode.attempt} {episode.status}", task, episode.finished_at)
+
+
+def collected_tasks(config: CycleConfig, retained: Sequence[RetainedWorkflow]) -> tuple[list[int], bool]:
+    """Training tasks whose candidates are collected (the rule of `stages.collect.eligibility`), and whether every
+    one of them has finished its search (else the list is not final)."""
+    by_task = {int(r.task_id): r for r in retained}
+    chosen = []
+    for task in config.tasks.train:
+        row = by_task.get(task)
+        if row is None:
+            continue
+        beats = row.beats_reference and row.version is not None
+        if beats or not config.collection.require_beats_reference:
+            chosen.append(task)
+    return chosen, all(task in by_task for task in config.tasks.train)
+
+
+def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
+    """Every unit of every stage with its state, in stage order."""
+    from mass_ops.stages.evaluate import evaluated_generations, rollout_units
+
+    latest = records.latest_attempts()
+    units: list[UnitState] = []
+    # search: step k is done once it proposed v(k+1), the last step once the task's retained workflow is recorded;
+    # its episode's latest attempt tells a failed step from one not run.
+    proposed = {(int(v.task_id), v.version): v for v in records.versions}
+    retained = {int(r.task_id): r for r in records.retained}
+    last = config.search.iterations
+    for task in config.tasks.train_candidates:
+        for version in range(last + 1):
+            key = f"search-t{task}-v{version}"
+            record = retained.get(task) if version == last else proposed.get((task, version + 1))
+            if record is not None:
+                units.append(UnitState("search", key, "done", task_id=task, finished_at=record.created_at))
+                continue
+            episodes = [latest.get(("search", str(task), version, None, None))]
+            if version == 0:
+                episodes.append(latest.get(("reference", str(task), None, None, None)))
+            broken = [_episode_state("search", key, task, e) for e in episodes if e is not None]
+            broken = [u for u in broken if u.state in ("failed", "budget_exhausted")]
+            units.append(broken[0] if broken else UnitState("search", key, "pending", task_id=task))
+    collected, _ = collected_tasks(config, records.retained)
+    for task in collected:
+        for candidate in range(config.collection.candidates):
+            episode = latest.get(("collection", str(task), None, candidate, None))
+            units.append(_episode_state("collect", f"collection-t{task}-c{candidate}", task, episode))
+    ranked = defaultdict(list)
+    for r in records.rankings:
+        ranked[int(r.task_id)].append(r.created_at)
+    selected = defaultdict(list)
+    for s in records.selections:
+        selected[int(s.task_id)].append(s.created_at)
+    for stage, rows, what in (("rank", ranked, "rank"), ("select", selected, "select")):
+        for task in collected:
+            done = rows.get(task)
+            units.append(
+                UnitState(stage, f"{what}-t{task}", "done" if done else "pending", task_id=task,
+                          finished_at=max(done) if done else None)
+            )  # fmt: skip
+    datasets = {d.split: d for d in records.datasets}
+    for split in ("train", "val"):
+        row = datasets.get(split)
+        units.append(UnitState("render", f"render-{split}", "done" if row else "pending",
+                               finished_at=row.created_at if row else None))  # fmt: skip
+    run = next((r for r in records.runs if r.key == TRAINING_RUN_KEY), None)
+    states = {RunStatus.SUCCEEDED: "done", RunStatus.FAILED: "failed", RunStatus.RUNNING: "running"}
+    units.append(
+        UnitState("train", f"train-{TRAINING_RUN_KEY}", states.get(run.status, "pending") if run else "pending",
+                  finished_at=run.finished_at if run else None)
+    )  # fmt: skip
+    new, _ = evaluated_generations(config)
+    registered = next((g for g in records.generations if g.name == new), None)
+    units.append(UnitState("export", f"register-{new}", "done" if registered else "pending",
+                           finished_at=registered.registered_at if registered else None))  # fmt: skip
+    for generation, task, replicate in rollout_units(config):
+        episode = latest.get(("rollout", str(task), None, replicate, generation))
+        units.append(_episode_state("rollout", f"rollout-{generation}-t{task}-r{replicate}", task, episode))
+    evaluation = next((e for e in records.evaluations if e.kind == "pairwise"), None)
+    units.append(UnitState("evaluate", "evaluate-pairwise", "done" if evaluation else "pending",
+                           finished_at=evaluation.created_at if evaluation else None))  # fmt: skip
+    return units
+
+
+# -- spend ------------------------------------------------------------------------------------------------------------
+
+EPISODE_STAGES = {"reference": "search", "search": "search", "collection": "collect", "rollout": "rollout"}
+
+
+def call_stage(call: LLMCall) -> str:
+    """The stage an LLM call belongs to, from its unit key (``eval/…`` evaluation, ``task<q>/ranking/…`` ranking,
+    ``task<q>/{rhi,champion,optimizer}/…`` search)."""
+    if call.unit_key.startswith("eval/"):
+        return "evaluate"
+    if "/ranking/" in call.unit_key or call.purpose == "self_judge":
+        return "rank"
+    return "search"
+
+
+@dataclass
+class _Spend:
+    prompt: int = 0
+    completion: int = 0
+    cost: float = 0.0
+    starts: list[datetime] = field(default_factory=list)
+    ends: list[datetime] = field(default_factory=list)
+
+
+def stage_spend(config: CycleConfig, records: _Records) -> dict[str, _Spend]:
+    """Tokens, cost and activity times per stage from episode and LLM-call rows. Cost: what the server reported for
+    a call, else the price table's per-token price of its model (0 for self-hosted models, paid by the GPU-hour)."""
+    spend: dict[str, _Spend] = defaultdict(_Spend)
+    for e in records.episodes:
+        stage = EPISODE_STAGES.get(e.kind)
+        if stage is None:
+            continue
+        bucket = spend[stage]
+        bucket.prompt += e.prompt_tokens or 0
+        bucket.completion += e.completion_tokens or 0
+        bucket.cost += token_cost(
+            config.prices, e.model or "", e.prompt_tokens or 0, e.completion_tokens or 0, e.cached_prompt_tokens or 0
+        )
+        bucket.starts += [t for t in (e.started_at,) if t is not None]
+        bucket.ends += [t for t in (e.finished_at,) if t is not None]
+    for c in records.calls:
+        bucket = spend[call_stage(c)]
+        bucket.prompt += c.prompt_tokens or 0
+        bucket.completion += c.completion_tokens or 0
+        if c.cost_usd is not None:
+            bucket.cost += c.cost_usd
+        else:
+            bucket.cost += token_cost(
+                config.prices, c.model, c.prompt_tokens or 0, c.completion_tokens or 0, c.cached_prompt_tokens or 0
+            )
+        if c.created_at is not None:
+            bucket.ends.append(c.created_at)
+            bucket.starts.append(datetime.fromtimestamp(c.created_at.timestamp() - (c.latency_s or 0.0), UTC))
+    for run in records.runs:
+        bucket = spend["train"]
+        bucket.starts += [t for t in (run.started_at,) if t is not None]
+        bucket.ends += [t for t in (run.finished_at,) if t is not None]
+    return spend
+
+
+def budget_statuses(repo: MetadataRepository, cycle_id: int, limits: BudgetLimits) -> list[BudgetStatus]:
+    """Every ledger scope of the cycle with its limits (``cycle`` first, then ``in_loop``, then tasks)."""
+    rows = repo.budget_spend(cycle_id)
+    scopes = sorted(rows, key=lambda s: (s != "cycle", s != "in_loop", s))
+    for scope in ("cycle", "in_loop"):  # a limited scope with no spend yet still shows its limit
+        if scope not in rows and limits.limited([scope]):
+            scopes.append(scope)
+    result = []
+    for scope in scopes:
+        row = rows.get(scope)
+        token_limit, cost_limit, _ = limits.for_scope(scope)
+        tokens, cost = (row.tokens, row.cost_usd) if row else (0, 0.0)
+        need = (row.refused_need if row and row.refused_need else 0) or 1
+        exhausted = (token_limit is not None and tokens + need > token_limit) or (
+            cost_limit is not None and cost >= cost_limit
+        )
+        result.append(BudgetStatus(scope, tokens, cost, row.requests if row else 0, token_limit, cost_limit, exhausted))
+    return result
+
+
+# -- the status -------------------------------------------------------------------------------------------------------
+
+
+def _elapsed(times: Iterable[datetime], now: datetime) -> float | None:
+    times = list(times)
+    return (now - min(times)).total_seconds() if times else None
+
+
+def _stage_status(
+    stage: str, units: Sequence[UnitState], spend: _Spend | None, now: datetime, note: str
+) -> StageStatus:
+    counts = defaultdict(int)
+    for unit in units:
+        counts[unit.state] += 1
+    finished = [u.finished_at for u in units if u.state == "done" and u.finished_at is not None]
+    starts = list(spend.starts) if spend else []
+    starts += finished
+    started = bool(starts) or any(u.state != "pending" for u in units)
+    remaining = counts["pending"] + counts["running"] + counts["failed"] + counts["budget_exhausted"]
+    eta = None
+    first = min(starts) if starts else None
+    if finished and first is not None and remaining and counts["done"]:
+        # The measured rate: units done over the time from the stage's first activity to its latest finished unit.
+        span = (max(finished) - first).total_seconds()
+        if span > 0:
+            eta = remaining * span / counts["done"]
+    return StageStatus(
+        stage=stage,
+        planned=len(units),
+        done=counts["done"],
+        failed=counts["failed"],
+        budget_exhausted=counts["budget_exhausted"],
+        pending=counts["pending"] + counts["running"],
+        in_flight=counts["running"] if stage == "train" else None,
+        started=started,
+        prompt_tokens=spend.prompt if spend else 0,
+        completion_tokens=spend.completion if spend else 0,
+        cost_usd=spend.cost if spend else 0.0,
+        elapsed_s=_elapsed(starts, now) if started else None,
+        eta_s=eta,
+        note=note,
+    )
+
+
+def cycle_status(config: CycleConfig, cycle: str, *, now: datetime | None = None) -> CycleStatus:
+    """The status of `cycle` in `config`'s metadata store (see the module docstring); StatusError when the store or
+    the cycle is not there."""
+    now = now or datetime.now(UTC)
+    repo = open_repository(config)
+    row = cycle_row(repo, cycle)
+    own, budgets_from = recorded_config(config, row)
+    records = _Records.read(repo, row.id)
+    units = cycle_units(own, records)
+    spend = stage_spend(own, records)
+    _, search_final = collected_tasks(own, records.retained)
+    notes = {
+        "collect": "" if search_final else "planned counts final once every training task's search has finished",
+        "rank": "" if search_final else "see collect",
+        "select": "" if search_final else "see collect",
+    }
+    by_stage: Mapping[str, list[UnitState]] = defaultdict(list)
+    for unit in units:
+        by_stage[unit.stage].append(unit)  # type: ignore[attr-defined]
+    stages = [_stage_status(s, by_stage.get(s, []), spend.get(s), now, notes.get(s, "")) for s in STAGES]
+    limits = BudgetLimits.from_mapping(own.budgets.model_dump())
+    etas = [s.eta_s for s in stages if s.eta_s is not None]
+    end = row.finished_at or now
+    return CycleStatus(
+        cycle=row.name,
+        cycle_status=row.status,
+        generated_at=now,
+        created_at=row.created_at,
+        elapsed_s=(end - row.created_at).total_seconds(),
+        stages=stages,
+        budgets=budget_statuses(repo, row.id, limits),
+        budgets_from=budgets_from,
+        units=units,
+        eta_s=sum(etas) if etas else None,
+    )

@@ -1,0 +1,121 @@
+"""`mass-ops status`: per stage units planned / done / failed / budget-stopped / pending, tokens and cost from the
+episode and LLM-call rows, budgets from the ledger, read from the metadata store only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mass_ops.cli import app
+from mass_ops.context import CycleContext
+from mass_ops.seeds import collection_seed
+from mass_ops.stages.collect import collect_batch
+from mass_ops.stages.status import cycle_status
+from tests.inner_loop_fakes import FailurePlan, InnerLoopEnv, OpenCycle, inner_loop_fixture  # noqa: F401
+from tests.stages import test_collect
+
+runner = CliRunner()
+TASK = 51
+
+
+def config_file(opened: OpenCycle, tmp: Path) -> str:
+    """The cycle's config as a JSON file, as an operator passes it with --config."""
+    path = tmp / "cycle.json"
+    path.write_text(json.dumps(opened.config.model_dump(mode="json")))
+    return str(path)
+
+
+def collected_with_one_failure(
+    inner_loop: InnerLoopEnv, failing: tuple[int, ...] = (1,), **overrides: object
+) -> OpenCycle:
+    """Task 51 searched (recorded directly), 3 teacher candidates collected, c1 failing on infrastructure on every
+    attempt: one failed collection unit."""
+    options = {"tasks": (TASK,), "candidates": 3, "train_ranks": 1, **overrides}
+    base = inner_loop.config(**options).collection.seed_base
+    failures = {
+        f"collection-t{TASK}-c{c}-s{collection_seed(base, TASK, c)}": FailurePlan(infra_attempts=9) for c in failing
+    }
+    opened = inner_loop.open(executor_options={"failures": failures}, **options)
+    test_collect.retain(opened.ctx, TASK, 1)
+    collect_batch(opened.ctx, opened.executor)
+    return opened
+
+
+def budget_stop(ctx: CycleContext, candidate: int, attempt: int) -> None:
+    """Record a budget-stopped attempt of a candidate (what the pool records when its proxy refused a request)."""
+    ctx.repo.record_episode(
+        ctx.cycle_id, task_id=TASK, kind="collection", candidate=candidate, attempt=attempt, status="budget_exhausted",
+        seed=collection_seed(ctx.config.collection.seed_base, TASK, candidate), prompt_tokens=5_000,
+        completion_tokens=300, model=ctx.config.models.served_name,
+    )  # fmt: skip
+
+
+def test_status_counts_units_tokens_and_budgets_from_the_rows(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    opened = collected_with_one_failure(inner_loop)
+    ctx = opened.ctx
+    budgets = {"budgets": {"task_tokens": 1_000, "cycle_tokens": 100_000}}
+    data = opened.config.model_dump(mode="json") | budgets
+    (tmp_path / "cycle.json").write_text(json.dumps(data))
+    ctx.repo.record_llm_call(
+        ctx.cycle_id, f"task{TASK}/rhi/v1_vs_no_harness", purpose="judge", model="policy-stand-in",
+        task_id=TASK, prompt_tokens=1_000, completion_tokens=200, cost_usd=0.25,
+    )  # fmt: skip
+    ctx.repo.add_budget_spend(ctx.cycle_id, ["cycle", f"task:{TASK}"], tokens=1_200, cost_usd=0.25)
+
+    result = runner.invoke(app, ["status", ctx.cycle_name, "--config", str(tmp_path / "cycle.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    stages = {s["stage"]: s for s in status["stages"]}
+    collect = stages["collect"]
+    rows = ctx.repo.episodes(ctx.cycle_id, kind="collection")
+    assert (collect["planned"], collect["done"], collect["failed"], collect["budget_exhausted"]) == (3, 2, 1, 0)
+    assert collect["pending"] == 0 and collect["in_flight"] is None
+    assert collect["tokens"] == sum((e.prompt_tokens or 0) + (e.completion_tokens or 0) for e in rows)
+    search = stages["search"]
+    assert (search["planned"], search["done"]) == (2, 2)  # steps v0 and v1, recorded by the retained workflow
+    assert (search["prompt_tokens"], search["completion_tokens"], search["cost_usd"]) == (1_000, 200, 0.25)
+    assert stages["rank"]["started"] is False and stages["rank"]["planned"] == 1
+    (failed,) = [u for u in status["units"] if u["state"] != "pending"]
+    assert failed["key"] == f"collection-t{TASK}-c1" and failed["state"] == "failed"
+    assert failed["detail"] == "attempt 2 infra_failure"  # max_infra_attempts = 2
+    budgets_rows = {b["scope"]: b for b in status["budgets"]}
+    assert (budgets_rows["cycle"]["tokens"], budgets_rows["cycle"]["token_limit"]) == (1_200, 100_000)
+    assert budgets_rows["cycle"]["exhausted"] is False
+    assert (budgets_rows[f"task:{TASK}"]["tokens"], budgets_rows[f"task:{TASK}"]["exhausted"]) == (1_200, True)
+    assert status["budgets_from"] == "the given config"
+    assert status["tokens"] == sum(s["tokens"] for s in status["stages"])
+
+    text = runner.invoke(app, ["status", ctx.cycle_name, "--config", str(tmp_path / "cycle.json")])
+    assert text.exit_code == 0, text.output
+    assert f"collect: collection-t{TASK}-c1 failed (attempt 2 infra_failure)" in text.stdout
+    assert "cannot be told from one not started" in " ".join(text.stdout.split())
+
+
+def test_a_budget_stopped_unit_is_counted_apart_and_its_tokens_reach_the_stage(inner_loop: InnerLoopEnv) -> None:
+    opened = collected_with_one_failure(inner_loop, failing=(1, 3), candidates=4)
+    budget_stop(opened.ctx, 3, attempt=3)  # after its two infrastructure failures
+    status = cycle_status(opened.config, opened.ctx.cycle_name)
+    collect = status.stage("collect")
+    assert (collect.planned, collect.done, collect.failed, collect.budget_exhausted) == (4, 2, 1, 1)
+    assert (collect.prompt_tokens, collect.completion_tokens) == (5_000, 300)
+    stopped = [u for u in status.units if u.state == "budget_exhausted"]
+    assert [u.key for u in stopped] == [f"collection-t{TASK}-c3"]
+
+
+def test_watch_refreshes_until_its_count(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    opened = collected_with_one_failure(inner_loop)
+    args = ["status", opened.ctx.cycle_name, "--config", config_file(opened, tmp_path), "--json"]
+    result = runner.invoke(app, [*args, "--watch", "--interval", "0.5", "--watch-count", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["cycle"] == opened.ctx.cycle_name for line in lines)
+
+
+def test_an_unknown_cycle_is_one_line_and_exit_2(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    opened = collected_with_one_failure(inner_loop)
+    result = runner.invoke(app, ["status", "no-such-cycle", "--config", config_file(opened, tmp_path)])
+    assert result.exit_code == 2
+    assert "cycle 'no-such-cycle': not in the metadata store" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
