@@ -49,6 +49,10 @@ class TaskChainResult:
         return asdict(self)
 
 
+class CollectionIncompleteError(InfrastructureError):
+    """Some of a task's teacher candidates ended in infrastructure failures: the task is not ranked yet."""
+
+
 class InnerLoopFailedError(InfrastructureError):
     """Some tasks' chains failed; `results` holds every task's result (failed ones carry `error`)."""
 
@@ -78,6 +82,13 @@ def _chain(
     phase("collection", "started")
     (collected,) = collect_batch(ctx, executor, [task_id])
     phase("collection", "finished")
+    if collected.infra_failures:
+        # As in the DAG, where a failed collection unit blocks its task's ranking: a ranking is final once recorded,
+        # so it waits until every candidate is final. A rerun runs only the failed units, then ranks.
+        raise CollectionIncompleteError(
+            f"task {task_id}: {collected.infra_failures} of {collected.candidates} teacher candidates failed on "
+            "infrastructure after every attempt; not ranked — rerun to repair (finished units are reused)"
+        )
     if collected.decision == "skip":
         return TaskChainResult(task_id, searched.retained_version, collected.decision)
     phase("ranking", "started")
