@@ -27,6 +27,9 @@ from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeReq
 from mass_ops.seeds import BENCHMARK_INDEX, benchmark_seed
 
 BENCHMARK_KIND = "benchmark"
+# The reference gives seed indices to tb2, sab, ds and mlr only (MASS_SPEC §10); the two benchmarks it never
+# packaged take the next free indices, so their seeds never collide with the others'.
+EXTRA_BENCHMARK_INDEX = {"swe": 4, "asta": 5}
 
 
 class BenchmarkError(InputError):
@@ -45,6 +48,19 @@ class BenchmarkTask:
     name: str
     index: int
     instruction: str
+    # The benchmark's official agent time limit for this task, when it sets one (Terminal-Bench's task.toml).
+    time_limit_s: float | None = None
+
+
+def task_seed(benchmark: str, trial: int, task_index: int) -> int:
+    """The episode seed of a benchmark task: the reference's formula, with `EXTRA_BENCHMARK_INDEX` for the
+    benchmarks it has no index for."""
+    if benchmark in BENCHMARK_INDEX:
+        return benchmark_seed(benchmark, trial, task_index)
+    if benchmark not in EXTRA_BENCHMARK_INDEX:
+        known = sorted({*BENCHMARK_INDEX, *EXTRA_BENCHMARK_INDEX})
+        raise BenchmarkError(f"benchmark {benchmark!r} has no seed index (known: {known})")
+    return 3_100_000 + EXTRA_BENCHMARK_INDEX[benchmark] * 10_000 + trial * 1_000 + task_index
 
 
 def benchmark_condition(benchmark: str, generation: str, trial: int) -> str:
@@ -59,13 +75,12 @@ def benchmark_requests(
         raise BenchmarkError(f"benchmark trial must be ≥ 0, got {trial}")
     requests = []
     for task in tasks:
-        if task.benchmark not in BENCHMARK_INDEX:
-            raise BenchmarkError(f"benchmark {task.benchmark!r} has no seed index (known: {sorted(BENCHMARK_INDEX)})")
+        seed = task_seed(task.benchmark, trial, task.index)
         unit = EpisodeUnit(
             cycle=ctx.cycle_name,
             task_id=task.name,  # type: ignore[arg-type]  # benchmark tasks are named; the store keeps ids as text
             kind="benchmark",
-            seed=benchmark_seed(task.benchmark, trial, task.index),
+            seed=seed,
             candidate=trial,
             generation=generation,
         )

@@ -1,0 +1,191 @@
+"""SWE-bench Verified adapter: instances from a user-provided dataset file, grading by the official `swebench`
+package (its test specs, log parsers and resolution rules) on a log from the instance's own image.
+
+Nothing is downloaded. The folder holds ``SWE-bench_Verified.jsonl``: one instance per line in the `swebench`
+package's format (instance_id, repo, base_commit, problem_statement, version, FAIL_TO_PASS, PASS_TO_PASS, image,
+log_parser, eval_type, eval_script; optional hints_text). The agent leaves its change as a unified diff in
+``model.patch`` in its workspace (or, when it worked in a ``repo/`` git checkout, its uncommitted ``git diff``).
+
+Grading runs one container per instance from the instance's image (`GraderJob`): the patch is applied the way the
+official harness applies it and the instance's eval script runs; the log goes through
+`swebench.harness.grading.get_eval_report`. A task scores 1 when the instance is resolved, else 0; an empty patch
+scores 0 without a container.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
+from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask, EvaluatorNotInstalledError
+
+SWE = "swe"
+DATASET_FILE = "SWE-bench_Verified.jsonl"
+REQUIRED_FIELDS = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "problem_statement",
+    "version",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+    "image",
+    "log_parser",
+    "eval_type",
+    "eval_script",
+)
+PATCH_FILE = "model.patch"
+REPO_DIR = "repo"
+GRADER_PATCH = "/tmp/mass_model.patch"
+GRADER_EVAL = "/tmp/mass_eval.sh"
+GRADER_TIMEOUT_S = 1800  # the official harness's default per-instance timeout
+MODEL_NAME = "mass-ops"
+
+
+def evaluator_version() -> str:
+    """``swebench <version>``; EvaluatorNotInstalledError when the package is absent."""
+    try:
+        return f"swebench {metadata.version('swebench')}"
+    except metadata.PackageNotFoundError:
+        raise EvaluatorNotInstalledError(
+            "SWE-bench evaluator not installed: install the `benchmarks` extra (package swebench); no score computed"
+        ) from None
+
+
+def load_swe_instances(root: str | Path) -> list[dict[str, Any]]:
+    """The dataset's instances sorted by instance id (the task index of the seed formula is the position)."""
+    path = Path(root) / DATASET_FILE
+    if not path.is_file():
+        raise BenchmarkError(
+            f"SWE-bench Verified: {path} is missing; put the dataset file there (nothing is downloaded)"
+        )
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BenchmarkError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        missing = [name for name in REQUIRED_FIELDS if not isinstance(row, dict) or row.get(name) in (None, "")]
+        if missing:
+            raise BenchmarkError(f"{path}:{number}: instance lacks {missing}")
+        rows.append(row)
+    ids = [r["instance_id"] for r in rows]
+    if not rows or len(set(ids)) != len(ids):
+        raise BenchmarkError(f"{path}: no instances, or instance ids repeat")
+    return sorted(rows, key=lambda r: r["instance_id"])
+
+
+def swe_instruction(instance: dict[str, Any]) -> str:
+    """The agent's prompt: the issue, and where its change must end up."""
+    hints = f"\n\nHints from the issue thread:\n{instance['hints_text']}" if instance.get("hints_text") else ""
+    return (
+        f"Resolve this issue in the repository {instance['repo']} (commit {instance['base_commit']}).\n\n"
+        f"{instance['problem_statement']}{hints}\n\n"
+        f"Change only non-test source files. When done, leave your change as a unified diff relative to that commit "
+        f"in `{PATCH_FILE}` in your working directory (or uncommitted in the `{REPO_DIR}/` checkout)."
+    )
+
+
+def swe_tasks(instances: Sequence[dict[str, Any]]) -> list[BenchmarkTask]:
+    return [
+        BenchmarkTask(SWE, f"swe_{row['instance_id']}", index, swe_instruction(row))
+        for index, row in enumerate(instances)
+    ]
+
+
+def read_patch(workspace: Path | None) -> str:
+    """The agent's patch: ``model.patch``, else ``git diff`` of ``repo/``; empty when there is neither."""
+    if workspace is None:
+        return ""
+    patch = workspace / PATCH_FILE
+    if patch.is_file():
+        return patch.read_text(encoding="utf-8", errors="replace")
+    if (workspace / REPO_DIR / ".git").exists():
+        result = subprocess.run(
+            ["git", "-C", str(workspace / REPO_DIR), "diff", "--no-color"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        return result.stdout if result.returncode == 0 else ""
+    return ""
+
+
+def grader_job(instance: dict[str, Any], patch: str) -> GraderJob:
+    """The instance's grading run: apply the patch as the harness does (git apply, then patch), run its eval script."""
+    from swebench.harness.constants import APPLY_PATCH_FAIL, APPLY_PATCH_PASS
+    from swebench.harness.utils import make_test_spec
+
+    spec = make_test_spec(instance)
+    script = "\n".join(
+        [
+            f"echo '{RESULT_BEGIN}'",
+            "cd /testbed",
+            f"if git apply --verbose {GRADER_PATCH} || git apply --verbose --reject {GRADER_PATCH} "
+            f"|| patch --batch --fuzz=5 -p1 -i {GRADER_PATCH}; then echo '{APPLY_PATCH_PASS}'; "
+            f"else echo '{APPLY_PATCH_FAIL}'; echo '{RESULT_END}'; exit 0; fi",
+            f"bash {GRADER_EVAL} 2>&1",
+            f"echo '{RESULT_END}'",
+        ]
+    )
+    return GraderJob(
+        SWE,
+        instance["instance_id"],
+        spec.image,
+        script,
+        {GRADER_PATCH: patch.encode(), GRADER_EVAL: spec.eval_script.encode()},
+        timeout_s=GRADER_TIMEOUT_S,
+    )
+
+
+def grade_log(instance: dict[str, Any], patch: str, log: str) -> tuple[float, dict[str, Any]]:
+    """Score and details of one instance from its grader log, by `swebench`'s own grading."""
+    from swebench.harness.grading import get_eval_report
+    from swebench.harness.utils import make_test_spec
+
+    spec = make_test_spec(instance)
+    prediction = {
+        "instance_id": instance["instance_id"],
+        "model_name_or_path": MODEL_NAME,
+        "model_patch": patch or None,
+    }
+    with tempfile.TemporaryDirectory(prefix="mass-swe-") as scratch:
+        path = Path(scratch) / "test_output.txt"
+        path.write_text(result_section(log, f"SWE-bench {instance['instance_id']}") if patch else "", "utf-8")
+        report = get_eval_report(spec, prediction, str(path), include_tests_status=True)[instance["instance_id"]]
+    return (1.0 if report["resolved"] else 0.0), {"report": report, "evaluator": evaluator_version()}
+
+
+@dataclass(frozen=True)
+class SWEBench:
+    """The SWE-bench Verified adapter over a dataset folder (see the module docstring)."""
+
+    root: Path
+    name: str = SWE
+    needs_container: bool = True
+
+    def instances(self) -> list[dict[str, Any]]:
+        return load_swe_instances(self.root)
+
+    def tasks(self) -> list[BenchmarkTask]:
+        return swe_tasks(self.instances())
+
+    def evaluator(self) -> str:
+        return evaluator_version()
+
+    def grade(self, task: BenchmarkTask, workspace: Path | None, runner: Any) -> tuple[float, dict[str, Any]]:
+        instance = next(row for row in self.instances() if f"swe_{row['instance_id']}" == task.name)
+        patch = read_patch(workspace)
+        if not patch.strip():
+            return grade_log(instance, "", "")
+        return grade_log(instance, patch, runner.run(grader_job(instance, patch)))

@@ -1,0 +1,168 @@
+"""Terminal-Bench 2.0 adapter: tasks in Harbor's task format from a user-provided folder, graded by each task's
+own verifier in the task's image.
+
+Nothing is downloaded. The folder holds one directory per task, as Harbor lays them out: ``instruction.md`` (the
+agent's prompt), ``task.toml`` (``[agent] timeout_sec``, ``[verifier] timeout_sec``, ``[environment]`` with
+``docker_image`` and optional ``cpus``/``memory_mb``), ``environment/`` and ``tests/`` with ``test.sh``. The task
+index of the seed formula is the position in name order (tb2 is benchmark index 0).
+
+Grading follows Harbor's verifier contract: the agent's workspace goes to the task's working directory (``/app``)
+in a container from the task's image, ``tests/`` to ``/tests``, ``bash /tests/test.sh`` runs and writes the reward to
+``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}``). The `harbor` package needs
+Python ≥ 3.12 and this project's environment is 3.11, so the format is read here (tomllib) — see the report of #18.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import tarfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
+from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask
+
+TB2 = "tb2"
+EVALUATOR = "terminal-bench 2.0 task verifier (Harbor task format, tests/test.sh)"
+WORKDIR = "/app"
+WORKSPACE_TAR = "/tmp/mass_workspace.tar"
+DEFAULT_AGENT_TIMEOUT_S = 900.0
+DEFAULT_VERIFIER_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class TB2Task:
+    """One task directory, read."""
+
+    name: str
+    path: Path
+    instruction: str
+    image: str
+    agent_timeout_s: float
+    verifier_timeout_s: float
+    cpus: float | None
+    memory: str | None
+
+
+def _number(table: dict[str, Any], key: str, default: float | None, where: str) -> float | None:
+    value = table.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise BenchmarkError(f"{where}: {key} = {value!r} is not a positive number")
+    return float(value)
+
+
+def load_tb2_task(path: Path, image_prefix: str = "") -> TB2Task:
+    """Read one Harbor task directory; `image_prefix` names the registry holding prebuilt task images when the
+    task.toml names none (image ``<prefix><task name>``)."""
+    where = f"Terminal-Bench task {path.name}"
+    instruction = path / "instruction.md"
+    toml_path = path / "task.toml"
+    if not instruction.is_file() or not toml_path.is_file() or not (path / "tests" / "test.sh").is_file():
+        raise BenchmarkError(f"{where}: needs instruction.md, task.toml and tests/test.sh in {path}")
+    try:
+        config = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise BenchmarkError(f"{toml_path}: not valid TOML ({exc})") from None
+    environment = config.get("environment") or {}
+    image = str(environment.get("docker_image") or (f"{image_prefix}{path.name}" if image_prefix else ""))
+    if not image:
+        raise BenchmarkError(f"{toml_path}: [environment] docker_image is missing and no image prefix was given")
+    memory_mb = _number(environment, "memory_mb", None, str(toml_path))
+    return TB2Task(
+        name=path.name,
+        path=path,
+        instruction=instruction.read_text(encoding="utf-8"),
+        image=image,
+        agent_timeout_s=_number(config.get("agent") or {}, "timeout_sec", DEFAULT_AGENT_TIMEOUT_S, str(toml_path)),
+        verifier_timeout_s=_number(
+            config.get("verifier") or {}, "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S, str(toml_path)
+        ),
+        cpus=_number(environment, "cpus", None, str(toml_path)),
+        memory=f"{int(memory_mb)}m" if memory_mb else None,
+    )
+
+
+def load_tb2_tasks(root: str | Path, image_prefix: str = "") -> list[TB2Task]:
+    folder = Path(root)
+    dirs = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "task.toml").exists()) if folder.is_dir() else []
+    if not dirs:
+        raise BenchmarkError(f"Terminal-Bench 2.0: {folder} holds no task directories (each with a task.toml)")
+    return [load_tb2_task(p, image_prefix) for p in dirs]
+
+
+def parse_reward(text: str, where: str) -> float:
+    """The verifier's reward: a bare number (reward.txt) or ``{"reward": x}`` (reward.json)."""
+    text = text.strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise BenchmarkError(f"{where}: reward {text[:80]!r} is neither a number nor JSON") from None
+    if isinstance(value, dict):
+        value = value.get("reward")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BenchmarkError(f"{where}: reward {value!r} is not a finite number")
+    return float(value)
+
+
+def _tar(folder: Path | None, arcroot: str = ".") -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        if folder is not None:
+            for path in sorted(folder.rglob("*")):
+                if path.is_file() and not path.is_symlink():
+                    archive.add(path, arcname=f"{arcroot}/{path.relative_to(folder)}")
+    return buffer.getvalue()
+
+
+def grader_job(task: TB2Task, workspace: Path | None) -> GraderJob:
+    """The verifier run: workspace into /app, tests into /tests, test.sh, then the reward between the markers."""
+    files = {WORKSPACE_TAR: _tar(workspace)}
+    for path in sorted((task.path / "tests").rglob("*")):
+        if path.is_file():
+            files[f"/tests/{path.relative_to(task.path / 'tests')}"] = path.read_bytes()
+    script = "\n".join(
+        [
+            f"mkdir -p {WORKDIR} /logs/verifier && tar -xf {WORKSPACE_TAR} -C {WORKDIR}",
+            f"cd {WORKDIR} && bash /tests/test.sh > /logs/verifier/test-stdout.txt 2>&1",
+            "tail -c 20000 /logs/verifier/test-stdout.txt",
+            f"echo '{RESULT_BEGIN}'",
+            "if [ -s /logs/verifier/reward.txt ]; then cat /logs/verifier/reward.txt; "
+            "elif [ -s /logs/verifier/reward.json ]; then cat /logs/verifier/reward.json; else echo 0; fi",
+            f"echo '{RESULT_END}'",
+        ]
+    )
+    return GraderJob(TB2, task.name, task.image, script, files, task.verifier_timeout_s, task.cpus, task.memory)
+
+
+@dataclass(frozen=True)
+class TerminalBench2:
+    """The Terminal-Bench 2.0 adapter over a folder of Harbor task directories."""
+
+    root: Path
+    image_prefix: str = ""
+    name: str = TB2
+    needs_container: bool = True
+
+    def load(self) -> list[TB2Task]:
+        return load_tb2_tasks(self.root, self.image_prefix)
+
+    def tasks(self) -> list[BenchmarkTask]:
+        return [
+            BenchmarkTask(TB2, f"tb2_{t.name}", index, t.instruction, time_limit_s=t.agent_timeout_s)
+            for index, t in enumerate(self.load())
+        ]
+
+    def evaluator(self) -> str:
+        return EVALUATOR
+
+    def grade(self, task: BenchmarkTask, workspace: Path | None, runner: Any) -> tuple[float, dict[str, Any]]:
+        item = next(t for t in self.load() if f"tb2_{t.name}" == task.name)
+        log = runner.run(grader_job(item, workspace))
+        reward = parse_reward(result_section(log, f"Terminal-Bench task {item.name}"), f"task {item.name}")
+        return reward, {"reward": reward, "evaluator": EVALUATOR}
