@@ -246,6 +246,10 @@ class ReportData:
     rankings: list[RankedTrajectory] = field(default_factory=list)
     throughput: list[ThroughputCurve] = field(default_factory=list)
     cache_shares: list[CacheShare] = field(default_factory=list)
+    # spend against budget (ledger) and the saved estimate against the actuals (first section; ISSUE #15)
+    budgets: list[BudgetLine] = field(default_factory=list)
+    estimate_rows: list[EstimateRow] = field(default_factory=list)
+    estimate_source: str | None = None
 
     @property
     def own_evaluations(self) -> list[PairwiseEvaluation]:
@@ -720,6 +724,7 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
     data.rankings = _rankings(ctx)
     data.throughput = _throughput(ctx, runs)
     data.cache_shares = _cache_shares(ctx)
+    data.budgets, data.estimate_rows, data.estimate_source = _cost_control(ctx, data.stages)
     if not data.own_evaluations:
         data.notes.append("No pairwise evaluation of this cycle is recorded yet (rollouts → pairs → judges → summary).")
     return data
@@ -1077,6 +1082,7 @@ def build_blocks(data: ReportData) -> list[Block]:
         ),
     ]
     blocks.extend(_provenance_blocks(data))
+    blocks.extend(_cost_control_blocks(data))
     if data.notes:
         blocks.append(Block("h2", "Notes"))
         blocks.extend(Block("note", note) for note in data.notes)
@@ -1397,6 +1403,122 @@ def _cache_blocks(data: ReportData) -> list[Block]:
             "turn, so a falling share is a cost regression.",
         ),
     ]
+
+
+@dataclass(frozen=True)
+class BudgetLine:
+    """One budget scope of the ledger: spend so far and its configured limits (None = unlimited)."""
+
+    scope: str
+    tokens: int
+    cost_usd: float
+    requests: int
+    token_limit: int | None
+    cost_limit: float | None
+
+
+@dataclass(frozen=True)
+class EstimateRow:
+    """One stage: the estimate saved when the cycle was opened against what its records add up to. Actual USD is
+    the server-reported cost of its calls plus its GPU-hours at the price table (self-hosted serving, training)."""
+
+    stage: str
+    estimated_tokens: int | None
+    actual_tokens: int
+    estimated_gpu_hours: float | None
+    actual_gpu_hours: float
+    estimated_usd: float | None
+    actual_usd: float
+
+
+def _cost_control(
+    ctx: CycleContext, stages: Sequence[StageCost]
+) -> tuple[list[BudgetLine], list[EstimateRow], str | None]:
+    """Budget lines from the ledger and the saved estimate (`validate_config` stores it in the cycle's provenance
+    under "estimate") beside each stage's actuals; the third value says what the estimate was made from."""
+    from mass_ops.cost.prices import serving_cost, token_cost, training_cost
+    from mass_ops.store.budgets import BudgetLimits
+
+    config = ctx.config
+    limits = BudgetLimits.from_mapping(config.budgets.model_dump())
+    spend = ctx.repo.budget_spend(ctx.cycle_id)
+    order = sorted(spend, key=lambda s: (s != "cycle", s != "in_loop", s))
+    budgets = [
+        BudgetLine(s, spend[s].tokens, spend[s].cost_usd, spend[s].requests, *limits.for_scope(s)[:2]) for s in order
+    ]
+    cycle = ctx.repo.get_cycle(ctx.cycle_name)
+    saved = (cycle.provenance or {}).get("estimate") if cycle is not None else None
+    estimated = {s["stage"]: s for s in (saved or {}).get("stages", [])}
+    self_hosted = not config.is_remote_backend and config.models.served_name not in config.prices.models
+    actual = {s.stage: s for s in stages}
+    rows = []
+    for stage in [*estimated, *(s for s in actual if s not in estimated)]:
+        e, a = estimated.get(stage), actual.get(stage)
+        usd = (a.cost_usd or 0.0) if a else 0.0
+        if a is not None and stage == "train":
+            usd += training_cost(config.prices, a.gpu_hours)
+        elif a is not None and self_hosted:
+            usd += serving_cost(config.prices, a.gpu_hours)
+        elif a is not None:  # an API policy: its agents' tokens at its per-token price
+            usd += token_cost(
+                config.prices, config.models.served_name, a.agent_prompt_tokens, a.agent_completion_tokens
+            )
+        rows.append(
+            EstimateRow(
+                stage,
+                e["prompt_tokens"] + e["completion_tokens"] if e else None,
+                a.prompt_tokens + a.completion_tokens if a else 0,
+                e["serving_gpu_hours"] + e["training_gpu_hours"] if e else None,
+                a.gpu_hours if a else 0.0,
+                e["cost_usd"] if e else None,
+                usd,
+            )
+        )
+    source = None
+    if saved is not None:
+        source = f"measured on {saved['lineage_cycle']}" if saved.get("lineage_cycle") else "the documented defaults"
+    return budgets, rows, source
+
+
+def _cost_control_blocks(data: ReportData) -> list[Block]:
+    """Spend against budget and the estimate against the actuals per stage (part of the first section)."""
+    blocks = [Block("h3", "Spend against budget")]
+    if data.budgets:
+        rows = tuple(
+            (
+                b.scope, _int(b.tokens), "none" if b.token_limit is None else _int(b.token_limit),
+                f"{b.cost_usd:,.2f}", "none" if b.cost_limit is None else f"{b.cost_limit:,.2f}", str(b.requests),
+            )
+            for b in data.budgets
+        )  # fmt: skip
+        headers = ("scope", "tokens", "token budget", "USD (server-reported)", "USD budget", "requests")
+        blocks.append(Block("table", headers=headers, rows=rows))
+    else:
+        blocks.append(Block("p", "No spend is recorded in the budget ledger of this cycle."))
+    blocks.append(Block("h3", "Estimate against actual per stage"))
+    if data.estimate_source is None:
+        blocks.append(Block("p", "No estimate was saved for this cycle (validate_config saves the first one)."))
+    rows = tuple(
+        (
+            r.stage,
+            "n/a" if r.estimated_tokens is None else _int(r.estimated_tokens), _int(r.actual_tokens),
+            _fmt(r.estimated_gpu_hours, 2), _fmt(r.actual_gpu_hours, 2),
+            "n/a" if r.estimated_usd is None else f"{r.estimated_usd:,.2f}", f"{r.actual_usd:,.2f}",
+        )
+        for r in data.estimate_rows
+    )  # fmt: skip
+    if rows:
+        headers = ("stage", "est. tokens", "tokens", "est. GPU-h", "GPU-h", "est. USD", "USD")
+        blocks.append(Block("table", headers=headers, rows=rows))
+    if data.estimate_source is not None:
+        blocks.append(
+            Block(
+                "p",
+                f"Estimate saved when the cycle was opened, from {data.estimate_source}. Actual USD: the "
+                "server-reported cost of calls plus GPU-hours at config.prices (self-hosted serving, training).",
+            )
+        )
+    return blocks
 
 
 def _provenance_blocks(data: ReportData) -> list[Block]:

@@ -429,3 +429,34 @@ def test_the_ranking_figure_draws_an_interval_that_misses_its_score():
         pytest.approx((0.0, 0.6)),
         pytest.approx((-0.6, 0.0)),
     ]
+
+
+def test_the_first_section_shows_spend_against_budget_and_the_estimate_against_the_actuals(eval_env):
+    data = eval_env.config.model_dump(mode="json")
+    data["name"] = "budget-report"
+    data["budgets"] = {"cycle_tokens": 500_000, "cycle_cost_usd": 10.0}
+    ctx = open_test_cycle(validate_config(data))
+    config = ctx.config
+    # What validate_config saves (cost.estimate.CycleEstimate.as_dict), cut to the fields the report reads.
+    stage = {"prompt_tokens": 100_000, "completion_tokens": 20_000, "serving_gpu_hours": 1.5, "training_gpu_hours": 0.0}
+    saved = {"stages": [{"stage": "collect", **stage, "cost_usd": 4.5}], "lineage_cycle": None}
+    ctx.repo.set_cycle_provenance(ctx.cycle_id, "estimate", saved)
+    ctx.repo.add_budget_spend(ctx.cycle_id, ["cycle", "task:51"], tokens=123_456, cost_usd=1.25)
+    ctx.repo.record_episode(
+        ctx.cycle_id, task_id=51, kind="collection", candidate=0, seed=715100, status="succeeded",
+        prompt_tokens=90_000, completion_tokens=12_000, started_at=T0, finished_at=T0 + timedelta(minutes=30),
+    )  # fmt: skip
+
+    first = read(write_report(ctx)["markdown"]).decode().split("\n## ", 1)[0]
+    assert "### Spend against budget" in first and "### Estimate against actual per stage" in first
+    assert "| cycle | 123,456 | 500,000 | 1.25 | 10.00 | 1 |" in first
+    assert "| task:51 | 123,456 | none | 1.25 | none | 1 |" in first
+    gpu_hours = 0.5 * config.inference.server.gpus  # the episode's half hour on the inference server
+    usd = gpu_hours * config.prices.serving_gpu_hour_usd  # self-hosted: GPU-hours at the serving price
+    assert f"| collect | 120,000 | 102,000 | 1.50 | {gpu_hours:.2f} | 4.50 | {usd:,.2f} |" in first
+    assert "Estimate saved when the cycle was opened, from the documented defaults." in first
+
+    bare = open_test_cycle(validate_config(eval_env.config.model_dump(mode="json") | {"name": "no-estimate"}))
+    first = read(write_report(bare)["markdown"]).decode().split("\n## ", 1)[0]
+    assert "No spend is recorded in the budget ledger of this cycle." in first
+    assert "No estimate was saved for this cycle" in first
