@@ -19,7 +19,7 @@ $VPY -m pip install --quiet "torch==2.13.0"
 # DeepSpeed ships as an sdist that imports torch while building: build it against the torch above (no isolation, so
 # pip cannot fetch another torch) and without compiled ops (CPU here; the trainer image builds what GPUs need).
 DS_BUILD_OPS=0 $VPY -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
-$VPY -m pip install --quiet -e ".[train,airflow,report,dev]"
+$VPY -m pip install --quiet -e ".[train,airflow,report,dev,benchmarks]"
 if [ -f plugins/pyproject.toml ]; then
   $VPY -m pip install --quiet -e plugins/
 fi
