@@ -21,21 +21,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mass_ops.config import DEFAULT_LORA_TARGETS
 from mass_ops.errors import InputError
 
-# The reference's projections: attention (q/k/v/o), MLP (gate/up/down), linear attention (in_proj_qkv/z, out_proj).
-REFERENCE_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-)
+# The reference's projections (attention q/k/v/o, MLP gate/up/down, linear attention in_proj_qkv/z and out_proj):
+# the config's default, named once there.
+REFERENCE_TARGET_MODULES = DEFAULT_LORA_TARGETS
 # The reference's regex, verbatim (MASS_SPEC §8); kept for comparison and for runs that want exactly it.
 REFERENCE_TARGET_PATTERN = (
     r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)$"

@@ -162,7 +162,10 @@ def test_a_pattern_that_matches_a_non_linear_module_is_refused() -> None:
 
 
 def test_config_defaults_and_train_args_name_the_reference_projections() -> None:
-    assert tuple(DEFAULT_LORA_TARGETS) == REFERENCE_TARGET_MODULES
+    assert set(DEFAULT_LORA_TARGETS) == {
+        *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        *("in_proj_qkv", "in_proj_z", "out_proj"),  # MASS_SPEC §8: the linear-attention projections too
+    }
     assert TrainArgs(model_dir="m", train_data="t", out_dir="o").target_pattern() == lora_target_pattern()
     with pytest.raises(LoraTargetError):
         lora_target_pattern([])
