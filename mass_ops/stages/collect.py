@@ -181,6 +181,7 @@ class CollectionResult:
     succeeded: int = 0
     model_failures: int = 0
     infra_failures: int = 0
+    budget_exhausted: int = 0  # attempts a budget stopped (not final: raise the budget and rerun)
 
     def as_row(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,6 +221,7 @@ def collect_batch(
                 succeeded=sum(o.status == "succeeded" for o in done),
                 model_failures=sum(o.status == "model_failure" for o in done),
                 infra_failures=sum(o.status == "infra_failure" for o in done),
+                budget_exhausted=sum(o.status == "budget_exhausted" for o in done),
             )
         )
     return results

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mass_ops.config import CycleConfig
+from mass_ops.cost.estimate import DEFAULT_TRAIN_STEP_S
 from mass_ops.errors import InputError
 from mass_ops.layout import next_generation_key, training_prefix
 from mass_ops.seeds import next_cycle_seed_base
@@ -60,9 +61,8 @@ class ResourcePlan:
     reference_training_gpus: int
 
 
-# Without a measured throughput, a training step takes cost.estimate.DEFAULT_TRAIN_STEP_S (60 s): the plan's
-# tokens/s is the planned tokens of a step over that, so the plan and the cost estimate agree.
-DEFAULT_TRAIN_STEP_S = 60.0
+# Without a measured throughput, a training step takes DEFAULT_TRAIN_STEP_S (defined once, in cost.estimate): the
+# plan's tokens/s is the planned tokens of a step over that, so the plan and the cost estimate agree.
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.context import CycleContext
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
 from mass_ops.stages.collect import collect_batch
 from mass_ops.stages.status import cycle_status
@@ -119,3 +120,28 @@ def test_an_unknown_cycle_is_one_line_and_exit_2(inner_loop: InnerLoopEnv, tmp_p
     assert result.exit_code == 2
     assert "cycle 'no-such-cycle': not in the metadata store" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+class LatestAttempts:
+    """An executor that runs nothing and answers each request with its latest recorded attempt (what a pool
+    reports when a budget stopped an episode's proxy)."""
+
+    def __init__(self, ctx: CycleContext) -> None:
+        self.ctx = ctx
+
+    def run(self, requests: list[EpisodeRequest]) -> list[EpisodeOutcome]:
+        outcomes = []
+        for request in requests:
+            unit = request.unit
+            (*_, row) = self.ctx.repo.episode_attempts(
+                self.ctx.cycle_id, task_id=unit.task_id, kind=unit.kind, seed=unit.seed, candidate=unit.candidate
+            )
+            outcomes.append(EpisodeOutcome(request, row.id, row.attempt, row.status, {}, {}, reused=True))
+        return outcomes
+
+
+def test_the_collection_summary_counts_budget_stopped_candidates(inner_loop: InnerLoopEnv) -> None:
+    opened = collected_with_one_failure(inner_loop, failing=(1, 3), candidates=4)
+    budget_stop(opened.ctx, 3, attempt=3)
+    (row,) = [result.as_row() for result in collect_batch(opened.ctx, LatestAttempts(opened.ctx))]
+    assert (row["succeeded"], row["infra_failures"], row["budget_exhausted"]) == (2, 1, 1)
