@@ -32,18 +32,18 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.errors import InputError
-from mass_ops.evaluation import rollouts as _rollouts
 from mass_ops.evaluation.agreement import judge_agreement
 from mass_ops.evaluation.external import SELF_JUDGE, ReportJudge, external_judges, judge_presentation, self_judge
 from mass_ops.evaluation.pairing import RolloutPair, pairs_document
 from mass_ops.evaluation.pairing import pair_rollouts as _pair_sets
 from mass_ops.evaluation.rollouts import (
     RolloutError,
-    RolloutSet,
     Split,
     default_label,
     load_rollout_set,
     resolve_rollout_tasks,
+    rollout_requests,
+    run_rollouts,
 )
 from mass_ops.evaluation.stats import (
     DEFAULT_BOOTSTRAP_SAMPLES,
@@ -73,27 +73,6 @@ class EvaluationStageError(InputError):
 
 
 # -- rollouts and pairing --------------------------------------------------------------------------------------------
-
-
-def rollout_requests(
-    ctx: CycleContext, generation: str, tasks: Sequence[int] | None = None, count: int | None = None
-) -> list[EpisodeRequest]:
-    """Bare-task requests of `generation` for the pool (default `config.rollout_tasks()`) × `count` replicates."""
-    return _rollouts.rollout_requests(ctx, generation, tasks, count)
-
-
-def run_rollouts(
-    ctx: CycleContext,
-    executor: EpisodeExecutor,
-    generation: str,
-    *,
-    tasks: Sequence[int] | None = None,
-    split: Split | None = None,
-    count: int | None = None,
-    label: str | None = None,
-) -> RolloutSet:
-    """Run (or reuse) the rollouts of `generation` and record the set (`--split`, `--tasks`, `--count`)."""
-    return _rollouts.run_rollouts(ctx, executor, generation, tasks=tasks, split=split, count=count, label=label)
 
 
 def pairs_key(cycle: str, label_a: str, label_b: str) -> str:
