@@ -1,0 +1,341 @@
+"""Cycle simulator (ISSUE #17.1): a paper-scale inner loop through the real stage code, three schedules compared.
+
+Workload: RHI for 9 tasks × 12 versions (reference + v0..v11 episodes per task), teacher collection of 18 candidates
+for the 8 training tasks, a ring tournament of 54 matches per training task. Every judge and optimizer call is a real
+call of the stage code to the scripted OpenAI-compatible stand-in (`tests.policy_server`, here in-process) whose
+capacity is C requests at once; episodes are a stand-in runner behind the real `EpisodePool` that holds one of the
+server's C slots for the episode's drawn length (one long request), then publishes a small workspace and its row.
+
+Episode lengths are heavy-tailed and seeded per unit (the same unit has the same length in every schedule):
+log-normal with median `--median` seconds and shape `--sigma` (0.6: the 90th percentile is about 2.2× the median),
+and with probability `--tail-share` an episode takes `--tail-factor` (10×) its drawn length — an agent that kept
+going until its limits. Judge and optimizer calls take `--judge` and `--optimizer` seconds of a slot. The defaults
+are a paper cycle (episodes ~20 min, judge calls ~1.5 min, proposals ~3 min) time-scaled by about 1/5000.
+
+Schedules:
+- reference: the reference release's sequential order — tasks one after another, each version in order, one episode
+  or call at a time (capacity 1 everywhere), then collection, then ranking, one match at a time;
+- today: the DAG's order before pipelining — all searches at once, a barrier, every collection in one batch, a
+  barrier, every task's ranking at once;
+- pipelined: `stages.inner_loop` — each task's collection as soon as its own search is done, its ranking as soon as
+  its own collection is.
+
+Printed per schedule: wall-clock; utilisation = busy slot-seconds of the server / (C × the time from the first
+request to the last answer); wall / bound, where bound = max(longest dependency chain of a task, total server work / C)
+computed from the drawn lengths; then the ratios pipelined/today and pipelined/reference, and whether the goals
+(pipelined utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met.
+
+    .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.25] [--schedules reference,today,pipelined]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
+from mass_ops.context import CycleContext, open_cycle  # noqa: E402
+from mass_ops.llm import RetryPolicy  # noqa: E402
+from mass_ops.llm.calls import open_client  # noqa: E402
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest  # noqa: E402
+from mass_ops.runtime.pool import EpisodePool  # noqa: E402
+from mass_ops.search.driver import search_task, search_tasks  # noqa: E402
+from mass_ops.stages.collect import collect_batch  # noqa: E402
+from mass_ops.stages.inner_loop import run_inner_loop  # noqa: E402
+from mass_ops.stages.rank import rank_tasks  # noqa: E402
+from tests.inner_loop_fakes import FailurePlan, FakeExecutor, ScriptedPolicy  # noqa: E402
+from tests.policy_server import (  # noqa: E402
+    EventLoopThread,
+    PolicyServer,
+    PolicyServerConfig,
+    RequestKind,
+    classify_request,
+)
+
+MODEL = "sim-policy"
+PAPER_TASKS = [51, 53, 56, 202, 205, 221, 302, 307, 324]
+HOLD = "@hold "  # an episode's request: "@hold <seconds>"
+SCHEDULES = ("reference", "today", "pipelined")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """Seeded episode lengths and call latencies (seconds of one server slot)."""
+
+    median: float
+    sigma: float
+    tail_share: float
+    tail_factor: float
+    judge: float
+    optimizer: float
+    seed: int
+
+    def episode(self, slug: str) -> float:
+        draw = random.Random(int.from_bytes(hashlib.sha256(f"{self.seed}:{slug}".encode()).digest()[:8], "big"))
+        length = draw.lognormvariate(math.log(self.median), self.sigma)
+        return length * self.tail_factor if draw.random() < self.tail_share else length
+
+
+class TimedServer(PolicyServer):
+    """The stand-in with one capacity of C slots shared by episodes and calls, per-request hold times and busy-time
+    accounting. (It wraps the stand-in's chat handler: the answers are the stand-in's, the timing is ours.)"""
+
+    def __init__(self, capacity: int, lengths: Lengths, policy: ScriptedPolicy) -> None:
+        super().__init__(PolicyServerConfig(models=(MODEL,)), policy)
+        self.capacity = capacity
+        self.lengths = lengths
+        self._gate: asyncio.Semaphore | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.busy_s = 0.0
+        self.first: float | None = None
+        self.last = 0.0
+        self.work = {"episode": 0.0, "judge": 0.0, "optimizer": 0.0}
+        self.counts = {"episode": 0, "judge": 0, "optimizer": 0}
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()  # aiohttp keeps the body: the stand-in's handler reads it again
+        text = str((body.get("messages") or [{}])[-1].get("content", ""))
+        if text.startswith(HOLD):
+            kind, hold = "episode", float(text.removeprefix(HOLD))
+        else:
+            request_kind = classify_request(body)
+            kind = "optimizer" if request_kind is RequestKind.OPTIMIZER else "judge"
+            hold = self.lengths.optimizer if kind == "optimizer" else self.lengths.judge
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.capacity)
+        async with self._gate:
+            started = time.perf_counter()
+            self.first = started if self.first is None else self.first
+            try:
+                await asyncio.sleep(hold)
+                if kind == "episode":
+                    return web.json_response({"choices": [{"message": {"role": "assistant", "content": "done"}}]})
+                return await super()._chat(request)
+            finally:
+                ended = time.perf_counter()
+                self.busy_s += ended - started
+                self.last = max(self.last, ended)
+                self.work[kind] += hold
+                self.counts[kind] += 1
+
+
+class SimRunner:
+    """`AttemptRunner` of the pool: holds a server slot for the unit's drawn length, then records the episode (a
+    small workspace and its row, through the inner-loop tests' fake executor)."""
+
+    def __init__(self, ctx: CycleContext, endpoint: str, lengths: Lengths) -> None:
+        self.endpoint = endpoint
+        self.lengths = lengths
+        self.recorder = FakeExecutor(ctx, workspace_files=small_workspace)
+
+    async def preflight(self) -> None:
+        return None
+
+    async def run_attempt(
+        self, request: EpisodeRequest, attempt: int, *, retry_of_id: int | None = None, on_agent_exit: Any = None
+    ) -> EpisodeOutcome:
+        await asyncio.to_thread(self._hold, self.lengths.episode(request.unit.slug))
+        if on_agent_exit is not None:
+            on_agent_exit()  # publishing does not load the server
+        row = await asyncio.to_thread(self.recorder._execute, request, attempt, FailurePlan(), None)
+        return self.recorder._outcome(request, row, reused=False)
+
+    def _hold(self, seconds: float) -> None:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{HOLD}{seconds:.6f}"}]})
+        post = urllib.request.Request(
+            f"{self.endpoint}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(post, timeout=600) as answer:
+            answer.read()
+
+
+def small_workspace(request: EpisodeRequest, task_text: str) -> dict[str, bytes]:
+    seed = request.unit.seed
+    return {
+        "research_report.md": f"# {request.condition}\n\n## Results\nSharpe {seed % 97 / 100:.2f}.\n".encode(),
+        "results/metrics.json": json.dumps({"seed": seed, "sharpe": seed % 97 / 100}).encode(),
+        "deliverables/index.json": b'[{"path": "research_report.md", "description": "report"}]',
+    }
+
+
+def sim_config(name: str, endpoint: str, store: Path, capacity: int, args: argparse.Namespace) -> CycleConfig:
+    data = read_config_source("paper")
+    tasks = PAPER_TASKS[: args.tasks]
+    train = [t for t in tasks if t != 221] or tasks
+    data["name"] = name
+    data["models"]["served_name"] = MODEL
+    data["inference"].update(endpoint=endpoint, max_concurrent_requests=capacity)
+    data["tasks"].update(train_candidates=tasks, train=train, excluded=[t for t in tasks if t not in train])
+    data["tasks"]["catalogue"] = "builtin"  # mass-ops' own tasks with the paper's settings
+    data["evaluation"]["tasks"] = None
+    data["search"]["iterations"] = args.iterations
+    data["storage"] = {"metadata_url": f"sqlite:///{store / 'metadata.db'}", "artifact_url": str(store / "artifacts")}
+    return validate_config(data)
+
+
+def run_schedule(schedule: str, server: TimedServer, base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    capacity = 1 if schedule == "reference" else args.capacity
+    config = sim_config(f"sim-{schedule}", f"{server.base_url}/v1", base / schedule, capacity, args)
+    ctx = open_cycle(config)
+    client = open_client(config, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1))
+    pool = EpisodePool(ctx, runner=SimRunner(ctx, f"{server.base_url}/v1", server.lengths), capacity=capacity)
+    server.reset()
+    started = time.perf_counter()
+    try:
+        if schedule == "reference":
+            for task in config.tasks.train_candidates:
+                search_task(ctx, pool, task, client=client)
+            collect_batch(ctx, pool)
+            rank_tasks(ctx, client=client)
+        elif schedule == "today":
+            search_tasks(ctx, pool, client=client)
+            collect_batch(ctx, pool)
+            train = list(config.tasks.train)
+            with ThreadPoolExecutor(max_workers=len(train)) as ranking:  # the DAG's mapped rank_task instances
+                list(ranking.map(lambda task: rank_tasks(ctx, [task], client=client), train))
+        else:
+            run_inner_loop(ctx, pool, client=client)
+        wall = time.perf_counter() - started
+    finally:
+        pool.close()
+        client.close()
+    active = server.last - (server.first or started)
+    return {
+        "wall_s": wall,
+        "utilisation": server.busy_s / (args.capacity * active) if active > 0 else 0.0,
+        "work_s": sum(server.work.values()),
+        "counts": dict(server.counts),
+        "episodes": len(ctx.repo.episodes(ctx.cycle_id)),
+    }
+
+
+def lower_bound(config: CycleConfig, lengths: Lengths, work_s: float, capacity: int) -> dict[str, float]:
+    """max(longest chain of a task, server work / C). A task's chain: reference ∥ v0, the v0→v1 proposal; per
+    later version its episode, a verdict, an arbitration and (but the last) a proposal; for a training task then
+    its slowest candidate and its matches, C at a time."""
+    judge, optimizer = lengths.judge, lengths.optimizer
+    matches = math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
+    drawn = drawn_lengths(config, lengths)
+    chains = []
+    for search, collection in drawn.values():
+        chain = max(search[0], search[1]) + optimizer
+        chain += sum(search[2:]) + (config.search.iterations) * (2 * judge + optimizer) - optimizer
+        if collection:
+            chain += max(collection) + math.ceil(matches / capacity) * judge
+        chains.append(chain)
+    return {"chain": max(chains), "work": work_s / capacity, "bound": max(max(chains), work_s / capacity)}
+
+
+def drawn_lengths(config: CycleConfig, lengths: Lengths) -> dict[int, tuple[list[float], list[float]]]:
+    """Drawn lengths per task: search episodes (reference, v0, v1…) and collection candidates."""
+    from mass_ops.layout import EpisodeUnit
+    from mass_ops.seeds import collection_seed, reference_episode_seed, version_episode_seed
+
+    out = {}
+    for task in config.tasks.train_candidates:
+        search = [
+            lengths.episode(
+                EpisodeUnit("x", task, "reference", reference_episode_seed(config.search.seed_base, task)).slug
+            )
+        ]
+        for version in range(config.search.iterations + 1):
+            seed = version_episode_seed(config.search.seed_base, task, version)
+            search.append(lengths.episode(EpisodeUnit("x", task, "search", seed, version=version).slug))
+        collection = []
+        if task in config.tasks.train:
+            for candidate in range(config.collection.candidates):
+                seed = collection_seed(config.collection.seed_base, task, candidate)
+                unit = EpisodeUnit("x", task, "collection", seed, candidate=candidate)
+                collection.append(lengths.episode(unit.slug))
+        out[task] = (search, collection)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity", type=int, default=8, help="requests the server processes at once (C)")
+    parser.add_argument("--tasks", type=int, default=9)
+    parser.add_argument("--iterations", type=int, default=11)
+    parser.add_argument("--median", type=float, default=0.25, help="median episode length, seconds")
+    parser.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of episode lengths")
+    parser.add_argument("--tail-share", type=float, default=0.03, help="share of episodes that run tail-factor×")
+    parser.add_argument("--tail-factor", type=float, default=10.0)
+    parser.add_argument("--judge", type=float, default=0.02, help="seconds per judge call")
+    parser.add_argument("--optimizer", type=float, default=0.04, help="seconds per optimizer call")
+    parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + str(SCHEDULES))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    lengths = Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, args.seed)
+    chosen = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SCHEDULES))
+    if unknown:
+        raise SystemExit(f"cycle_sim: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}")
+
+    shm = Path("/dev/shm")
+    base = Path(tempfile.mkdtemp(prefix="mass-cycle-sim-", dir=shm if shm.is_dir() else None))
+    tempfile.tempdir = str(base)
+    policy = ScriptedPolicy()
+    policy.judge_winner = lambda request: "B"  # the version always wins: every step arbitrates (fixed work)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        with EventLoopThread() as loop:
+            server = TimedServer(args.capacity, lengths, policy)
+            loop.run(server.start())
+            try:
+                for schedule in chosen:
+                    results[schedule] = run_schedule(schedule, server, base, args)
+                    print(f"{schedule}: {results[schedule]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+            finally:
+                loop.run(server.stop())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    config = sim_config("sim-bound", "http://127.0.0.1:9/v1", base, args.capacity, args)
+    print(
+        f"C = {args.capacity}; episodes log-normal median {args.median} s, sigma {args.sigma}, {args.tail_share:.0%} "
+        f"at {args.tail_factor:g}×; judge {args.judge} s, optimizer {args.optimizer} s; seed {args.seed}"
+    )
+    for schedule, result in results.items():
+        bound = lower_bound(config, lengths, result["work_s"], args.capacity)
+        result["wall_over_bound"] = result["wall_s"] / bound["bound"]
+        print(
+            f"{schedule:>10}: wall {result['wall_s']:7.2f} s  utilisation {result['utilisation']:.2f}  "
+            f"wall/bound {result['wall_over_bound']:.2f}  (bound {bound['bound']:.2f} s = max(chain "
+            f"{bound['chain']:.2f} s, work/C {bound['work']:.2f} s); {result['episodes']} episodes, "
+            f"{result['counts']['judge']} judge and {result['counts']['optimizer']} optimizer calls)"
+        )
+    if "pipelined" in results:
+        pipelined = results["pipelined"]
+        for other in ("today", "reference"):
+            if other in results:
+                print(f"pipelined / {other}: {pipelined['wall_s'] / results[other]['wall_s']:.2f}")
+        met = pipelined["utilisation"] >= 0.9 and pipelined["wall_over_bound"] <= 1.1
+        print(
+            f"goal (pipelined utilisation >= 0.9 and wall/bound <= 1.1 at C = 8): {'met' if met else 'not met'} "
+            f"({pipelined['utilisation']:.2f}, {pipelined['wall_over_bound']:.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
