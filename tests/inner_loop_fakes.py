@@ -94,11 +94,12 @@ def plausible_workspace(request: EpisodeRequest, task_text: str) -> dict[str, by
 
 @dataclasses.dataclass
 class FailurePlan:
-    """How a unit (by slug) fails: a model failure on every attempt, or infrastructure failures on the first
-    `infra_attempts` attempts."""
+    """How a unit (by slug) fails: a model failure on every attempt, infrastructure failures on the first
+    `infra_attempts` attempts, or its proxy refusing it for a spent budget (`budget_exhausted`, never retried)."""
 
     model_failure: bool = False
     infra_attempts: int = 0
+    budget_exhausted: bool = False
 
 
 class FakeExecutor:
@@ -189,6 +190,8 @@ class FakeExecutor:
             time.sleep(self.latency_s)
         if attempt <= plan.infra_attempts:
             status, failure = "infra_failure", {"subtype": "api_error_infra", "message": "Connection error"}
+        elif plan.budget_exhausted:
+            status, failure = "budget_exhausted", {"subtype": "budget_exhausted", "message": "task budget spent"}
         elif plan.model_failure:
             status, failure = "model_failure", {"subtype": "error_max_turns", "message": "the agent gave up"}
         else:

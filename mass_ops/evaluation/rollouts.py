@@ -279,11 +279,19 @@ def run_rollouts(
         if row is None or row.kind != "rollout" or row.generation != generation:
             raise RolloutError(f"rollouts: episode {outcome.episode_id} is not a recorded rollout of {generation}")
         entries.append(_entry(outcome, row.unit_key))
+    # A set is frozen once recorded: an episode that did not finish (infrastructure, or its budget spent) must be
+    # redone first, or it would count as the generation's result forever.
     failed = [e.unit_key for e in entries if e.status == "infra_failure"]
     if failed:
         raise RolloutError(
             f"rollouts: {len(failed)} episode(s) ended in infrastructure failures ({', '.join(failed[:5])}); "
             "rerun once the endpoint is healthy — finished episodes are reused"
+        )
+    stopped = [e.unit_key for e in entries if e.status == "budget_exhausted"]
+    if stopped:
+        raise RolloutError(
+            f"rollouts: {len(stopped)} episode(s) were stopped by a spent budget ({', '.join(stopped[:5])}); raise "
+            "the budget (config budgets.*) and rerun — finished episodes are reused"
         )
     rollout_set = RolloutSet(ctx.cycle_name, label, generation, tuple(pool), replicates, tuple(entries))
     manifest = ctx.artifacts.put_json(rollout_manifest_key(ctx.cycle_name, label), rollout_set.as_results())

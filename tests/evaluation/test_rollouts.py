@@ -126,3 +126,12 @@ def test_unregistered_generation_and_infrastructure_failures(eval_env):
     done = run_rollouts(ctx, healthy, "L1", count=1, label="flaky")
     assert [e.unit_key.rsplit("/", 1)[1] for e in done.entries] == ["a1", "a3"]
     assert len(healthy.executed) == 1
+
+
+def test_a_budget_stopped_rollout_is_not_frozen_into_the_set(eval_env):
+    ctx = eval_env.ctx
+    slug = EpisodeUnit(ctx.cycle_name, 60, "rollout", rollout_seed(910000, 60, 0), candidate=0, generation="L1").slug
+    stopped = eval_env.rollout_executor(failures={slug: FailurePlan(budget_exhausted=True)})
+    with pytest.raises(RolloutError, match=r"1 episode\(s\) were stopped by a spent budget .*raise the budget"):
+        run_rollouts(ctx, stopped, "L1", count=1, label="capped")
+    assert rollout_sets(ctx) == []  # nothing recorded: a raised budget redoes the stopped unit
