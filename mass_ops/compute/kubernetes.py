@@ -1106,3 +1106,162 @@ def manifests_of_cycle(config: CycleConfig, settings: WorkloadSettings, episodes
         out += [training_job(config, settings, role="train"), rendezvous_service(config, settings, role="train")]
     out += [training_job(config, settings, role="export"), rendezvous_service(config, settings, role="export")]
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Benchmark grader Jobs
+
+GRADER_CONTAINER = "grader"
+GRADER_FETCH_CONTAINER = "fetch"
+GRADER_INPUT_MOUNT = "/grader-in"
+GRADER_BUNDLE = f"{GRADER_INPUT_MOUNT}/bundle.tar"
+GRADER_DEADLINE_SLACK_S = 300  # image start and the bundle's fetch, on top of the grader's own limit
+
+
+class GraderRun(Protocol):
+    """What a grader Job runs (an evaluation `GraderJob`; compute sits below evaluation, so it names only the fields
+    it reads): the benchmark's image and bash script, and the script's time limit."""
+
+    @property
+    def benchmark(self) -> str: ...
+
+    @property
+    def instance(self) -> str: ...
+
+    @property
+    def image(self) -> str: ...
+
+    @property
+    def script(self) -> str: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+
+def grader_job_name(config: CycleConfig, job: GraderRun) -> str:
+    """The grader Job's name: cycle, benchmark and instance, hashed when too long."""
+    return resource_name("grade", config.cycle_name, job.benchmark, job.instance, max_length=52)
+
+
+def benchmark_grader_job(
+    config: CycleConfig,
+    settings: WorkloadSettings,
+    job: GraderRun,
+    *,
+    bundle_uri: str,
+    bundle_sha256: str,
+    scope: str | None = None,
+) -> dict[str, Any]:
+    """One benchmark instance's grading as a Job from the benchmark's own image (SWE-bench, Terminal-Bench 2.0).
+
+    The pod is an episode pod in everything that bounds it: the episode labels (so the chart's sandbox
+    NetworkPolicy applies: no ingress, egress only to the inference servers, DNS, the listed mirrors and the stores),
+    the episode CPU, memory and ephemeral-storage limits, sized emptyDirs, the workload account without its token,
+    no service links, and a deadline. Its files (the agent's patch or workspace, the tests, the eval script) arrive
+    as one tar bundle stored as an artifact: the `fetch` init container (the episode image, non-root, the only one
+    with the store credentials — the publisher's Secrets) writes it to `GRADER_BUNDLE` after checking its SHA-256,
+    and `grader` (the benchmark image, no Secret at all) unpacks it over `/` and runs the script. The result is read
+    from the pod's log between the grader's result markers.
+
+    Why `grader` runs as root when episode pods enforce runAsNonRoot: the benchmarks' images are built to grade as
+    root (SWE-bench's `/testbed` and its conda environment belong to root, Terminal-Bench's verifiers write
+    `/logs/verifier` and install test tools), and running them as another user changes what their tests see. What
+    root may do is bounded instead: no privilege escalation, not privileged, every capability dropped (root without
+    CAP_DAC_OVERRIDE, CAP_CHOWN, CAP_SETUID, CAP_NET_RAW ... can only touch what root owns inside its own
+    container), the runtime's default seccomp profile, no service-account token, no Secret, and the sandbox
+    NetworkPolicy. The relaxation is the grader container's alone: the pod keeps the episode pods' seccomp profile and
+    the fetch container still runs as the unprivileged runtime user. The Job never retries (backoffLimit 0): a failed
+    grading is reported, and the trial's rerun grades the instance again.
+    """
+    if not re.fullmatch(r"[0-9a-f]{64}", bundle_sha256):
+        raise SpecError(f"grader {job.benchmark}/{job.instance}: bundle_sha256 {bundle_sha256!r} is not a hex SHA-256")
+    if not job.image.strip():
+        raise SpecError(f"grader {job.benchmark}/{job.instance}: the benchmark image is empty")
+    if not math.isfinite(job.timeout_s) or job.timeout_s <= 0:
+        raise SpecError(f"grader {job.benchmark}/{job.instance}: timeout_s {job.timeout_s!r} is not positive")
+    k8s = config.compute.kubernetes
+    scope = scope or config.cycle_name
+    limits = settings.episode_limits
+    name = grader_job_name(config, job)
+    labels = {
+        **workload_labels(config, scope),
+        **settings.labels_for("episode"),
+        "mass-ops/benchmark": label_value(job.benchmark),
+        "mass-ops/instance": label_value(job.instance) or "instance",
+    }
+    input_mount = {"name": "grader-in", "mountPath": GRADER_INPUT_MOUNT}
+    fetch = {
+        "name": GRADER_FETCH_CONTAINER,
+        "image": k8s.image_episode,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            *("mass-ops", "benchmark", "grader-files", "--config", CONFIG_FILE),
+            *("--uri", bundle_uri, "--sha256", bundle_sha256, "--out", GRADER_BUNDLE),
+        ],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "TMPDIR", "value": "/tmp"},
+            *settings.secret_env("publisher"),
+        ],
+        "envFrom": settings.env_from(),
+        "resources": _resources(k8s.publisher_cpu, k8s.publisher_memory, limits.publisher_storage),
+        "volumeMounts": [_config_mount(), input_mount, {"name": "publisher-tmp", "mountPath": "/tmp"}],
+        "securityContext": {
+            **_container_security(read_only_root=True),
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    grader = {
+        "name": GRADER_CONTAINER,
+        "image": job.image,
+        # Images come from the registry the user provides and are never rebuilt or pulled from elsewhere at run time.
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["bash", "-c", f'tar -xf {GRADER_BUNDLE} -C / && exec bash -c "$MASS_GRADER_SCRIPT"'],
+        "env": [{"name": "MASS_GRADER_SCRIPT", "value": job.script}],
+        "resources": _resources(k8s.episode_cpu, k8s.episode_memory, limits.sandbox_storage),
+        "volumeMounts": [{**input_mount, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": False,
+            "runAsNonRoot": False,
+            "runAsUser": 0,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": settings.service_account,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        # Pod-level: only what holds for both containers; who runs as whom is set per container.
+        "securityContext": {"fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "restartPolicy": "Never",
+        "initContainers": [fetch],
+        "containers": [grader],
+        "volumes": [
+            _config_volume(),
+            {"name": "grader-in", "emptyDir": {"sizeLimit": limits.size_limit("workspace")}},
+            _empty_dir("tmp", limits),
+            _empty_dir("publisher-tmp", limits),
+        ],
+        "terminationGracePeriodSeconds": 30,
+    }
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": math.ceil(job.timeout_s) + GRADER_DEADLINE_SLACK_S,
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": labels, "annotations": {CONFIG_ANNOTATION: config_document(config)}},
+                "spec": pod_spec,
+            },
+        },
+    }

@@ -535,3 +535,68 @@ def test_a_wall_clock_limit_bounds_the_pod_and_none_leaves_it_unbounded(chart_di
     unbounded = cluster_config(chart_dir, "demo", "runtime.episode_wall_clock_s=null")
     assert "activeDeadlineSeconds" not in specs.episode_pod(unbounded, settings, EPISODES[0])["spec"]
     assert specs.episode_deadline_s(unbounded) is None
+
+
+# --- benchmark grader Jobs (#18.2) ---------------------------------------------------------------------------------
+
+
+def swe_grader_job():
+    from mass_ops.evaluation.benchmarks.swe import grader_job
+    from tests.evaluation.benchmarks.test_adapters import PATCH, SWE_INSTANCE
+
+    return grader_job(SWE_INSTANCE, PATCH)
+
+
+def test_benchmark_grader_job_validates_and_is_bounded_like_an_episode(paper, settings):
+    job = swe_grader_job()
+    sha = "ab" * 32
+    manifest = specs.benchmark_grader_job(paper, settings, job, bundle_uri="s3://b/grader/x.tar", bundle_sha256=sha)
+    validate_manifest(manifest)
+    episode = specs.episode_pod(paper, settings, EPISODES[0])
+    pod, episode_spec = manifest["spec"]["template"]["spec"], episode["spec"]
+    assert manifest["kind"] == "Job" and manifest["spec"]["backoffLimit"] == 0
+    assert manifest["spec"]["activeDeadlineSeconds"] == 1800 + specs.GRADER_DEADLINE_SLACK_S
+    assert len(manifest["metadata"]["name"]) <= 63
+    # The chart's sandbox NetworkPolicy selects it exactly as it selects episode pods.
+    labels = manifest["spec"]["template"]["metadata"]["labels"]
+    assert settings.labels_for("episode").items() <= labels.items()
+    assert labels["mass-ops/benchmark"] == "swe" and labels["mass-ops/instance"] == "calc__calc-1"
+    [fetch], [grader] = pod["initContainers"], pod["containers"]
+    sandbox = episode_spec["containers"][0]
+    assert grader["image"] == "registry.local/swebench/calc-1:latest"
+    assert grader["resources"] == sandbox["resources"]  # the episode sandbox's CPU, memory and disk limits
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    assert pod["serviceAccountName"] == episode_spec["serviceAccountName"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod.get("nodeSelector") == episode_spec.get("nodeSelector") and "tolerations" not in pod
+    assert all("sizeLimit" in v["emptyDir"] for v in pod["volumes"] if "emptyDir" in v)
+    # Root in the benchmark's image, but with nothing beyond it: no escalation, no capability, no Secret.
+    assert grader["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": False,
+        "runAsNonRoot": False,
+        "runAsUser": 0,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert "envFrom" not in grader and all("valueFrom" not in e for e in grader["env"])
+    assert {"name": "MASS_GRADER_SCRIPT", "value": job.script} in grader["env"]
+    # The bundle's fetch: the episode image as the runtime user, the publisher's store credentials only.
+    assert fetch["image"] == paper.compute.kubernetes.image_episode
+    assert fetch["securityContext"]["runAsNonRoot"] is True and fetch["securityContext"]["runAsUser"] == 10001
+    assert fetch["command"][-6:] == ["--uri", "s3://b/grader/x.tar", "--sha256", sha, "--out", specs.GRADER_BUNDLE]
+    secret_env = sorted(e["name"] for e in fetch["env"] if "valueFrom" in e)
+    assert secret_env == sorted(e["name"] for e in settings.secret_env("publisher"))
+    assert [m["readOnly"] for m in grader["volumeMounts"] if m["name"] == "grader-in"] == [True]
+
+
+def test_benchmark_grader_job_refuses_what_cannot_run(paper, settings):
+    job = swe_grader_job()
+    with pytest.raises(SpecError, match="is not a hex SHA-256"):
+        specs.benchmark_grader_job(paper, settings, job, bundle_uri="s3://b/x.tar", bundle_sha256="nope")
+    from dataclasses import replace
+
+    with pytest.raises(SpecError, match="timeout_s"):
+        specs.benchmark_grader_job(
+            paper, settings, replace(job, timeout_s=0.0), bundle_uri="s3://b/x.tar", bundle_sha256="ab" * 32
+        )

@@ -10,9 +10,12 @@ of episodes.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -136,3 +139,27 @@ class DockerRunner:
                     f"{job.benchmark} instance {job.instance}: the grader ran past {job.timeout_s:.0f} s"
                 ) from None
         return result.stdout + result.stderr
+
+
+def grader_bundle(job: GraderJob) -> bytes:
+    """The job's files as one tar whose members are their target paths relative to ``/`` (what a Kubernetes grader
+    Job unpacks over its root: `mass_ops.compute.kubernetes.benchmark_grader_job`); deterministic for equal jobs."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for target, content in sorted(job.files.items()):
+            info = tarfile.TarInfo(target.lstrip("/"))
+            info.size, info.mode, info.mtime = len(content), 0o644, 0
+            archive.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
+
+
+def write_grader_bundle(data: bytes, sha256: str, out: Path) -> None:
+    """Write a fetched bundle to `out` when its SHA-256 is `sha256` (the one the operator stored); BenchmarkError
+    and nothing written otherwise."""
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise BenchmarkError(f"grader bundle: SHA-256 {actual} is not the expected {sha256}; nothing written to {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = out.with_name(f".{out.name}.partial")
+    staged.write_bytes(data)
+    staged.replace(out)
