@@ -447,3 +447,77 @@ def repair(config: CycleConfig, cycle: str | None = None, *, dry_run: bool = Tru
     if not dry_run and not plan.nothing_to_repair:
         result["ran"] = [jsonable(row) for row in run_repair(config, plan)]
     return result
+
+
+BENCHMARK_SCOPE = "benchmarks"  # the local serving scope of the `mass_benchmarks` DAG's generation server
+
+
+def benchmark_units(config: CycleConfig, benchmarks: Sequence[str], trials: int) -> list[list[Any]]:
+    """(benchmark, trial) of every trial a `mass_benchmarks` run maps over; InputError for an unknown benchmark or a
+    trial count below 1."""
+    from mass_ops.evaluation.benchmarks.sources import SUITE
+
+    del config
+    unknown = [name for name in benchmarks if name not in SUITE]
+    if unknown or not benchmarks:
+        raise InputError(f"benchmarks: {unknown or 'none'} chosen; choose from {list(SUITE)}")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise InputError(f"benchmarks: trials must be a whole number ≥ 1, got {trials!r}")
+    return [[name, trial] for name in dict.fromkeys(benchmarks) for trial in range(trials)]
+
+
+def benchmark_up(config: CycleConfig, generation: str) -> dict[str, Any]:
+    """Local backend: serve `generation` for the benchmark trials (found running when it already is)."""
+    from mass_ops.serving import serve_generations
+
+    if config.compute.backend != "local":
+        return {"servers": []}  # on Kubernetes the trials use the cycle's evaluation servers (evaluation_scope)
+    ctx = attach_cycle(config)
+    return {"servers": [server.as_dict() for server in serve_generations(ctx, [generation], BENCHMARK_SCOPE)]}
+
+
+def benchmark_down(config: CycleConfig) -> dict[str, Any]:
+    """Stop the local benchmark server (a no-op when none runs)."""
+    from mass_ops.serving import stop_generations
+
+    del config
+    return {"stopped": stop_generations(BENCHMARK_SCOPE)}
+
+
+def benchmark_trial(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    limit: int | None = None,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """Run, grade and record trial `trial` of `generation` on `benchmark` (its first `limit` tasks when given),
+    resumable per instance: a rerun skips every instance whose score is recorded. A benchmark whose grader needs a
+    container stops before any episode when none can run here (one line)."""
+    from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
+    from mass_ops.serving import evaluation_scope, generation_server, serving_context
+
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InputError(f"benchmark {benchmark}: limit must be a whole number ≥ 1, got {limit!r}")
+    adapter = benchmark_adapter(benchmark, data_dir)
+    # Kubernetes grader Jobs (compute.kubernetes.benchmark_grader_job) have no runner in this process yet: there a
+    # container-graded benchmark stops here, before any agent time, like a machine without an engine.
+    runner = local_runner() if config.compute.backend == "local" else None
+    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
+    ctx = attach_cycle(config)
+    scope = BENCHMARK_SCOPE if config.compute.backend == "local" else evaluation_scope(config)
+    served = serving_context(ctx, generation_server(ctx, generation, scope))
+    with episode_executor(served) as executor:
+        result = run_benchmark_trial(served, adapter, executor, generation, int(trial), runner=runner, limit=limit)
+    return {
+        "benchmark": result.benchmark,
+        "generation": result.generation,
+        "trial": result.trial,
+        "attempted": result.metrics.get("attempted"),
+        "scored": result.metrics.get("scored"),
+        "evaluator": result.metrics.get("evaluator"),
+        "mean": None if result.unscored else result.mean,
+    }
