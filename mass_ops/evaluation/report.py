@@ -33,6 +33,8 @@ from mass_ops.context import CycleContext
 from mass_ops.evaluation.agreement import Agreement
 from mass_ops.evaluation.benchmarks.mlr import MLR, summarize_mlr
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, TrialResult, recorded_trials, summarize_trials
+from mass_ops.evaluation.benchmarks.table import HEADERS as BENCHMARK_TABLE_HEADERS
+from mass_ops.evaluation.benchmarks.table import BenchmarkCell, benchmark_table, draw_benchmark_table, table_rows
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
 from mass_ops.evaluation.position_bias import FlipRate, flip_rates, order_checks
 from mass_ops.evaluation.stats import LedgerKeyError, PairwiseSummary, WinRate, format_rate, parse_ledger_key
@@ -53,6 +55,7 @@ FIGURES = (
     ("training_throughput", "Training throughput (tokens/s) and MFU"),
     ("tokens_cost", "Tokens and cost per stage"),
     ("wallclock_gpu", "Wall-clock and GPU-hours per stage"),
+    ("benchmark_table", "Public benchmarks by generation: score and score per output token vs L0"),
 )
 _BASELINE_KEY = re.compile(r"^v(\d+)_vs_no_harness$")
 _ARBITRATION_KEY = re.compile(r"^champion_v(\d+)_vs_v(\d+)$")
@@ -239,6 +242,7 @@ class ReportData:
     rollout_tokens: dict[str, tuple[int, float | None]] = field(default_factory=dict)
     benchmarks: list[tuple[str, str, str, int, str]] = field(default_factory=list)
     efficiency: list[Efficiency] = field(default_factory=list)
+    benchmark_table: list[BenchmarkCell] = field(default_factory=list)  # the paper's table (#18.4)
     curves: list[LossCurve] = field(default_factory=list)
     stages: list[StageCost] = field(default_factory=list)
     flip_rates: list[FlipRate] = field(default_factory=list)
@@ -716,6 +720,7 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
     data.rollout_tokens = _rollout_tokens(ctx)
     data.benchmarks, data.efficiency, benchmark_notes = _benchmarks(ctx)
     data.notes.extend(benchmark_notes)
+    data.benchmark_table = benchmark_table(recorded_trials(ctx), ctx.repo.episodes(ctx.cycle_id, kind="benchmark"))
     runs = _training_runs(ctx)
     data.curves = _curves(ctx, runs)
     data.stages = _stages(ctx, runs)
@@ -1010,6 +1015,22 @@ def _time_figure(data: ReportData) -> Any:
     return figure
 
 
+def _benchmark_table_figure(data: ReportData) -> Any:
+    """The paper's benchmark table as bars: score mean ± SD, and score per output token relative to L0."""
+    return draw_benchmark_table(data.benchmark_table, _new_figure(10.0, 3.6))
+
+
+def _benchmark_table_blocks(data: ReportData) -> list[Block]:
+    """The paper's layout: per benchmark, each generation's score, attempted/scored tasks, tokens and the ratio."""
+    if not data.benchmark_table:
+        return [Block("figure", "benchmark_table")]  # every figure is in the document; this one says it is empty
+    return [
+        Block("h3", "By generation (the paper's table)"),
+        Block("table", headers=BENCHMARK_TABLE_HEADERS, rows=table_rows(data.benchmark_table)),
+        Block("figure", "benchmark_table"),
+    ]
+
+
 FIGURE_BUILDERS: dict[str, Callable[[ReportData], Any]] = {
     "rhi_scoreboard": _scoreboard_figure,
     "search_coverage": _coverage_figure,
@@ -1020,6 +1041,7 @@ FIGURE_BUILDERS: dict[str, Callable[[ReportData], Any]] = {
     "training_throughput": _throughput_figure,
     "tokens_cost": _tokens_figure,
     "wallclock_gpu": _time_figure,
+    "benchmark_table": _benchmark_table_figure,
 }
 
 
@@ -1235,6 +1257,7 @@ def build_blocks(data: ReportData) -> list[Block]:
             blocks.append(Block("table", headers=headers, rows=eff_rows))
     else:
         blocks.append(Block("p", "No benchmark trial is recorded for this cycle."))
+    blocks.extend(_benchmark_table_blocks(data))
 
     blocks.append(Block("h2", "Training"))
     if data.curves:

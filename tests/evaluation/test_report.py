@@ -460,3 +460,40 @@ def test_the_first_section_shows_spend_against_budget_and_the_estimate_against_t
     first = read(write_report(bare)["markdown"]).decode().split("\n## ", 1)[0]
     assert "No spend is recorded in the budget ledger of this cycle." in first
     assert "No estimate was saved for this cycle" in first
+
+
+def test_the_benchmark_table_of_two_generations_cell_by_cell(eval_env):
+    """The paper's layout from recorded `benchmark` evaluation rows of L0 and L1 (#18.4)."""
+    from mass_ops.evaluation.benchmarks import load_sab_instances, sab_tasks
+    from mass_ops.evaluation.benchmarks.table import HEADERS
+    from mass_ops.evaluation.report import build_blocks, render_figures, render_markdown
+    from tests.evaluation.fakes import FIXTURES
+
+    ctx = eval_env.ctx
+    tasks = sab_tasks(load_sab_instances(FIXTURES / "sab"))
+    # L1's second trial has one task its grader never scored: attempted 3, scored 2.
+    plan = {"L0": (8000, ((1, 0, 0), (0, 0, 0))), "L1": (4000, ((1, 1, 0), (1, None, 1)))}
+    for generation, (tokens, trials) in plan.items():
+        executor = BenchmarkExecutor(ctx, lambda r: {"x.txt": b"x"}, tokens_for=lambda r, t=tokens: t)
+        for trial, scores in enumerate(trials):
+            outcomes = run_trial(ctx, executor, tasks, generation, trial)
+            recorded = tuple(
+                TaskScore(o.request.unit.task_id, None if s is None else float(s), o.episode_id)
+                for o, s in zip(outcomes, scores, strict=True)
+            )
+            metrics = {"evaluator": "fixture", "attempted": 3, "scored": sum(s is not None for s in scores)}
+            record_trial(ctx, TrialResult("sab", generation, trial, recorded, metrics))
+    data = collect_report_data(ctx)
+    blocks = build_blocks(data)
+    [table] = [b for b in blocks if b.kind == "table" and b.headers == HEADERS]
+    # L0: trial means 1/3 and 0; 6 scored episodes of 8000 tokens, Σ score 1. L1: trial means 2/3 and 1 (over its
+    # 2 scored tasks); 5 scored episodes of 4000 tokens, Σ score 4 → 4/20000 per token, 9.6 times L0's 1/48000.
+    assert table.rows == (
+        ("sab", "L0", "2", "0.167 ± 0.236", "3/3, 3/3", "8000", "0.0208", "1.00×"),
+        ("sab", "L1", "2", "0.833 ± 0.236", "3/3, 3/2", "4000", "0.2000", "9.60×"),
+    )
+    markdown = render_markdown(blocks)
+    assert "| sab | L1 | 2 | 0.833 ± 0.236 | 3/3, 3/2 | 4000 | 0.2000 | 9.60× |" in markdown
+    assert "](figures/benchmark_table.png)" in markdown
+    figure = render_figures(data, eval_env.tmp / "figures")["benchmark_table"]
+    assert figure.read_bytes().startswith(PNG_SIGNATURE)
