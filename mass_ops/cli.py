@@ -500,6 +500,50 @@ def rollout_cmd(
     )
 
 
+benchmark_app = typer.Typer(no_args_is_help=True, help="Public benchmarks: run a trial of a generation (#18).")
+app.add_typer(benchmark_app, name="benchmark")
+
+
+@benchmark_app.command("run")
+def benchmark_run(
+    benchmark: Annotated[str, typer.Option(help="tb2, swe, ds or asta.")],
+    generation: Annotated[str, typer.Option(help="Registered generation, e.g. L1.")],
+    trial: Annotated[int, typer.Option(min=0, help="Trial number (the paper runs 0, 1, 2).")],
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first K tasks.")] = None,
+    data_dir: Annotated[str | None, typer.Option(help="Dataset folder (else $MASS_BENCHMARK_DATA).")] = None,
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+) -> None:
+    """Run, grade and record one trial (resumable per instance; nothing is downloaded)."""
+    from mass_ops.stages import api as stages
+
+    cfg = resolve_config(config, set_)
+    _stage(
+        f"benchmark {benchmark}",
+        lambda: [stages.benchmark_trial(cfg, benchmark, generation, trial, limit, data_dir)],
+    )
+
+
+@benchmark_app.command("grader-files")
+def benchmark_grader_files(
+    uri: Annotated[str, typer.Option(help="The grader bundle's artifact URI.")],
+    sha256: Annotated[str, typer.Option(help="Its SHA-256, as the operator stored it.")],
+    out: Annotated[Path, typer.Option(help="Where to write the bundle.")],
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+) -> None:
+    """Fetch a grader Job's file bundle from the store and write it once its hash checks (the Job's init step)."""
+    from mass_ops.evaluation.benchmarks.grading import write_grader_bundle
+    from mass_ops.store.artifacts import open_artifact_store
+
+    cfg = resolve_config(config, set_)
+    try:
+        store = open_artifact_store(cfg.storage.artifact_url)
+        write_grader_bundle(store.get_bytes(store.key_of(uri)), sha256, out)
+    except HANDLED as exc:
+        raise failure("benchmark grader-files", exc) from None
+
+
 @app.command("report")
 def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Write the cycle's report (Markdown + HTML with figures) and print where it is."""

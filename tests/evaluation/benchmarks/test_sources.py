@@ -54,3 +54,33 @@ def test_a_container_graded_benchmark_stops_before_any_episode_without_an_engine
     assert "\n" not in str(caught.value)
     with pytest.raises(InputError, match="limit must be"):
         api.benchmark_trial(config, "swe", "L1", 0, limit=0, data_dir=str(tmp_path))
+
+
+def test_cli_benchmark_run_stops_in_one_line_and_grader_files_checks_the_hash(tmp_path, monkeypatch):
+    import hashlib
+
+    from typer.testing import CliRunner
+
+    from mass_ops.cli import app
+    from mass_ops.evaluation.benchmarks.grading import GraderJob, grader_bundle
+    from mass_ops.store.artifacts import open_artifact_store
+
+    (tmp_path / "swe").mkdir()
+    (tmp_path / "swe" / "SWE-bench_Verified.jsonl").write_text(json.dumps(SWE_INSTANCE) + "\n")
+    monkeypatch.setenv("MASS_CONTAINER_ENGINE", "no-such-engine-here")
+    runner = CliRunner()
+    args = ["benchmark", "run", "--benchmark", "swe", "--generation", "L1", "--trial", "0", "--config", "demo"]
+    result = runner.invoke(app, [*args, "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "no episode was started" in result.output
+
+    store = open_artifact_store(str(tmp_path / "artifacts"))
+    bundle = grader_bundle(GraderJob("swe", "x", "img", "true", {"/tmp/p": b"diff"}))
+    info = store.put_bytes("grader/x.tar", bundle)
+    out = tmp_path / "in" / "bundle.tar"
+    fetch = ["benchmark", "grader-files", "--uri", info.uri, "--out", str(out), "--config", "demo"]
+    fetch += ["--set", f"storage.artifact_url={tmp_path / 'artifacts'}"]
+    bad = runner.invoke(app, [*fetch, "--sha256", "0" * 64])
+    assert bad.exit_code == 2 and "is not the expected" in bad.output and not out.exists()
+    good = runner.invoke(app, [*fetch, "--sha256", hashlib.sha256(bundle).hexdigest()])
+    assert good.exit_code == 0, good.output
+    assert out.read_bytes() == bundle
