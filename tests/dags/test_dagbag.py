@@ -22,8 +22,8 @@ def dagbag():
 
 def test_every_dag_file_imports_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert set(dagbag.dag_ids) == {"mass_cycle", "mass_nightly_eval"}
-    assert dagbag.size() == 2
+    assert set(dagbag.dag_ids) == {"mass_cycle", "mass_nightly_eval", "mass_benchmarks"}
+    assert dagbag.size() == 3
 
 
 def test_every_task_has_an_owner_timeout_and_a_known_pool(dagbag):
