@@ -19,8 +19,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,9 @@ STDOUT_LOG = "train_stdout.log"
 LOG_FILES = (TRAIN_LOG_FILE, "exposure_log.jsonl", "resume_log.jsonl", "args.json", "lora_targets.json")
 POLL_S = 1.0
 STOP_GRACE_S = 30.0
+# The training job's process group, recorded in the work folder while it runs.
+TRAINER_PGID_FILE = "trainer.pgid"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the mass_ops package
 _PUBLISHED_CHECKPOINT = re.compile(r"step_(\d{5})/" + re.escape(MANIFEST_NAME))
 
@@ -307,6 +311,63 @@ def _stop(process: subprocess.Popen[str]) -> None:
             continue
 
 
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` making the launcher receive SIGTERM when the stage process dies (Linux `PR_SET_PDEATHSIG`).
+
+    The launcher runs in its own session so that `_stop` can end it with its ranks; without this, a stage killed with
+    SIGKILL (an Airflow task killed, the OOM killer) would leave the whole training job running, holding the CPUs or
+    GPUs and writing into the folder a rerun uses. On SIGTERM torchrun stops its ranks. The C function is resolved
+    before the fork, so the child only makes one system call. None where the kernel has no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the stage died before the call: nobody would stop us
+            os._exit(1)
+
+    return arm
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether the process group still has a live leader (an exited one waiting to be reaped does not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        state = Path(f"/proc/{pgid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): the signal check is all there is
+    return state not in ("Z", "X")
+
+
+def _stop_leftover_trainer(root: Path) -> None:
+    """Stop a training job that a killed earlier run of this stage left in the same work folder (its process group is
+    recorded there), so that it neither runs on nor writes into the folder this run prepares."""
+    record = root / TRAINER_PGID_FILE
+    try:
+        pgid = int(record.read_text().strip())
+    except (OSError, ValueError):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.2)
+        if not _group_alive(pgid):
+            break
+    logger.warning("stopped the training job (process group %d) a killed earlier run left in %s", pgid, root)
+    record.unlink(missing_ok=True)
+
+
 def _run_training(
     command: Sequence[str], cwd: Path, env: Mapping[str, str], stdout_log: Path, progress: _TrainingProgress
 ) -> tuple[int, list[str]]:
@@ -323,7 +384,10 @@ def _run_training(
             text=True,
             bufsize=1,
             start_new_session=True,
+            preexec_fn=_parent_death_signal(),  # one system call, resolved before the fork
         )
+        # A rerun in the same work folder stops this job if the stage dies in a way no signal reaches it.
+        (cwd / TRAINER_PGID_FILE).write_text(f"{process.pid}\n")
 
         def pump() -> None:
             assert process.stdout is not None
@@ -400,6 +464,7 @@ def train(
     device = accelerator or _default_accelerator()
     published = _published_checkpoints(ctx, run.id)
     with _scratch(workdir, "mass-train-") as root:
+        _stop_leftover_trainer(root)
         out_dir = root / OUT_DIR
         shutil.rmtree(out_dir, ignore_errors=True)  # scratch: everything durable is in the stores
         out_dir.mkdir(parents=True)
