@@ -51,7 +51,7 @@ from mass_ops.context import open_cycle  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
 from mass_ops.llm.calls import open_client  # noqa: E402
 from mass_ops.search import search_task, search_tasks  # noqa: E402
-from mass_ops.stages.collect import collect  # noqa: E402
+from mass_ops.stages.collect import collect_batch  # noqa: E402
 from tests.inner_loop_fakes import FakeExecutor  # noqa: E402
 
 MODEL = "bench-policy"
@@ -116,6 +116,7 @@ def bench_config(name: str, endpoint: str, store: Path, args: argparse.Namespace
     data["models"]["served_name"] = MODEL
     data["inference"].update(endpoint=f"{endpoint}/v1", max_concurrent_requests=args.capacity)
     data["tasks"].update(train_candidates=tasks, train=train, excluded=[t for t in tasks if t not in train])
+    data["tasks"]["catalogue"] = "builtin"  # the paper preset leaves the choice to the user; the benchmark uses ours
     data["evaluation"]["tasks"] = None  # the rollout pool is not part of this benchmark
     data["search"]["iterations"] = args.iterations
     ranks = min(15, args.candidates - 1)  # keeps the config valid for small --candidates
@@ -192,7 +193,7 @@ def run(config: CycleConfig, endpoint: str, args: argparse.Namespace, *, sequent
         else:
             search_tasks(ctx, executor, client=client)
         searched = time.perf_counter()
-        results = collect(ctx, executor)
+        results = collect_batch(ctx, executor)
         finished = time.perf_counter()
     finally:
         client.close()
