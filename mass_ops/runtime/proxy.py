@@ -15,9 +15,16 @@ quote URLs and headers); a failure mid-stream is recorded the same way and the c
 client sees the stream cut as it happened.
 
 Logging stays off the relay path: bytes are only copied while they pass, and the record (JSON parsing, SSE
-reassembly, serialisation) is built on a worker thread after the client has the whole response, so records land in
-completion order (sort by `seq` for request order). Each record is one `write()` on an O_APPEND descriptor, so lines
-stay whole when exchanges finish together; `stop()` waits for every pending record before closing the log.
+reassembly, serialisation) is built after the client has the whole response. Records of one log are written one
+after another in the order their exchanges ended (sort by `seq` for request order). Each record is one `write()` on
+an O_APPEND descriptor, so lines stay whole; `stop()` waits for every pending record before closing the log.
+Small records are built on a worker thread. A large one (request plus response of `RECORD_PROCESS_BYTES` or more) is
+built by the record writer, a child process shared by every proxy of this process (`_RecordWriter`): building a
+50 MB stream's record takes seconds of Python, and on a thread of this process it would hold the GIL that the relay
+needs, adding the interpreter's switch interval (5 ms) to every wake-up of the event loop — the p95 tail of small
+requests — and slowing the streams it relays meanwhile. The writer runs at a lower CPU priority than the relay,
+writes the very record the thread would have written (same code), and answers with the response's usage for the
+budget; if it cannot be started or fails, the record is built on the thread instead, so none is lost.
 
 The proxy, not the agent, holds the inference key (ISSUE #13.4: redaction alone let encoded copies of a key the
 agent could read reach its workspace). Given `agent_token`, the proxy accepts only requests that carry
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import hmac
 import io
@@ -70,6 +78,9 @@ import os
 import secrets
 import shutil
 import signal
+import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -108,6 +119,11 @@ LOGGED_RESPONSE_HEADERS = ("content-type", "x-request-id")
 MAX_REQUEST_BYTES = 4 * 1024**3
 CONNECT_TIMEOUT_S = 30.0
 HANDLER_DRAIN_S = 5.0  # how long stop() waits for in-flight handlers to write their records
+# Records whose request + response bodies reach this size are built by the record writer process, not on a thread
+# (about 10 ms of Python per 256 KiB of SSE: below this a thread's GIL hold costs the relay less than the hand-off).
+RECORD_PROCESS_BYTES = 256 * 1024
+RECORD_WRITER_NICE = 10  # the writer yields the CPU to the relay: a record can wait, a stream cannot
+RECORD_WRITER_FLAG = "--record-writer"
 WHOLE_BODY_BYTES = 1024**2
 # Headers that carry credentials: with token auth the agent's are dropped and the proxy sets its own.
 CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
@@ -268,28 +284,169 @@ def _redaction_needles(secret: str | None) -> tuple[bytes, ...]:
     return tuple(sorted(forms, key=len, reverse=True))
 
 
+def _record_line(record: dict[str, Any], needles: Sequence[bytes]) -> bytes:
+    """`record` as one redacted JSONL line."""
+    data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    for needle in needles:
+        data = data.replace(needle, REDACTION)
+    return data
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
 class _RecordLog:
     """Append-only JSONL file; one `os.write` per record so concurrent records never interleave."""
 
     def __init__(self, path: Path, *, redact: str | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._needles = _redaction_needles(redact)
+        self.needles = _redaction_needles(redact)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def append(self, record: dict[str, Any]) -> None:
-        data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-        for needle in self._needles:
-            data = data.replace(needle, REDACTION)
-        view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+        _write_all(self._fd, _record_line(record, self.needles))
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class _RecordWriterError(Exception):
+    """The record writer process is gone or broke the protocol (the caller builds the record itself)."""
+
+
+class _RecordWriter:
+    """A child process that builds and appends large records (module docstring); one per proxy process.
+
+    Protocol on its stdin/stdout, one exchange at a time: the parent sends a frame `!III` (header, request body and
+    response payload lengths) + a JSON header (log path, redaction needles, the exchange's small fields) + the two
+    payloads; the child appends the record to the log and answers `!I` + JSON `{"usage": ...}` (the response's usage,
+    for the budget) or `{"error": "<class name>"}` when it could not build or write the record.
+    """
+
+    _shared: _RecordWriter | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "mass_ops.runtime.proxy", RECORD_WRITER_FLAG],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._to_child = self._process.stdin.fileno()
+        self._from_child = self._process.stdout.fileno()
+        self._lock = threading.Lock()
+        self.broken = False
+
+    @classmethod
+    def shared(cls) -> _RecordWriter | None:
+        """This process's writer, started on first use (and again if it broke); None if it cannot start."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared.broken:
+                try:
+                    cls._shared = cls()
+                except OSError as exc:
+                    logger.warning("episode proxy: no record writer process (%s); records built on threads", exc)
+                    return None
+                atexit.register(cls._shared.close)
+            return cls._shared
+
+    def append(self, log: _RecordLog, exchange: _Exchange, *, keep_raw_sse: bool) -> Any:
+        """Have the child append `exchange`'s record to `log`; returns the response's usage. _RecordWriterError."""
+        payload = exchange.assembler.raw if exchange.stream else exchange.response_body
+        header = json.dumps(
+            {
+                "log": str(log.path),
+                "needles": [needle.decode("utf-8") for needle in log.needles],
+                "keep_raw_sse": keep_raw_sse,
+                "exchange": exchange.small_fields(),
+            }
+        ).encode("utf-8")
+        with self._lock:
+            if self.broken:
+                raise _RecordWriterError("record writer already failed")
+            try:
+                _write_all(self._to_child, struct.pack("!III", len(header), len(exchange.request_body), len(payload)))
+                for part in (header, exchange.request_body, payload):
+                    _write_all(self._to_child, part)
+                (size,) = struct.unpack("!I", _read_exactly(self._from_child, 4))
+                answer = json.loads(_read_exactly(self._from_child, size))
+            except (OSError, ValueError, struct.error) as exc:
+                self.broken = True
+                self.close()
+                raise _RecordWriterError(type(exc).__name__) from None
+        if not isinstance(answer, dict) or "error" in answer:
+            # The child wrote nothing (it answers only after a whole write, or instead of one).
+            error = answer.get("error") if isinstance(answer, dict) else "malformed answer"
+            raise _RecordWriterError(str(error))
+        return answer.get("usage")
+
+    def close(self) -> None:
+        """End the child (it exits on end of input) and reap it."""
+        with contextlib.suppress(OSError):
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+        try:
+            self._process.wait(timeout=HANDLER_DRAIN_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+
+def _read_exactly(fd: int, size: int) -> bytearray:
+    """`size` bytes from `fd`; OSError when the pipe ends first."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, min(size - len(data), 1 << 20))
+        if not chunk:
+            raise OSError("record writer pipe closed")
+        data += chunk
+    return data
+
+
+def _record_writer_main() -> None:
+    """The record writer process: read frames from stdin, append records, answer on stdout (`_RecordWriter`)."""
+    with contextlib.suppress(OSError):
+        os.nice(RECORD_WRITER_NICE)
+    requests, answers = 0, os.dup(1)
+    os.dup2(2, 1)  # a stray print must not corrupt the answers
+    while True:
+        try:
+            head = _read_exactly(requests, 12)
+        except OSError:
+            return  # the parent closed the pipe (or exited): no record can be pending
+        header_size, request_size, payload_size = struct.unpack("!III", head)
+        header = json.loads(_read_exactly(requests, header_size))
+        request_body = bytes(_read_exactly(requests, request_size))
+        payload = _read_exactly(requests, payload_size)
+        try:
+            exchange = _Exchange.from_small_fields(header["exchange"], request_body, payload)
+            record = exchange.to_record(keep_raw_sse=header["keep_raw_sse"])
+            line = _record_line(record, [needle.encode("utf-8") for needle in header["needles"]])
+            fd = os.open(header["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                _write_all(fd, line)
+            finally:
+                os.close(fd)
+            response = record.get("response")
+            answer: dict[str, Any] = {"usage": response.get("usage") if isinstance(response, dict) else None}
+        except Exception as exc:  # the parent builds this record itself; the writer serves the next one
+            answer = {"error": type(exc).__name__}
+        data = json.dumps(answer).encode("utf-8")
+        _write_all(answers, struct.pack("!I", len(data)) + data)
 
 
 @dataclass(eq=False)
@@ -303,6 +460,7 @@ class _Session:
     seq: itertools.count = field(default_factory=lambda: itertools.count(1))
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     pending: set[asyncio.Task[None]] = field(default_factory=set)
+    last_record: asyncio.Task[None] | None = None  # the newest record task: the next one is written after it
     records: int = 0
     budget: EpisodeBudget | None = None
 
@@ -572,21 +730,39 @@ class LoggingProxy:
         return web.json_response({"error": error}, status=BUDGET_STATUS)
 
     def _record_later(self, log: _Session, exchange: _Exchange) -> None:
-        """Parse and append the record on a worker thread, so neither this client nor others wait for it."""
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._append, log, exchange))
+        """Build and append the record off the event loop, after the log's previous record (module docstring)."""
+        task = asyncio.get_running_loop().create_task(self._record_after(log.last_record, log, exchange))
+        log.last_record = task
         log.pending.add(task)
         task.add_done_callback(log.pending.discard)
 
+    async def _record_after(self, previous: asyncio.Task[None] | None, log: _Session, exchange: _Exchange) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # its failure is its own (raised by stop()); this record is still written
+        await asyncio.to_thread(self._append, log, exchange)
+
     def _append(self, log: _Session, exchange: _Exchange) -> None:
-        record = exchange.to_record(keep_raw_sse=self.keep_raw_sse)
+        usage: Any = None
         try:
-            log.log.append(record)
+            usage = self._append_record(log.log, exchange)
             log.records += 1
         finally:
             if log.budget is not None and exchange.budget_need is not None:
-                response = record.get("response")
-                usage = response.get("usage") if isinstance(response, dict) else None
                 log.budget.settle(exchange.budget_need, usage)
+
+    def _append_record(self, log: _RecordLog, exchange: _Exchange) -> Any:
+        """Append `exchange`'s record to `log` (large ones by the record writer); returns the response's usage."""
+        if exchange.body_bytes() >= RECORD_PROCESS_BYTES:
+            writer = _RecordWriter.shared()
+            if writer is not None:
+                try:
+                    return writer.append(log, exchange, keep_raw_sse=self.keep_raw_sse)
+                except _RecordWriterError as exc:
+                    logger.warning("episode proxy: record writer failed (%s); record %d built here", exc, exchange.seq)
+        record = exchange.to_record(keep_raw_sse=self.keep_raw_sse)
+        log.append(record)
+        response = record.get("response")
+        return response.get("usage") if isinstance(response, dict) else None
 
 
 @dataclass
@@ -612,6 +788,24 @@ class _Exchange:
     rejected: str | None = None  # why the proxy refused the request (no token, wrong token): never forwarded
     budget_need: int | None = None  # tokens held for this request by the episode's budget until it is settled
     budget_exhausted: dict[str, Any] | None = None  # the budget that refused it (never forwarded)
+
+    def body_bytes(self) -> int:
+        """Bytes of request and response body the record is built from."""
+        return len(self.request_body) + (len(self.assembler.raw) if self.stream else len(self.response_body))
+
+    def small_fields(self) -> dict[str, Any]:
+        """The JSON-able fields `to_record()` reads besides the bodies (what the record writer is sent)."""
+        return {name: getattr(self, name) for name in _SMALL_FIELDS}
+
+    @classmethod
+    def from_small_fields(cls, fields: dict[str, Any], request_body: bytes, payload: bytearray) -> _Exchange:
+        """The exchange `small_fields()` came from, given its request body and response body (or raw SSE)."""
+        exchange = cls(**{name: fields[name] for name in _SMALL_FIELDS}, request_body=request_body)
+        if exchange.stream:
+            exchange.assembler.raw = payload
+        else:
+            exchange.response_body = payload
+        return exchange
 
     def to_record(self, *, keep_raw_sse: bool) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -649,6 +843,24 @@ class _Exchange:
         if cached is not None:
             record["cached_prompt_tokens"] = cached
         return record
+
+
+_SMALL_FIELDS = (
+    "seq",
+    "method",
+    "path",
+    "ts_start",
+    "request_bytes",
+    "status",
+    "response_headers",
+    "stream",
+    "response_bytes",
+    "duration_s",
+    "client_disconnected",
+    "proxy_error",
+    "rejected",
+    "budget_exhausted",
+)
 
 
 def _put_body(record: dict[str, Any], key: str, body: bytes) -> None:
@@ -938,6 +1150,9 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL (--log PATH | --sessions-dir DIR --key-env
     NAME [--upstream URL ...] [--allow-host-suffix .ns.svc ...]) [--port-file F]`."""
     parser = argparse.ArgumentParser(prog="python -m mass_ops.runtime.proxy", description=__doc__.split("\n")[0])
+    if (sys.argv[1:] if argv is None else argv) == [RECORD_WRITER_FLAG]:
+        _record_writer_main()
+        return
     parser.add_argument("--listen", type=int, required=True, help="port to bind (0 = ephemeral, see --port-file)")
     parser.add_argument(
         "--upstream", action="append", required=True, help="model server base URL without /v1 (sessions: repeatable)"
