@@ -21,7 +21,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mass_ops.runtime.proxy import LoggingProxy
+from mass_ops.runtime import proxy as proxy_module
+from mass_ops.runtime.proxy import EpisodeBudget, LoggingProxy
 from tests.policy_server import Fault, FaultRule, PolicyServer, PolicyServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -567,3 +568,174 @@ def test_session_proxy_command_line_reads_the_key_from_its_own_environment(tmp_p
 
     asyncio.run(scenario())
     assert _records(sessions / "rejected.jsonl")[0]["rejected"] == "missing_token"
+
+
+# --- records off the event loop: order, the record writer process, its failure ------------------------------------
+
+
+def _chunk(i: int, **extra: Any) -> bytes:
+    chunk = {"id": "c-big", "model": "m", "created": 1, "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+    return f"data: {json.dumps(chunk | extra)}\n\n".encode()
+
+
+class BigStreamUpstream:
+    """Streams `events` chat chunks (large enough for the record writer), usage last; `hold` leaves it unfinished."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/v1/chat/completions", self._stream)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": []})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        events = int(request.query.get("events", "4000"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for start in range(0, events, 100):
+            await response.write(b"".join(_chunk(i) for i in range(start, min(start + 100, events))))
+        if request.query.get("hold"):
+            await asyncio.wait_for(self.release.wait(), timeout=10)
+            for start in range(events, events + 2000, 100):  # paced, so the proxy's writes meet the client's reset
+                await asyncio.sleep(0.005)
+                await response.write(b"".join(_chunk(i) for i in range(start, start + 100)))
+        usage = {"prompt_tokens": 7, "completion_tokens": events, "total_tokens": events + 7}
+        await response.write(_chunk(events, usage=usage) + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _big_stream_records(
+    log: Path, scenario: Callable[[str, aiohttp.ClientSession], Awaitable[None]], budget: EpisodeBudget | None = None
+) -> None:
+    async def run() -> None:
+        async with (
+            _serve(BigStreamUpstream().app()) as upstream_url,
+            LoggingProxy(upstream_url, log, budget=budget) as proxy,
+            aiohttp.ClientSession() as client,
+        ):
+            await scenario(proxy.url, client)
+
+    asyncio.run(run())
+
+
+def _file_order(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+
+
+def test_records_are_written_in_the_order_their_exchanges_ended(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+
+    async def scenario(url: str, client: aiohttp.ClientSession) -> None:
+        # A ~2 MB stream's record takes far longer to build than the small request's that ends right after it.
+        async with client.post(f"{url}/v1/chat/completions", params={"events": "20000"}) as response:
+            raw = await response.read()
+        assert raw.endswith(b"data: [DONE]\n\n") and len(raw) > 1 << 20
+        async with client.get(f"{url}/v1/models") as response:
+            await response.read()
+
+    _big_stream_records(log, scenario)
+    records = _file_order(log)
+    assert [record["seq"] for record in records] == [1, 2]
+    assert records[0]["response"]["done"] is True and records[0]["response"]["n_chunks"] == 20001
+
+
+def _comparable(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("ts_start", "ts_start_iso", "duration_s")}
+
+
+def test_the_record_writer_process_writes_the_record_a_thread_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario(url: str, client: aiohttp.ClientSession) -> None:
+        async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}, data=b"x" * 1000) as response:
+            await response.read()
+
+    started = []
+    real_init = proxy_module._RecordWriter.__init__
+
+    def counting_init(self: Any) -> None:
+        started.append(self)
+        real_init(self)
+
+    threshold = proxy_module.RECORD_PROCESS_BYTES
+    monkeypatch.setattr(proxy_module._RecordWriter, "__init__", counting_init)
+    monkeypatch.setattr(proxy_module._RecordWriter, "_shared", None)
+    _big_stream_records(tmp_path / "writer.jsonl", scenario)
+    assert len(started) == 1  # the record really went through the writer process
+    monkeypatch.setattr(proxy_module, "RECORD_PROCESS_BYTES", 1 << 62)
+    _big_stream_records(tmp_path / "thread.jsonl", scenario)
+    assert len(started) == 1
+    (by_writer,) = _file_order(tmp_path / "writer.jsonl")
+    (by_thread,) = _file_order(tmp_path / "thread.jsonl")
+    assert _comparable(by_writer) == _comparable(by_thread)
+    assert len(by_writer["sse_raw"]) == by_writer["response_bytes"] > threshold
+    assert by_writer["request_raw"] == "x" * 1000
+    for started_writer in started:
+        started_writer.close()
+
+
+def test_a_dead_record_writer_loses_no_record_and_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "api.jsonl"
+    monkeypatch.setattr(proxy_module._RecordWriter, "_shared", None)
+    dead = proxy_module._RecordWriter.shared()
+    assert dead is not None
+    dead._process.kill()
+    dead._process.wait()
+
+    async def scenario(url: str, client: aiohttp.ClientSession) -> None:
+        for _ in range(2):
+            async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}) as response:
+                await response.read()
+
+    _big_stream_records(log, scenario)
+    records = _file_order(log)
+    assert [record["seq"] for record in records] == [1, 2]
+    assert all(record["response"]["done"] and record["response"]["n_chunks"] == 4001 for record in records)
+    replacement = proxy_module._RecordWriter._shared
+    assert dead.broken and replacement is not None and replacement is not dead and not replacement.broken
+    replacement.close()
+
+
+def test_a_client_gone_mid_stream_still_gets_a_whole_record_from_the_writer(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    upstream = BigStreamUpstream()
+
+    async def run() -> None:
+        async with (
+            _serve(upstream.app()) as upstream_url,
+            LoggingProxy(upstream_url, log) as proxy,
+            aiohttp.ClientSession() as client,
+        ):
+            response = await client.post(f"{proxy.url}/v1/chat/completions", params={"events": "4000", "hold": "1"})
+            received = 0
+            while received <= proxy_module.RECORD_PROCESS_BYTES:
+                received += len(await response.content.readany())
+            response.close()  # gone with the stream unfinished
+            upstream.release.set()  # the proxy's next writes find the client gone
+            for _ in range(200):
+                if log.exists() and log.stat().st_size:
+                    break
+                await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    (record,) = _file_order(log)
+    assert record["client_disconnected"] is True
+    assert record["response"]["done"] is False and record["response"]["n_chunks"] >= 1000
+    assert len(record["sse_raw"].encode()) == record["response_bytes"] > proxy_module.RECORD_PROCESS_BYTES
+
+
+def test_a_record_from_the_writer_settles_the_budget_with_its_usage(tmp_path: Path) -> None:
+    budget = EpisodeBudget(episode_tokens=1_000_000, default_max_tokens=16)
+
+    async def scenario(url: str, client: aiohttp.ClientSession) -> None:
+        async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}, data=b"{}") as response:
+            await response.read()
+
+    _big_stream_records(tmp_path / "api.jsonl", scenario, budget)
+    assert (budget.spent, budget.in_flight) == (4007, 0)  # the usage of the stream's last chunk came back
