@@ -364,7 +364,9 @@ class _RecordWriter:
 
     def append(self, log: _RecordLog, exchange: _Exchange, *, keep_raw_sse: bool) -> Any:
         """Have the child append `exchange`'s record to `log`; returns the response's usage. _RecordWriterError."""
-        payload = exchange.assembler.raw if exchange.stream else exchange.response_body
+        # A stream's pieces go to the child one by one: joining 50 MB here would hold this process's GIL meanwhile.
+        payload = exchange.assembler.pieces() if exchange.stream else [exchange.response_body]
+        payload_size = sum(len(piece) for piece in payload)
         header = json.dumps(
             {
                 "log": str(log.path),
@@ -377,8 +379,8 @@ class _RecordWriter:
             if self.broken:
                 raise _RecordWriterError("record writer already failed")
             try:
-                _write_all(self._to_child, struct.pack("!III", len(header), len(exchange.request_body), len(payload)))
-                for part in (header, exchange.request_body, payload):
+                _write_all(self._to_child, struct.pack("!III", len(header), len(exchange.request_body), payload_size))
+                for part in (header, exchange.request_body, *payload):
                     _write_all(self._to_child, part)
                 (size,) = struct.unpack("!I", _read_exactly(self._from_child, 4))
                 answer = json.loads(_read_exactly(self._from_child, size))
@@ -791,7 +793,7 @@ class _Exchange:
 
     def body_bytes(self) -> int:
         """Bytes of request and response body the record is built from."""
-        return len(self.request_body) + (len(self.assembler.raw) if self.stream else len(self.response_body))
+        return len(self.request_body) + (self.assembler.size if self.stream else len(self.response_body))
 
     def small_fields(self) -> dict[str, Any]:
         """The JSON-able fields `to_record()` reads besides the bodies (what the record writer is sent)."""

@@ -122,14 +122,18 @@ class _ChoiceAccumulator:
 class SSEAssembler:
     """Incremental SSE parser: `feed()` bytes in any split, `result()` once the stream is over.
 
-    `feed()` only appends to a buffer, so a relay can call it per network read at wire speed; `parse_pending()`
-    decodes every complete line fed so far (call it whenever progressive state is wanted) and `result()` finishes:
-    it also takes a trailing event that lacks its blank line. Lines are split on bytes before decoding, so multi-byte
-    UTF-8 characters cut across reads stay intact. `raw` keeps every byte fed, for logs that store the stream as is.
+    `feed()` only keeps a reference to the bytes, so a relay can call it per network read at wire speed (no copy:
+    appending to one growing buffer cost the relay a sixth of its time on 50 MB streams); `parse_pending()` decodes
+    every complete line fed so far (call it whenever progressive state is wanted) and `result()` finishes: it also
+    takes a trailing event that lacks its blank line. Lines are split on bytes before decoding, so multi-byte UTF-8
+    characters cut across reads stay intact. `raw` is every byte fed, for logs that store the stream as is (joined
+    when first read after a feed); `size` and `pieces()` give its length and contents without joining.
     """
 
     def __init__(self) -> None:
-        self.raw = bytearray()
+        self._raw = bytearray()
+        self._fed: list[bytes] = []  # fed since `_raw` was last joined
+        self.size = 0
         self._offset = 0  # bytes of `raw` already parsed
         self._skip_lf = False
         self._data_lines: list[str] = []
@@ -148,7 +152,26 @@ class SSEAssembler:
         """Append the next bytes of the stream (no parsing here)."""
         if self._result is not None:
             raise RuntimeError("SSEAssembler.feed() called after result()")
-        self.raw += data
+        self._fed.append(bytes(data))  # a no-op for bytes; a copy of a buffer the caller may reuse
+        self.size += len(data)
+
+    @property
+    def raw(self) -> bytearray:
+        """Every byte fed so far."""
+        if self._fed:
+            for piece in self._fed:
+                self._raw += piece
+            self._fed = []
+        return self._raw
+
+    @raw.setter
+    def raw(self, data: bytearray) -> None:
+        """Take `data` as the whole stream fed so far (a stream handed over already joined)."""
+        self._raw, self._fed, self.size = data, [], len(data)
+
+    def pieces(self) -> list[bytes | bytearray]:
+        """The stream fed so far as consecutive pieces (`raw` without joining them)."""
+        return ([self._raw] if self._raw else []) + self._fed
 
     def parse_pending(self) -> None:
         """Parse every complete line fed so far; a partial last line waits for more bytes."""

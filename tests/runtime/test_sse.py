@@ -156,3 +156,15 @@ def test_progressive_state_and_no_feed_after_result() -> None:
     assert assembler.result() is result
     with pytest.raises(RuntimeError, match="after result"):
         assembler.feed(b"data: [DONE]\n\n")
+
+
+def test_fed_bytes_are_kept_by_reference_and_joined_once_when_read() -> None:
+    assembler = SSEAssembler()
+    reused = bytearray(b'data: {"id": "a", "choices": []}\n\n')
+    assembler.feed(reused)
+    reused[:] = b"overwritten by the next network read!"  # a caller's buffer may be reused: the stream is unchanged
+    assembler.feed(b"data: [DONE]\n\n")
+    expected = b'data: {"id": "a", "choices": []}\n\ndata: [DONE]\n\n'
+    assert b"".join(assembler.pieces()) == expected and assembler.size == len(expected)
+    assert bytes(assembler.raw) == expected and assembler.pieces() == [expected]
+    assert assembler.result()["id"] == "a" and assembler.result()["done"] is True
