@@ -198,10 +198,13 @@ class MetadataStore:
             # Take transaction control away from the sqlite3 module so BEGIN is ours (see _begin).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
-            if not in_memory:
-                cursor.execute("PRAGMA journal_mode=WAL")
-                cursor.execute("PRAGMA synchronous=NORMAL")  # durable with WAL except on power loss, much faster
             cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            if not in_memory:
+                # WAL is a property of the file: set it once. Asking to switch while another connection writes (a
+                # long migration) fails with "database is locked" without waiting, so only switch when needed.
+                if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                    cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=NORMAL")  # durable with WAL except on power loss, much faster
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 

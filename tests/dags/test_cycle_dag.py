@@ -22,7 +22,13 @@ def upstream(dag, task_id: str) -> set[str]:
 def test_run_is_triggered_with_the_form(dag):
     assert dag.dag_id == "mass_cycle" and dag.schedule is None
     assert dag.catchup is False and dag.max_active_runs == 1
-    assert set(dag.params) == {"preset", "overrides", "auto_continue", *(k.param for k in KNOBS)}
+    assert set(dag.params) == {
+        "preset",
+        "overrides",
+        "auto_continue",
+        "allow_over_budget",
+        *(k.param for k in KNOBS),
+    }
     dag.params.validate()
 
 
