@@ -359,6 +359,31 @@ def _pod_security(config: CycleConfig) -> dict[str, Any]:
     }
 
 
+def _store_client_container(
+    name: str, command: list[str], config: CycleConfig, settings: WorkloadSettings, work_mount: dict[str, Any]
+) -> dict[str, Any]:
+    """A container of an episode or grader pod that holds the store credentials (the publisher role) and nothing
+    else: the episode image running `command`, read-only root, /tmp on its own volume, `work_mount` shared with
+    the sandbox or grader."""
+    k8s, limits = config.compute.kubernetes, settings.episode_limits
+    return {
+        "name": name,
+        "image": k8s.image_episode,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "TMPDIR", "value": "/tmp"},
+            *settings.secret_env("publisher"),
+        ],
+        "envFrom": settings.env_from(),
+        "resources": _resources(k8s.publisher_cpu, k8s.publisher_memory, limits.publisher_storage),
+        "volumeMounts": [_config_mount(), work_mount, {"name": "publisher-tmp", "mountPath": "/tmp"}],
+        "securityContext": _container_security(read_only_root=True),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
 def _container_security(*, read_only_root: bool) -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
@@ -798,25 +823,16 @@ def episode_pod(
         "securityContext": _container_security(read_only_root=False),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    publisher = {
-        "name": PUBLISHER_CONTAINER,
-        "image": k8s.image_episode,
-        "imagePullPolicy": "IfNotPresent",
-        "command": [
+    publisher = _store_client_container(
+        PUBLISHER_CONTAINER,
+        [
             *("mass-ops", "episode", "publish", "--config", CONFIG_FILE, "--handoff", HANDOFF_MOUNT),
             *episode.publisher_arguments(),
         ],
-        "env": [
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "TMPDIR", "value": "/tmp"},
-            *settings.secret_env("publisher"),
-        ],
-        "envFrom": settings.env_from(),
-        "resources": _resources(k8s.publisher_cpu, k8s.publisher_memory, limits.publisher_storage),
-        "volumeMounts": [_config_mount(), handoff_mount, {"name": "publisher-tmp", "mountPath": "/tmp"}],
-        "securityContext": _container_security(read_only_root=True),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
+        config,
+        settings,
+        handoff_mount,
+    )
     # The key may go to the configured endpoint and, for a rollout on another generation's server, to the
     # namespace's Services (the pod's NetworkPolicy reaches no other Service than the inference servers).
     proxy = {
@@ -1190,29 +1206,17 @@ def benchmark_grader_job(
         "mass-ops/instance": label_value(job.instance) or "instance",
     }
     input_mount = {"name": "grader-in", "mountPath": GRADER_INPUT_MOUNT}
-    fetch = {
-        "name": GRADER_FETCH_CONTAINER,
-        "image": k8s.image_episode,
-        "imagePullPolicy": "IfNotPresent",
-        "command": [
+    fetch = _store_client_container(
+        GRADER_FETCH_CONTAINER,
+        [
             *("mass-ops", "benchmark", "grader-files", "--config", CONFIG_FILE),
             *("--uri", bundle_uri, "--sha256", bundle_sha256, "--out", GRADER_BUNDLE),
         ],
-        "env": [
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "TMPDIR", "value": "/tmp"},
-            *settings.secret_env("publisher"),
-        ],
-        "envFrom": settings.env_from(),
-        "resources": _resources(k8s.publisher_cpu, k8s.publisher_memory, limits.publisher_storage),
-        "volumeMounts": [_config_mount(), input_mount, {"name": "publisher-tmp", "mountPath": "/tmp"}],
-        "securityContext": {
-            **_container_security(read_only_root=True),
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-        },
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
+        config,
+        settings,
+        input_mount,
+    )
+    fetch["securityContext"] = {**fetch["securityContext"], "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID}
     grader = {
         "name": GRADER_CONTAINER,
         "image": job.image,
