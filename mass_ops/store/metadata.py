@@ -200,10 +200,7 @@ class MetadataStore:
             cursor = dbapi_connection.cursor()
             cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             if not in_memory:
-                # WAL is a property of the file: set it once. Asking to switch while another connection writes (a
-                # long migration) fails with "database is locked" without waiting, so only switch when needed.
-                if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
-                    cursor.execute("PRAGMA journal_mode=WAL")
+                _use_wal(cursor)
                 cursor.execute("PRAGMA synchronous=NORMAL")  # durable with WAL except on power loss, much faster
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
@@ -255,3 +252,21 @@ class MetadataStore:
     def dispose(self) -> None:
         """Close every pooled connection (call before dropping the database or at process exit)."""
         self.engine.dispose()
+
+
+def _use_wal(cursor: Any) -> None:
+    """Put the SQLite file in WAL mode (a property of the file, set once). The switch needs the file to itself and
+    SQLite answers "database is locked" at once, without its busy handler, while another connection writes — as
+    when several processes open a new file and one is already migrating it — so wait for that, bounded by the busy
+    timeout, re-reading the mode (another connection may have switched it meanwhile)."""
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
