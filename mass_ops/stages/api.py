@@ -179,6 +179,16 @@ def collect_candidate(config: CycleConfig, task_id: int, candidate: int) -> dict
     }
 
 
+def collect_task(config: CycleConfig, task_id: int) -> dict[str, Any]:
+    """Every teacher candidate of one task, as one unit (the per-task collection of the pipelined DAG); finished
+    candidates are reused, so a rerun after `CollectionIncompleteError` redoes only the failed ones."""
+    from mass_ops.stages.collect import collect_task as run_task
+
+    ctx = attach_cycle(config)
+    with episode_executor(ctx) as executor:
+        return jsonable(run_task(ctx, executor, task_id).as_row())
+
+
 def collect(config: CycleConfig, tasks: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Every teacher candidate of the eligible tasks in one batch; one summary row per task."""
     from mass_ops.stages.collect import collect_batch

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
-from mass_ops.errors import InputError
+from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EpisodeUnit, cycle_prefix, teacher_condition, teacher_prompt_key, workflow_version_key
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
@@ -30,6 +30,10 @@ Decision = Literal["collect", "skip", "let_through"]
 
 class CollectionError(InputError):
     """Collection cannot run for a task: not a training task, search unfinished, or a changed teacher prompt."""
+
+
+class CollectionIncompleteError(InfrastructureError):
+    """Some of a task's teacher candidates ended in infrastructure failures: the task is not ranked yet."""
 
 
 class CollectionSkipped(CollectionError):
@@ -225,6 +229,22 @@ def collect_batch(
             )
         )
     return results
+
+
+def collect_task(ctx: CycleContext, executor: EpisodeExecutor, task_id: int) -> CollectionResult:
+    """Every teacher candidate of one training task (the per-task collection unit of the pipelined order): runs the
+    candidates that are not final yet, reuses the finished ones.
+
+    Raises `CollectionIncompleteError` when some candidates failed on infrastructure after every attempt: a ranking
+    is final once recorded, so the task is ranked only when every candidate is final; a rerun runs only those.
+    """
+    (result,) = collect_batch(ctx, executor, [task_id])
+    if result.infra_failures:
+        raise CollectionIncompleteError(
+            f"task {task_id}: {result.infra_failures} of {result.candidates} teacher candidates failed on "
+            "infrastructure after every attempt; not ranked — rerun to repair (finished units are reused)"
+        )
+    return result
 
 
 def run_collect(

@@ -24,7 +24,7 @@ from mass_ops.errors import InfrastructureError
 from mass_ops.llm import LLMClient
 from mass_ops.runtime.episode import EpisodeExecutor
 from mass_ops.search.driver import search_task, search_task_ids
-from mass_ops.stages.collect import collect_batch
+from mass_ops.stages.collect import collect_task
 from mass_ops.stages.rank import rank_tasks
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,6 @@ class TaskChainResult:
 
     def as_row(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class CollectionIncompleteError(InfrastructureError):
-    """Some of a task's teacher candidates ended in infrastructure failures: the task is not ranked yet."""
 
 
 class InnerLoopFailedError(InfrastructureError):
@@ -80,15 +76,8 @@ def _chain(
     if task_id not in ctx.config.tasks.train:  # searched only (e.g. an excluded train candidate)
         return TaskChainResult(task_id, searched.retained_version)
     phase("collection", "started")
-    (collected,) = collect_batch(ctx, executor, [task_id])
+    collected = collect_task(ctx, executor, task_id)  # raises while some candidates failed on infrastructure
     phase("collection", "finished")
-    if collected.infra_failures:
-        # As in the DAG, where a failed collection unit blocks its task's ranking: a ranking is final once recorded,
-        # so it waits until every candidate is final. A rerun runs only the failed units, then ranks.
-        raise CollectionIncompleteError(
-            f"task {task_id}: {collected.infra_failures} of {collected.candidates} teacher candidates failed on "
-            "infrastructure after every attempt; not ranked — rerun to repair (finished units are reused)"
-        )
     if collected.decision == "skip":
         return TaskChainResult(task_id, searched.retained_version, collected.decision)
     phase("ranking", "started")
