@@ -7,17 +7,36 @@ installed) — before any agent time — then for each task runs its episode, gr
 an artifact; a rerun after an interruption skips every task whose score is recorded (and the episode executor
 reuses finished episodes), so no finished instance runs or is graded twice. The trial's result, with the
 evaluator's version and tasks attempted vs scored, is recorded as the trial's ``evaluations`` row.
+
+Time limits: each task's episode runs under the benchmark's official agent limit when it sets one
+(`BenchmarkTask.time_limit_s`, e.g. Terminal-Bench's ``[agent] timeout_sec``), or the cycle's
+``runtime.episode_wall_clock_s`` when that is stricter; the limit applied and where it came from are recorded with
+the task's score. The runtime enforces it (it stops the agent at ``runtime.episode_wall_clock_s``), so each task's
+episode runs in an executor built for a context carrying that limit (`ExecutorFor`).
+
+On Kubernetes the container grading of one instance is split in two around a grader Job
+(`prepare_instance` → the Job → `finish_instance`): the adapter's `grade` runs twice on the same stored workspace,
+first with a runner that captures the `GraderJob` it asks for (stored as a pending grading with its file bundle),
+then with a runner that answers that job's log — only when the job is the same one, checked by its SHA-256. The
+adapters' grading code is the one the local Docker runner drives; nothing is graded differently on a cluster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from mass_ops.context import CycleContext
-from mass_ops.evaluation.benchmarks.grading import ContainerRunner, require_grader_host
+from mass_ops.evaluation.benchmarks.grading import ContainerRunner, GraderJob, grader_bundle, require_grader_host
 from mass_ops.evaluation.benchmarks.scoring import (
+    BenchmarkError,
     BenchmarkTask,
     TaskScore,
     TrialResult,
@@ -25,8 +44,12 @@ from mass_ops.evaluation.benchmarks.scoring import (
     record_trial,
     run_trial,
 )
+from mass_ops.judge.workspaces import StoredWorkspace
 from mass_ops.layout import report_prefix
-from mass_ops.runtime.episode import EpisodeExecutor
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome
+
+# An executor for one task's context (its config carries the task's time limit); see the module docstring.
+ExecutorFor = Callable[[CycleContext], AbstractContextManager[EpisodeExecutor]]
 
 
 class BenchmarkAdapter(Protocol):
@@ -44,39 +67,302 @@ class BenchmarkAdapter(Protocol):
     ) -> tuple[float, dict[str, Any]]: ...
 
 
+def fixed_executor(executor: EpisodeExecutor) -> ExecutorFor:
+    """An `ExecutorFor` that hands out one executor whatever the context: the cycle's own time limit applies to
+    every task (for callers that built their executor already)."""
+
+    @contextlib.contextmanager
+    def same(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
+        del ctx
+        yield executor
+
+    return same
+
+
+def _as_executor_for(executor: EpisodeExecutor | ExecutorFor) -> ExecutorFor:
+    return fixed_executor(executor) if hasattr(executor, "run") else executor  # type: ignore[arg-type,return-value]
+
+
+def instance_prefix(ctx: CycleContext, benchmark: str, generation: str, trial: int) -> str:
+    return f"{report_prefix(ctx.cycle_name)}/benchmarks/{benchmark}/{generation}/t{trial}"
+
+
 def instance_key(ctx: CycleContext, benchmark: str, generation: str, trial: int, task: str) -> str:
     """Artifact key of one task's recorded score in one trial."""
-    return f"{report_prefix(ctx.cycle_name)}/benchmarks/{benchmark}/{generation}/t{trial}/instances/{task}.json"
+    return f"{instance_prefix(ctx, benchmark, generation, trial)}/instances/{task}.json"
 
 
-def run_benchmark_trial(
+def pending_key(ctx: CycleContext, benchmark: str, generation: str, trial: int, task: str) -> str:
+    """Artifact key of one task's grading waiting for its grader Job (`prepare_instance`)."""
+    return f"{instance_prefix(ctx, benchmark, generation, trial)}/grading/{task}.json"
+
+
+# --- time limits ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimeLimit:
+    """The wall-clock limit a task's episode runs under (None: unlimited) and where it comes from."""
+
+    seconds: int | None
+    source: str  # "benchmark" (the task's official limit), "config" (runtime.episode_wall_clock_s) or "none"
+
+    def as_details(self) -> dict[str, Any]:
+        return {"time_limit_s": self.seconds, "time_limit_source": self.source}
+
+
+def task_time_limit(ctx: CycleContext, task: BenchmarkTask) -> TimeLimit:
+    """The stricter of the task's official agent limit and the cycle's episode wall-clock limit."""
+    configured = ctx.config.runtime.episode_wall_clock_s
+    official = None if task.time_limit_s is None else max(1, math.ceil(task.time_limit_s))
+    if official is not None and (configured is None or official <= configured):
+        return TimeLimit(official, "benchmark")
+    if configured is not None:
+        return TimeLimit(configured, "config")
+    return TimeLimit(None, "none")
+
+
+def limited_context(ctx: CycleContext, limit: TimeLimit) -> CycleContext:
+    """`ctx` whose config stops an episode at `limit` (the runtime reads ``runtime.episode_wall_clock_s``)."""
+    if limit.seconds == ctx.config.runtime.episode_wall_clock_s:
+        return ctx
+    runtime = ctx.config.runtime.model_copy(update={"episode_wall_clock_s": limit.seconds})
+    return _replace_config(ctx, ctx.config.model_copy(update={"runtime": runtime}))
+
+
+def _replace_config(ctx: CycleContext, config: Any) -> CycleContext:
+    import dataclasses
+
+    return dataclasses.replace(ctx, config=config)
+
+
+def _run_episode(
+    ctx: CycleContext, executor_for: ExecutorFor, task: BenchmarkTask, generation: str, trial: int
+) -> tuple[EpisodeOutcome, TimeLimit]:
+    limit = task_time_limit(ctx, task)
+    with executor_for(limited_context(ctx, limit)) as executor:
+        [outcome] = run_trial(ctx, executor, [task], generation, trial)
+    return outcome, limit
+
+
+# --- grading split around a grader Job --------------------------------------------------------------------------------
+
+
+def job_sha256(job: GraderJob) -> str:
+    """Identity of a grading run: image, script, time limit and file bundle."""
+    head = json.dumps([job.benchmark, job.instance, job.image, job.script, job.timeout_s], sort_keys=True)
+    return hashlib.sha256(head.encode() + b"\0" + grader_bundle(job)).hexdigest()
+
+
+class _GraderRequested(Exception):
+    """Raised by `CapturingRunner` to stop an adapter's `grade` at the point it needs a container."""
+
+    def __init__(self, job: GraderJob) -> None:
+        super().__init__(job.instance)
+        self.job = job
+
+
+class CapturingRunner:
+    """A `ContainerRunner` that runs nothing: it hands the adapter's `GraderJob` back to the caller."""
+
+    def run(self, job: GraderJob) -> str:
+        raise _GraderRequested(job)
+
+
+@dataclass(frozen=True)
+class ReplayRunner:
+    """A `ContainerRunner` that answers the log of a grader Job that already ran, for that same job only."""
+
+    log: str
+    expected_sha256: str
+
+    def run(self, job: GraderJob) -> str:
+        actual = job_sha256(job)
+        if actual != self.expected_sha256:
+            raise BenchmarkError(
+                f"{job.benchmark} instance {job.instance}: the grading asks for another job ({actual[:12]}) than the "
+                f"one that ran ({self.expected_sha256[:12]}); its inputs changed — delete the pending grading to rerun"
+            )
+        return self.log
+
+
+@dataclass(frozen=True)
+class PendingGrading:
+    """An instance waiting for its grader Job: the job, where its file bundle is stored, and the episode graded."""
+
+    task: str
+    job: GraderJob
+    job_sha256: str
+    bundle_uri: str
+    bundle_sha256: str
+    episode_id: int | None
+    episode_status: str
+    workspace_uri: str | None
+    time_limit: TimeLimit
+
+    def as_dict(self) -> dict[str, Any]:
+        job = self.job
+        return {
+            "task": self.task,
+            "job": {
+                "benchmark": job.benchmark,
+                "instance": job.instance,
+                "image": job.image,
+                "script": job.script,
+                "timeout_s": job.timeout_s,
+                "cpus": job.cpus,
+                "memory": job.memory,
+            },
+            "job_sha256": self.job_sha256,
+            "bundle_uri": self.bundle_uri,
+            "bundle_sha256": self.bundle_sha256,
+            "episode_id": self.episode_id,
+            "episode_status": self.episode_status,
+            "workspace_uri": self.workspace_uri,
+            **self.time_limit.as_details(),
+        }
+
+
+def _score(
+    task: BenchmarkTask, score: float, details: dict[str, Any], episode_id: int | None, status: str, limit: TimeLimit
+) -> TaskScore:
+    return TaskScore(task.name, score, episode_id, {**details, "episode_status": status, **limit.as_details()})
+
+
+def run_instance(
     ctx: CycleContext,
     adapter: BenchmarkAdapter,
-    executor: EpisodeExecutor,
+    executor_for: ExecutorFor,
+    generation: str,
+    trial: int,
+    task: BenchmarkTask,
+    runner: ContainerRunner | None,
+) -> TaskScore:
+    """Run, grade here and record one task (the recorded score when it has one)."""
+    key = instance_key(ctx, adapter.name, generation, trial, task.name)
+    if ctx.artifacts.exists(key):
+        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    outcome, limit = _run_episode(ctx, executor_for, task, generation, trial)
+    with materialized_workspaces(ctx, [outcome]) as roots:
+        score, details = adapter.grade(task, roots.get(task.name), runner)
+    scored = _score(task, score, details, outcome.episode_id, outcome.status, limit)
+    ctx.artifacts.put_json(key, scored.as_dict())
+    return scored
+
+
+def prepare_instance(
+    ctx: CycleContext,
+    adapter: BenchmarkAdapter,
+    executor_for: ExecutorFor,
+    generation: str,
+    trial: int,
+    task: BenchmarkTask,
+) -> TaskScore | PendingGrading:
+    """Run one task's episode and start its grading: the recorded score when it has one, the score when the
+    adapter grades without a container (DSBench; an empty SWE-bench patch), else the `PendingGrading` whose job a
+    grader Job must run (stored, with its bundle, so `finish_instance` can end it in another process)."""
+    key = instance_key(ctx, adapter.name, generation, trial, task.name)
+    if ctx.artifacts.exists(key):
+        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    outcome, limit = _run_episode(ctx, executor_for, task, generation, trial)
+    with materialized_workspaces(ctx, [outcome]) as roots:
+        try:
+            score, details = adapter.grade(task, roots.get(task.name), CapturingRunner())
+        except _GraderRequested as requested:
+            job = requested.job
+        else:
+            scored = _score(task, score, details, outcome.episode_id, outcome.status, limit)
+            ctx.artifacts.put_json(key, scored.as_dict())
+            return scored
+    bundle = grader_bundle(job)
+    digest = job_sha256(job)
+    # Content-addressed: a retry that prepares the same job stores nothing new.
+    info = ctx.artifacts.put_bytes(
+        f"{instance_prefix(ctx, adapter.name, generation, trial)}/bundles/{digest}.tar", bundle
+    )
+    pending = PendingGrading(
+        task.name,
+        job,
+        digest,
+        info.uri,
+        info.sha256,
+        outcome.episode_id,
+        outcome.status,
+        outcome.artifacts.get("workspace"),
+        limit,
+    )
+    ctx.artifacts.put_json(pending_key(ctx, adapter.name, generation, trial, task.name), pending.as_dict())
+    return pending
+
+
+def finish_instance(
+    ctx: CycleContext, adapter: BenchmarkAdapter, generation: str, trial: int, task: BenchmarkTask, log: str
+) -> TaskScore:
+    """Grade one task from its grader Job's log and record the score once (a recorded score is returned as is).
+    The log is stored beside the score as the evidence."""
+    key = instance_key(ctx, adapter.name, generation, trial, task.name)
+    if ctx.artifacts.exists(key):
+        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    where = pending_key(ctx, adapter.name, generation, trial, task.name)
+    if not ctx.artifacts.exists(where):
+        raise BenchmarkError(f"{adapter.name} {task.name} trial {trial}: no grading is pending (prepare it first)")
+    pending = ctx.artifacts.get_json(where)
+    log_info = ctx.artifacts.put_bytes(
+        f"{instance_prefix(ctx, adapter.name, generation, trial)}/grader_logs/{task.name}.log", log.encode()
+    )
+    limit = TimeLimit(pending.get("time_limit_s"), str(pending.get("time_limit_source") or "none"))
+    runner = ReplayRunner(log, str(pending["job_sha256"]))
+    uri = pending.get("workspace_uri")
+    with contextlib.ExitStack() as stack:
+        workspace = None
+        if uri:
+            scratch = Path(stack.enter_context(_scratch()))
+            workspace = StoredWorkspace(ctx.artifacts, uri, "workspace").materialize(scratch)
+        score, details = adapter.grade(task, workspace, runner)
+    details = {**details, "grader_log": log_info.uri}
+    scored = _score(task, score, details, pending.get("episode_id"), str(pending.get("episode_status")), limit)
+    ctx.artifacts.put_json(key, scored.as_dict())
+    return scored
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mass-bench-") as folder:
+        yield folder
+
+
+# --- a whole trial ----------------------------------------------------------------------------------------------------
+
+
+def trial_tasks(adapter: BenchmarkAdapter, limit: int | None) -> list[BenchmarkTask]:
+    tasks: Sequence[BenchmarkTask] = adapter.tasks()
+    return list(tasks if limit is None else tasks[:limit])
+
+
+def record_benchmark_trial(
+    ctx: CycleContext,
+    adapter: BenchmarkAdapter,
     generation: str,
     trial: int,
     *,
-    runner: ContainerRunner | None,
-    limit: int | None = None,
+    evaluator: str,
+    limit: int | None,
+    scores: Sequence[TaskScore] | None = None,
 ) -> TrialResult:
-    """Run, grade and record trial `trial` of `generation` on `adapter`'s tasks (the first `limit` when given)."""
-    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
-    evaluator = adapter.evaluator()  # raises EvaluatorNotInstalledError before any episode runs
-    tasks: Sequence[BenchmarkTask] = adapter.tasks()
-    if limit is not None:
-        tasks = tasks[:limit]
-    scores = []
-    for task in tasks:
-        key = instance_key(ctx, adapter.name, generation, trial, task.name)
-        if ctx.artifacts.exists(key):
-            scores.append(TaskScore.from_dict(ctx.artifacts.get_json(key)))
-            continue
-        [outcome] = run_trial(ctx, executor, [task], generation, trial)
-        with materialized_workspaces(ctx, [outcome]) as roots:
-            score, details = adapter.grade(task, roots.get(task.name), runner)
-        scored = TaskScore(task.name, score, outcome.episode_id, {**details, "episode_status": outcome.status})
-        ctx.artifacts.put_json(key, scored.as_dict())
-        scores.append(scored)
+    """Record the trial from its tasks' scores (read from the store when not given); BenchmarkError naming the
+    tasks without a recorded score."""
+    tasks = trial_tasks(adapter, limit)
+    if scores is None:
+        keys = {t.name: instance_key(ctx, adapter.name, generation, trial, t.name) for t in tasks}
+        missing = [name for name, key in keys.items() if not ctx.artifacts.exists(key)]
+        if missing:
+            raise BenchmarkError(
+                f"{adapter.name} trial {trial} of {generation}: {len(missing)} task(s) have no recorded score "
+                f"({', '.join(missing[:5])}); rerun the trial"
+            )
+        scores = [TaskScore.from_dict(ctx.artifacts.get_json(keys[t.name])) for t in tasks]
     metrics = {
         "evaluator": evaluator,
         "attempted": len(tasks),
@@ -84,3 +370,26 @@ def run_benchmark_trial(
         "limit": limit,
     }
     return record_trial(ctx, TrialResult(adapter.name, generation, trial, tuple(scores), metrics))
+
+
+def run_benchmark_trial(
+    ctx: CycleContext,
+    adapter: BenchmarkAdapter,
+    executor: EpisodeExecutor | ExecutorFor,
+    generation: str,
+    trial: int,
+    *,
+    runner: ContainerRunner | None,
+    limit: int | None = None,
+) -> TrialResult:
+    """Run, grade and record trial `trial` of `generation` on `adapter`'s tasks (the first `limit` when given).
+    `executor` is an `ExecutorFor` (each task's official time limit enforced), or one executor (the cycle's limit
+    for every task)."""
+    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
+    evaluator = adapter.evaluator()  # raises EvaluatorNotInstalledError before any episode runs
+    executor_for = _as_executor_for(executor)
+    scores = [
+        run_instance(ctx, adapter, executor_for, generation, trial, task, runner)
+        for task in trial_tasks(adapter, limit)
+    ]
+    return record_benchmark_trial(ctx, adapter, generation, trial, evaluator=evaluator, limit=limit, scores=scores)

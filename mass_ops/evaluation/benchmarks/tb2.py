@@ -111,12 +111,19 @@ def parse_reward(text: str, where: str) -> float:
 
 
 def _tar(folder: Path | None, arcroot: str = ".") -> bytes:
+    """The folder's regular files as a tar that depends on their paths, contents and executable bits only (no
+    times or owners): the same workspace materialized twice gives the same bytes, so a grader job keeps its
+    identity between the process that prepares it and the one that reads its result (`suite.job_sha256`)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
         if folder is not None:
             for path in sorted(folder.rglob("*")):
                 if path.is_file() and not path.is_symlink():
-                    archive.add(path, arcname=f"{arcroot}/{path.relative_to(folder)}")
+                    info = tarfile.TarInfo(f"{arcroot}/{path.relative_to(folder).as_posix()}")
+                    info.size, info.mtime = path.stat().st_size, 0
+                    info.mode = 0o755 if path.stat().st_mode & 0o111 else 0o644
+                    with path.open("rb") as handle:
+                        archive.addfile(info, handle)
     return buffer.getvalue()
 
 
