@@ -1,0 +1,170 @@
+"""Public-benchmark stages (MASS_SPEC §10, ISSUE #18): a whole trial in one process, or one instance at a time
+around a grader Job on Kubernetes.
+
+`benchmark_trial` runs a trial here: each task's episode under its official time limit, graded in this process (a
+container-graded benchmark needs a local engine, else it stops in one line before any agent time). On Kubernetes
+the `BenchmarkTrialOperator` drives the same trial one instance at a time: `benchmark_trial_tasks` (checks first),
+`benchmark_instance` (the episode, then either the score or the grader job to run), the operator's grader Job,
+`benchmark_grader_result` (the Job's log graded and recorded once), and `benchmark_trial_record` (the trial row).
+Each returns a small JSON-able dict (XCom).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from mass_ops.config import CycleConfig
+from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.errors import InputError
+from mass_ops.runtime.episode import EpisodeExecutor
+from mass_ops.stages.common import episode_executor
+
+BENCHMARK_SCOPE = "benchmarks"  # the local serving scope of the `mass_benchmarks` DAG's generation server
+
+
+def _check_limit(benchmark: str, limit: int | None) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InputError(f"benchmark {benchmark}: limit must be a whole number ≥ 1, got {limit!r}")
+
+
+def _served(config: CycleConfig, generation: str) -> CycleContext:
+    """The cycle's context pointed at `generation`'s server (local: the benchmarks' own; Kubernetes: the cycle's
+    evaluation servers)."""
+    from mass_ops.serving import evaluation_scope, generation_server, serving_context
+
+    ctx = attach_cycle(config)
+    scope = BENCHMARK_SCOPE if config.compute.backend == "local" else evaluation_scope(config)
+    return serving_context(ctx, generation_server(ctx, generation, scope))
+
+
+@contextlib.contextmanager
+def _executor_for(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
+    # One executor per task context: its config carries the task's time limit, which the runtime enforces.
+    with episode_executor(ctx) as executor:
+        yield executor
+
+
+def _task(adapter: Any, name: str) -> Any:
+    from mass_ops.evaluation.benchmarks.scoring import BenchmarkError
+
+    found = next((t for t in adapter.tasks() if t.name == name), None)
+    if found is None:
+        raise BenchmarkError(f"benchmark {adapter.name}: no task {name!r} in its dataset")
+    return found
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    return {
+        "benchmark": result.benchmark,
+        "generation": result.generation,
+        "trial": result.trial,
+        "attempted": result.metrics.get("attempted"),
+        "scored": result.metrics.get("scored"),
+        "evaluator": result.metrics.get("evaluator"),
+        "mean": None if result.unscored else result.mean,
+    }
+
+
+def benchmark_trial(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    limit: int | None = None,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """Run, grade and record trial `trial` of `generation` on `benchmark` in this process (its first `limit` tasks
+    when given), each task under its official time limit; resumable per instance. A benchmark whose grader needs a
+    container stops before any episode when no engine runs here (one line) — on Kubernetes such a benchmark runs
+    through `BenchmarkTrialOperator` instead."""
+    from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
+
+    _check_limit(benchmark, limit)
+    adapter = benchmark_adapter(benchmark, data_dir)
+    runner = local_runner() if config.compute.backend == "local" else None
+    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
+    served = _served(config, generation)
+    result = run_benchmark_trial(served, adapter, _executor_for, generation, int(trial), runner=runner, limit=limit)
+    return _summary(result)
+
+
+def benchmark_trial_tasks(
+    config: CycleConfig, benchmark: str, limit: int | None = None, data_dir: str | None = None
+) -> dict[str, Any]:
+    """The tasks of one trial (the first `limit`), checked before any agent time: the dataset reads and the
+    evaluator is installed."""
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import trial_tasks
+
+    del config
+    _check_limit(benchmark, limit)
+    adapter = benchmark_adapter(benchmark, data_dir)
+    evaluator = adapter.evaluator()  # EvaluatorNotInstalledError here, before any episode
+    return {
+        "benchmark": adapter.name,
+        "needs_container": adapter.needs_container,
+        "evaluator": evaluator,
+        "tasks": [t.name for t in trial_tasks(adapter, limit)],
+    }
+
+
+def benchmark_instance(
+    config: CycleConfig, benchmark: str, generation: str, trial: int, task: str, data_dir: str | None = None
+) -> dict[str, Any]:
+    """Run one task's episode (reused when finished) and start its grading: ``{"status": "recorded", "score"}``
+    when it is scored (already, or by a grader that needs no container), else ``{"status": "grade", "job": …,
+    "bundle_uri", "bundle_sha256"}`` — the grader Job to run (`compute.kubernetes.benchmark_grader_job`)."""
+    from mass_ops.evaluation.benchmarks.scoring import TaskScore
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import prepare_instance
+
+    adapter = benchmark_adapter(benchmark, data_dir)
+    served = _served(config, generation)
+    prepared = prepare_instance(served, adapter, _executor_for, generation, int(trial), _task(adapter, task))
+    if isinstance(prepared, TaskScore):
+        return {"status": "recorded", "task": prepared.task, "score": prepared.score}
+    pending = prepared.as_dict()
+    return {"status": "grade", **{k: pending[k] for k in ("task", "job", "bundle_uri", "bundle_sha256")}}
+
+
+def benchmark_grader_result(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    task: str,
+    log: str,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """Grade one task from its grader Job's log with the benchmark's official grading and record the score once
+    (a recorded score is returned unchanged), with the evaluator's version."""
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import finish_instance
+
+    adapter = benchmark_adapter(benchmark, data_dir)
+    ctx = attach_cycle(config)
+    scored = finish_instance(ctx, adapter, generation, int(trial), _task(adapter, task), log)
+    return {"task": scored.task, "score": scored.score, "evaluator": scored.details.get("evaluator")}
+
+
+def benchmark_trial_record(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    limit: int | None = None,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """Record the trial's row from its tasks' recorded scores (InputError naming tasks without one)."""
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import record_benchmark_trial
+
+    _check_limit(benchmark, limit)
+    adapter = benchmark_adapter(benchmark, data_dir)
+    ctx = attach_cycle(config)
+    result = record_benchmark_trial(ctx, adapter, generation, int(trial), evaluator=adapter.evaluator(), limit=limit)
+    return _summary(result)
