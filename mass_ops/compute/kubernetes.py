@@ -1154,9 +1154,10 @@ class GraderRun(Protocol):
     def timeout_s(self) -> float: ...
 
 
-def grader_job_name(config: CycleConfig, job: GraderRun) -> str:
-    """The grader Job's name: cycle, benchmark and instance, hashed when too long."""
-    return resource_name("grade", config.cycle_name, job.benchmark, job.instance, max_length=52)
+def grader_job_name(config: CycleConfig, job: GraderRun, unit: str = "") -> str:
+    """The grader Job's name: cycle, benchmark, `unit` (generation and trial: the same instance is graded once per
+    trial, and trials run side by side) and instance, hashed when too long."""
+    return resource_name("grade", config.cycle_name, job.benchmark, unit, job.instance, max_length=52)
 
 
 def benchmark_grader_job(
@@ -1167,6 +1168,7 @@ def benchmark_grader_job(
     bundle_uri: str,
     bundle_sha256: str,
     scope: str | None = None,
+    unit: str = "",
 ) -> dict[str, Any]:
     """One benchmark instance's grading as a Job from the benchmark's own image (SWE-bench, Terminal-Bench 2.0).
 
@@ -1177,7 +1179,9 @@ def benchmark_grader_job(
     as one tar bundle stored as an artifact: the `fetch` init container (the episode image, non-root, the only one
     with the store credentials — the publisher's Secrets) writes it to `GRADER_BUNDLE` after checking its SHA-256,
     and `grader` (the benchmark image, no Secret at all) unpacks it over `/` and runs the script. The result is read
-    from the pod's log between the grader's result markers.
+    from the `grader` container's log between the grader's result markers (`BenchmarkTrialOperator`), which then
+    stores it as an artifact with the score: the grader itself holds no credential to publish anything. `unit`
+    (e.g. ``l1-t0``) keeps the Jobs of one instance in different trials apart.
 
     Why `grader` runs as root when episode pods enforce runAsNonRoot: the benchmarks' images are built to grade as
     root (SWE-bench's `/testbed` and its conda environment belong to root, Terminal-Bench's verifiers write
@@ -1198,7 +1202,7 @@ def benchmark_grader_job(
     k8s = config.compute.kubernetes
     scope = scope or config.cycle_name
     limits = settings.episode_limits
-    name = grader_job_name(config, job)
+    name = grader_job_name(config, job, unit)
     labels = {
         **workload_labels(config, scope),
         **settings.labels_for("episode"),

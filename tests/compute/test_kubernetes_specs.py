@@ -600,3 +600,15 @@ def test_benchmark_grader_job_refuses_what_cannot_run(paper, settings):
         specs.benchmark_grader_job(
             paper, settings, replace(job, timeout_s=0.0), bundle_uri="s3://b/x.tar", bundle_sha256="ab" * 32
         )
+
+
+def test_benchmark_grader_jobs_of_one_instance_in_two_trials_have_two_names(paper, settings):
+    job = swe_grader_job()
+    names = {
+        specs.benchmark_grader_job(paper, settings, job, bundle_uri="s3://b/x.tar", bundle_sha256="ab" * 32, unit=u)[
+            "metadata"
+        ]["name"]
+        for u in ("l1-t0", "l1-t1", "l2-t0")
+    }
+    assert len(names) == 3 and all(len(n) <= 52 for n in names)
+    assert specs.grader_job_name(paper, job, "l1-t0") in names
