@@ -95,14 +95,14 @@ def test_a_failing_chain_does_not_stop_the_others(inner_loop: InnerLoopEnv, monk
     )
     from mass_ops.stages import inner_loop as module
 
-    real = module.collect_batch
+    real = module.collect_task
 
-    def broken(ctx: Any, executor: Any, task_ids: Any) -> Any:
-        if list(task_ids) == [SLOW]:
+    def broken(ctx: Any, executor: Any, task_id: int) -> Any:
+        if task_id == SLOW:
             raise RuntimeError("injected collection failure")
-        return real(ctx, executor, task_ids)
+        return real(ctx, executor, task_id)
 
-    monkeypatch.setattr(module, "collect_batch", broken)
+    monkeypatch.setattr(module, "collect_task", broken)
     with pytest.raises(InnerLoopFailedError, match=f"task {SLOW}: RuntimeError: injected") as caught:
         run_inner_loop(opened.ctx, opened.executor, client=opened.client)
     fast = next(r for r in caught.value.results if r.task_id == FAST)
