@@ -89,3 +89,22 @@ def test_cli_runs_the_inner_loop_and_refuses_a_changed_config(inner_loop, fake_e
     result = runner.invoke(app, ["search", "--config", str(path), "--set", "search.iterations=2"])
     assert result.exit_code == 2
     assert "frozen with config hash" in result.stderr
+
+
+def test_collect_task_runs_one_tasks_candidates_as_one_unit_and_reruns_as_a_no_op(inner_loop, fake_episodes):
+    """The per-task collection unit of the pipelined DAG: every candidate of that task, none of another's."""
+    config = inner_loop.config(iterations=1, candidates=3, train_ranks=1, opponents=2, require_beats_reference=False)
+    stages.validate_config(config)
+    for task_id in stages.search_tasks(config):
+        for version in range(config.search.iterations + 1):
+            stages.search_step(config, task_id, version)
+    ctx = attach_cycle(config)
+
+    row = stages.collect_task(config, 51)
+    assert (row["task_id"], row["candidates"], row["succeeded"], row["infra_failures"]) == (51, 3, 3, 0)
+    collected = {(e.task_id, e.candidate) for e in ctx.repo.episodes(ctx.cycle_id) if e.kind == "collection"}
+    assert collected == {("51", 0), ("51", 1), ("51", 2)}, "only task 51's candidates ran"
+
+    episodes = len(ctx.repo.episodes(ctx.cycle_id))
+    assert stages.collect_task(config, 51)["succeeded"] == 3
+    assert len(ctx.repo.episodes(ctx.cycle_id)) == episodes, "a rerun reuses the finished candidates"
