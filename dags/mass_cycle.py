@@ -6,10 +6,18 @@ the validated config from these params (the config never travels through XCom, w
 
 1. **validate_config** freezes the config into the cycle row (a changed config for the same cycle is refused).
 2. **inference_up** (setup) serves the current model; **inference_down** (teardown) stops it even if work fails.
-3. **rhi** — one mapped group per task, all tasks in parallel; inside, one task instance per workflow version
-   (`step_v0` … `step_v11`, in order): the version's episode, then judging and the next proposal; version 0 first
-   runs the reference and v0 episodes side by side. Versions beyond `search.iterations` are skipped.
-4. **collect_candidate** mapped per (task, candidate); **rank_task** mapped per task; **select**.
+3. **inner_loop** — one mapped group per searched task, all tasks in parallel, each task's chain on its own
+   (pipelined: nothing waits for another task until `select`):
+   - the search: one task instance per workflow version (`step_v0` … `step_v11`, in order): the version's episode,
+     then judging and the next proposal; version 0 first runs the reference and v0 episodes side by side. Versions
+     beyond `search.iterations` are skipped;
+   - **collect_task**: as soon as the task's search has retained a workflow, all its teacher candidates in one task
+     instance (clearing it reruns only the candidates that are not final); skipped for a task that is searched only
+     (not in `tasks.train`) or whose retained workflow is not collected;
+   - **rank_task**: as soon as the task is collected, its ring tournament, self-judge and Bradley–Terry ranks.
+   Search steps get a higher priority than collection and ranking, earlier versions higher than later ones (the
+   longer remaining chain first), so the model server's pool slots go to the critical path.
+4. **select** once every task's chain has ended (skipped chains included).
 5. **render** → **train** (GPU Job) → **select_checkpoint** → **export** (GPU Job) → **register** (an asset event
    `mass-ops://generations/<name>` through the alias `mass-ops-generations`).
 6. Evaluation servers up (current + new generation) → **rollout** (mapped) → **evaluate** → servers down →
@@ -37,6 +45,7 @@ from mass_ops_airflow.operators import (
     InferenceServerOperator,
     InferenceServerTeardownOperator,
     ReportOperator,
+    TaskCollectionOperator,
     TrainingJobOperator,
 )
 from mass_ops_airflow.params import MAX_SEARCH_ITERATIONS, cycle_params
@@ -52,7 +61,27 @@ HOUR = dt.timedelta(hours=1)
 # An episode may take runtime.episode_wall_clock_s (6 h in the paper presets) per attempt, up to 3 attempts.
 EPISODE_TIMEOUT = 20 * HOUR
 STEP_TIMEOUT = 24 * HOUR  # local backend: the step runs its episodes itself
+# One task's candidates run in ⌈candidates / capacity⌉ waves of episodes; a timeout loses only the episodes in
+# flight (finished candidates are reused by the retry).
+COLLECTION_TIMEOUT = 72 * HOUR
 SHORT_TIMEOUT = dt.timedelta(minutes=30)
+
+# Priorities (absolute, so Airflow does not add up downstream weights): a unit's weight is the length of its task's
+# chain from it to the end of the inner loop (search versions left, then collection, then ranking). The pools hand
+# a free slot to the highest weight first, so the model server serves the longest remaining chains — the critical
+# path — before collection and ranking, which a search chain must never wait behind.
+RANK_PRIORITY = 1
+COLLECT_PRIORITY = 2
+WEIGHT_RULE = "absolute"
+
+
+def search_priority(version: int) -> int:
+    """Weight of search step `version`: its remaining versions, then collection and ranking."""
+    return COLLECT_PRIORITY + 1 + (MAX_SEARCH_ITERATIONS - version)
+
+
+# The v0 episodes come before step v0.
+EPISODE_V0_PRIORITY = search_priority(0) + 1
 
 DEFAULT_ARGS: dict[str, Any] = {
     "owner": "mass-ops",
@@ -106,15 +135,35 @@ with DAG(
         """The tasks whose workflows RHI searches (train candidates)."""
         return [int(t) for t in _stage("search_tasks", params or {})]
 
-    @task(pool=INFERENCE_POOL, execution_timeout=STEP_TIMEOUT, map_index_template=UNIT_LABEL)
+    @task(
+        pool=INFERENCE_POOL,
+        execution_timeout=STEP_TIMEOUT,
+        map_index_template=UNIT_LABEL,
+        priority_weight=search_priority(0),
+        weight_rule=WEIGHT_RULE,
+    )
     def step_v0(task_no: int, params: dict[str, Any] | None = None) -> Any:
         """RHI step 0 of one task: judge v0 against the reference, propose v1 (the episodes ran just before)."""
         _label(f"search-t{task_no}-v0")
         return _stage("search_step", params or {}, task_no, 0)
 
-    @task_group(group_id="rhi")
-    def rhi(task_no: int) -> None:
-        """The workflow search of one task: its versions strictly in order, each version one task instance.
+    @task(
+        pool=INFERENCE_POOL,
+        execution_timeout=12 * HOUR,
+        map_index_template=UNIT_LABEL,
+        priority_weight=RANK_PRIORITY,
+        weight_rule=WEIGHT_RULE,
+    )
+    def rank_task(task_no: int, params: dict[str, Any] | None = None) -> Any:
+        """Ring tournament + self-judge + Bradley–Terry ranks of one task's trajectories (skipped with its
+        collection)."""
+        _label(f"ranking-t{task_no}")
+        return _stage("rank_task", params or {}, task_no)
+
+    @task_group(group_id="inner_loop")
+    def inner_loop(task_no: int) -> None:
+        """One task's inner loop: its workflow search (each version one task instance, strictly in order), then its
+        teacher collection, then its ranking — started as soon as the task's own previous phase is done.
 
         Version 0 needs two episodes (the bare reference and v0), which run as two pods side by side; every later
         version is one task: its episode's pod, then the step (judge calls, arbitration, the next proposal).
@@ -126,6 +175,8 @@ with DAG(
             pool=INFERENCE_POOL,
             execution_timeout=EPISODE_TIMEOUT,
             map_index_template=EPISODE_LABEL,
+            priority_weight=EPISODE_V0_PRIORITY,
+            weight_rule=WEIGHT_RULE,
         )
         first = EpisodePodOperator(
             task_id="episode_v0",
@@ -135,6 +186,8 @@ with DAG(
             pool=INFERENCE_POOL,
             execution_timeout=EPISODE_TIMEOUT,
             map_index_template=EPISODE_LABEL,
+            priority_weight=EPISODE_V0_PRIORITY,
+            weight_rule=WEIGHT_RULE,
         )
         previous: Any = step_v0(task_no)
         [reference, first] >> previous
@@ -148,30 +201,35 @@ with DAG(
                 pool=INFERENCE_POOL,
                 execution_timeout=STEP_TIMEOUT,
                 map_index_template=EPISODE_LABEL,
+                priority_weight=search_priority(version),
+                weight_rule=WEIGHT_RULE,
             )
             previous >> step
             previous = step
+        # Pool slots: a collection instance runs up to `inference.max_concurrent_requests` episodes at once (the
+        # stage's episode pool locally, its pods on Kubernetes) yet takes ONE slot of `mass_inference`. Asking for
+        # that many slots would hold the instance back until the pool is nearly empty, i.e. until the other tasks'
+        # search chains are done — the barrier this group removes — and `pool_slots` is fixed when the DAG is
+        # parsed while the capacity is the run's config. With one slot the server may briefly get more requests than
+        # the pool's size; it queues them (vLLM's --max-num-seqs), and the priorities above still give every freed
+        # slot to a search step first.
+        collected = TaskCollectionOperator(
+            task_id="collect_task",
+            task=task_no,
+            pool=INFERENCE_POOL,
+            pool_slots=1,
+            execution_timeout=COLLECTION_TIMEOUT,
+            map_index_template=UNIT_LABEL,
+            priority_weight=COLLECT_PRIORITY,
+            weight_rule=WEIGHT_RULE,
+            # The versions beyond a run's search.iterations are skipped; the retained workflow is then final.
+            trigger_rule=TriggerRule.NONE_FAILED,
+        )
+        previous >> collected >> rank_task(task_no)
 
+    # A task searched only, or whose retained workflow is not collected, skips its collection and ranking; the
+    # selection covers the collected training tasks (it reads each one's decision), so skipped chains let it run.
     @task(execution_timeout=SHORT_TIMEOUT, trigger_rule=TriggerRule.NONE_FAILED)
-    def collection_units(params: dict[str, Any] | None = None) -> list[dict[str, int]]:
-        """Teacher-collection units (task × candidate) of the tasks whose retained workflow is eligible.
-
-        Runs after every RHI step, including the skipped versions beyond `search.iterations` (hence none_failed).
-        """
-        return [{"task": int(t), "candidate": int(c)} for t, c in _stage("collection_units", params or {})]
-
-    @task(execution_timeout=SHORT_TIMEOUT)
-    def ranking_tasks(params: dict[str, Any] | None = None) -> list[int]:
-        """The tasks whose collected trajectories are ranked (each on its own)."""
-        return [int(t) for t in _stage("ranking_tasks", params or {})]
-
-    @task(pool=INFERENCE_POOL, execution_timeout=12 * HOUR, map_index_template=UNIT_LABEL)
-    def rank_task(task_no: int, params: dict[str, Any] | None = None) -> Any:
-        """Ring tournament + self-judge + Bradley–Terry ranks of one task's trajectories."""
-        _label(f"task {task_no}")
-        return _stage("rank_task", params or {}, task_no)
-
-    @task(execution_timeout=SHORT_TIMEOUT)
     def select(params: dict[str, Any] | None = None) -> Any:
         """Ranks 1–15 → train, rank 16 → validation."""
         return _stage("select", params or {})
@@ -244,22 +302,11 @@ with DAG(
     )
     inference_down = InferenceServerTeardownOperator(task_id="inference_down", execution_timeout=SHORT_TIMEOUT)
     tasks = search_tasks()
-    search = rhi.expand(task_no=tasks)
-    units = collection_units()
-    collected = EpisodeStageOperator.partial(
-        task_id="collect_candidate",
-        kind="collection",
-        stage="collect_candidate",
-        pool=INFERENCE_POOL,
-        execution_timeout=EPISODE_TIMEOUT,
-        map_index_template=EPISODE_LABEL,
-    ).expand_kwargs(units)
-    to_rank = ranking_tasks()
-    ranked = rank_task.expand(task_no=to_rank)
+    chains = inner_loop.expand(task_no=tasks)
     selected = select()
 
     validated >> [inference_up, tasks]
-    inference_up >> search >> units >> collected >> to_rank >> ranked >> selected >> inference_down
+    inference_up >> chains >> selected >> inference_down
     inference_down.as_teardown(setups=inference_up)
 
     rendered = render()

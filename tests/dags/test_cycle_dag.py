@@ -1,4 +1,5 @@
-"""Structure of the cycle DAG: order of stages, one task per RHI version, setup/teardown, pools, retries, assets."""
+"""Structure of the cycle DAG: order of stages, one pipelined inner-loop group per task (a task instance per RHI
+version, then the task's collection and ranking), priorities, setup/teardown, pools, retries, assets."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ def test_stage_order(dag):
     chain = [
         ("validate_config", "inference_up"),
         ("validate_config", "search_tasks"),
-        ("collection_units", "collect_candidate"),
-        ("collect_candidate", "ranking_tasks"),
-        ("ranking_tasks", "rank_task"),
-        ("rank_task", "select"),
+        ("search_tasks", "inner_loop.reference_episode"),
+        ("inference_up", "inner_loop.reference_episode"),
+        ("inference_up", "inner_loop.episode_v0"),
+        (f"inner_loop.step_v{MAX_SEARCH_ITERATIONS}", "inner_loop.collect_task"),
+        ("inner_loop.collect_task", "inner_loop.rank_task"),
+        ("inner_loop.rank_task", "select"),
         ("select", "inference_down"),
         ("select", "render"),
         ("inference_down", "render"),
@@ -60,31 +63,61 @@ def test_stage_order(dag):
         assert before in upstream(dag, after), f"{before} must run before {after}"
 
 
-def test_rhi_runs_each_version_as_its_own_task_in_order(dag):
-    steps = [f"rhi.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1)]
-    assert all(s in dag.task_dict for s in steps) and f"rhi.step_v{MAX_SEARCH_ITERATIONS + 1}" not in dag.task_dict
-    assert {"rhi.reference_episode", "rhi.episode_v0"} <= upstream(dag, "rhi.step_v0"), "both v0 episodes first"
+def test_the_search_runs_each_version_as_its_own_task_in_order(dag):
+    steps = [f"inner_loop.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1)]
+    assert all(s in dag.task_dict for s in steps)
+    assert f"inner_loop.step_v{MAX_SEARCH_ITERATIONS + 1}" not in dag.task_dict
+    both = {"inner_loop.reference_episode", "inner_loop.episode_v0"}
+    assert both <= upstream(dag, "inner_loop.step_v0"), "both v0 episodes first"
     for k in range(1, MAX_SEARCH_ITERATIONS + 1):
-        step = dag.get_task(f"rhi.step_v{k}")
-        assert f"rhi.step_v{k - 1}" in step.upstream_task_ids, "version k needs step k-1's proposal"
+        step = dag.get_task(f"inner_loop.step_v{k}")
+        assert f"inner_loop.step_v{k - 1}" in step.upstream_task_ids, "version k needs step k-1's proposal"
         assert (step.kind, step.version, step.stage) == ("search", k, "search_step")
-    group = dag.get_task("rhi.step_v0").get_closest_mapped_task_group()
-    assert group is not None and group.group_id == "rhi"
-    assert f"rhi.step_v{MAX_SEARCH_ITERATIONS}" in upstream(dag, "collection_units")
+
+
+def test_each_task_s_chain_is_one_mapped_group_and_only_select_waits_for_all(dag):
+    """Pipelining: a task's collection follows its own last search step and its ranking its own collection, inside
+    the group mapped per task (one instance each); nothing outside the group sits between them; `select` waits for
+    every group."""
+    for task_id in ("inner_loop.step_v0", "inner_loop.collect_task", "inner_loop.rank_task"):
+        group = dag.get_task(task_id).get_closest_mapped_task_group()
+        assert group is not None and group.group_id == "inner_loop", task_id
+    collect, rank = dag.get_task("inner_loop.collect_task"), dag.get_task("inner_loop.rank_task")
+    assert upstream(dag, "inner_loop.collect_task") == {f"inner_loop.step_v{MAX_SEARCH_ITERATIONS}", "search_tasks"}
+    assert upstream(dag, "inner_loop.rank_task") == {"inner_loop.collect_task", "search_tasks"}
+    assert upstream(dag, "select") == {"inner_loop.rank_task"}
+    assert not {"collection_units", "ranking_tasks", "collect_candidate"} & set(dag.task_dict), "no barrier task"
+    assert type(collect).__name__ == "TaskCollectionOperator" and not collect.is_mapped
     # Versions beyond a run's search.iterations are skipped, and collection must still run.
-    assert dag.get_task("collection_units").trigger_rule == TriggerRule.NONE_FAILED
+    assert collect.trigger_rule == TriggerRule.NONE_FAILED
+    # A skipped collection (a task searched only, or not collected) skips its ranking; selection still runs.
+    assert rank.trigger_rule == TriggerRule.ALL_SUCCESS
+    assert dag.get_task("select").trigger_rule == TriggerRule.NONE_FAILED
 
 
-def test_mapped_units_have_readable_names(dag):
-    for task_id in ("rhi.step_v0", "rhi.step_v2", "rhi.episode_v0", "rhi.reference_episode"):
+def test_the_critical_path_goes_first_in_the_pools(dag):
+    """Search steps outrank collection and ranking, earlier versions later ones, all with absolute weights."""
+    chain = ["inner_loop.reference_episode"]
+    chain += [f"inner_loop.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1)]
+    chain += ["inner_loop.collect_task", "inner_loop.rank_task"]
+    weights = [dag.get_task(task_id).priority_weight for task_id in chain]
+    assert weights == sorted(weights, reverse=True) and len(set(weights)) == len(weights), weights
+    assert dag.get_task("inner_loop.episode_v0").priority_weight == weights[0]
+    for task_id in [*chain, "inner_loop.episode_v0"]:
+        assert str(dag.get_task(task_id).weight_rule) in ("absolute", "WeightRule.ABSOLUTE"), task_id
+    assert dag.get_task("inner_loop.collect_task").pool_slots == 1
+
+
+def test_units_have_readable_names(dag):
+    searched = ("inner_loop.step_v0", "inner_loop.step_v2", "inner_loop.episode_v0", "inner_loop.reference_episode")
+    for task_id in searched:
         task = dag.get_task(task_id)
-        assert task.get_closest_mapped_task_group() is not None, task_id
         assert task.map_index_template in ("{{ unit_label }}", "{{ episode_label }}"), task_id
-    for task_id, stage in (("collect_candidate", "collect_candidate"), ("rollout", "rollout_unit")):
-        task = dag.get_task(task_id)
-        assert task.is_mapped and task.partial_kwargs["stage"] == stage
-        assert task.partial_kwargs["map_index_template"] == "{{ episode_label }}"
-    assert dag.get_task("rank_task").map_index_template == "{{ unit_label }}"
+    for task_id in ("inner_loop.collect_task", "inner_loop.rank_task"):
+        assert dag.get_task(task_id).map_index_template == "{{ unit_label }}", task_id
+    rollout = dag.get_task("rollout")
+    assert rollout.is_mapped and rollout.partial_kwargs["stage"] == "rollout_unit"
+    assert rollout.partial_kwargs["map_index_template"] == "{{ episode_label }}"
 
 
 def test_inference_server_is_a_setup_teardown_pair(dag):
@@ -97,13 +130,13 @@ def test_inference_server_is_a_setup_teardown_pair(dag):
         assert setup in down.upstream_task_ids
         assert down.trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS, "teardown runs even when the work fails"
     # Everything that talks to the model server lies between the pair (cleared together, torn down together).
-    for task_id in ("rhi.step_v0", "collect_candidate", "rank_task", "select"):
+    for task_id in ("inner_loop.step_v0", "inner_loop.collect_task", "inner_loop.rank_task", "select"):
         assert "inference_up" in dag.get_task(task_id).get_flat_relative_ids(upstream=True)
 
 
 def test_pools(dag):
-    inference = {"rhi.reference_episode", "rhi.episode_v0", "collect_candidate", "rank_task", "rollout"}
-    inference |= {f"rhi.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1)}
+    inference = {"inner_loop.reference_episode", "inner_loop.episode_v0", "inner_loop.collect_task", "rollout"}
+    inference |= {"inner_loop.rank_task", *(f"inner_loop.step_v{k}" for k in range(MAX_SEARCH_ITERATIONS + 1))}
     gpu = {"inference_up", "evaluation_inference_up", "train", "export"}
     for task in dag.tasks:
         if task.task_id in inference:
@@ -136,9 +169,9 @@ def test_operators_pick_the_backend_at_run_time(dag):
     assert kinds["inference_up"] == "InferenceServerOperator"
     assert kinds["inference_down"] == "InferenceServerTeardownOperator"
     assert kinds["train"] == "TrainingJobOperator" and kinds["export"] == "ExportJobOperator"
-    assert kinds["rhi.episode_v0"] == kinds["rhi.reference_episode"] == "EpisodePodOperator"
-    assert kinds["rhi.step_v3"] == "EpisodeStageOperator"
-    assert dag.get_task("collect_candidate").operator_class.__name__ == "EpisodeStageOperator"
+    assert kinds["inner_loop.episode_v0"] == kinds["inner_loop.reference_episode"] == "EpisodePodOperator"
+    assert kinds["inner_loop.step_v3"] == "EpisodeStageOperator"
+    assert kinds["inner_loop.collect_task"] == "TaskCollectionOperator"
     assert dag.get_task("rollout").partial_kwargs["kind"] == "rollout"
     assert dag.get_task("evaluation_inference_up").serve == "evaluation"
 

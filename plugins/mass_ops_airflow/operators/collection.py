@@ -1,0 +1,277 @@
+"""One task's teacher collection as one task instance: its candidates' episodes, then the `collect_task` stage.
+
+Airflow 3 cannot map a task inside a mapped task group, so in the pipelined cycle DAG the unit of repair for
+collection is one task instance per task: clearing it reruns only the candidates that are not final, because the
+stage (and the pods here) reuse every recorded episode.
+
+- A task that is searched only (not in `tasks.train`) is skipped, and so is a task whose collection decision is
+  "skip" (its retained workflow never beat the reference): `AirflowSkipException` with the reason.
+- Local backend: the stage `collect_task` runs the candidates itself (through the episode pool, within the
+  endpoint's capacity) and raises `CollectionIncompleteError` while some ended in infrastructure failures.
+- Kubernetes backend: one sandbox pod per candidate that is not recorded yet (`mass_ops.compute.kubernetes.
+  episode_pod`, bound to the exact request the stage runs, as `EpisodePodOperator` does), at most
+  `inference.max_concurrent_requests` at once — the endpoint's capacity, which also bounds the local episode
+  pool. The operator polls the pods, fails fast on a pod that cannot start (`kube.pod_problem`), deletes every pod
+  once it ended (and all of them when the task is killed or fails), and fails with the log tails of the failed
+  pods. Then every candidate must be recorded final (the post-check) and the stage runs: it finds them recorded and
+  writes the task's summary. The wait is synchronous (the worker slot is held while the pods run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException
+
+from mass_ops_airflow.cycle import cycle_config
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from mass_ops.compute.kubernetes import EpisodeSpec
+    from mass_ops.config import CycleConfig
+
+STAGE = "collect_task"
+
+
+class CollectionPodsFailed(AirflowException):
+    """Some candidates' pods failed or could not start; the message carries each one's reason and log tails."""
+
+
+@dataclass
+class _Pod:
+    """A candidate's pod this try is responsible for (created, or re-attached from an earlier try)."""
+
+    slug: str
+    manifest: dict[str, Any]
+    created: bool = False
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+    @property
+    def containers(self) -> list[str]:
+        return [str(c["name"]) for c in self.manifest["spec"]["containers"]]
+
+
+class TaskCollectionOperator(BaseOperator):
+    """Every teacher candidate of one task, then the `collect_task` stage (see the module docstring).
+
+    :param task: the task id (templated: the mapped inner-loop group passes it from XCom).
+    :param kubernetes_conn_id: Airflow Kubernetes connection (None: in-cluster config).
+    :param poll_interval_s: seconds between pod status reads on the Kubernetes backend.
+    """
+
+    template_fields: Sequence[str] = ("task",)
+    ui_color = "#fef5e7"
+
+    def __init__(
+        self,
+        *,
+        task: int | str,
+        kubernetes_conn_id: str | None = None,
+        poll_interval_s: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.task = task
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.poll_interval_s = poll_interval_s
+        self._pods: dict[str, _Pod] = {}
+        self._namespace: str | None = None
+        self._core: Any = None
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from mass_ops_airflow.cycle import call_stage
+
+        config = cycle_config(context["params"])
+        task_no = int(self.task)
+        label = f"collection-t{task_no} ({config.collection.candidates} candidates)"
+        context["unit_label"] = label  # type: ignore[typeddict-unknown-key]  # map_index_template
+        if task_no not in config.tasks.train:
+            raise AirflowSkipException(f"task {task_no} is searched only (not in tasks.train): no teacher collection")
+        backend = config.compute.backend
+        if backend == "kubernetes":
+            self._run_pods(config, task_no)
+        result = call_stage(STAGE, config, task_no)
+        if isinstance(result, dict) and result.get("decision") == "skip":
+            raise AirflowSkipException(f"task {task_no}: {result.get('reason')}")
+        return {"backend": backend, "task": task_no, "result": result}
+
+    # -- Kubernetes -----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def candidates(config: CycleConfig, task_no: int) -> list[EpisodeSpec]:
+        """The identities of the task's teacher candidates (`collection.candidates` of them)."""
+        from mass_ops.compute.kubernetes import EpisodeSpec
+
+        return [
+            EpisodeSpec(kind="collection", task_id=task_no, candidate=candidate)
+            for candidate in range(config.collection.candidates)
+        ]
+
+    @staticmethod
+    def _recorded(config: CycleConfig, episode: EpisodeSpec) -> bool:
+        from mass_ops_airflow.checks import StageOutputMissing, episode_recorded
+
+        try:
+            episode_recorded(config, episode)
+        except StageOutputMissing:
+            return False
+        return True
+
+    def _run_pods(self, config: CycleConfig, task_no: int) -> None:
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops.errors import InputError
+        from mass_ops_airflow.checks import StageOutputMissing
+        from mass_ops_airflow.operators.episode import EpisodePodOperator
+
+        candidates = self.candidates(config, task_no)
+        pending = [episode for episode in candidates if not self._recorded(config, episode)]
+        if not pending:
+            self.log.info("Every candidate of task %s is recorded: no pod", task_no)
+            return
+        try:
+            bound = [EpisodePodOperator.bound_episode(config, episode) for episode in pending]
+        except InputError as exc:
+            # No request for this task's candidates: its collection decision is "skip", or its search has not
+            # retained a workflow, or its teacher prompt changed. The stage that follows says which, and it runs no
+            # episode in any of these cases (it stops on the same task-level check first).
+            self.log.info("No candidate pod for task %s: %s", task_no, exc)
+            return
+        settings = specs.load_workload_settings()
+        manifests = [(episode.slug, specs.episode_pod(config, settings, episode)) for episode in bound]
+        failures = self._run_all(config, manifests)
+        if failures:
+            raise CollectionPodsFailed(
+                f"task {task_no}: {len(failures)} of {len(manifests)} candidate pod(s) failed; the others are "
+                "recorded and are reused when this task instance is cleared\n" + "\n".join(failures)
+            )
+        missing = [episode.slug for episode in candidates if not self._recorded(config, episode)]
+        if missing:
+            raise StageOutputMissing(
+                f"task {task_no}: the pods exited 0 but these candidates have no final episode recorded: "
+                f"{', '.join(missing)}"
+            )
+
+    def _run_all(self, config: CycleConfig, manifests: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """Run the pods, at most `inference.max_concurrent_requests` at once; the failures' reports."""
+        from mass_ops_airflow import kube
+
+        self._core = kube.kubernetes_clients(self.kubernetes_conn_id).core
+        self._namespace = config.compute.kubernetes.namespace
+        limit = config.inference.max_concurrent_requests
+        startup_s = config.compute.kubernetes.startup_timeout_s
+        queue = [_Pod(slug, manifest) for slug, manifest in manifests]
+        failures: list[str] = []
+        try:
+            while queue or self._pods:
+                while queue and len(self._pods) < limit:
+                    pod = queue.pop(0)
+                    self._pods[pod.name] = pod
+                for pod in list(self._pods.values()):
+                    if not pod.created:
+                        pod.created = self._start(pod)
+                        continue  # read it back on the next round
+                    verdict = self._verdict(pod, startup_s)
+                    if verdict is None:
+                        continue
+                    if verdict:
+                        failures.append(verdict)
+                        self.log.error("%s", verdict)
+                    else:
+                        self.log.info("Candidate %s: pod %s succeeded", pod.slug, pod.name)
+                    self._delete(pod.name)
+                    del self._pods[pod.name]
+                if queue or self._pods:
+                    self._sleep()
+        finally:
+            self._delete_all()  # a failure or kill in the middle leaves no pod behind
+        return failures
+
+    def _sleep(self) -> None:
+        time.sleep(self.poll_interval_s)
+
+    def _start(self, pod: _Pod) -> bool:
+        """Create the pod, or re-attach to one of its name still working from an earlier try (names are the
+        episode's: deterministic). A finished left-over is deleted first; False while it is still going away."""
+        existing = self._read(pod.name)
+        if existing is not None:
+            phase = getattr(existing.status, "phase", None)
+            if phase in ("Pending", "Running"):
+                self.log.info("Candidate %s: re-attached to pod %s (%s)", pod.slug, pod.name, phase)
+                return True
+            self._delete(pod.name)
+        try:
+            self._core.create_namespaced_pod(namespace=self._namespace, body=pod.manifest)
+        except Exception as exc:
+            if getattr(exc, "status", None) == 409:  # the left-over is still terminating: try again next round
+                return False
+            raise
+        self.log.info("Candidate %s: created pod %s", pod.slug, pod.name)
+        return True
+
+    def _read(self, name: str) -> Any:
+        from mass_ops_airflow import kube
+
+        try:
+            return self._core.read_namespaced_pod(name=name, namespace=self._namespace)
+        except Exception as exc:
+            if kube.is_not_found(exc):
+                return None
+            raise
+
+    def _verdict(self, pod: _Pod, startup_s: float) -> str | None:
+        """None while the pod runs; "" when it succeeded; else why it failed, with its containers' log tails."""
+        from mass_ops_airflow import kube
+
+        remote = self._read(pod.name)
+        if remote is None:
+            return f"candidate {pod.slug}: pod {pod.name} disappeared before it finished"
+        phase = getattr(remote.status, "phase", None)
+        if phase == "Succeeded":
+            return ""
+        if phase == "Failed":
+            reason = getattr(remote.status, "reason", None) or getattr(remote.status, "message", None) or "Failed"
+            return self._report(pod, f"pod {pod.name} failed ({reason})")
+        problem = kube.pod_problem(remote, schedule_timeout_s=startup_s)
+        if problem:
+            return self._report(pod, problem)
+        return None
+
+    def _report(self, pod: _Pod, why: str) -> str:
+        from mass_ops_airflow import kube
+
+        lines = [f"candidate {pod.slug}: {why}"]
+        for container in pod.containers:
+            tail = kube.log_tail(self._core, pod.name, str(self._namespace), container=container)
+            lines.append(f"last {kube.LOG_TAIL_LINES} lines of the pod's log, container {container}:\n{tail}")
+        return "\n".join(lines)
+
+    def _delete(self, name: str) -> None:
+        from mass_ops_airflow import kube
+
+        try:
+            self._core.delete_namespaced_pod(name=name, namespace=self._namespace)
+        except Exception as exc:
+            if not kube.is_not_found(exc):
+                raise
+
+    def _delete_all(self) -> None:
+        for name in list(self._pods):
+            try:
+                self._delete(name)
+            except Exception:  # keep deleting the others; the error is in the log
+                self.log.exception("Could not delete pod %s", name)
+            self._pods.pop(name, None)
+
+    def on_kill(self) -> None:
+        if self._core is not None:
+            self._delete_all()
