@@ -72,6 +72,14 @@ def cycle_estimate(config: CycleConfig, allow_over_budget: bool = False) -> dict
     return _budget_gate(config, allow_over_budget)[1]
 
 
+def estimate_summary(config: CycleConfig) -> dict[str, Any]:
+    """`plan --json`'s per-stage `estimate` for `config` and its check against the cycle budget (the trigger form's
+    estimate page); reads only the parent cycle's records."""
+    from mass_ops.stages.plan import estimate_summary as summary
+
+    return jsonable(summary(config))
+
+
 def _server_state_file(config: CycleConfig) -> Path:
     """Where the local backend records the model server it started (pid, argv, endpoint)."""
     from mass_ops.compute.local import SERVERS_DIR
@@ -428,6 +436,24 @@ def bind_episode(config: CycleConfig, episode: Any) -> Any:
     ctx = attach_cycle(config)
     request = episode_request(ctx, episode)
     return episode.bound(request, publish_prompt(ctx, request))
+
+
+def admit_episode(config: CycleConfig, episode: Any) -> dict[str, Any] | None:
+    """Ask before creating an episode pod whether its task's and the cycle's budgets leave room (a pod's proxy has no
+    store to ask): None when it may start; else the unit is recorded as a not-started `budget_exhausted` attempt and
+    the stop is returned (`message` is one line naming the budget to raise). See `stages.admission`."""
+    from mass_ops.stages.admission import admit_episode as admit
+
+    stop = admit(attach_cycle(config), episode)
+    return None if stop is None else stop.as_dict()
+
+
+def budget_stop_message(error: BaseException) -> str | None:
+    """The one-line message of an error that is a budget stop (`store.budgets.BudgetExhaustedError`: raise the budget
+    and rerun, never retry as a fault), else None."""
+    from mass_ops.store.budgets import BudgetExhaustedError
+
+    return str(error) if isinstance(error, BudgetExhaustedError) else None
 
 
 def next_cycle_overrides(config: CycleConfig) -> dict[str, Any]:

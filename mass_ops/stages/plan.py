@@ -492,3 +492,23 @@ def parent_training_throughput(config: CycleConfig) -> MeasuredThroughput | None
         return None
     except (SQLAlchemyError, StorageError, OSError):
         return None
+
+
+def estimate_summary(config: CycleConfig) -> dict[str, Any]:
+    """`plan --json`'s `estimate` for `config` and its check against the cycle budget: what the trigger form's
+    estimate page shows (plain JSON)."""
+    from mass_ops.cost.estimate import check_budget
+    from mass_ops.train.plan import training_command_for
+
+    estimate = cycle_estimate(config, build_plan(config, training_command_for(config)))
+    check = check_budget(estimate, config.budgets.cycle_cost_usd, config.budgets.cycle_tokens)
+    return {
+        "cycle": config.cycle_name,
+        "estimate": estimate.as_dict(),
+        "budget": {
+            "cycle_cost_usd": config.budgets.cycle_cost_usd,
+            "cycle_tokens": config.budgets.cycle_tokens,
+            "over_budget": check.over_budget,
+            "problems": check.problems,
+        },
+    }

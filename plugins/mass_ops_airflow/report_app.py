@@ -4,7 +4,10 @@ Routes (below the mount point `mass_ops_airflow.reports.URL_PREFIX`):
 
 - `GET /reports/{cycle}` → 307 to `/reports/{cycle}/` (the folder URL, so the page's relative figure links resolve);
 - `GET /reports/{cycle}/` → that cycle's `report.html`;
-- `GET /reports/{cycle}/figures/{name}.png` → one of its figures.
+- `GET /reports/{cycle}/figures/{name}.png` → one of its figures;
+- `GET /estimate?preset=…&<knob>=…&set=key=value…` → the cost estimate per stage of the cycle those trigger-form
+  values describe (the same figures as `mass-ops plan --json`'s `estimate`; `&format=json` for that JSON). The
+  trigger form links here: Airflow's form cannot compute, so the page does it from the values the user copies in.
 
 A name is checked before any artifact key is built from it (the config's cycle-name rule: one path segment, never
 `..`); a bad name is a 400, a missing report or figure a 404, an unreachable store a 503, each with one line of
@@ -25,15 +28,18 @@ when the API server restarts); a failed open is tried again on the next request.
 
 from __future__ import annotations
 
+import html
+import json
 import logging
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import PlainTextResponse, RedirectResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
+from mass_ops.errors import InputError
 from mass_ops.layout import report_prefix
 from mass_ops_airflow.reports import ReportNameError, check_cycle, check_figure
 
@@ -102,6 +108,54 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def estimate_params(query: Mapping[str, str], overrides: list[str]) -> dict[str, Any]:
+    """Trigger-form params from a query string: each value read as JSON when it is JSON (`3`, `[51, 202]`,
+    `true`), else kept as text (a preset name); repeated `set=key=value` become `overrides`."""
+    params: dict[str, Any] = {}
+    for key, text in query.items():
+        if key in ("set", "format"):
+            continue
+        try:
+            params[key] = json.loads(text)
+        except ValueError:
+            params[key] = text
+    if overrides:
+        params["overrides"] = overrides
+    return params
+
+
+def form_estimate(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The estimate summary (`mass_ops.stages.api.estimate_summary`) of the config `params` build; `ValueError` or
+    `InputError` (one line) for params that do not describe a valid cycle."""
+    from mass_ops_airflow.cycle import cycle_config, stage_function
+
+    return stage_function("estimate_summary")(cycle_config(params))
+
+
+def estimate_html(summary: Mapping[str, Any]) -> str:
+    """A small self-contained page: one row per stage, then the total and the budget check."""
+    estimate = summary["estimate"]
+    columns = ("stage", "episodes", "llm_calls", "prompt_tokens", "completion_tokens", "serving_gpu_hours",
+               "training_gpu_hours", "wall_clock_s", "cost_usd")  # fmt: skip
+
+    def cell(value: Any) -> str:
+        text = f"{value:,.2f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
+        return f"<td>{html.escape(text)}</td>"
+
+    rows = [*estimate["stages"], estimate["total"]]
+    body = "".join("<tr>" + "".join(cell(row[c]) for c in columns) + "</tr>" for row in rows)
+    budget = summary["budget"]
+    verdict = "over budget: " + "; ".join(budget["problems"]) if budget["over_budget"] else "within the cycle budget"
+    figures = f"measured on {estimate['lineage_cycle']}" if estimate.get("lineage_cycle") else "documented defaults"
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>mass-ops estimate</title>"
+        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:right}</style></head><body>"
+        f"<h1>Estimate for cycle {html.escape(str(summary['cycle']))}</h1>"
+        f"<p>Per-unit figures: {html.escape(figures)}. {html.escape(verdict)}.</p>"
+        "<table><tr>" + "".join(f"<th>{c}</th>" for c in columns) + f"</tr>{body}</table></body></html>"
+    )
+
+
 def _text(status: int, line: str) -> PlainTextResponse:
     return PlainTextResponse(line + "\n", status_code=status)
 
@@ -148,5 +202,17 @@ def create_app(open_store: Callable[[], ArtifactStore] = deployment_store) -> Fa
         if data is None:
             return _text(404, f"cycle {cycle} has no report figure {name}.png")
         return Response(data, media_type="image/png", headers=FIGURE_HEADERS)
+
+    @app.get("/estimate")
+    def estimate_page(request: Request) -> Response:
+        """The per-stage cost estimate of the cycle the query's trigger-form values describe."""
+        params = estimate_params(request.query_params, request.query_params.getlist("set"))
+        try:
+            summary = form_estimate(params)
+        except (ValueError, InputError) as exc:  # unknown knob, bad override, a config that breaks a rule
+            return _text(400, f"estimate: {_one_line(exc)}")
+        if request.query_params.get("format") == "json":
+            return JSONResponse(summary, headers=FIGURE_HEADERS)
+        return Response(estimate_html(summary), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
     return app

@@ -9,12 +9,14 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from urllib.parse import urljoin
+from urllib.parse import quote, urljoin
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+from mass_ops.cli import app as cli_app
 from mass_ops.evaluation.report import Block, render_html
 from mass_ops.layout import report_prefix
 from mass_ops.store.artifacts import ArtifactStore, open_artifact_store
@@ -345,3 +347,47 @@ def test_the_real_api_server_serves_a_report_only_to_signed_in_users(tmp_path):
         "invalid token": 403,
         "session, no slash": "<html>the page</html>",
     }
+
+
+def test_the_estimate_page_shows_plan_json_s_estimate_for_the_form_s_values(tmp_path, store, monkeypatch):
+    """The trigger form links to /mass-ops/estimate: the same figures as `mass-ops plan --json` for the same values."""
+    monkeypatch.setenv("MASS_METADATA_URL", f"sqlite:///{tmp_path / 'absent.db'}")  # nothing recorded: defaults
+    client = client_for(lambda: store)
+    overrides = ["collection.candidates=5", "budgets.cycle_cost_usd=1"]
+    query = "preset=demo&search_iterations=2&allow_over_budget=true&" + "&".join(f"set={quote(o)}" for o in overrides)
+
+    shown = client.get(f"/mass-ops/estimate?{query}&format=json")
+    assert shown.status_code == 200, shown.text
+    planned = CliRunner().invoke(
+        cli_app,
+        [
+            "plan",
+            "--config",
+            "demo",
+            "--json",
+            "--set",
+            "search.iterations=2",
+            *[part for o in overrides for part in ("--set", o)],
+        ],
+    )
+    assert planned.exit_code == 0, planned.output
+    assert shown.json()["estimate"] == json.loads(planned.stdout)["estimate"]
+    collect = next(s for s in shown.json()["estimate"]["stages"] if s["stage"] == "collect")
+    assert collect["episodes"] == 5 * 2, "5 candidates for each of the demo's 2 training tasks"
+    assert shown.json()["budget"]["over_budget"] is (shown.json()["estimate"]["total"]["cost_usd"] > 1)
+
+    page = client.get(f"/mass-ops/estimate?{query}")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<td>collect</td>" in page.text and "default-src 'none'" in page.headers["content-security-policy"]
+
+
+@pytest.mark.parametrize(
+    ("query", "words"),
+    [
+        ("preset=demo&no_such_knob=1", "unknown ['no_such_knob']"),
+        ("preset=demo&set=search.iterations%3D-4", "iterations"),
+    ],
+)
+def test_the_estimate_page_refuses_values_that_do_not_describe_a_cycle(store, query, words):
+    response = client_for(lambda: store).get(f"/mass-ops/estimate?{query}")
+    assert response.status_code == 400 and words in response.text and response.text.count("\n") == 1
