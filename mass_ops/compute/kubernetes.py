@@ -1208,6 +1208,7 @@ def benchmark_grader_job(
         **settings.labels_for("episode"),
         "mass-ops/benchmark": label_value(job.benchmark),
         "mass-ops/instance": label_value(job.instance) or "instance",
+        **({"mass-ops/unit": label_value(unit)} if unit else {}),
     }
     input_mount = {"name": "grader-in", "mountPath": GRADER_INPUT_MOUNT}
     fetch = _store_client_container(

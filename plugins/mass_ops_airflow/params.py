@@ -276,6 +276,18 @@ def cluster_compute_section(settings_dir: str | Path | None) -> dict[str, Any]:
     return compute
 
 
+# The cycle DAG's params that steer the run, not the config (build_config accepts and ignores them).
+CYCLE_RUN_PARAMS = ("auto_continue", "allow_over_budget")
+
+
+def config_params(params: Mapping[str, Any] | None, run_params: Sequence[str]) -> dict[str, Any]:
+    """`params` without a DAG's own run params (`run_params`: what the run does — a generation to benchmark, a
+    benchmark slice — rather than how the cycle is configured): what `build_config` reads. A DAG declares its run
+    params once and every task strips them with this, so `build_config` keeps refusing any other unknown param
+    (a typo in a trigger's conf fails in one line instead of being ignored)."""
+    return {key: value for key, value in (params or {}).items() if key not in set(run_params)}
+
+
 def build_config(
     params: Mapping[str, Any],
     *,
@@ -292,9 +304,12 @@ def build_config(
     from mass_ops.compute.kubernetes import settings_dir as default_settings_dir
     from mass_ops.config import ConfigError, apply_environment, apply_overrides, read_config_source, validate_config
 
-    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", "auto_continue", "allow_over_budget"})
+    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", *CYCLE_RUN_PARAMS})
     if unknown:
-        raise ParamsError(f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)}")
+        raise ParamsError(
+            f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)} (a DAG's own run params are stripped with "
+            "config_params before the config is built)"
+        )
     preset = params.get("preset") or default_preset()
     data = read_config_source(preset)
     cluster = cluster_compute_section(settings_dir if settings_dir is not None else default_settings_dir())

@@ -612,3 +612,7 @@ def test_benchmark_grader_jobs_of_one_instance_in_two_trials_have_two_names(pape
     }
     assert len(names) == 3 and all(len(n) <= 52 for n in names)
     assert specs.grader_job_name(paper, job, "l1-t0") in names
+    labels = specs.benchmark_grader_job(
+        paper, settings, job, bundle_uri="s3://b/x.tar", bundle_sha256="ab" * 32, unit="L1-t0"
+    )["metadata"]["labels"]
+    assert labels["mass-ops/unit"] == "L1-t0"  # what a retry's wait for the old Job selects

@@ -1,0 +1,257 @@
+"""One benchmark trial: in-process on the local backend; on Kubernetes one instance at a time, each graded by a
+grader Job from the benchmark's image.
+
+Local backend: the `benchmark_trial` stage runs the whole trial here (a benchmark whose grader needs a container
+engine and finds none stops in one line before any agent time). Kubernetes: the stages drive one instance at a time
+— `benchmark_trial_tasks` checks the dataset and the evaluator first; `benchmark_instance` runs the instance's
+episode (reused when finished) and either scores it (DSBench, an empty SWE-bench patch, an instance already
+recorded) or returns the grader job to run; the operator then creates that grader Job
+(`mass_ops.compute.kubernetes.benchmark_grader_job`: the episode pods' limits and NetworkPolicy) and defers to the
+triggerer (`JobCompletionTrigger`, which fails fast when the pod cannot be scheduled or its image pulled). When the
+Job succeeds, the `grader` container's log — the result the grader prints between its markers — goes to
+`benchmark_grader_result`, which grades it with the benchmark's official grading, stores the log as evidence and
+records the score with the evaluator's version once; the Job is deleted and the next instance starts. When every
+instance has a score, `benchmark_trial_record` writes the trial's row.
+
+A failed Job fails the task with the grader pod's log tails (its bundle fetch and its grader). A retry skips every
+recorded instance, reads the log of a grader Job that succeeded in the previous try instead of grading again,
+re-attaches to one still running, and replaces one that failed. A kill deletes the Job in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+
+from mass_ops_airflow.cycle import call_stage, cycle_config
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from mass_ops.config import CycleConfig
+
+
+@dataclass(frozen=True)
+class GraderRun:
+    """The grader job `benchmark_instance` returned (the fields `benchmark_grader_job` reads)."""
+
+    benchmark: str
+    instance: str
+    image: str
+    script: str
+    timeout_s: float
+
+
+class GraderJobFailed(RuntimeError):
+    """A grader Job failed; the message carries its pod's log tails."""
+
+
+class BenchmarkTrialOperator(BaseOperator):
+    """Run, grade and record trial `unit[1]` of benchmark `unit[0]` for the run's `generation` param (with its
+    `limit` and `data_dir` params).
+
+    :param unit: ``[benchmark, trial]`` (templated: mapped from the run's units).
+    :param kubernetes_conn_id: Airflow Kubernetes connection (None: in-cluster config).
+    :param poll_interval_s: seconds between Job status reads while deferred.
+    :param delete_timeout_s: how long to wait for a failed grader Job of a previous try to disappear.
+    :param run_params: the DAG's params that are not config keys (stripped before the config is built).
+    """
+
+    template_fields: Sequence[str] = ("unit",)
+    ui_color = "#fef9e7"
+
+    def __init__(
+        self,
+        *,
+        unit: Any,
+        kubernetes_conn_id: str | None = None,
+        poll_interval_s: float = 15.0,
+        delete_timeout_s: int = 600,
+        run_params: Sequence[str] = ("generation", "benchmarks", "trials", "limit", "data_dir"),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.unit = unit
+        self.run_params = tuple(run_params)
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.poll_interval_s = poll_interval_s
+        self.delete_timeout_s = delete_timeout_s
+        self._in_flight: dict[str, str] | None = None
+
+    # -- the run's choice ------------------------------------------------------------------------------------------
+
+    def _choice(self, context: Context) -> tuple[str, int, str, int | None, str | None]:
+        params = context["params"]
+        benchmark, trial = str(self.unit[0]), int(self.unit[1])
+        context["unit_label"] = f"{benchmark} t{trial}"  # type: ignore[typeddict-unknown-key]  # map_index_template
+        return benchmark, trial, str(params["generation"]), params.get("limit"), params.get("data_dir")
+
+    def config_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The run's params that build the cycle config (the DAG's run params are not config)."""
+        from mass_ops_airflow.params import config_params
+
+        return config_params(params, self.run_params)
+
+    # -- entry points ------------------------------------------------------------------------------------------------
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        benchmark, trial, generation, limit, data_dir = self._choice(context)
+        config = cycle_config(self.config_params(context["params"]))
+        if config.compute.backend == "local":
+            result = call_stage("benchmark_trial", config, benchmark, generation, trial, limit, data_dir)
+            return {"backend": "local", "result": result}
+        return self._advance(context, config, 0)  # its first call checks the dataset and evaluator
+
+    def execute_complete(self, context: Context, event: dict[str, Any], index: int = 0) -> dict[str, Any]:
+        """Resume after instance `index`'s grader Job ended: record its result (or fail with its log tails), then
+        go on with the next instance."""
+        self._choice(context)
+        config = cycle_config(self.config_params(context["params"]))
+        name = str(event.get("job_name"))
+        if event.get("status") != "succeeded":
+            self._fail(config, name, str(event.get("message") or event.get("status")))
+        self._collect(context, config, index, name)
+        return self._advance(context, config, index + 1)
+
+    def on_kill(self) -> None:
+        if not self._in_flight:
+            return
+        from mass_ops_airflow import kube
+
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        deleted = kube.delete_objects(clients, self._in_flight["namespace"], jobs=[self._in_flight["job"]])
+        self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
+
+    # -- one instance at a time ----------------------------------------------------------------------------------------
+
+    def _tasks(self, context: Context, config: CycleConfig) -> list[str]:
+        benchmark, _, _, limit, data_dir = self._choice(context)
+        return list(call_stage("benchmark_trial_tasks", config, benchmark, limit, data_dir)["tasks"])
+
+    def _advance(self, context: Context, config: CycleConfig, start: int) -> dict[str, Any]:
+        """Instances `start`… in order; defers at the first one that needs a grader Job; records the trial after
+        the last."""
+        benchmark, trial, generation, limit, data_dir = self._choice(context)
+        tasks = self._tasks(context, config)
+        for index in range(start, len(tasks)):
+            prepared = call_stage("benchmark_instance", config, benchmark, generation, trial, tasks[index], data_dir)
+            if prepared["status"] == "recorded":
+                continue
+            if self._grade(context, config, index, prepared):
+                continue  # a grader Job of a previous try had succeeded: its result is recorded now
+        result = call_stage("benchmark_trial_record", config, benchmark, generation, trial, limit, data_dir)
+        return {"backend": "kubernetes", "result": result}
+
+    def _unit_label(self, context: Context) -> str:
+        _, trial, generation, _, _ = self._choice(context)
+        return f"{generation}-t{trial}"
+
+    def _grade(self, context: Context, config: CycleConfig, index: int, prepared: dict[str, Any]) -> bool:
+        """Create (or re-attach to) instance `index`'s grader Job and defer; True when a Job of a previous try had
+        already succeeded and its result was recorded here instead."""
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops_airflow import kube
+        from mass_ops_airflow.triggers import JobCompletionTrigger
+
+        job = prepared["job"]
+        run = GraderRun(job["benchmark"], job["instance"], job["image"], job["script"], float(job["timeout_s"]))
+        unit = self._unit_label(context)
+        manifest = specs.benchmark_grader_job(
+            config,
+            specs.load_workload_settings(),
+            run,
+            bundle_uri=prepared["bundle_uri"],
+            bundle_sha256=prepared["bundle_sha256"],
+            unit=unit,
+        )
+        name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        self._in_flight = {"job": name, "namespace": namespace}
+        existing = self._read_job(clients, name, namespace)
+        if existing is not None:
+            state, _ = kube.job_state(existing)
+            if state == "succeeded":
+                self.log.info("Grader Job %s already succeeded in a previous try: reading its result", name)
+                self._collect(context, config, index, name)
+                return True
+            if state == "failed":
+                self.log.info("Replacing grader Job %s, which failed in a previous try", name)
+                kube.delete_objects(clients, namespace, jobs=[name])
+                selector = specs.scope_selector(config, config.cycle_name, manifest["metadata"]["labels"])
+                kube.wait_gone(clients.batch.list_namespaced_job, namespace, selector, timeout_s=self.delete_timeout_s)
+                existing = None
+            else:
+                self.log.info("Re-attaching to grader Job %s, still running from a previous try", name)
+        if existing is None:
+            clients.batch.create_namespaced_job(namespace=namespace, body=manifest)
+            self.log.info("Created grader Job %s for %s (image %s)", name, run.instance, run.image)
+        self.defer(
+            trigger=JobCompletionTrigger(
+                job_name=name,
+                namespace=namespace,
+                conn_id=self.kubernetes_conn_id,
+                schedule_timeout_s=config.compute.kubernetes.startup_timeout_s,
+                poll_interval_s=self.poll_interval_s,
+            ),
+            method_name="execute_complete",
+            kwargs={"index": index},
+        )
+        return False  # not reached: defer raises
+
+    @staticmethod
+    def _read_job(clients: Any, name: str, namespace: str) -> Any | None:
+        from mass_ops_airflow import kube
+
+        try:
+            return clients.batch.read_namespaced_job(name=name, namespace=namespace)
+        except Exception as exc:
+            if kube.is_not_found(exc):
+                return None
+            raise
+
+    def _grader_pods(self, clients: Any, namespace: str, name: str) -> list[Any]:
+        from mass_ops.compute.kubernetes import JOB_NAME_LABEL
+
+        pods = clients.core.list_namespaced_pod(namespace=namespace, label_selector=f"{JOB_NAME_LABEL}={name}").items
+        return sorted(pods, key=lambda p: str(p.metadata.creation_timestamp or ""))
+
+    def _collect(self, context: Context, config: CycleConfig, index: int, name: str) -> None:
+        """Read the grader container's log of Job `name`, record instance `index`'s score from it, delete the Job."""
+        from mass_ops.compute.kubernetes import GRADER_CONTAINER
+        from mass_ops_airflow import kube
+
+        benchmark, trial, generation, _, data_dir = self._choice(context)
+        task = self._tasks(context, config)[index]
+        namespace = config.compute.kubernetes.namespace
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        pods = self._grader_pods(clients, namespace, name)
+        if not pods:
+            raise GraderJobFailed(f"grader Job {name} for {task} succeeded but its pod is gone; clear the task")
+        log = clients.core.read_namespaced_pod_log(
+            name=pods[-1].metadata.name, namespace=namespace, container=GRADER_CONTAINER
+        )
+        if isinstance(log, bytes):
+            log = log.decode("utf-8", errors="replace")
+        scored = call_stage("benchmark_grader_result", config, benchmark, generation, trial, task, str(log), data_dir)
+        self.log.info("%s t%d %s: score %s (%s)", benchmark, trial, task, scored["score"], scored["evaluator"])
+        kube.delete_objects(clients, namespace, jobs=[name])
+        self._in_flight = None
+
+    def _fail(self, config: CycleConfig, name: str, message: str) -> None:
+        """Raise `GraderJobFailed` with the grader pod's log tails, after deleting the Job."""
+        from mass_ops.compute.kubernetes import GRADER_CONTAINER, GRADER_FETCH_CONTAINER
+        from mass_ops_airflow import kube
+
+        namespace = config.compute.kubernetes.namespace
+        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        tails = []
+        for pod in self._grader_pods(clients, namespace, name):
+            for container in (GRADER_FETCH_CONTAINER, GRADER_CONTAINER):
+                tail = kube.log_tail(clients.core, pod.metadata.name, namespace, container=container)
+                tails.append(f"--- {pod.metadata.name} {container} (last {kube.LOG_TAIL_LINES} lines) ---\n{tail}")
+        kube.delete_objects(clients, namespace, jobs=[name])
+        self._in_flight = None
+        raise GraderJobFailed("\n".join([f"grader Job {name} failed: {message}", *(tails or ["(no pods found)"])]))

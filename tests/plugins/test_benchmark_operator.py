@@ -1,0 +1,160 @@
+"""The benchmark trial operator on Kubernetes: per instance, the grader Job from the benchmark's image is created,
+waited for in the triggerer, its result read back from the grader's log and recorded; a failed Job fails the task
+with the pod's log tails; a retry records a finished Job's result once and never grades an instance twice. On the
+local backend the trial is the in-process stage."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator, GraderJobFailed
+from mass_ops_airflow.triggers import JobCompletionTrigger
+
+from mass_ops.compute.kubernetes import GRADER_CONTAINER, JOB_NAME_LABEL
+from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END
+from tests.plugins.conftest import task_context
+
+K8S = {"preset": "paper", "compute_backend": "kubernetes", "generation": "L1", "limit": 2, "data_dir": "/data"}
+LOCAL = {**K8S, "compute_backend": "local"}
+IMAGE = "registry.local/tb2/hello:1"
+BUNDLE_SHA = "cd" * 32
+
+
+class FakeBenchmarkStages:
+    """The benchmark stages as the operator sees them: instance `tb2_a` needs a grader Job, `tb2_b` is scored
+    without one; a grader result is recorded once per instance."""
+
+    def __init__(self, stages) -> None:
+        self.stages = stages
+        self.recorded: dict[str, float] = {"tb2_b": 1.0}
+        stages.results.update(
+            {
+                "benchmark_trial_tasks": {"tasks": ["tb2_a", "tb2_b"], "needs_container": True, "evaluator": "v"},
+                "benchmark_instance": self.instance,
+                "benchmark_grader_result": self.grader_result,
+                "benchmark_trial_record": lambda config, *a: {"mean": sum(self.recorded.values()) / 2},
+                "benchmark_trial": {"benchmark": "tb2", "mean": 0.5},
+            }
+        )
+
+    def instance(self, config, benchmark, generation, trial, task, data_dir):
+        if task in self.recorded:
+            return {"status": "recorded", "task": task, "score": self.recorded[task]}
+        job = {"benchmark": benchmark, "instance": "a", "image": IMAGE, "script": "bash /tests/test.sh",
+               "timeout_s": 900.0, "cpus": None, "memory": None}  # fmt: skip
+        return {"status": "grade", "task": task, "job": job, "bundle_uri": "s3://b/x.tar", "bundle_sha256": BUNDLE_SHA}
+
+    def grader_result(self, config, benchmark, generation, trial, task, log, data_dir):
+        assert task not in self.recorded, "an instance's result is recorded once"
+        self.recorded[task] = float(log.split(RESULT_BEGIN)[1].split(RESULT_END)[0].strip())
+        return {"task": task, "score": self.recorded[task], "evaluator": "v"}
+
+    def calls(self, name: str) -> list[tuple]:
+        return [args for called, args in self.stages.calls if called == name]
+
+
+@pytest.fixture
+def bench(stages, cycle_store, cluster, chart_settings) -> FakeBenchmarkStages:
+    cycle_store({k: v for k, v in K8S.items() if k not in ("generation", "limit", "data_dir")})
+    return FakeBenchmarkStages(stages)
+
+
+def operator() -> BenchmarkTrialOperator:
+    return BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1], poll_interval_s=1.0)
+
+
+def defer(op: BenchmarkTrialOperator) -> TaskDeferred:
+    with pytest.raises(TaskDeferred) as caught:
+        op.execute(task_context(K8S))
+    return caught.value
+
+
+def grader_pod(cluster, job: str, log: str, phase: str = "Succeeded") -> str:
+    """What the Job controller would create: one pod labelled with the Job's name, and its log."""
+    name = f"{job}-x7k2p"
+    cluster.objects["pods"][name] = {
+        "metadata": {"name": name, "labels": {JOB_NAME_LABEL: job}, "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"containers": [{"name": GRADER_CONTAINER, "image": IMAGE}]},
+        "status": {"phase": phase},
+    }
+    cluster.logs[name] = log
+    return name
+
+
+def test_a_grader_job_is_created_waited_for_and_its_result_recorded(bench, cluster):
+    op = operator()
+    deferral = defer(op)
+    assert isinstance(deferral.trigger, JobCompletionTrigger) and deferral.method_name == "execute_complete"
+    assert deferral.kwargs == {"index": 0}
+    name = deferral.trigger.job_name
+    job = cluster.objects["jobs"][name]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE
+    assert job["metadata"]["labels"]["mass-ops/unit"] == "L1-t1" and "l1-t1" in name
+    # Checks first, then the instance's episode, with the run's choice; the config saw no benchmark param.
+    assert bench.calls("benchmark_trial_tasks")[0][1:] == ("tb2", 2, "/data")
+    assert bench.calls("benchmark_instance")[0][1:] == ("tb2", "L1", 1, "tb2_a", "/data")
+    assert bench.calls("benchmark_instance")[0][0].compute.backend == "kubernetes"
+
+    grader_pod(cluster, name, f"tests ran\n{RESULT_BEGIN}\n0.75\n{RESULT_END}\n")
+    cluster.batch.set_job_condition(name, "Complete")
+    result = op.execute_complete(task_context(K8S), {"status": "succeeded", "job_name": name}, index=0)
+    assert bench.recorded == {"tb2_a": 0.75, "tb2_b": 1.0}
+    [(_config, *args)] = bench.calls("benchmark_grader_result")
+    assert tuple(args) == ("tb2", "L1", 1, "tb2_a", f"tests ran\n{RESULT_BEGIN}\n0.75\n{RESULT_END}", "/data")
+    assert result == {"backend": "kubernetes", "result": {"mean": 0.875}}
+    assert cluster.terminating["jobs"] == {name}, "the grader Job is deleted once its result is recorded"
+    assert len(bench.calls("benchmark_trial_record")) == 1
+
+
+def test_a_failed_grader_job_fails_the_task_with_its_log_tail(bench, cluster):
+    op = operator()
+    name = defer(op).trigger.job_name
+    pod = grader_pod(cluster, name, "applying patch\nerror: corrupt patch at line 7", phase="Failed")
+    cluster.batch.set_job_condition(name, "Failed", "BackoffLimitExceeded")
+    with pytest.raises(GraderJobFailed) as caught:
+        op.execute_complete(task_context(K8S), {"status": "failed", "message": "Failed: BackoffLimitExceeded",
+                                                "job_name": name}, index=0)  # fmt: skip
+    message = str(caught.value)
+    assert message.startswith(f"grader Job {name} failed: Failed: BackoffLimitExceeded")
+    assert f"--- {pod} {GRADER_CONTAINER} (last 40 lines) ---" in message and "corrupt patch at line 7" in message
+    assert bench.calls("benchmark_grader_result") == [] and "tb2_a" not in bench.recorded
+    assert cluster.terminating["jobs"] == {name}
+    assert bench.calls("benchmark_trial_record") == []
+
+
+def test_a_retry_reads_a_finished_job_once_and_records_once(bench, cluster):
+    name = defer(operator()).trigger.job_name  # try 1 created the Job and died while it ran
+    grader_pod(cluster, name, f"{RESULT_BEGIN}\n1\n{RESULT_END}")
+    cluster.batch.set_job_condition(name, "Complete")
+    result = operator().execute(task_context(K8S))  # try 2: the Job had succeeded
+    assert result["result"] == {"mean": 1.0} and bench.recorded["tb2_a"] == 1.0
+    assert [c for c in cluster.calls if c == ("batch", "jobs", "create")] == [("batch", "jobs", "create")]
+    operator().execute(task_context(K8S))  # try 3 (a cleared task): every instance is recorded
+    assert len(bench.calls("benchmark_grader_result")) == 1
+    assert [c for c in cluster.calls if c == ("batch", "jobs", "create")] == [("batch", "jobs", "create")]
+
+
+def test_a_retry_reattaches_to_a_running_job_and_replaces_a_failed_one(bench, cluster):
+    name = defer(operator()).trigger.job_name
+    assert defer(operator()).trigger.job_name == name
+    assert [c for c in cluster.calls if c == ("batch", "jobs", "create")] == [("batch", "jobs", "create")]
+    cluster.batch.set_job_condition(name, "Failed", "DeadlineExceeded")
+    defer(operator())
+    assert [c for c in cluster.calls if c == ("batch", "jobs", "create")] == [("batch", "jobs", "create")] * 2
+    assert ("batch", "jobs", "watch") in cluster.calls, "the failed Job is gone before its name is reused"
+    assert "status" not in cluster.objects["jobs"][name]
+
+
+def test_kill_deletes_the_grader_job_in_flight(bench, cluster):
+    op = operator()
+    name = defer(op).trigger.job_name
+    op.on_kill()
+    assert cluster.terminating["jobs"] == {name}
+
+
+def test_local_backend_runs_the_trial_in_process(bench, cluster):
+    result = operator().execute(task_context(LOCAL))
+    assert result == {"backend": "local", "result": {"benchmark": "tb2", "mean": 0.5}}
+    [(config, *args)] = bench.calls("benchmark_trial")
+    assert tuple(args) == ("tb2", "L1", 1, 2, "/data") and config.compute.backend == "local"
+    assert cluster.calls == []
