@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -72,6 +74,7 @@ from mass_ops.runtime.runner import (
     publish_episode,
 )
 from mass_ops.store.artifacts import ArtifactNotFoundError, ArtifactStore, open_artifact_store, write_tarball
+from mass_ops.store.budgets import charge_episode, episode_scopes
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +191,24 @@ class ServingTarget(_Document):
     served_name: str
 
 
+class ScopeSpend(_Document):
+    """One budget scope's spend as the publisher read it when the pod started (the fields `BudgetLedger` reads)."""
+
+    tokens: NonNegativeInt = 0
+    cost_usd: float = 0.0
+    requests: NonNegativeInt = 0
+    refused_need: NonNegativeInt | None = None
+
+
 class Ledger(_Document):
     format: Literal[1] = FORMAT
     cycle_id: int
     artifact_url: str
     serving: ServingTarget | None = None
     attempts: dict[str, list[RecordedAttempt]]  # by unit slug, first attempt first
+    # the announced units' task and cycle budget scopes at the pod's start: the sandbox's pool checks them before
+    # each attempt as it would the store (the operator admitted the pod on the same rule)
+    budget_spend: dict[str, ScopeSpend] = {}
 
 
 class AttemptHandoff(_Document):
@@ -322,6 +337,23 @@ def _wait(found: Callable[[], _T | None], problem: Callable[[], str | None], *, 
         time.sleep(POLL_S)
 
 
+def api_log_cost(path: Path) -> float:
+    """The server-reported cost in USD summed over an attempt's proxy records (gzip JSON lines; 0 without costs):
+    what the local proxy would have charged, response by response."""
+    from mass_ops.runtime.proxy import usage_cost
+
+    total = 0.0
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a record cut short is not spend anyone can prove
+            response = record.get("response") if isinstance(record, dict) else None
+            total += usage_cost(response.get("usage") if isinstance(response, dict) else None)
+    return total
+
+
 # --- the sandbox side: `mass-ops episode run --handoff DIR` -----------------------------------------------------
 
 
@@ -332,6 +364,16 @@ class LedgerRepository:
     def __init__(self, cycle: str, ledger: Ledger) -> None:
         self._cycle = cycle
         self._attempts = ledger.attempts
+        self._spend = ledger.budget_spend
+
+    def budget_spend(self, cycle_id: int, scopes: Sequence[str] | None = None) -> dict[str, ScopeSpend]:
+        """The budget scopes' spend as of the pod's start (what `BudgetLedger.exhausted` reads)."""
+        del cycle_id
+        return {scope: spend for scope, spend in self._spend.items() if scopes is None or scope in scopes}
+
+    def note_budget_refusal(self, cycle_id: int, scope: str, need: int) -> None:
+        """Nothing to note: a pod's proxy holds only the episode budget, whose refusals stay in its records."""
+        del cycle_id, scope, need
 
     def episode_attempts(
         self,
@@ -705,11 +747,19 @@ class HandoffPublisher:
                 )
                 for row in rows
             ]
+        scopes = {scope for announced in request.units for scope in episode_scopes(announced.task_id)}
+        spend = ctx.repo.budget_spend(ctx.cycle_id, sorted(scopes))
         return Ledger(
             cycle_id=ctx.cycle_id,
             artifact_url=ctx.artifacts.url,
             serving=self._serving(ctx, request),
             attempts=attempts,
+            budget_spend={
+                scope: ScopeSpend(
+                    tokens=row.tokens, cost_usd=row.cost_usd, requests=row.requests, refused_need=row.refused_need
+                )
+                for scope, row in spend.items()
+            },
         )
 
     @staticmethod
@@ -773,6 +823,8 @@ class HandoffPublisher:
         ack_path = self.handoff.ack_path(unit.slug, attempt)
         try:
             publication = self._publication(ctx, announced, unit)
+            # Whether this attempt was recorded before (an ingest retried): its spend was charged then.
+            recorded_before = self._recorded(ctx, unit)
             outcome = publish_episode(ctx, publication)
         except IncompleteHandoffError:
             raise
@@ -794,8 +846,42 @@ class HandoffPublisher:
                 status_record=outcome.status_record,
             ),
         )
+        if not recorded_before:
+            self._charge(ctx, publication, outcome)
         if self.on_outcome is not None:
             self.on_outcome(outcome)
+
+    @staticmethod
+    def _recorded(ctx: CycleContext, unit: EpisodeUnit) -> bool:
+        rows = ctx.repo.episode_attempts(ctx.cycle_id, **unit.identity())
+        return any(row.attempt == unit.attempt for row in rows)
+
+    def _charge(self, ctx: CycleContext, publication: EpisodePublication, outcome: EpisodeOutcome) -> None:
+        """Charge the attempt's spend to its task's and the cycle's budget scopes: the pod's proxy could not (it has
+        no store). Called once, by the ingest that recorded the attempt's row; a failure is logged, not fatal (the
+        row is durable, and a ledger that misses spend must not lose the episode)."""
+        record = publication.record
+        tokens = record.prompt_tokens + record.completion_tokens
+        try:
+            cost = api_log_cost(publication.files.api_log)
+            charge_episode(
+                ctx.repo,
+                ctx.cycle_id,
+                publication.unit.task_id,
+                tokens=tokens,
+                cost_usd=cost,
+                requests=record.requests,
+            )
+        except Exception as exc:
+            message = self.scrubbed((str(exc).splitlines() or [""])[0])
+            logger.error(
+                "episode %s (id %s): could not charge %d tokens to the budget ledger: %s: %s",
+                publication.unit.key,
+                outcome.episode_id,
+                tokens,
+                type(exc).__name__,
+                message,
+            )
 
     def _publication(self, ctx: CycleContext, announced: HandoffUnit, unit: EpisodeUnit) -> EpisodePublication:
         """The attempt as the runner built it, with identity and keys from the request, files from the folder."""

@@ -10,6 +10,14 @@ tokens) is refused when spent + in flight here + need would exceed a scope's tok
 has already reached its limit (a request's cost is only known afterwards). Spend is recorded when a response
 arrives, so requests in flight in other processes are invisible: the overshoot of a budget is bounded by one
 request's tokens per concurrent request, never more.
+
+On Kubernetes an episode pod's proxy reaches no store: it holds only the episode's own token budget
+(`budgets.episode_tokens`). The task and cycle budgets are held around the pod instead: the operator admits a pod
+only while its scopes are not exhausted (`mass_ops.stages.admission`), and the pod's spend is charged to those scopes
+when its publisher records the episode (`charge_episode`, once per recorded attempt). A pod's spend is therefore
+invisible to the ledger until it ends, so a task or cycle budget can be overshot by at most (pods in flight for that
+scope) x `budgets.episode_tokens` (plus one request's estimate error per pod, the episode budget's own overshoot);
+without an episode budget a pod's spend is not bounded before it ends.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ TASK_PREFIX = "task:"
 def task_scope(task_id: object) -> str:
     """The scope of one task's spend, e.g. ``task:51``."""
     return f"{TASK_PREFIX}{task_id}"
+
+
+def episode_scopes(task_id: object) -> tuple[str, ...]:
+    """The shared scopes an agent episode of `task_id` spends from: its task's and the cycle's."""
+    return (task_scope(task_id), CYCLE_SCOPE)
 
 
 @dataclass(frozen=True)
@@ -198,3 +211,15 @@ class BudgetLedger:
             if cost_limit is not None and cost >= cost_limit:
                 return Refusal(scope, f"{prefix}_cost_usd", cost_limit, cost, 0.0, "USD")
         return None
+
+
+def charge_episode(
+    repo: MetadataRepository, cycle_id: int, task_id: object, *, tokens: int, cost_usd: float = 0.0, requests: int = 0
+) -> None:
+    """Add what one whole episode spent to its task's and the cycle's scopes (one transaction): how a Kubernetes pod's
+    spend reaches the ledger, since its proxy had no store. The caller charges each recorded attempt once."""
+    if tokens <= 0 and cost_usd <= 0 and requests <= 0:
+        return
+    repo.add_budget_spend(
+        cycle_id, episode_scopes(task_id), tokens=max(tokens, 0), cost_usd=max(cost_usd, 0.0), requests=requests
+    )

@@ -22,6 +22,11 @@ class StageOutputMissing(RuntimeError):
     """The workload exited 0 but its outputs are not in the stores."""
 
 
+class EpisodeBudgetStopped(StageOutputMissing):
+    """The episode's last attempt was stopped by a budget (`budget_exhausted`): not a fault to retry; the message is
+    one line naming the budget to raise before rerunning."""
+
+
 def _cycle_id(config: CycleConfig) -> tuple[Any, int]:
     repo = MassMetadataHook().get_repository(config.storage.metadata_url)
     cycle = repo.get_cycle(config.cycle_name)
@@ -42,6 +47,9 @@ def episode_recorded(config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any
     if not rows:
         raise StageOutputMissing(f"episode {episode.slug}: the pod exited 0 but the metadata store has no row for it")
     final = max(rows, key=lambda r: (r.attempt, r.id))
+    if final.status == "budget_exhausted":
+        message = (final.failure or {}).get("message") or "a budget refused its next request"
+        raise EpisodeBudgetStopped(f"episode {episode.slug}: attempt {final.attempt} is budget_exhausted: {message}")
     if final.status not in TERMINAL_EPISODE_STATUSES:
         raise StageOutputMissing(
             f"episode {episode.slug}: last attempt {final.attempt} is recorded as {final.status}, not finished"

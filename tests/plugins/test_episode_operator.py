@@ -13,17 +13,31 @@ from unittest import mock
 import pytest
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
 from airflow.providers.cncf.kubernetes.utils.pod_manager import PodManager
-from airflow.sdk.exceptions import AirflowSkipException, TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskDeferred
 from mass_ops_airflow.checks import StageOutputMissing
 from mass_ops_airflow.operators import EpisodePodOperator, EpisodeStageOperator
 from mass_ops_airflow.operators._pod import SandboxPodFailed
 
+import mass_ops.stages.api as stage_api  # the real module, imported before a test swaps in the stage recorder
 from mass_ops.compute import kubernetes as specs
 from mass_ops.layout import workflow_version_key
 from mass_ops.stages.units import EpisodeUnitError
 from tests.plugins.conftest import task_context
 
-K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ["tasks.catalogue=\"builtin\""]}
+K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ['tasks.catalogue="builtin"']}
+
+
+def budgets(**limits: int) -> dict[str, Any]:
+    """The K8S params with budget limits (not part of the config hash: the same cycle, other budgets)."""
+    return {**K8S, "overrides": [*K8S["overrides"], *(f"budgets.{name}={value}" for name, value in limits.items())]}
+
+
+@pytest.fixture
+def stages(stages):
+    """The stage recorder, with the budget admission passed through: real work of the operator, not a stage."""
+    for name in ("admit_episode", "budget_stop_message"):
+        stages.passthrough[name] = getattr(stage_api, name)
+    return stages
 
 
 def propose(repo, task: int, version: int) -> str:
@@ -320,3 +334,77 @@ def test_a_unit_whose_prompt_is_not_known_yet_fails_before_any_pod(repo, cluster
     expected = "search episode t51 v4: task 51: workflow version v4 does not exist yet; run step 3 first"
     assert str(caught.value) == expected
     assert ("", "pods", "create") not in cluster.calls and stages.calls == []
+
+
+# --- budgets: admission before the pod, a budget-stopped pod, a budget-stopped stage -------------------------------
+
+
+def test_no_pod_when_the_task_budget_is_spent_and_the_raised_budget_launches_it(repo, cluster, pod_waits):
+    repo.add_budget_spend(repo.cycle_id, ["task:51", "cycle"], tokens=1_000)
+    spent = budgets(task_tokens=1_000, episode_tokens=500)
+    for _ in range(2):  # a retried or cleared task stops the same way, with no second attempt recorded
+        with pytest.raises(AirflowFailException) as caught:
+            search_episode().execute(task_context(spent))
+        assert str(caught.value) == (
+            "episode search-t51-v3: no pod created: budget exhausted: task 51 has used 1,000 of budgets.task_tokens "
+            "= 1,000 tokens and the next request needs up to 1; raise budgets.task_tokens in the config and rerun "
+            "(finished units are reused)"
+        )
+    assert ("", "pods", "create") not in cluster.calls
+    (stopped,) = repo.episodes(repo.cycle_id)
+    assert (stopped.kind, stopped.version, stopped.status, stopped.attempt) == ("search", 3, "budget_exhausted", 1)
+    assert stopped.failure["not_started"] is True and stopped.failure["budget"]["scope"] == "task:51"
+
+    # Raised: the pod runs the unit as its next attempt, linked to the stop.
+    cluster.on_pod_created = lambda manifest: repo.record_episode(
+        repo.cycle_id, task_id=51, kind="search", version=3, seed=453051, status="succeeded", attempt=2,
+        retry_of_id=stopped.id,
+    )  # fmt: skip
+    result = search_episode().execute(task_context(budgets(task_tokens=5_000, episode_tokens=500)))
+    assert (result["status"], result["attempt"]) == ("succeeded", 2)
+    assert [c for c in cluster.calls if c == ("", "pods", "create")] == [("", "pods", "create")]
+
+
+def test_a_cycle_budget_spent_by_another_task_stops_this_tasks_pod(repo, cluster, pod_waits, stages):
+    repo.add_budget_spend(repo.cycle_id, ["task:51", "cycle"], tokens=2_000)  # task 51's pods, charged at ingest
+    operator = EpisodeStageOperator(task_id="t", kind="collection", task=202, candidate=1, stage="collect_candidate")
+    operator.deferrable = False
+    with pytest.raises(AirflowFailException, match=r"no pod created: budget exhausted: the cycle has used 2,000 of "
+                                                   r"budgets\.cycle_tokens = 2,000 tokens"):  # fmt: skip
+        operator.execute(task_context(budgets(cycle_tokens=2_000, task_tokens=5_000)))
+    assert ("", "pods", "create") not in cluster.calls and stages.calls == [], "no pod, no stage"
+    (stopped,) = repo.episodes(repo.cycle_id)
+    assert (stopped.kind, stopped.task_id, stopped.candidate, stopped.status) == ("collection", "202", 1,
+                                                                                  "budget_exhausted")  # fmt: skip
+
+
+def test_a_pod_whose_episode_budget_stopped_it_fails_without_retry(repo, cluster, pod_waits, stages):
+    message = "budget exhausted: episode has used 480 of budgets.episode_tokens = 500 tokens and the next request"
+    cluster.on_pod_created = lambda manifest: repo.record_episode(
+        repo.cycle_id, task_id=51, kind="search", version=3, seed=453051, status="budget_exhausted",
+        failure={"subtype": "budget_exhausted", "message": message},
+    )  # fmt: skip
+    operator = EpisodeStageOperator(task_id="t", kind="search", task=51, version=3, stage="search_step")
+    operator.deferrable = False
+    with pytest.raises(AirflowFailException) as caught:
+        operator.execute(task_context(budgets(episode_tokens=500)))
+    assert str(caught.value) == f"episode search-t51-v3: attempt 1 is budget_exhausted: {message}"
+    assert stages.calls == [], "the stage would only start the episode again"
+
+
+def test_a_local_stage_stopped_by_a_budget_fails_without_retry(cluster, stages):
+    from mass_ops.store.budgets import BudgetExhaustedError, Refusal
+
+    refusal = Refusal("task:51", "budgets.task_tokens", 1_000, 990, 300, "tokens")
+
+    def stopped(config, *args):
+        raise BudgetExhaustedError(refusal, "episode collection-t51-c0 not started")
+
+    stages.results["collect_candidate"] = stopped
+    operator = EpisodeStageOperator(task_id="t", kind="collection", task=51, candidate=0, stage="collect_candidate")
+    with pytest.raises(AirflowFailException) as caught:
+        operator.execute(task_context({"preset": "demo"}))
+    assert str(caught.value) == f"episode collection-t51-c0: {refusal.message} (episode collection-t51-c0 not started)"
+    stages.results["collect_candidate"] = lambda config, *args: 1 / 0
+    with pytest.raises(ZeroDivisionError):  # any other error is left to Airflow's retries
+        operator.execute(task_context({"preset": "demo"}))

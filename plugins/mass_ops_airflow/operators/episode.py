@@ -10,6 +10,15 @@ deferred to the triggerer; a retry re-attaches to a pod that is still running; a
 carries the pod's log tail. After the pod exits 0 the metadata store must hold the episode's final attempt (the
 post-check), else the task fails.
 
+Budgets: a pod's proxy reaches no store, so it enforces only the episode's own token budget. Before creating the
+pod the operator asks the ledger (`admit`: `mass_ops.stages.api.admit_episode`) whether the episode's task and the
+cycle have room; when one is exhausted no pod is created, the unit is recorded as a not-started `budget_exhausted`
+attempt, and the task fails without retry with one line naming the budget to raise — as it does when a pod's own
+episode ended `budget_exhausted`, and on the local backend when the stage stops for a budget (a budget stop is not a
+fault: retrying it would only stop again). Raise the budget and clear the task: the unit runs as its next attempt.
+The pod's spend is charged to its task and the cycle when its publisher records the episode, so a budget is overshot
+by at most (pods in flight for it) x `budgets.episode_tokens`.
+
 On the local backend the stage function that follows (search step, collection, rollout) runs the episode itself,
 so this task only records that there was nothing to launch. `EpisodeStageOperator` joins the two in one task: the
 pod, then the stage function (a search step, a teacher candidate, a rollout) in-process.
@@ -101,6 +110,21 @@ class EpisodePodOperator(BaseOperator):
 
         return stage_function("bind_episode")(config, episode)
 
+    @staticmethod
+    def admit(config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any] | None:
+        """Before creating `episode`'s pod: None when its task's and the cycle's budgets leave room; else the budget
+        stop (`message`: one line; the unit is recorded `budget_exhausted`, not started) and no pod may be created."""
+        from mass_ops_airflow.cycle import stage_function
+
+        return stage_function("admit_episode")(config, episode)
+
+    @staticmethod
+    def budget_failure(message: str) -> Exception:
+        """The task's end for a budget stop: a failure Airflow does not retry (the budget must be raised first)."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        return AirflowFailException(message)
+
     def _build_runner(self, config: CycleConfig, episode: EpisodeSpec) -> Any:
         from mass_ops.compute import kubernetes as specs
         from mass_ops_airflow.operators._pod import sandbox_runner
@@ -132,6 +156,9 @@ class EpisodePodOperator(BaseOperator):
             # A retry or a cleared task after the episode was recorded: nothing to launch (units are idempotent).
             self.log.info("Episode %s is already recorded (%s): no pod", episode.slug, done)
             return self._after_pod(config, episode, done)
+        stop = self.admit(config, episode)
+        if stop is not None:
+            raise self.budget_failure(f"episode {episode.slug}: no pod created: {stop['message']}")
         self._build_runner(config, episode).execute(context)
         return self._finish(config, episode)
 
@@ -159,9 +186,12 @@ class EpisodePodOperator(BaseOperator):
     def _finish(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
         check: dict[str, Any] = {}
         if self.check_outputs:
-            from mass_ops_airflow.checks import episode_recorded
+            from mass_ops_airflow.checks import EpisodeBudgetStopped, episode_recorded
 
-            check = episode_recorded(config, episode)
+            try:
+                check = episode_recorded(config, episode)
+            except EpisodeBudgetStopped as stopped:
+                raise self.budget_failure(str(stopped)) from None
         return self._after_pod(config, episode, check)
 
     def _after_pod(self, config: CycleConfig, episode: EpisodeSpec, check: dict[str, Any]) -> dict[str, Any]:
@@ -200,9 +230,15 @@ class EpisodeStageOperator(EpisodePodOperator):
         raise ValueError(f"a {episode.kind} episode has no stage of its own; use EpisodePodOperator")
 
     def _run_stage(self, config: CycleConfig, episode: EpisodeSpec, backend: str) -> dict[str, Any]:
-        from mass_ops_airflow.cycle import call_stage
+        from mass_ops_airflow.cycle import call_stage, stage_function
 
-        result = call_stage(self.stage, config, *self.stage_arguments(episode))
+        try:
+            result = call_stage(self.stage, config, *self.stage_arguments(episode))
+        except Exception as exc:
+            message = stage_function("budget_stop_message")(exc)
+            if message is None:
+                raise
+            raise self.budget_failure(f"episode {episode.slug}: {message}") from exc
         return {"backend": backend, "episode": episode.slug, "result": result}
 
     def _local(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
