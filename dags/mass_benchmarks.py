@@ -11,6 +11,8 @@ runs 3), `limit` (the first N tasks of each benchmark; empty for all), `data_dir
 subfolder per benchmark; empty: `$MASS_BENCHMARK_DATA`), plus the cycle's preset and overrides. Nothing is
 downloaded. A benchmark graded in a container per instance stops before any episode when no engine can run here.
 Episodes hold `mass_inference` slots; the local server of the generation is a setup/teardown pair around the trials.
+On Kubernetes each instance of SWE-bench, Terminal-Bench 2.0 or AstaBench is graded by a Job from the benchmark's
+image (the episode pods' limits and NetworkPolicy) whose result is read back and recorded with the evaluator version.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from airflow.sdk import DAG, Param, get_current_context, task
+from airflow.sdk import DAG, Param, task
+from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator
+from mass_ops_airflow.params import config_params as strip_run_params
 from mass_ops_airflow.params import cycle_params
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
@@ -31,7 +35,7 @@ BENCHMARK_PARAMS = ("generation", "benchmarks", "trials", "limit", "data_dir")
 
 def config_params(params: dict[str, Any] | None) -> dict[str, Any]:
     """The run's params without the benchmark choice (what the config builder reads)."""
-    return {k: v for k, v in (params or {}).items() if k not in BENCHMARK_PARAMS}
+    return strip_run_params(params, BENCHMARK_PARAMS)
 
 
 with DAG(
@@ -85,23 +89,15 @@ with DAG(
 
         return run_stage("benchmark_down", config_params(params))
 
-    @task(pool=INFERENCE_POOL, execution_timeout=48 * HOUR, map_index_template="{{ unit_label }}")
-    def benchmark_trial(unit: list[Any], params: dict[str, Any] | None = None) -> Any:
-        """One trial of one benchmark (instances already scored are skipped)."""
-        from mass_ops_airflow.cycle import run_stage
-
-        chosen = params or {}
-        benchmark, trial = str(unit[0]), int(unit[1])
-        get_current_context()["unit_label"] = f"{benchmark} t{trial}"  # type: ignore[typeddict-unknown-key]
-        return run_stage(
-            "benchmark_trial",
-            config_params(chosen),
-            benchmark,
-            chosen["generation"],
-            trial,
-            chosen.get("limit"),
-            chosen.get("data_dir"),
-        )
+    # One trial of one benchmark (instances already scored are skipped). Kubernetes: each instance's grader Job
+    # from the benchmark's image is created, waited for in the triggerer and its result recorded (the operator).
+    benchmark_trial = BenchmarkTrialOperator.partial(
+        task_id="benchmark_trial",
+        pool=INFERENCE_POOL,
+        execution_timeout=48 * HOUR,
+        map_index_template="{{ unit_label }}",
+        run_params=BENCHMARK_PARAMS,
+    )
 
     units = benchmark_units()
     up = benchmarks_up()

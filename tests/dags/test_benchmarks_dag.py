@@ -51,10 +51,6 @@ def test_callables_call_the_stages_with_the_config_and_the_mapped_unit(stages):
     assert config.cycle_name  # the config was built from the run's config params alone (no unknown-param error)
     call("benchmarks_up", params=PARAMS)
     assert stages.calls[-1][0] == "benchmark_up" and stages.calls[-1][1][1:] == ("L2",)
-    context: dict[str, Any] = {}
-    call("benchmark_trial", context, unit=["swe", 1], params=PARAMS)
-    assert stages.calls[-1][0] == "benchmark_trial" and stages.calls[-1][1][1:] == ("swe", "L2", 1, 5, None)
-    assert context["unit_label"] == "swe t1"
     call("benchmarks_down", params=PARAMS)
     assert stages.names()[-1] == "benchmark_down"
 
@@ -64,3 +60,19 @@ def test_the_dag_maps_one_trial_task_per_benchmark_and_trial(stages):
     assert call("benchmark_units", params={**PARAMS, "benchmarks": ["tb2", "asta"], "trials": 3}) == [
         ["tb2", 0], ["tb2", 1], ["tb2", 2], ["asta", 0], ["asta", 1], ["asta", 2],
     ]  # fmt: skip
+
+
+def test_the_mapped_trial_is_the_benchmark_operator_which_strips_the_run_params(stages):
+    from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator
+
+    mapped = dag().get_task("benchmark_trial")
+    assert mapped.operator_class is BenchmarkTrialOperator
+    run_params = mapped.partial_kwargs["run_params"]
+    assert set(run_params) == {"generation", "benchmarks", "trials", "limit", "data_dir"}
+    # What the operator does with them: the local trial through the stage, the config built without them.
+    operator = BenchmarkTrialOperator(task_id="t", unit=["swe", 1], run_params=run_params)
+    context: dict[str, Any] = {"params": PARAMS}
+    operator.execute(context)  # type: ignore[arg-type]
+    name, (config, *args) = stages.calls[-1]
+    assert (name, tuple(args)) == ("benchmark_trial", ("swe", "L2", 1, 5, None)) and config.cycle_name
+    assert context["unit_label"] == "swe t1"
