@@ -764,3 +764,104 @@ def test_publish_refuses_a_handoff_folder_that_does_not_exist(tmp_path: Path) ->
     assert process.returncode == 2
     assert err.strip() == f"episode publish: --handoff {missing} is not a folder (the volume both containers share)"
     assert not missing.exists(), "nothing created"
+
+
+# --- budgets: a pod's spend reaches the ledger at ingest; the sandbox sees the scopes' spend -------------------------
+
+
+def api_log_with_costs(folder: Path, *costs: float) -> None:
+    """The attempt's proxy log (gzip JSON lines) with one completion per cost, as a server reporting `usage.cost`."""
+    lines = [
+        json.dumps({"seq": i, "path": "/v1/chat/completions", "response": {"usage": {"prompt_tokens": 1, "cost": c}}})
+        for i, c in enumerate(costs)
+    ]
+    (folder / EPISODE_FILES["api_log"]).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+
+
+def spend(ctx: CycleContext) -> dict[str, tuple[int, float, int]]:
+    return {s: (r.tokens, round(r.cost_usd, 6), r.requests) for s, r in ctx.repo.budget_spend(ctx.cycle_id).items()}
+
+
+def test_a_pods_spend_is_charged_once_when_its_attempt_is_recorded(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    ctx.repo.add_budget_spend(ctx.cycle_id, ["cycle"], tokens=10, requests=1)  # spent before, elsewhere
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    folder = sandbox.attempt(1)
+    api_log_with_costs(folder, 0.0125, 0.0025)
+    finished_publication(folder, 1)  # 1 prompt + 1 completion token, 1 request
+    sandbox.complete()
+    thread.join(timeout=60)
+    assert result == {"code": 0}
+    charged = {"task:51": (2, 0.015, 1), "cycle": (12, 0.015, 2)}
+    assert spend(ctx) == charged
+
+    # The ingest retried (a publisher started again on the same folder, the operator's retry): the row exists, so
+    # its spend was charged by the ingest that recorded it; nothing is added.
+    announced = hand.HandoffUnit(
+        task_id=TASK, kind="reference", seed=SEED, condition=f"t{TASK}_bare",
+        prompt_sha256=hashlib.sha256(b"the prompt").hexdigest(),
+    )  # fmt: skip
+    for _ in range(2):
+        publisher._publish(ctx, ctx.cycle_name, announced, 1)
+    assert publisher.failures == 0 and len(ctx.repo.episodes(ctx.cycle_id)) == 1
+    assert spend(ctx) == charged
+
+
+def test_an_ingest_that_failed_before_the_row_charges_when_it_is_retried(tmp_path: Path) -> None:
+    from mass_ops.store.artifacts import ArtifactError
+    from mass_ops.store.local_artifacts import LocalArtifactStore
+
+    class FullDisk(LocalArtifactStore):
+        def _publish(self, key: str, staged: Path, sha256: str, size: int) -> Any:
+            if key.endswith("stream.jsonl"):
+                raise ArtifactError(f"cannot store {key}: no space left on device")
+            return super()._publish(key, staged, sha256, size)
+
+    import dataclasses
+
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    broken = dataclasses.replace(ctx, artifacts=FullDisk(str(tmp_path / "artifacts")))
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: broken)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    finished_publication(sandbox.attempt(1), 1)
+    sandbox.complete()
+    thread.join(timeout=60)
+    assert result == {"code": 1} and spend(ctx) == {}, "no row, no charge"
+    announced = hand.HandoffUnit(
+        task_id=TASK, kind="reference", seed=SEED, condition=f"t{TASK}_bare",
+        prompt_sha256=hashlib.sha256(b"the prompt").hexdigest(),
+    )  # fmt: skip
+    for _ in range(2):
+        publisher._publish(ctx, ctx.cycle_name, announced, 1)
+    assert len(ctx.repo.episodes(ctx.cycle_id)) == 1
+    assert spend(ctx) == {"task:51": (2, 0.0, 1), "cycle": (2, 0.0, 1)}
+
+
+def test_the_sandbox_checks_the_task_and_cycle_spend_the_publisher_read(tmp_path: Path) -> None:
+    from mass_ops.config import validate_config
+    from mass_ops.store.budgets import BudgetLedger, BudgetLimits, episode_scopes
+
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    data = ctx.config.model_dump(mode="json")
+    data["budgets"] = {"task_tokens": 1_000, "cycle_tokens": 50_000, "episode_tokens": 400}
+    config = validate_config(data)
+    ctx.repo.add_budget_spend(ctx.cycle_id, episode_scopes(TASK), tokens=1_000)
+    ctx.repo.add_budget_spend(ctx.cycle_id, episode_scopes(202), tokens=7)  # another task's: not handed over
+    publisher = hand.HandoffPublisher(config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED)
+    with hand.SandboxHandoff(tmp_path / "handoff") as session:
+        sandbox_ctx = session.open(config, [EpisodeRequest(unit=unit, condition=f"t{TASK}_bare", prompt="p")])
+    thread.join(timeout=60)
+    assert result == {"code": 0}
+    seen = sandbox_ctx.repo.budget_spend(sandbox_ctx.cycle_id)
+    assert {scope: row.tokens for scope, row in seen.items()} == {"task:51": 1_000, "cycle": 1_007}
+    # The pod's pool asks this before each attempt, as it asks the store on the local backend.
+    ledger = BudgetLedger(sandbox_ctx.repo, sandbox_ctx.cycle_id, BudgetLimits.from_mapping(data["budgets"]))
+    refused = ledger.exhausted(episode_scopes(TASK))
+    assert refused is not None and refused.setting == "budgets.task_tokens"
