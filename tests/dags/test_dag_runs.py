@@ -34,11 +34,12 @@ def states(run) -> Counter:
 
 @pytest.mark.slow
 def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
+    """Two searched tasks, one of them trained: each task's chain runs on its own; the task searched only skips its
+    collection and ranking, and selection still runs."""
     stages.results.update(
         {
-            "search_tasks": [51],
-            "collection_units": [[51, 0], [51, 1]],
-            "ranking_tasks": [51],
+            "search_tasks": [51, 202],
+            "collect_task": {"task_id": 51, "decision": "collect", "candidates": 2, "succeeded": 2},
             "register": {"generation": "L1", "generation_id": 1},
             "rollout_units": [["L0", 51, 0], ["L1", 51, 0]],
         }
@@ -50,25 +51,35 @@ def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
     run = dag.test(run_conf=conf)
     assert run.state == "success", states(run)
     expected = [
-        "validate_config", "inference_up", "search_tasks", "search_step", "search_step", "collection_units",
-        "collect_candidate", "collect_candidate", "ranking_tasks", "rank_task", "select", "inference_down",
+        "validate_config", "inference_up", "search_tasks", "search_step", "search_step", "search_step",
+        "search_step", "collect_task", "rank_task", "select", "inference_down",
         "render", "train", "select_checkpoint", "export", "register", "evaluation_up", "rollout_units",
         "rollout_unit", "rollout_unit", "evaluate", "evaluation_down", "report",
     ]  # fmt: skip
     names = stages.names()
     assert Counter(names) == Counter(expected)
     # Independent branches may interleave; the stage order itself may not.
-    order = ["validate_config", "collection_units", "ranking_tasks", "select", "render", "train",
+    order = ["validate_config", "search_tasks", "collect_task", "rank_task", "select", "render", "train",
              "select_checkpoint", "export", "register", "rollout_units", "evaluate", "report"]  # fmt: skip
     assert [n for n in names if n in order] == order
     assert names.index("inference_down") > names.index("select") and names[-1] == "report"
-    steps = [args[1:] for name, args in stages.calls if name == "search_step"]
-    assert steps == [(51, 0), (51, 1)], "versions run in order; those beyond search.iterations never run"
+    for task in (51, 202):
+        steps = [args[1:] for name, args in stages.calls if name == "search_step" and args[1] == task]
+        assert steps == [(task, 0), (task, 1)], "versions run in order; those beyond search.iterations never run"
+    assert [args[1:] for name, args in stages.calls if name in ("collect_task", "rank_task")] == [(51,), (51,)]
     counted = states(run)
-    assert counted[("rhi.step_v2", "skipped")] == 1 and counted[("rhi.step_v11", "skipped")] == 1
-    assert counted[("continue_cycle", "skipped")] == 1
-    labels = {ti.rendered_map_index for ti in run.get_task_instances() if ti.task_id == "collect_candidate"}
-    assert labels == {"collection-t51-c0", "collection-t51-c1"}
+    assert counted[("inner_loop.step_v2", "skipped")] == 2 and counted[("inner_loop.step_v11", "skipped")] == 2
+    assert counted[("inner_loop.collect_task", "success")] == 1 and counted[("inner_loop.rank_task", "success")] == 1
+    assert counted[("inner_loop.collect_task", "skipped")] == 1, "task 202 is searched only"
+    assert counted[("inner_loop.rank_task", "skipped")] == 1
+    assert counted[("select", "success")] == 1 and counted[("continue_cycle", "skipped")] == 1
+    labels = {
+        (ti.task_id, ti.map_index): ti.rendered_map_index
+        for ti in run.get_task_instances()
+        if ti.task_id in ("inner_loop.collect_task", "inner_loop.rank_task")
+    }
+    assert labels[("inner_loop.collect_task", 0)] == "collection-t51 (2 candidates)"
+    assert labels[("inner_loop.rank_task", 0)] == "ranking-t51"
     rollouts = sorted(args[1:] for name, args in stages.calls if name == "rollout_unit")
     assert rollouts == [("L0", 51, 0), ("L1", 51, 0)]
     cycle = build_config(conf).cycle_name

@@ -7,6 +7,7 @@ end-to-end run is `dag.test()` once every stage exists); the config each stage r
 from __future__ import annotations
 
 import datetime as dt
+from copy import copy
 from typing import Any
 
 import pytest
@@ -55,22 +56,21 @@ def test_every_in_process_task_calls_its_stage(cycle_dag, stages):
     stages.results.update(
         {
             "search_tasks": [51, 202],
-            "collection_units": [[51, 0], [51, 1], [202, 0]],
-            "ranking_tasks": [51, 202],
             "rollout_units": [["L2", 51, 0], ["L3", 60, 1]],
         }
     )
     assert call(cycle_dag, "validate_config", params=DEMO) == {"stage": "validate_config"}
     assert call(cycle_dag, "search_tasks", params=DEMO) == [51, 202]
     context: dict[str, Any] = {}
-    call(cycle_dag, "rhi.step_v0", context, task_no=51, params=DEMO)
+    call(cycle_dag, "inner_loop.step_v0", context, task_no=51, params=DEMO)
     assert context["unit_label"] == "search-t51-v0"
-    # The mapped operators (collect_candidate, rollout) are expanded with these as their keyword arguments.
-    assert call(cycle_dag, "collection_units", params=DEMO) == [
-        {"task": 51, "candidate": 0}, {"task": 51, "candidate": 1}, {"task": 202, "candidate": 0},
-    ]  # fmt: skip
-    assert call(cycle_dag, "ranking_tasks", params=DEMO) == [51, 202]
-    call(cycle_dag, "rank_task", {}, task_no=202, params=DEMO)
+    collect = copy(cycle_dag.get_task("inner_loop.collect_task"))
+    collect.task = 202  # what the mapped group renders into the instance for its task
+    collection: dict[str, Any] = {"params": DEMO}
+    assert collect.execute(collection) == {"backend": "local", "task": 202, "result": {"stage": "collect_task"}}
+    assert collection["unit_label"] == "collection-t202 (3 candidates)"
+    call(cycle_dag, "inner_loop.rank_task", context, task_no=202, params=DEMO)
+    assert context["unit_label"] == "ranking-t202"
     for task_id in ("select", "render", "select_checkpoint", "evaluate"):
         call(cycle_dag, task_id, params=DEMO)
     # The report step is an operator (it carries the report link); it returns the stage's result and the cycle.
@@ -83,8 +83,7 @@ def test_every_in_process_task_calls_its_stage(cycle_dag, stages):
         ("validate_config", ()),
         ("search_tasks", ()),
         ("search_step", (51, 0)),
-        ("collection_units", ()),
-        ("ranking_tasks", ()),
+        ("collect_task", (202,)),
         ("rank_task", (202,)),
         ("select", ()),
         ("render", ()),
@@ -100,15 +99,28 @@ def test_every_in_process_task_calls_its_stage(cycle_dag, stages):
 
 
 def test_mapped_operator_arguments_match_the_units(cycle_dag):
-    """collection_units / rollout_units return exactly the keyword arguments the mapped operators take."""
+    """rollout_units returns exactly the keyword arguments the mapped rollout operator takes."""
     from mass_ops_airflow.operators import EpisodeStageOperator
 
-    for task_id, unit in (("collect_candidate", {"task": 51, "candidate": 0}),
-                          ("rollout", {"generation": "L1", "task": 60, "replicate": 2})):  # fmt: skip
-        partial = dict(cycle_dag.get_task(task_id).partial_kwargs)
-        operator = EpisodeStageOperator(task_id="probe", **{k: partial[k] for k in ("kind", "stage")}, **unit)
-        assert operator.episode().task_id == unit["task"]
-        assert operator.stage_arguments(operator.episode())[-1] == unit.get("candidate", unit.get("replicate"))
+    unit = {"generation": "L1", "task": 60, "replicate": 2}
+    partial = dict(cycle_dag.get_task("rollout").partial_kwargs)
+    operator = EpisodeStageOperator(task_id="probe", **{k: partial[k] for k in ("kind", "stage")}, **unit)
+    assert operator.episode().task_id == unit["task"]
+    assert operator.stage_arguments(operator.episode())[-1] == unit["replicate"]
+
+
+def test_a_task_searched_only_or_not_collected_skips_its_collection(cycle_dag, stages):
+    collect = copy(cycle_dag.get_task("inner_loop.collect_task"))
+    collect.task = 60  # a test task: never trained
+    with pytest.raises(AirflowSkipException, match=r"task 60 is searched only \(not in tasks\.train\)"):
+        collect.execute({"params": DEMO})
+    assert stages.calls == [], "no stage runs for it"
+    reason = "no workflow version beat the reference; task skipped (collection.require_beats_reference)"
+    stages.results["collect_task"] = {"task_id": 51, "decision": "skip", "reason": reason}
+    collect.task = 51
+    with pytest.raises(AirflowSkipException, match=r"task 51: no workflow version beat the reference"):
+        collect.execute({"params": DEMO})
+    assert stages.names() == ["collect_task"]
 
 
 def test_register_emits_the_generation_asset_event(cycle_dag, stages):
