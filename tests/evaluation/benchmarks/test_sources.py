@@ -54,6 +54,12 @@ def test_a_container_graded_benchmark_stops_before_any_episode_without_an_engine
     assert "\n" not in str(caught.value)
     with pytest.raises(InputError, match="limit must be"):
         api.benchmark_trial(config, "swe", "L1", 0, limit=0, data_dir=str(tmp_path))
+    # The stage module api.benchmark_trial delegates to (per-task time limits) stops the same way.
+    from mass_ops.stages import benchmarks
+
+    with pytest.raises(ContainerEngineMissingError, match="no episode was started") as caught:
+        benchmarks.benchmark_trial(config, "swe", "L1", 0, data_dir=str(tmp_path))
+    assert "\n" not in str(caught.value)
 
 
 def test_cli_benchmark_run_stops_in_one_line_and_grader_files_checks_the_hash(tmp_path, monkeypatch):
