@@ -32,10 +32,12 @@ from mass_ops.stages.status import (
 
 DAG_ID = "mass_cycle"  # mass_ops_airflow.CYCLE_DAG_ID (mass_ops never imports the Airflow side)
 CLEAR_PATH = f"/api/v2/dags/{DAG_ID}/clearTaskInstances"
-# The DAG task to clear for each stage (downstream tasks follow with include_downstream / --downstream).
+INNER_LOOP = "inner_loop"  # the DAG's task group mapped per task: search steps, then collect_task, then rank_task
+# The DAG task to clear for each stage (downstream tasks follow with include_downstream / --downstream). Collection
+# and ranking are one task instance per task (only the failed ones are cleared: only_failed / --only-failed).
 AIRFLOW_TASKS = {
-    "collect": ("collect_candidate",),
-    "rank": ("rank_task",),
+    "collect": (f"{INNER_LOOP}.collect_task",),
+    "rank": (f"{INNER_LOOP}.rank_task",),
     "select": ("select",),
     "render": ("render",),
     "train": ("train",),
@@ -158,13 +160,13 @@ class RepairPlan:
 
 
 def _search_airflow_tasks(units: Sequence[UnitState]) -> list[str]:
-    """The RHI task-group instances of the broken search steps (v0 also has its two episode pods)."""
+    """The inner-loop group's instances of the broken search steps (v0 also has its two episode pods)."""
     tasks = []
     for unit in units:
         version = int(unit.key.rsplit("-v", 1)[1])
         if version == 0:
-            tasks += ["rhi.reference_episode", "rhi.episode_v0"]
-        tasks.append(f"rhi.step_v{version}")
+            tasks += [f"{INNER_LOOP}.reference_episode", f"{INNER_LOOP}.episode_v0"]
+        tasks.append(f"{INNER_LOOP}.step_v{version}")
     return list(dict.fromkeys(tasks))
 
 

@@ -181,3 +181,15 @@ def test_the_report_step_writes_the_run_s_cycle_report_and_links_it(dag):
     assert type(report).__name__ == "ReportOperator" and report.stage == "report"
     assert [link.name for link in report.operator_extra_links] == ["Cycle report"]
     assert report.trigger_rule == TriggerRule.ALL_SUCCESS
+
+
+def test_the_repair_commands_name_tasks_of_this_dag(dag):
+    """`mass-ops repair` prints Airflow clear commands by task id; each id must exist here."""
+    from mass_ops.stages import repair
+    from mass_ops.stages.status import UnitState
+
+    named = {task for tasks in repair.AIRFLOW_TASKS.values() for task in tasks}
+    broken = [UnitState("search", f"search-t51-v{k}", "failed", task_id=51) for k in (0, MAX_SEARCH_ITERATIONS)]
+    named |= set(repair._search_airflow_tasks(broken))
+    assert named - set(dag.task_dict) == set()
+    assert dag.dag_id == repair.DAG_ID

@@ -32,13 +32,14 @@ def test_dry_run_lists_the_failed_unit_and_the_exact_commands(inner_loop: InnerL
     assert lines[0] == f"cycle {cycle}: 1 unit(s) to redo"
     body = {
         "dag_run_id": "manual__1",
-        "task_ids": ["collect_candidate"],
+        "task_ids": ["inner_loop.collect_task"],
         "only_failed": True,
         "include_downstream": True,
         "dry_run": False,
     }
     assert f"  POST /api/v2/dags/mass_cycle/clearTaskInstances {json.dumps(body)}" in lines
-    assert "  airflow tasks clear mass_cycle -t '^(collect_candidate)$' --only-failed --downstream --yes" in lines
+    clear = r"airflow tasks clear mass_cycle -t '^(inner_loop\.collect_task)$' --only-failed --downstream --yes"
+    assert f"  {clear}" in lines
     assert f"  mass-ops collect --config {shlex.quote(source)} --tasks {TASK}" in lines
     assert any(line.startswith("not started yet (the rest of the run, not a repair): rank, select") for line in lines)
     assert len(opened.ctx.repo.episodes(opened.ctx.cycle_id)) == before  # a dry run changes nothing
