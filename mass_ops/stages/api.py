@@ -15,6 +15,15 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.context import attach_cycle, open_cycle
 from mass_ops.errors import InfrastructureError, InputError
+
+# The public-benchmark stages (`mass_benchmarks` DAG, `mass-ops benchmark run`), re-exported by name: a whole trial in
+# one process, or one instance at a time around a Kubernetes grader Job (`BenchmarkTrialOperator`).
+from mass_ops.stages.benchmarks import BENCHMARK_SCOPE as BENCHMARK_SCOPE
+from mass_ops.stages.benchmarks import benchmark_grader_result as benchmark_grader_result
+from mass_ops.stages.benchmarks import benchmark_instance as benchmark_instance
+from mass_ops.stages.benchmarks import benchmark_trial as benchmark_trial
+from mass_ops.stages.benchmarks import benchmark_trial_record as benchmark_trial_record
+from mass_ops.stages.benchmarks import benchmark_trial_tasks as benchmark_trial_tasks
 from mass_ops.stages.common import episode_executor, jsonable
 
 
@@ -485,9 +494,6 @@ def repair(config: CycleConfig, cycle: str | None = None, *, dry_run: bool = Tru
     return result
 
 
-BENCHMARK_SCOPE = "benchmarks"  # the local serving scope of the `mass_benchmarks` DAG's generation server
-
-
 def benchmark_units(config: CycleConfig, benchmarks: Sequence[str], trials: int) -> list[list[Any]]:
     """(benchmark, trial) of every trial a `mass_benchmarks` run maps over; InputError for an unknown benchmark or a
     trial count below 1."""
@@ -518,42 +524,3 @@ def benchmark_down(config: CycleConfig) -> dict[str, Any]:
 
     del config
     return {"stopped": stop_generations(BENCHMARK_SCOPE)}
-
-
-def benchmark_trial(
-    config: CycleConfig,
-    benchmark: str,
-    generation: str,
-    trial: int,
-    limit: int | None = None,
-    data_dir: str | None = None,
-) -> dict[str, Any]:
-    """Run, grade and record trial `trial` of `generation` on `benchmark` (its first `limit` tasks when given),
-    resumable per instance: a rerun skips every instance whose score is recorded. A benchmark whose grader needs a
-    container stops before any episode when none can run here (one line)."""
-    from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
-    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
-    from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
-    from mass_ops.serving import evaluation_scope, generation_server, serving_context
-
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InputError(f"benchmark {benchmark}: limit must be a whole number ≥ 1, got {limit!r}")
-    adapter = benchmark_adapter(benchmark, data_dir)
-    # Kubernetes grader Jobs (compute.kubernetes.benchmark_grader_job) have no runner in this process yet: there a
-    # container-graded benchmark stops here, before any agent time, like a machine without an engine.
-    runner = local_runner() if config.compute.backend == "local" else None
-    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
-    ctx = attach_cycle(config)
-    scope = BENCHMARK_SCOPE if config.compute.backend == "local" else evaluation_scope(config)
-    served = serving_context(ctx, generation_server(ctx, generation, scope))
-    with episode_executor(served) as executor:
-        result = run_benchmark_trial(served, adapter, executor, generation, int(trial), runner=runner, limit=limit)
-    return {
-        "benchmark": result.benchmark,
-        "generation": result.generation,
-        "trial": result.trial,
-        "attempted": result.metrics.get("attempted"),
-        "scored": result.metrics.get("scored"),
-        "evaluator": result.metrics.get("evaluator"),
-        "mean": None if result.unscored else result.mean,
-    }
