@@ -230,8 +230,10 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
         type="boolean",
         title="Allow over budget",
         description=(
-            "Start the run even when its cost estimate (validate_config's log and XCom; `mass-ops plan` prints it "
-            "per stage) exceeds budgets.cycle_cost_usd or budgets.cycle_tokens."
+            "Start the run even when its cost estimate exceeds budgets.cycle_cost_usd or budgets.cycle_tokens. The "
+            "estimate per stage for this form's values: open /mass-ops/estimate?preset=NAME with each knob as "
+            "&knob=value and each override as &set=key=value (the same figures as `mass-ops plan --json`; "
+            "validate_config logs it and returns it in XCom)."
         ),
         section="Advanced",
     )
