@@ -2,17 +2,20 @@
 budget / in flight, tokens and cost so far, budgets against the ledger, elapsed wall-clock and an ETA.
 
 It works the same for a cycle run from the CLI and from Airflow because it reads nothing but the rows every stage
-writes. The store records most units only when they end (an episode row is written when its attempt ends, a search
-step when it proposes the next version), so a unit that is running cannot be told from one not started: those are
-counted together as ``pending``; ``in_flight`` is a number only where the store records a start (the training run's
-``running`` status) and None otherwise — the output says so rather than guess.
+writes. A unit is in flight (``running``) when the store holds part of its records and not the one that ends it: a
+search step whose episode is recorded but whose judging and next proposal are not, a task with ranking calls but no
+ranks, a render with one split of two, a training run marked running, evaluation judge calls without the summary.
+An agent episode's row is written only when its attempt ends, so an episode still running shows as ``pending``
+like one not started (`IN_FLIGHT_NOTE`, printed with the table); a unit whose run died half-way also shows as in
+flight until it is redone. ``pending`` counts every unit neither finished nor failed, ``in_flight`` those of them
+that started.
 
 The unit lists here are also what `stages.repair` redoes: one place decides what a missing or failed unit is.
 
 Unit states: ``done`` (a final record: a succeeded or model-failed episode — a model failure is data, never
 redone), ``failed`` (the latest attempt failed on infrastructure, or a training run failed), ``budget_exhausted``
-(the latest attempt was stopped by a budget: raise it, then redo), ``running`` (recorded as started) and
-``pending`` (nothing final recorded).
+(the latest attempt was stopped by a budget: raise it, then redo), ``running`` (in flight: started, not finished) and
+``pending`` (nothing of it recorded).
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ STAGES: tuple[str, ...] = (
     "search", "collect", "rank", "select", "render", "train", "export", "rollout", "evaluate",
 )  # fmt: skip
 FINAL_EPISODE = ("succeeded", "model_failure")
-NOT_RECORDED = (
-    "the store records a unit when it ends, so a running unit cannot be told from one not started: both are "
-    "counted as pending (in flight is known only for the training run)"
+IN_FLIGHT_NOTE = (
+    "in flight = part of the unit's records are in the store, not the last (a search step judging or proposing, a "
+    "task being ranked, a render, the training run, the evaluation's judging); an agent episode is recorded when its "
+    "attempt ends, so one still running counts as pending"
 )
+NOT_RECORDED = IN_FLIGHT_NOTE  # the former name
 
 
 class StatusError(InputError):
@@ -83,8 +88,9 @@ class StageStatus:
     done: int
     failed: int
     budget_exhausted: int
-    pending: int
-    in_flight: int | None  # None: the store cannot tell (see NOT_RECORDED)
+    pending: int  # not finished, not failed: in flight or not started
+    in_flight: int  # of those, the started ones (state ``running``; an agent episode still running is not: see
+    # IN_FLIGHT_NOTE)
     started: bool
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -125,7 +131,7 @@ class CycleStatus:
     budgets_from: str
     units: list[UnitState] = field(default_factory=list)
     eta_s: float | None = None
-    in_flight_note: str = NOT_RECORDED
+    in_flight_note: str = IN_FLIGHT_NOTE
 
     @property
     def tokens(self) -> int:
@@ -289,9 +295,16 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
             episodes = [latest.get(("search", str(task), version, None, None))]
             if version == 0:
                 episodes.append(latest.get(("reference", str(task), None, None, None)))
-            broken = [_episode_state("search", key, task, e) for e in episodes if e is not None]
-            broken = [u for u in broken if u.state in ("failed", "budget_exhausted")]
-            units.append(broken[0] if broken else UnitState("search", key, "pending", task_id=task))
+            states = [_episode_state("search", key, task, e) for e in episodes if e is not None]
+            broken = [u for u in states if u.state in ("failed", "budget_exhausted")]
+            if broken:
+                units.append(broken[0])
+            elif states:  # an episode of the step is recorded, its judging and proposal are not (yet)
+                what = "episodes recorded" if len(states) == len(episodes) else "an episode recorded"
+                detail = f"{what}; {'the retained workflow' if version == last else f'v{version + 1}'} not yet"
+                units.append(UnitState("search", key, "running", detail, task))
+            else:
+                units.append(UnitState("search", key, "pending", task_id=task))
     collected, _ = collected_tasks(config, records.retained)
     for task in collected:
         for candidate in range(config.collection.candidates):
@@ -303,9 +316,17 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     selected = defaultdict(list)
     for s in records.selections:
         selected[int(s.task_id)].append(s.created_at)
+    ranking_calls = defaultdict(int)  # a task's ranking matches and self-judge calls: its ranking has started
+    for c in records.calls:
+        if c.task_id is not None and call_stage(c) == "rank":
+            ranking_calls[int(c.task_id)] += 1
     for stage, rows, what in (("rank", ranked, "rank"), ("select", selected, "select")):
         for task in collected:
             done = rows.get(task)
+            if not done and stage == "rank" and ranking_calls.get(task):
+                detail = f"{ranking_calls[task]} ranking calls recorded; no ranks yet"
+                units.append(UnitState(stage, f"{what}-t{task}", "running", detail, task))
+                continue
             units.append(
                 UnitState(stage, f"{what}-t{task}", "done" if done else "pending", task_id=task,
                           finished_at=max(done) if done else None)
@@ -313,7 +334,8 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     datasets = {d.split: d for d in records.datasets}
     for split in ("train", "val"):
         row = datasets.get(split)
-        units.append(UnitState("render", f"render-{split}", "done" if row else "pending",
+        state = "done" if row else "running" if datasets else "pending"  # one split of the one render written
+        units.append(UnitState("render", f"render-{split}", state,
                                finished_at=row.created_at if row else None))  # fmt: skip
     run = next((r for r in records.runs if r.key == TRAINING_RUN_KEY), None)
     states = {RunStatus.SUCCEEDED: "done", RunStatus.FAILED: "failed", RunStatus.RUNNING: "running"}
@@ -329,8 +351,14 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
         episode = latest.get(("rollout", str(task), None, replicate, generation))
         units.append(_episode_state("rollout", f"rollout-{generation}-t{task}-r{replicate}", task, episode))
     evaluation = next((e for e in records.evaluations if e.kind == "pairwise"), None)
-    units.append(UnitState("evaluate", "evaluate-pairwise", "done" if evaluation else "pending",
-                           finished_at=evaluation.created_at if evaluation else None))  # fmt: skip
+    judged = sum(call_stage(c) == "evaluate" for c in records.calls)
+    if evaluation is None and judged:
+        units.append(
+            UnitState("evaluate", "evaluate-pairwise", "running", f"{judged} judge calls recorded; no summary")
+        )
+    else:
+        units.append(UnitState("evaluate", "evaluate-pairwise", "done" if evaluation else "pending",
+                               finished_at=evaluation.created_at if evaluation else None))  # fmt: skip
     return units
 
 
@@ -447,7 +475,7 @@ def _stage_status(
         failed=counts["failed"],
         budget_exhausted=counts["budget_exhausted"],
         pending=counts["pending"] + counts["running"],
-        in_flight=counts["running"] if stage == "train" else None,
+        in_flight=counts["running"],
         started=started,
         prompt_tokens=spend.prompt if spend else 0,
         completion_tokens=spend.completion if spend else 0,

@@ -72,7 +72,7 @@ def test_status_counts_units_tokens_and_budgets_from_the_rows(inner_loop: InnerL
     collect = stages["collect"]
     rows = ctx.repo.episodes(ctx.cycle_id, kind="collection")
     assert (collect["planned"], collect["done"], collect["failed"], collect["budget_exhausted"]) == (3, 2, 1, 0)
-    assert collect["pending"] == 0 and collect["in_flight"] is None
+    assert collect["pending"] == 0 and collect["in_flight"] == 0
     assert collect["tokens"] == sum((e.prompt_tokens or 0) + (e.completion_tokens or 0) for e in rows)
     search = stages["search"]
     assert (search["planned"], search["done"]) == (2, 2)  # steps v0 and v1, recorded by the retained workflow
@@ -91,7 +91,7 @@ def test_status_counts_units_tokens_and_budgets_from_the_rows(inner_loop: InnerL
     text = runner.invoke(app, ["status", ctx.cycle_name, "--config", str(tmp_path / "cycle.json")])
     assert text.exit_code == 0, text.output
     assert f"collect: collection-t{TASK}-c1 failed (attempt 2 infra_failure)" in text.stdout
-    assert "cannot be told from one not started" in " ".join(text.stdout.split())
+    assert "an agent episode is recorded when its attempt ends" in " ".join(text.stdout.split())
 
 
 def test_a_budget_stopped_unit_is_counted_apart_and_its_tokens_reach_the_stage(inner_loop: InnerLoopEnv) -> None:
@@ -145,3 +145,42 @@ def test_the_collection_summary_counts_budget_stopped_candidates(inner_loop: Inn
     budget_stop(opened.ctx, 3, attempt=3)
     (row,) = [result.as_row() for result in collect_batch(opened.ctx, LatestAttempts(opened.ctx))]
     assert (row["succeeded"], row["infra_failures"], row["budget_exhausted"]) == (2, 1, 1)
+
+
+def test_units_in_flight_are_told_from_units_not_started(inner_loop: InnerLoopEnv, tmp_path: Path) -> None:
+    """Task 51 collected and being ranked (matches recorded, no ranks); task 202 in step 0 of its search (its
+    reference and v0 episodes recorded, v1 not proposed); the evaluation judging (calls, no summary); the train split
+    rendered, not the val split."""
+    opened = inner_loop.open(tasks=(TASK, 202), candidates=2, train_ranks=1)
+    ctx = opened.ctx
+    test_collect.retain(ctx, TASK, 1)
+    for kind, version in (("reference", None), ("search", 0)):
+        ctx.repo.record_episode(ctx.cycle_id, task_id=202, kind=kind, version=version, seed=9, status="succeeded")
+    for c in range(2):
+        ctx.repo.record_episode(ctx.cycle_id, task_id=TASK, kind="collection", candidate=c, seed=c, status="succeeded")
+    calls = [(f"task{TASK}/ranking/m0", "judge", TASK), (f"task{TASK}/ranking/m1", "judge", TASK),
+             ("eval/L1_vs_L0/t60/judge-a", "external_judge", 60)]  # fmt: skip
+    for key, purpose, task in calls:
+        ctx.repo.record_llm_call(ctx.cycle_id, key, purpose=purpose, model="m", task_id=task)
+    ctx.repo.record_dataset(
+        ctx.cycle_id, "train", "datasets/train", episodes=1, windows=1, loss_tokens=5, total_tokens=9
+    )
+
+    result = runner.invoke(app, ["status", ctx.cycle_name, "--config", config_file(opened, tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    stages = {s["stage"]: s for s in status["stages"]}
+    counts = {name: (stages[name]["in_flight"], stages[name]["pending"]) for name in stages}
+    assert counts["search"] == (1, 2), "202's step 0 in flight; its step 1 not started"
+    assert counts["rank"] == (1, 1) and counts["render"] == (1, 1) and counts["evaluate"] == (1, 1)
+    assert counts["collect"] == (0, 0) and counts["select"] == (0, 1) and counts["train"] == (0, 1)
+    running = {u["key"]: u["detail"] for u in status["units"] if u["state"] == "running"}
+    assert running == {
+        "search-t202-v0": "episodes recorded; v1 not yet",
+        f"rank-t{TASK}": "2 ranking calls recorded; no ranks yet",
+        "render-val": "",
+        "evaluate-pairwise": "1 judge calls recorded; no summary",
+    }
+    assert [u["key"] for u in status["units"] if u["state"] == "pending" and u["stage"] == "search"] == [
+        "search-t202-v1"
+    ]
