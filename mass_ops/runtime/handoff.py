@@ -39,6 +39,13 @@ it delivered, and checks each attempt's prompt against the announced hash. What 
 files) is the sandbox's word — as much as under local publishing, where the agent shares the runner's user too. A
 hand-off that ends without its marker (the sandbox container died) is refused with one line, and nothing of an
 unfinished attempt is published.
+
+Budgets: the sandbox's proxy holds only the episode's token budget (it reaches no store). The ledger carries the
+announced units' task and cycle spend as the publisher read it, which the sandbox's pool checks before each attempt
+as it would the store; and the publisher charges each attempt's tokens and server-reported cost to its task and the
+cycle when it records the attempt's row — only the ingest that recorded the row charges, so a retried ingest adds
+nothing. (The one gap: a publisher killed between committing the row and charging loses that attempt's charge;
+closing it needs a charge marker committed with the row.)
 """
 
 from __future__ import annotations
