@@ -1,6 +1,7 @@
 """What a person watching `mass-ops demo` sees: a live table of the DAG run instead of Airflow's task-runner logs.
 
-One line per stage (a top-level task or task group of `mass_cycle`) with its task instances counted by state, the
+One line per stage (a top-level task or task group of `mass_cycle`; the per-task `inner_loop` group shows its three
+phases — search, collection, ranking — as three lines) with its task instances counted by state, the
 unit running now with its running time, the stage's elapsed time and an ETA; Airflow's own records go to a log file
 (`redirected_output`). On a terminal that is not a TTY (CI, a pipe) the table would be noise: one plain line per
 finished task instance is printed instead. The model (`DemoProgress`) takes snapshots of the run's task instances
@@ -55,6 +56,19 @@ def clock(seconds: float | None) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
+INNER_LOOP = "inner_loop"  # mass_cycle's group mapped per task: search steps, then collect_task, then rank_task
+INNER_LOOP_PHASES = ("collect_task", "rank_task")
+
+
+def stage_of(task_id: str) -> str:
+    """The line a task instance counts in: its top-level task or group; the inner loop's search steps as one line
+    (`inner_loop.search`) and its collection and ranking as one line each."""
+    group, _, member = task_id.partition(".")
+    if group != INNER_LOOP or not member:
+        return group
+    return f"{group}.{member if member in INNER_LOOP_PHASES else 'search'}"
+
+
 @dataclass(frozen=True)
 class TaskSnapshot:
     """One task instance of the run as the database holds it at one moment."""
@@ -68,7 +82,7 @@ class TaskSnapshot:
 
     @property
     def stage(self) -> str:
-        return self.task_id.split(".", 1)[0]
+        return stage_of(self.task_id)
 
     @property
     def column(self) -> str:
@@ -154,7 +168,9 @@ class DemoProgress:
         log_path: Path | None = None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        self._order = {stage.split(".", 1)[0]: i for i, stage in enumerate(dict.fromkeys(order))}
+        self._order: dict[str, int] = {}
+        for task_id in order:
+            self._order.setdefault(stage_of(task_id), len(self._order))
         self._now = now
         self.started = started or now()
         self.log_path = log_path
