@@ -608,18 +608,20 @@ def print_status(current: Any) -> None:
         f"ETA of started stages {_duration(current.eta_s)}"
     )
     table = Table(title="Stages")
-    for column in ("stage", "planned", "done", "failed", "budget", "pending", "tokens", "USD", "elapsed", "ETA"):
+    for column in (
+        "stage", "planned", "done", "failed", "budget", "pending", "in flight", "tokens", "USD", "elapsed", "ETA",
+    ):  # fmt: skip
         table.add_column(column, justify="left" if column == "stage" else "right")
     for s in current.stages:
         if not s.started and not s.planned:
             continue
         table.add_row(
             s.stage + ("" if s.started else " (not started)"), str(s.planned), str(s.done), str(s.failed),
-            str(s.budget_exhausted), str(s.pending), f"{s.tokens:,}", f"{s.cost_usd:,.2f}", _duration(s.elapsed_s),
-            _duration(s.eta_s),
+            str(s.budget_exhausted), str(s.pending), str(s.in_flight), f"{s.tokens:,}", f"{s.cost_usd:,.2f}",
+            _duration(s.elapsed_s), _duration(s.eta_s),
         )  # fmt: skip
     console.print(table)
-    console.print(f"pending = in flight or not started: {current.in_flight_note}", markup=False, soft_wrap=True)
+    console.print(f"pending = in flight or not started; {current.in_flight_note}", markup=False, soft_wrap=True)
     for s in current.stages:
         if s.note:
             console.print(f"{s.stage}: {s.note}", markup=False)

@@ -84,6 +84,9 @@ def stages(monkeypatch) -> StageRecorder:
     # Binding an episode pod to its unit's request is real work the episode operator needs, not a stage under test.
     recorder.passthrough["bind_episode"] = real.bind_episode
     recorder.passthrough["next_cycle_overrides"] = real.next_cycle_overrides  # arithmetic on a config
+    # The budget admission before a pod and the budget-stop check of an error read the real ledger (no stage runs).
+    recorder.passthrough["admit_episode"] = real.admit_episode
+    recorder.passthrough["budget_stop_message"] = real.budget_stop_message
     monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
     import mass_ops.stages
 
