@@ -11,13 +11,17 @@
 * `check_regression` — a generation regresses when even the upper end of tonight's 95% Wilson interval of its win
   rate against its parent is below 0.5 − `evaluation.regression_threshold`, or below the previous night's win rate
   minus the threshold (sampling noise alone does not fail a night).
+* The benchmark slice (optional) — a few instances of chosen public benchmarks, one trial per night, for each
+  generation tonight's servers serve, recorded in the nightly cycle under the night's trial index `nightly_trial`
+  (see "the benchmark slice" below); `nightly_benchmark_*` are the stages `BenchmarkTrialOperator` runs for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from contextlib import ExitStack
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 from mass_ops.config import CycleConfig
@@ -182,3 +186,195 @@ def check_regression(ctx: CycleContext, results: list[dict[str, Any]]) -> dict[s
                 f"{threshold}"
             )
     return {"threshold": threshold, "checked": checked, "regressions": regressions}
+
+
+# --- the benchmark slice ---------------------------------------------------------------------------------------------
+#
+# A night may also run a small slice of the public benchmarks (`benchmark_slice`: benchmark names, the first
+# `instances` instances of each, one trial) on every generation tonight's servers serve — the evaluated generations
+# and their parents, so each night has a same-server comparison. The slice is recorded in the nightly cycle (never in
+# a `mass_benchmarks` run's cycle) under the night's own trial index `nightly_trial`: 100,000 + the days from
+# 2000-01-01 to the night's UTC day. A full run numbers its trials 0..k-1, so the two never share a trial, and every
+# night is a new trial whose instances, seeds and scores a rerun or backfill of that night finds recorded and skips.
+# The nightly report of that cycle then shows the slice in its benchmark section (mean ± SD over the nights run).
+
+NIGHTLY_TRIAL_BASE = 100_000
+NIGHTLY_TRIAL_EPOCH = date(2000, 1, 1)
+NIGHTLY_BENCHMARK_STAGE_PREFIX = "nightly_benchmark"  # the stage names BenchmarkTrialOperator calls for the slice
+
+
+def nightly_trial(date_iso: str) -> int:
+    """The benchmark trial index of the night of logical date `date_iso` (its UTC calendar day); above every trial
+    index a full benchmark run uses (0..k-1), and below 2**31 in the episode seeds (trial · 1,000 + task)."""
+    night = datetime.strptime(date_stamp(date_iso)[:8], "%Y%m%d").date()
+    return NIGHTLY_TRIAL_BASE + (night - NIGHTLY_TRIAL_EPOCH).days
+
+
+def check_benchmark_slice(benchmarks: Sequence[str] | None, instances: Any, data_dir: str | None = None) -> list[str]:
+    """The slice's benchmarks (deduplicated, in the given order); NightlyError in one line for an unknown benchmark,
+    an instance count below 1, or a slice benchmark whose dataset folder is missing (nothing is downloaded)."""
+    from mass_ops.evaluation.benchmarks.sources import SUITE, benchmark_adapter
+
+    names = list(benchmarks or [])
+    unknown = [name for name in names if name not in SUITE]
+    if unknown:
+        raise NightlyError(
+            f"nightly: benchmark_slice {unknown} unknown; choose from {list(SUITE)} (empty: no benchmark slice)"
+        )
+    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+        raise NightlyError(f"nightly: benchmark_slice_instances must be a whole number ≥ 1, got {instances!r}")
+    chosen = list(dict.fromkeys(names))
+    for name in chosen:
+        benchmark_adapter(name, data_dir)  # BenchmarkError (one line) when its dataset folder is missing
+    return chosen
+
+
+def benchmark_slice_units(
+    ctx: CycleContext,
+    generations: Sequence[str],
+    benchmarks: Sequence[str] | None,
+    instances: Any,
+    date_iso: str,
+    data_dir: str | None = None,
+) -> list[dict[str, Any]]:
+    """One unit per (benchmark, served generation) of tonight's slice, as `BenchmarkTrialOperator` maps them:
+    ``{"benchmark", "generation", "trial", "limit", "data_dir"}``; none for an empty slice."""
+    chosen = check_benchmark_slice(benchmarks, instances, data_dir)
+    if not chosen:
+        return []
+    trial = nightly_trial(date_iso)
+    served = served_generations(ctx, list(generations))
+    return [
+        {"benchmark": name, "generation": generation, "trial": trial, "limit": instances, "data_dir": data_dir}
+        for name in chosen
+        for generation in served
+    ]
+
+
+def _nightly_ctx(config: CycleConfig) -> CycleContext:
+    from mass_ops.context import open_cycle
+
+    return open_cycle(nightly_config(config))
+
+
+def _slice_served(config: CycleConfig, generation: str) -> CycleContext:
+    """The nightly cycle's context pointed at `generation`'s nightly server (both backends)."""
+    from mass_ops.serving import serving_context
+
+    ctx = _nightly_ctx(config)
+    return serving_context(ctx, generation_server(ctx, generation, NIGHTLY_SCOPE))
+
+
+def _check_trial(trial: Any) -> int:
+    if isinstance(trial, bool) or not isinstance(trial, int) or trial < NIGHTLY_TRIAL_BASE:
+        raise NightlyError(f"nightly: benchmark slice trial {trial!r} is not a nightly trial (≥ {NIGHTLY_TRIAL_BASE})")
+    return trial
+
+
+# The slice's stage functions: the same signatures as `stages.benchmarks`' (BenchmarkTrialOperator calls them with
+# the `nightly_benchmark` prefix), recorded in the nightly cycle and run on tonight's servers (scope `nightly`).
+
+
+def nightly_benchmark_slice(
+    config: CycleConfig, benchmarks: Sequence[str] | None, instances: Any, data_dir: str | None = None
+) -> dict[str, Any]:
+    """The nightly DAG's first check of its slice params (see `check_benchmark_slice`)."""
+    del config
+    return {"benchmarks": check_benchmark_slice(benchmarks, instances, data_dir), "instances": instances}
+
+
+def nightly_benchmark_units(
+    config: CycleConfig,
+    generations: Sequence[str],
+    benchmarks: Sequence[str] | None,
+    instances: Any,
+    date_iso: str,
+    data_dir: str | None = None,
+) -> list[dict[str, Any]]:
+    """Tonight's slice units (`benchmark_slice_units`) in the nightly cycle."""
+    return benchmark_slice_units(_nightly_ctx(config), generations, benchmarks, instances, date_iso, data_dir)
+
+
+def nightly_benchmark_trial(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    limit: int | None = None,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """Tonight's slice of `benchmark` for `generation`, run, graded and recorded here (local backend; see
+    `stages.benchmarks.benchmark_trial`), skipping every instance already recorded for this night."""
+    from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
+    from mass_ops.stages.benchmarks import _check_limit, _executor_for, _summary
+
+    _check_limit(benchmark, limit)
+    adapter = benchmark_adapter(benchmark, data_dir)
+    runner = local_runner() if config.compute.backend == "local" else None
+    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
+    served = _slice_served(config, generation)
+    result = run_benchmark_trial(
+        served, adapter, _executor_for, generation, _check_trial(trial), runner=runner, limit=limit
+    )
+    return _summary(result)
+
+
+def nightly_benchmark_trial_tasks(
+    config: CycleConfig, benchmark: str, limit: int | None = None, data_dir: str | None = None
+) -> dict[str, Any]:
+    """The slice's tasks of `benchmark`, checked before any agent time (`stages.benchmarks.benchmark_trial_tasks`)."""
+    from mass_ops.stages.benchmarks import benchmark_trial_tasks
+
+    return benchmark_trial_tasks(config, benchmark, limit, data_dir)
+
+
+def nightly_benchmark_instance(
+    config: CycleConfig, benchmark: str, generation: str, trial: int, task: str, data_dir: str | None = None
+) -> dict[str, Any]:
+    """One slice instance's episode on tonight's server of `generation`, then its score or the grader job to run
+    (`stages.benchmarks.benchmark_instance`)."""
+    from mass_ops.evaluation.benchmarks.scoring import TaskScore
+    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
+    from mass_ops.evaluation.benchmarks.suite import prepare_instance
+    from mass_ops.stages.benchmarks import _executor_for, _task
+
+    adapter = benchmark_adapter(benchmark, data_dir)
+    served = _slice_served(config, generation)
+    prepared = prepare_instance(served, adapter, _executor_for, generation, _check_trial(trial), _task(adapter, task))
+    if isinstance(prepared, TaskScore):
+        return {"status": "recorded", "task": prepared.task, "score": prepared.score}
+    pending = prepared.as_dict()
+    return {"status": "grade", **{k: pending[k] for k in ("task", "job", "bundle_uri", "bundle_sha256")}}
+
+
+def nightly_benchmark_grader_result(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    task: str,
+    log: str,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """One slice instance graded from its grader Job's log and recorded once in the nightly cycle."""
+    from mass_ops.stages.benchmarks import benchmark_grader_result
+
+    return benchmark_grader_result(
+        nightly_config(config), benchmark, generation, _check_trial(trial), task, log, data_dir
+    )
+
+
+def nightly_benchmark_trial_record(
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    limit: int | None = None,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """The night's trial row of `benchmark` for `generation` in the nightly cycle, from its recorded instances."""
+    from mass_ops.stages.benchmarks import benchmark_trial_record
+
+    return benchmark_trial_record(nightly_config(config), benchmark, generation, _check_trial(trial), limit, data_dir)
