@@ -43,9 +43,9 @@ unfinished attempt is published.
 Budgets: the sandbox's proxy holds only the episode's token budget (it reaches no store). The ledger carries the
 announced units' task and cycle spend as the publisher read it, which the sandbox's pool checks before each attempt
 as it would the store; and the publisher charges each attempt's tokens and server-reported cost to its task and the
-cycle when it records the attempt's row — only the ingest that recorded the row charges, so a retried ingest adds
-nothing. (The one gap: a publisher killed between committing the row and charging loses that attempt's charge;
-closing it needs a charge marker committed with the row.)
+cycle on every ingest of the attempt, keyed by the attempt's row: the charge's marker commits with the increments
+(`budget_charges`), so a retried ingest — even one after a publisher killed between the row and the charge — adds
+the spend exactly once.
 """
 
 from __future__ import annotations
@@ -830,8 +830,6 @@ class HandoffPublisher:
         ack_path = self.handoff.ack_path(unit.slug, attempt)
         try:
             publication = self._publication(ctx, announced, unit)
-            # Whether this attempt was recorded before (an ingest retried): its spend was charged then.
-            recorded_before = self._recorded(ctx, unit)
             outcome = publish_episode(ctx, publication)
         except IncompleteHandoffError:
             raise
@@ -853,20 +851,15 @@ class HandoffPublisher:
                 status_record=outcome.status_record,
             ),
         )
-        if not recorded_before:
-            self._charge(ctx, publication, outcome)
+        self._charge(ctx, publication, outcome)  # once per attempt, whichever ingest gets here first
         if self.on_outcome is not None:
             self.on_outcome(outcome)
 
-    @staticmethod
-    def _recorded(ctx: CycleContext, unit: EpisodeUnit) -> bool:
-        rows = ctx.repo.episode_attempts(ctx.cycle_id, **unit.identity())
-        return any(row.attempt == unit.attempt for row in rows)
-
     def _charge(self, ctx: CycleContext, publication: EpisodePublication, outcome: EpisodeOutcome) -> None:
         """Charge the attempt's spend to its task's and the cycle's budget scopes: the pod's proxy could not (it has
-        no store). Called once, by the ingest that recorded the attempt's row; a failure is logged, not fatal (the
-        row is durable, and a ledger that misses spend must not lose the episode)."""
+        no store). Keyed by the attempt's row, so every ingest may call it and the spend is added once; a failure is
+        logged, not fatal (the row is durable, a rerun of the ingest charges it, and a ledger that misses spend must
+        not lose the episode)."""
         record = publication.record
         tokens = record.prompt_tokens + record.completion_tokens
         try:
@@ -875,6 +868,7 @@ class HandoffPublisher:
                 ctx.repo,
                 ctx.cycle_id,
                 publication.unit.task_id,
+                charge_key=f"episode:{outcome.episode_id}",
                 tokens=tokens,
                 cost_usd=cost,
                 requests=record.requests,

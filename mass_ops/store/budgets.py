@@ -214,12 +214,25 @@ class BudgetLedger:
 
 
 def charge_episode(
-    repo: MetadataRepository, cycle_id: int, task_id: object, *, tokens: int, cost_usd: float = 0.0, requests: int = 0
-) -> None:
-    """Add what one whole episode spent to its task's and the cycle's scopes (one transaction): how a Kubernetes pod's
-    spend reaches the ledger, since its proxy had no store. The caller charges each recorded attempt once."""
+    repo: MetadataRepository,
+    cycle_id: int,
+    task_id: object,
+    *,
+    charge_key: str,
+    tokens: int,
+    cost_usd: float = 0.0,
+    requests: int = 0,
+) -> bool:
+    """Add what one whole episode attempt spent to its task's and the cycle's scopes (one transaction): how a
+    Kubernetes pod's spend reaches the ledger, since its proxy had no store. `charge_key` names the attempt: a key
+    charged before adds nothing, so every ingest of the attempt may call this. Returns whether it charged."""
     if tokens <= 0 and cost_usd <= 0 and requests <= 0:
-        return
-    repo.add_budget_spend(
-        cycle_id, episode_scopes(task_id), tokens=max(tokens, 0), cost_usd=max(cost_usd, 0.0), requests=requests
+        return False
+    return repo.add_budget_spend(
+        cycle_id,
+        episode_scopes(task_id),
+        tokens=max(tokens, 0),
+        cost_usd=max(cost_usd, 0.0),
+        requests=requests,
+        charge_key=charge_key,
     )

@@ -31,6 +31,7 @@ from mass_ops.errors import InputError
 from mass_ops.store.metadata import MetadataStore
 from mass_ops.store.schema import (
     Base,
+    BudgetCharge,
     BudgetSpend,
     CallPurpose,
     CallStatus,
@@ -1106,12 +1107,22 @@ class MetadataRepository:
     # -- budgets -------------------------------------------------------------------------------------------------
 
     def add_budget_spend(
-        self, cycle_id: int, scopes: Sequence[str], *, tokens: int, cost_usd: float = 0.0, requests: int = 1
-    ) -> None:
+        self,
+        cycle_id: int,
+        scopes: Sequence[str],
+        *,
+        tokens: int,
+        cost_usd: float = 0.0,
+        requests: int = 1,
+        charge_key: str | None = None,
+    ) -> bool:
         """Add spend to every scope of `scopes` in one transaction: an atomic increment (INSERT … ON CONFLICT DO
-        UPDATE SET x = x + excluded.x), so concurrent processes never lose one another's spend."""
+        UPDATE SET x = x + excluded.x), so concurrent processes never lose one another's spend.
+
+        With `charge_key`, the charge is made at most once per cycle: its marker (`budget_charges`) commits with the
+        increments, and a key already marked adds nothing. Returns whether the spend was added."""
         if not scopes:
-            return
+            return False
         table = BudgetSpend.__table__
         insert = self._dialect_insert(BudgetSpend)
         statement = insert.on_conflict_do_update(
@@ -1136,8 +1147,18 @@ class MetadataRepository:
             for scope in dict.fromkeys(scopes)
         ]
         with self.store.transaction() as connection:
+            if charge_key is not None:
+                mark = (
+                    self._dialect_insert(BudgetCharge)
+                    .on_conflict_do_nothing(index_elements=["cycle_id", "charge_key"])
+                    .returning(BudgetCharge.id)  # no row back: the key was there (rowcount is not portable here)
+                )
+                marked = connection.execute(mark, {"cycle_id": cycle_id, "charge_key": charge_key, "created_at": now})
+                if marked.first() is None:
+                    return False  # charged before (a retried ingest): the increments are not repeated
             for row in rows:  # one statement per scope: executemany of an upsert is not portable
                 connection.execute(statement, row)
+        return True
 
     def note_budget_refusal(self, cycle_id: int, scope: str, need: int) -> None:
         """Remember that `scope` refused a request needing `need` tokens (its latest refusal)."""

@@ -547,3 +547,17 @@ class BudgetSpend(Base):
     # need (tokens) of the latest request this scope refused: the scope stays exhausted while spent + this exceeds
     # its limit, in every process, and no longer once the limit is raised
     refused_need: Mapped[int | None] = mapped_column(sa.BigInteger)
+
+
+class BudgetCharge(Base):
+    """Marks one charge as made (revision 0005): a spend that must reach the ledger exactly once — a Kubernetes pod's
+    episode attempt, charged when its row is ingested — is added with its key in the same transaction as the marker,
+    so a retried ingest (or one retried after a crash between the row and the charge) adds nothing twice."""
+
+    __tablename__ = "budget_charges"
+    __table_args__ = (sa.UniqueConstraint("cycle_id", "charge_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cycle_id: Mapped[int] = mapped_column(sa.ForeignKey("cycles.id", ondelete="CASCADE"))
+    charge_key: Mapped[str] = mapped_column(sa.String(200))
+    created_at: Mapped[datetime] = _created()

@@ -842,6 +842,38 @@ def test_an_ingest_that_failed_before_the_row_charges_when_it_is_retried(tmp_pat
     assert spend(ctx) == {"task:51": (2, 0.0, 1), "cycle": (2, 0.0, 1)}
 
 
+def test_a_charge_lost_after_the_row_was_recorded_is_made_once_by_the_retried_ingest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crash window between committing the attempt's row and charging it: the retry charges, exactly once."""
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    real_charge = hand.charge_episode
+
+    def killed(*args: Any, **kwargs: Any) -> bool:
+        raise ConnectionError("the publisher's connection dropped after the row was committed")
+
+    monkeypatch.setattr(hand, "charge_episode", killed)
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    finished_publication(sandbox.attempt(1), 1)
+    sandbox.complete()
+    thread.join(timeout=60)
+    assert result == {"code": 0} and len(ctx.repo.episodes(ctx.cycle_id)) == 1, "the row is durable"
+    assert spend(ctx) == {}, "its charge was lost"
+
+    monkeypatch.setattr(hand, "charge_episode", real_charge)
+    announced = hand.HandoffUnit(
+        task_id=TASK, kind="reference", seed=SEED, condition=f"t{TASK}_bare",
+        prompt_sha256=hashlib.sha256(b"the prompt").hexdigest(),
+    )  # fmt: skip
+    for _ in range(3):  # the operator's retries ingest the same attempt again
+        publisher._publish(ctx, ctx.cycle_name, announced, 1)
+    assert publisher.failures == 0 and len(ctx.repo.episodes(ctx.cycle_id)) == 1
+    assert spend(ctx) == {"task:51": (2, 0.0, 1), "cycle": (2, 0.0, 1)}, "charged once, by the first retry"
+
+
 def test_the_sandbox_checks_the_task_and_cycle_spend_the_publisher_read(tmp_path: Path) -> None:
     from mass_ops.config import validate_config
     from mass_ops.store.budgets import BudgetLedger, BudgetLimits, episode_scopes

@@ -60,9 +60,9 @@ def test_a_cycle_budget_shared_by_two_tasks_stops_both_once_pods_spent_it(inner_
     ctx = with_budgets(inner_loop.open(tasks=(51, 202)).ctx, cycle_tokens=1_000, episode_tokens=600)
     # Both tasks' pods were admitted while the cycle had room, and their spend reached the ledger at ingest.
     assert admit_episode(ctx, REFERENCE_51) is None and admit_episode(ctx, REFERENCE_202) is None
-    charge_episode(ctx.repo, ctx.cycle_id, 51, tokens=600, requests=3)
+    charge_episode(ctx.repo, ctx.cycle_id, 51, charge_key="e1", tokens=600, requests=3)
     assert admit_episode(ctx, REFERENCE_202) is None, "400 tokens left in the cycle"
-    charge_episode(ctx.repo, ctx.cycle_id, 202, tokens=500, requests=2)
+    charge_episode(ctx.repo, ctx.cycle_id, 202, charge_key="e2", tokens=500, requests=2)
     stops = [admit_episode(ctx, REFERENCE_51), admit_episode(ctx, REFERENCE_202)]
     assert [(s.scope, s.setting) for s in stops if s] == [("cycle", "budgets.cycle_tokens")] * 2
     spend = ctx.repo.budget_spend(ctx.cycle_id)
@@ -87,12 +87,15 @@ def test_the_overshoot_is_bounded_by_pods_in_flight_times_the_episode_budget(inn
     limit, episode_tokens, need = 10_000, 3_000, 700
     ctx = with_budgets(inner_loop.open(tasks=(51,)).ctx, task_tokens=limit, episode_tokens=episode_tokens)
     ledger = BudgetLedger(ctx.repo, ctx.cycle_id, BudgetLimits.from_mapping(ctx.config.budgets.model_dump()))
-    charge_episode(ctx.repo, ctx.cycle_id, 51, tokens=limit - 1)  # one token of room: every pod is still admitted
+    # One token of room: every pod is still admitted.
+    charge_episode(ctx.repo, ctx.cycle_id, 51, charge_key="before", tokens=limit - 1)
     in_flight = 4
     admitted = [admit_episode(ctx, EpisodeSpec("collection", 51, candidate=c)) for c in range(in_flight)]
     assert admitted == [None] * in_flight
-    for _ in range(in_flight):  # each pod ends and is charged at ingest, none saw the others' spend
-        charge_episode(ctx.repo, ctx.cycle_id, 51, tokens=pod_spend(episode_tokens, need), requests=1)
+    for pod in range(in_flight):  # each pod ends and is charged at ingest, none saw the others' spend
+        charge_episode(
+            ctx.repo, ctx.cycle_id, 51, charge_key=f"pod{pod}", tokens=pod_spend(episode_tokens, need), requests=1
+        )
     spent = ctx.repo.budget_spend(ctx.cycle_id)["task:51"].tokens
     overshoot = spent - limit
     print(f"task budget {limit:,}: {in_flight} pods in flight spent past it by {overshoot:,} tokens "

@@ -160,6 +160,10 @@ def test_every_table_round_trips(repo: MetadataRepository, cycle_id: int):
     task = repo.record_cycle_task(cycle_id, 51, "train", bare_prompt_sha256="b" * 64, initial_prompt_sha256="c" * 64)
     repo.add_budget_spend(cycle_id, ["cycle", "task:51"], tokens=1200, cost_usd=0.5)
     assert {scope: row.tokens for scope, row in repo.budget_spend(cycle_id).items()} == {"cycle": 1200, "task:51": 1200}
+    # A keyed charge (a pod's episode attempt) is added once: the marker commits with the increments.
+    assert repo.add_budget_spend(cycle_id, ["cycle"], tokens=5, charge_key="episode:1") is True
+    assert repo.add_budget_spend(cycle_id, ["cycle"], tokens=5, charge_key="episode:1") is False
+    assert repo.budget_spend(cycle_id)["cycle"].tokens == 1205
     excluded = repo.record_cycle_task(cycle_id, 221, "train", excluded=True, exclusion_reason="never beat reference")
     repo.record_cycle_task(cycle_id, 60, "test")
     assert task.task_id == "51" and not task.excluded

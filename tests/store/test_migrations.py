@@ -42,7 +42,7 @@ def test_empty_to_head_to_base_to_head(metadata_url: str):
     assert _tables(metadata_url) == set()
 
     migrations.upgrade(metadata_url)
-    assert migrations.current(metadata_url) == migrations.head_revision() == "0004"
+    assert migrations.current(metadata_url) == migrations.head_revision() == "0005"
     assert _tables(metadata_url) == MODEL_TABLES
 
     migrations.downgrade(metadata_url, "base")
@@ -50,7 +50,7 @@ def test_empty_to_head_to_base_to_head(metadata_url: str):
     assert _tables(metadata_url) == set()
 
     migrations.upgrade(metadata_url, "head")
-    assert migrations.current(metadata_url) == "0004"
+    assert migrations.current(metadata_url) == "0005"
     assert _tables(metadata_url) == MODEL_TABLES
 
 
