@@ -181,6 +181,44 @@ def form_schema() -> dict[str, Any]:
 
 
 NIGHTLY_KNOBS = ("compute_backend", "max_concurrent_requests", "rollout_count", "regression_threshold")
+# The nightly DAG's params that choose its benchmark slice, not the config (`mass_ops.stages.nightly`).
+NIGHTLY_RUN_PARAMS = ("benchmark_slice", "benchmark_slice_instances", "benchmark_data_dir")
+NIGHTLY_SLICE_INSTANCES = 5
+
+
+def nightly_slice_params() -> dict[str, Any]:
+    """The nightly DAG's benchmark-slice params: benchmark names (empty: no slice), the first N instances of each,
+    and the dataset folder. The names are checked by the DAG's first task against the suite (one line when unknown),
+    so the suite is listed in one place."""
+    from airflow.sdk import Param
+
+    return {
+        "benchmark_slice": Param(
+            [],
+            type="array",
+            items={"type": "string", "minLength": 1},
+            title="Benchmark slice",
+            description="Public benchmarks to run a few instances of tonight, one trial, on every served generation "
+            "(any of tb2, swe, ds, asta); empty = no slice.",
+            section="Benchmark slice",
+        ),
+        "benchmark_slice_instances": Param(
+            NIGHTLY_SLICE_INSTANCES,
+            type="integer",
+            minimum=1,
+            title="Benchmark slice instances",
+            description="The first N instances of each slice benchmark.",
+            section="Benchmark slice",
+        ),
+        "benchmark_data_dir": Param(
+            None,
+            type=["null", "string"],
+            title="Benchmark data dir",
+            description="The folder with one dataset subfolder per benchmark (empty: $MASS_BENCHMARK_DATA); nothing "
+            "is downloaded.",
+            section="Benchmark slice",
+        ),
+    }
 
 
 def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = None) -> dict[str, Any]:
@@ -280,6 +318,9 @@ def cluster_compute_section(settings_dir: str | Path | None) -> dict[str, Any]:
 
 # The cycle DAG's params that steer the run, not the config (build_config accepts and ignores them).
 CYCLE_RUN_PARAMS = ("auto_continue", "allow_over_budget")
+# Accepted and ignored likewise: the nightly DAG's server and report operators build the config from its whole
+# params; its own tasks strip them with config_params.
+IGNORED_RUN_PARAMS = (*CYCLE_RUN_PARAMS, *NIGHTLY_RUN_PARAMS)
 
 
 def config_params(params: Mapping[str, Any] | None, run_params: Sequence[str]) -> dict[str, Any]:
@@ -306,7 +347,7 @@ def build_config(
     from mass_ops.compute.kubernetes import settings_dir as default_settings_dir
     from mass_ops.config import ConfigError, apply_environment, apply_overrides, read_config_source, validate_config
 
-    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", *CYCLE_RUN_PARAMS})
+    unknown = sorted(set(params) - set(KNOB_BY_PARAM) - {"preset", "overrides", *IGNORED_RUN_PARAMS})
     if unknown:
         raise ParamsError(
             f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)} (a DAG's own run params are stripped with "

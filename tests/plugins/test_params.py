@@ -87,6 +87,21 @@ def test_nightly_params_are_a_subset():
     assert all(isinstance(p, Param) for p in nightly.values())
 
 
+def test_the_nightly_slice_params_are_run_params_not_config(tmp_path):
+    slice_params = form.nightly_slice_params()
+    assert tuple(slice_params) == form.NIGHTLY_RUN_PARAMS
+    checked = ParamsDict({**cycle_params(knobs=form.NIGHTLY_KNOBS), **slice_params})
+    checked.validate()
+    assert checked["benchmark_slice"] == [] and checked["benchmark_slice_instances"] == form.NIGHTLY_SLICE_INSTANCES
+    chosen = {"preset": "demo", "benchmark_slice": ["ds"], "benchmark_slice_instances": 2, "benchmark_data_dir": "/d"}
+    # The nightly's server and report operators build the config from the whole params: accepted and ignored there.
+    plain = build_config({"preset": "demo"}, settings_dir=tmp_path, environ={})
+    assert build_config(chosen, settings_dir=tmp_path, environ={}) == plain
+    assert form.config_params(chosen, form.NIGHTLY_RUN_PARAMS) == {"preset": "demo"}
+    with pytest.raises(ParamsError, match=r"unknown \['benchmark_slices'\]"):  # a typo is still refused
+        build_config({"preset": "demo", "benchmark_slices": ["ds"]}, settings_dir=tmp_path, environ={})
+
+
 def test_preset_alone_is_the_preset(tmp_path):
     assert build_config({"preset": "paper"}, settings_dir=tmp_path, environ={}) == load_config("paper", environ={})
 
