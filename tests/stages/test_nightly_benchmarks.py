@@ -163,3 +163,19 @@ def test_the_per_instance_stages_record_the_night_once(eval_env, data_dir, monke
 def test_a_full_run_trial_index_is_refused_by_the_slice_stages(eval_env, data_dir):
     with pytest.raises(NightlyError, match="trial 0 is not a nightly trial"):
         nightly_benchmark_trial_record(eval_env.config, "ds", "L1", 0, 1, data_dir)
+
+
+def test_the_nightly_report_shows_the_slices_scores(eval_env, data_dir, monkeypatch, tmp_path):
+    from mass_ops.stages.api import nightly_report
+
+    SliceRun(eval_env, monkeypatch, tmp_path)
+    config = eval_env.config
+    for u in nightly_benchmark_units(config, ["L1"], ["ds"], 2, NIGHT_1, data_dir):
+        nightly_benchmark_trial(config, u["benchmark"], u["generation"], u["trial"], u["limit"], u["data_dir"])
+    written = nightly_report(config)
+    night = open_test_cycle(nightly_config(config))
+    assert written["cycle"] == night.cycle_name
+    lines = night.artifacts.get_bytes(night.artifacts.key_of(written["markdown"])).decode().splitlines()
+    # The paper's table of the nightly cycle: tonight's trial of each served generation, both tasks scored.
+    assert "| ds | L0 | 1 | 1.000 ± n/a | 2/2 | 1000 | 1.0000 | 1.00× |" in lines
+    assert "| ds | L1 | 1 | 1.000 ± n/a | 2/2 | 1000 | 1.0000 | 1.00× |" in lines
