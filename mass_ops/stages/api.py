@@ -436,6 +436,67 @@ def nightly_report(config: CycleConfig) -> dict[str, Any]:
     return {"cycle": ctx.cycle_name, **written}
 
 
+def nightly_benchmark_slice(
+    config: CycleConfig, benchmarks: Sequence[str] | None, instances: Any, data_dir: str | None = None
+) -> dict[str, Any]:
+    """The nightly DAG's first check of its benchmark slice: NightlyError (one line) for an unknown benchmark or an
+    instance count below 1, BenchmarkError for a missing dataset folder."""
+    from mass_ops.stages.nightly import nightly_benchmark_slice as check
+
+    return check(config, benchmarks, instances, data_dir)
+
+
+def nightly_benchmark_units(
+    config: CycleConfig,
+    generations: Sequence[str],
+    benchmarks: Sequence[str] | None,
+    instances: Any,
+    date: str,
+    data_dir: str | None = None,
+) -> list[dict[str, Any]]:
+    """Tonight's slice units, one per (benchmark, served generation), under the night's trial index."""
+    from mass_ops.stages.nightly import nightly_benchmark_units as units
+
+    return units(config, generations, benchmarks, instances, date, data_dir)
+
+
+# The slice's trial stages, called by BenchmarkTrialOperator(stage_prefix="nightly_benchmark") with the signatures of
+# the benchmark_* stages: recorded in the nightly cycle, run on tonight's servers.
+def nightly_benchmark_trial(config: CycleConfig, *args: Any) -> dict[str, Any]:
+    """`stages.nightly.nightly_benchmark_trial` (one slice trial in this process, local backend)."""
+    from mass_ops.stages.nightly import nightly_benchmark_trial as run
+
+    return run(config, *args)
+
+
+def nightly_benchmark_trial_tasks(config: CycleConfig, *args: Any) -> dict[str, Any]:
+    """`stages.nightly.nightly_benchmark_trial_tasks` (the slice's tasks, checked before any agent time)."""
+    from mass_ops.stages.nightly import nightly_benchmark_trial_tasks as run
+
+    return run(config, *args)
+
+
+def nightly_benchmark_instance(config: CycleConfig, *args: Any) -> dict[str, Any]:
+    """`stages.nightly.nightly_benchmark_instance` (one slice instance: its score or the grader job to run)."""
+    from mass_ops.stages.nightly import nightly_benchmark_instance as run
+
+    return run(config, *args)
+
+
+def nightly_benchmark_grader_result(config: CycleConfig, *args: Any) -> dict[str, Any]:
+    """`stages.nightly.nightly_benchmark_grader_result` (a slice instance graded from its Job's log, recorded once)."""
+    from mass_ops.stages.nightly import nightly_benchmark_grader_result as run
+
+    return run(config, *args)
+
+
+def nightly_benchmark_trial_record(config: CycleConfig, *args: Any) -> dict[str, Any]:
+    """`stages.nightly.nightly_benchmark_trial_record` (the night's trial row from its recorded instances)."""
+    from mass_ops.stages.nightly import nightly_benchmark_trial_record as run
+
+    return run(config, *args)
+
+
 def bind_episode(config: CycleConfig, episode: Any) -> Any:
     """An episode pod's spec (`compute.kubernetes.EpisodeSpec`) bound to the exact request its stage runs for that
     unit (seed, condition, prompt), with the prompt stored where the pod's publisher fetches it; EpisodeUnitError

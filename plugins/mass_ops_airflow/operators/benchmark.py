@@ -20,7 +20,7 @@ re-attaches to one still running, and replaces one that failed. A kill deletes t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,11 +53,16 @@ class BenchmarkTrialOperator(BaseOperator):
     """Run, grade and record trial `unit[1]` of benchmark `unit[0]` for the run's `generation` param (with its
     `limit` and `data_dir` params).
 
-    :param unit: ``[benchmark, trial]`` (templated: mapped from the run's units).
+    :param unit: ``[benchmark, trial]`` (templated: mapped from the run's units), or a mapping with ``benchmark``,
+        ``trial`` and any of ``generation``, ``limit``, ``data_dir``, which then win over the run's params (the nightly
+        benchmark slice maps over (benchmark, generation)).
     :param kubernetes_conn_id: Airflow Kubernetes connection (None: in-cluster config).
     :param poll_interval_s: seconds between Job status reads while deferred.
     :param delete_timeout_s: how long to wait for a failed grader Job of a previous try to disappear.
     :param run_params: the DAG's params that are not config keys (stripped before the config is built).
+    :param stage_prefix: the stage functions run are ``<prefix>_trial``, ``<prefix>_trial_tasks``,
+        ``<prefix>_instance``, ``<prefix>_grader_result`` and ``<prefix>_trial_record`` (same signatures):
+        ``benchmark`` (stages.benchmarks), or ``nightly_benchmark`` (the nightly slice: its cycle and servers).
     """
 
     template_fields: Sequence[str] = ("unit",)
@@ -71,11 +76,13 @@ class BenchmarkTrialOperator(BaseOperator):
         poll_interval_s: float = 15.0,
         delete_timeout_s: int = 600,
         run_params: Sequence[str] = ("generation", "benchmarks", "trials", "limit", "data_dir"),
+        stage_prefix: str = "benchmark",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.unit = unit
         self.run_params = tuple(run_params)
+        self.stage_prefix = stage_prefix
         self.kubernetes_conn_id = kubernetes_conn_id
         self.poll_interval_s = poll_interval_s
         self.delete_timeout_s = delete_timeout_s
@@ -85,9 +92,18 @@ class BenchmarkTrialOperator(BaseOperator):
 
     def _choice(self, context: Context) -> tuple[str, int, str, int | None, str | None]:
         params = context["params"]
-        benchmark, trial = str(self.unit[0]), int(self.unit[1])
-        context["unit_label"] = f"{benchmark} t{trial}"  # type: ignore[typeddict-unknown-key]  # map_index_template
-        return benchmark, trial, str(params["generation"]), params.get("limit"), params.get("data_dir")
+        unit = self.unit if isinstance(self.unit, Mapping) else {"benchmark": self.unit[0], "trial": self.unit[1]}
+        benchmark, trial = str(unit["benchmark"]), int(unit["trial"])
+        generation = str(unit["generation"]) if "generation" in unit else str(params["generation"])
+        limit = unit["limit"] if "limit" in unit else params.get("limit")
+        data_dir = unit["data_dir"] if "data_dir" in unit else params.get("data_dir")
+        label = f"{benchmark} {generation} t{trial}" if "generation" in unit else f"{benchmark} t{trial}"
+        context["unit_label"] = label  # type: ignore[typeddict-unknown-key]  # map_index_template
+        return benchmark, trial, generation, limit, data_dir
+
+    def _stage(self, step: str) -> str:
+        """The stage function of `step` ("trial", "instance", …) for this operator's stage family."""
+        return f"{self.stage_prefix}_{step}"
 
     def config_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """The run's params that build the cycle config (the DAG's run params are not config)."""
@@ -101,7 +117,7 @@ class BenchmarkTrialOperator(BaseOperator):
         benchmark, trial, generation, limit, data_dir = self._choice(context)
         config = cycle_config(self.config_params(context["params"]))
         if config.compute.backend == "local":
-            result = call_stage("benchmark_trial", config, benchmark, generation, trial, limit, data_dir)
+            result = call_stage(self._stage("trial"), config, benchmark, generation, trial, limit, data_dir)
             return {"backend": "local", "result": result}
         return self._advance(context, config, 0)  # its first call checks the dataset and evaluator
 
@@ -129,7 +145,7 @@ class BenchmarkTrialOperator(BaseOperator):
 
     def _tasks(self, context: Context, config: CycleConfig) -> list[str]:
         benchmark, _, _, limit, data_dir = self._choice(context)
-        return list(call_stage("benchmark_trial_tasks", config, benchmark, limit, data_dir)["tasks"])
+        return list(call_stage(self._stage("trial_tasks"), config, benchmark, limit, data_dir)["tasks"])
 
     def _advance(self, context: Context, config: CycleConfig, start: int) -> dict[str, Any]:
         """Instances `start`… in order; defers at the first one that needs a grader Job; records the trial after
@@ -137,12 +153,12 @@ class BenchmarkTrialOperator(BaseOperator):
         benchmark, trial, generation, limit, data_dir = self._choice(context)
         tasks = self._tasks(context, config)
         for index in range(start, len(tasks)):
-            prepared = call_stage("benchmark_instance", config, benchmark, generation, trial, tasks[index], data_dir)
+            prepared = call_stage(self._stage("instance"), config, benchmark, generation, trial, tasks[index], data_dir)
             if prepared["status"] == "recorded":
                 continue
             if self._grade(context, config, index, prepared):
                 continue  # a grader Job of a previous try had succeeded: its result is recorded now
-        result = call_stage("benchmark_trial_record", config, benchmark, generation, trial, limit, data_dir)
+        result = call_stage(self._stage("trial_record"), config, benchmark, generation, trial, limit, data_dir)
         return {"backend": "kubernetes", "result": result}
 
     def _unit_label(self, context: Context) -> str:
@@ -235,7 +251,9 @@ class BenchmarkTrialOperator(BaseOperator):
         )
         if isinstance(log, bytes):
             log = log.decode("utf-8", errors="replace")
-        scored = call_stage("benchmark_grader_result", config, benchmark, generation, trial, task, str(log), data_dir)
+        scored = call_stage(
+            self._stage("grader_result"), config, benchmark, generation, trial, task, str(log), data_dir
+        )
         self.log.info("%s t%d %s: score %s (%s)", benchmark, trial, task, scored["score"], scored["evaluator"])
         kube.delete_objects(clients, namespace, jobs=[name])
         self._in_flight = None
