@@ -2,15 +2,25 @@
 
 Workload: RHI for 9 tasks × 12 versions (reference + v0..v11 episodes per task), teacher collection of 18 candidates
 for the 8 training tasks, a ring tournament of 54 matches per training task. Every judge and optimizer call is a real
-call of the stage code to the scripted OpenAI-compatible stand-in (`tests.policy_server`, here in-process) whose
-capacity is C requests at once; episodes are a stand-in runner behind the real `EpisodePool` that holds one of the
-server's C slots for the episode's drawn length (one long request), then publishes a small workspace and its row.
+call of the stage code to the scripted OpenAI-compatible stand-in (`tests.policy_server`) whose capacity is C
+requests at once; episodes are a stand-in runner behind the real `EpisodePool` that spends the episode's drawn length
+on the server as back-to-back turns (one request per turn, at most `--turn` seconds each: an agent talks to the server
+turn by turn, so a judge call queues behind a turn, not behind a whole episode), then publishes a small workspace and
+its row. The server runs in its own process, as the model server is another machine in production (in this process
+its request handling would take the interpreter lock from the stage code it serves).
 
 Episode lengths are heavy-tailed and seeded per unit (the same unit has the same length in every schedule):
 log-normal with median `--median` seconds and shape `--sigma` (0.6: the 90th percentile is about 2.2× the median),
 and with probability `--tail-share` an episode takes `--tail-factor` (10×) its drawn length — an agent that kept
 going until its limits. Judge and optimizer calls take `--judge` and `--optimizer` seconds of a slot. The defaults
-are a paper cycle (episodes ~20 min, judge calls ~1.5 min, proposals ~3 min) time-scaled by about 1/5000.
+are a paper cycle (episodes ~20 min, judge calls ~1.5 min, proposals ~3 min) time-scaled by about 1/2400.
+
+What time scaling does not shrink: the stage code's own work per unit (ledger and row writes, evidence bundles,
+workspace tarballs: ~0.15 s per search step on 2 idle cores, more when 9 chains share them) is milliseconds against
+minutes in production but a sizeable share of a scaled step; it is not in the bound, so wall/bound includes it, and a
+larger scale (`--median 1 --judge 0.08 --optimizer 0.16`) shows the schedule with less of it. The ranking's bootstrap
+intervals (CPU only, ~4 s per task here in pure Python, no server work) are left out by default
+(`--bootstrap-samples 0`; their cost is printed): at this scale they would stand for hours of simulated time.
 
 Schedules:
 - reference: the reference release's sequential order — tasks one after another, each version in order, one episode
@@ -22,21 +32,27 @@ Schedules:
 
 Printed per schedule: wall-clock; utilisation = busy slot-seconds of the server / (C × the time from the first
 request to the last answer); wall / bound, where bound = max(longest dependency chain of a task, total server work / C)
-computed from the drawn lengths; then the ratios pipelined/today and pipelined/reference, and whether the goals
-(pipelined utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met.
+computed from the drawn lengths (server time only). The chain assumes a task's longest collection candidate starts as
+soon as its search ends, which a scheduler that does not know episode lengths in advance cannot promise when many
+tasks collect at once: one 10× candidate that starts mid-phase leaves the server idle in the tail. Then the mean wait
+for a server slot per kind, the ratios pipelined/today and pipelined/reference, whether the goals (pipelined
+utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met, and with `--timeline` each task's phase ends.
 
-    .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.25] [--schedules reference,today,pipelined]
+    .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.5] [--schedules reference,today,pipelined]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import cProfile
 import dataclasses
 import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import random
 import shutil
 import sys
@@ -44,6 +60,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +129,18 @@ class TimedServer(PolicyServer):
         self.last = 0.0
         self.work = {"episode": 0.0, "judge": 0.0, "optimizer": 0.0}
         self.counts = {"episode": 0, "judge": 0, "optimizer": 0}
+        self.waited = {"episode": 0.0, "judge": 0.0, "optimizer": 0.0}  # seconds queued for a slot
+
+    def figures(self) -> dict[str, Any]:
+        """Busy slot-seconds, first request and last answer (this process's perf_counter), work and counts."""
+        return {
+            "busy_s": self.busy_s,
+            "first": self.first,
+            "last": self.last,
+            "work": dict(self.work),
+            "counts": dict(self.counts),
+            "waited": dict(self.waited),
+        }
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()  # aiohttp keeps the body: the stand-in's handler reads it again
@@ -124,8 +153,10 @@ class TimedServer(PolicyServer):
             hold = self.lengths.optimizer if kind == "optimizer" else self.lengths.judge
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.capacity)
+        arrived = time.perf_counter()
         async with self._gate:
             started = time.perf_counter()
+            self.waited[kind] += started - arrived
             self.first = started if self.first is None else self.first
             try:
                 await asyncio.sleep(hold)
@@ -140,13 +171,77 @@ class TimedServer(PolicyServer):
                 self.counts[kind] += 1
 
 
+def serve(capacity: int, lengths: Lengths, commands: Connection) -> None:
+    """The timed stand-in in its own process (the model server is another machine in production, and in this
+    process its request handling would take the interpreter lock from the stage code it serves). Answers
+    `commands`: "reset" (between schedules), "figures" (a dict, times relative to `time.time()`), "stop"."""
+    logging.basicConfig(level=logging.ERROR)
+    policy = ScriptedPolicy()
+    policy.judge_winner = lambda request: "B"  # the version always wins: every step arbitrates (fixed work)
+    with EventLoopThread() as loop:
+        server = TimedServer(capacity, lengths, policy)
+        loop.run(server.start())
+        commands.send(server.base_url)
+        try:
+            while (command := commands.recv()) != "stop":
+                if command == "reset":
+                    loop.run(_call(server.reset))
+                    commands.send(None)
+                elif command == "figures":
+                    figures = loop.run(_call(server.figures))
+                    # perf_counter is per process: hand over wall-clock times
+                    offset = time.time() - time.perf_counter()
+                    for name in ("first", "last"):
+                        if figures[name] is not None:
+                            figures[name] += offset
+                    commands.send(figures)
+        finally:
+            loop.run(server.stop())
+
+
+async def _call(function: Any) -> Any:
+    return function()
+
+
+class ServerProcess:
+    """Starts `serve` in a child process; `base_url`, `reset()`, `figures()`, and `close()`."""
+
+    def __init__(self, capacity: int, lengths: Lengths) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._commands, child = context.Pipe()
+        self._process = context.Process(target=serve, args=(capacity, lengths, child), name="sim-server", daemon=True)
+        self._process.start()
+        if not self._commands.poll(120):
+            self._process.kill()
+            raise SystemExit("cycle_sim: the server process did not start within 120 s")
+        self.base_url: str = self._commands.recv()
+
+    def _ask(self, command: str) -> Any:
+        self._commands.send(command)
+        return self._commands.recv()
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+    def figures(self) -> dict[str, Any]:
+        return self._ask("figures")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._commands.send("stop")
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
 class SimRunner:
     """`AttemptRunner` of the pool: holds a server slot for the unit's drawn length, then records the episode (a
     small workspace and its row, through the inner-loop tests' fake executor)."""
 
-    def __init__(self, ctx: CycleContext, endpoint: str, lengths: Lengths) -> None:
+    def __init__(self, ctx: CycleContext, endpoint: str, lengths: Lengths, turn: float) -> None:
         self.endpoint = endpoint
         self.lengths = lengths
+        self.turn = turn
         self.recorder = FakeExecutor(ctx, workspace_files=small_workspace)
 
     async def preflight(self) -> None:
@@ -162,12 +257,18 @@ class SimRunner:
         return self.recorder._outcome(request, row, reused=False)
 
     def _hold(self, seconds: float) -> None:
-        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{HOLD}{seconds:.6f}"}]})
-        post = urllib.request.Request(
-            f"{self.endpoint}/chat/completions", body.encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(post, timeout=600) as answer:
-            answer.read()
+        """The episode's server time as turns of at most `turn` seconds, one request each, back to back: an agent
+        talks to the server turn by turn, so a judge call waits for a turn to end, not for a whole episode."""
+        turns = max(1, math.ceil(seconds / self.turn - 1e-9))
+        for _ in range(turns):
+            body = json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": f"{HOLD}{seconds / turns:.6f}"}]}
+            )
+            post = urllib.request.Request(
+                f"{self.endpoint}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(post, timeout=600) as answer:
+                answer.read()
 
 
 def small_workspace(request: EpisodeRequest, task_text: str) -> dict[str, bytes]:
@@ -190,18 +291,24 @@ def sim_config(name: str, endpoint: str, store: Path, capacity: int, args: argpa
     data["tasks"]["catalogue"] = "builtin"  # mass-ops' own tasks with the paper's settings
     data["evaluation"]["tasks"] = None
     data["search"]["iterations"] = args.iterations
+    data["ranking"]["bootstrap_samples"] = args.bootstrap_samples
     data["storage"] = {"metadata_url": f"sqlite:///{store / 'metadata.db'}", "artifact_url": str(store / "artifacts")}
     return validate_config(data)
 
 
-def run_schedule(schedule: str, server: TimedServer, base: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_schedule(
+    schedule: str, server: ServerProcess, lengths: Lengths, base: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     capacity = 1 if schedule == "reference" else args.capacity
     config = sim_config(f"sim-{schedule}", f"{server.base_url}/v1", base / schedule, capacity, args)
     ctx = open_cycle(config)
     client = open_client(config, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1))
-    pool = EpisodePool(ctx, runner=SimRunner(ctx, f"{server.base_url}/v1", server.lengths), capacity=capacity)
+    pool = EpisodePool(
+        ctx, runner=SimRunner(ctx, f"{server.base_url}/v1", lengths, args.turn or args.median / 8), capacity=capacity
+    )
     server.reset()
-    started = time.perf_counter()
+    phases: list[tuple[float, int, str, str]] = []  # (seconds since start, task, phase, started | finished)
+    started = time.time()
     try:
         if schedule == "reference":
             for task in config.tasks.train_candidates:
@@ -215,18 +322,23 @@ def run_schedule(schedule: str, server: TimedServer, base: Path, args: argparse.
             with ThreadPoolExecutor(max_workers=len(train)) as ranking:  # the DAG's mapped rank_task instances
                 list(ranking.map(lambda task: rank_tasks(ctx, [task], client=client), train))
         else:
-            run_inner_loop(ctx, pool, client=client)
-        wall = time.perf_counter() - started
+            run_inner_loop(ctx, pool, client=client, on_phase=lambda phase, task, state: phases.append(
+                (time.time() - started, task, phase, state)
+            ))  # fmt: skip
+        wall = time.time() - started
     finally:
         pool.close()
         client.close()
-    active = server.last - (server.first or started)
+    served = server.figures()
+    active = served["last"] - (served["first"] or started)
     return {
         "wall_s": wall,
-        "utilisation": server.busy_s / (args.capacity * active) if active > 0 else 0.0,
-        "work_s": sum(server.work.values()),
-        "counts": dict(server.counts),
+        "utilisation": served["busy_s"] / (args.capacity * active) if active > 0 else 0.0,
+        "work_s": sum(served["work"].values()),
+        "counts": served["counts"],
+        "waited": served["waited"],
         "episodes": len(ctx.repo.episodes(ctx.cycle_id)),
+        "phases": phases,
     }
 
 
@@ -272,18 +384,54 @@ def drawn_lengths(config: CycleConfig, lengths: Lengths) -> dict[int, tuple[list
     return out
 
 
+def bootstrap_cost(config: CycleConfig) -> float:
+    """Seconds one task's bootstrap intervals take here at the paper's 1000 resamples (its tournament's size)."""
+    from mass_ops.ranking import MatchResult, bootstrap_intervals, tournament_pairs
+
+    names = [f"c{i}" for i in range(config.collection.candidates)]
+    pairs = tournament_pairs(names, config.ranking.opponents_per_episode, seed=1)
+    draw = random.Random(1)
+    matches = [MatchResult(a, b, draw.choice([a, b, None])) for a, b in pairs]
+    started = time.perf_counter()
+    bootstrap_intervals(names, matches, 1000, seed=1)
+    return time.perf_counter() - started
+
+
+def print_timeline(
+    phases: list[tuple[float, int, str, str]], drawn: dict[int, tuple[list[float], list[float]]], lengths: Lengths
+) -> None:
+    """Per task of the pipelined order: when each phase ended, beside the server time its chain needs."""
+    ended = {(task, phase): at for at, task, phase, state in phases if state == "finished"}
+    print("pipelined timeline (s since start: phase ended | drawn server time of the phase on the chain):")
+    for task, (search, collection) in drawn.items():
+        cells = [f"search {ended.get((task, 'search'), float('nan')):6.2f} | {sum(search):5.2f}"]
+        if collection:
+            cells.append(f"collection {ended.get((task, 'collection'), float('nan')):6.2f} | {max(collection):5.2f}")
+            cells.append(f"ranking {ended.get((task, 'ranking'), float('nan')):6.2f}")
+        print(f"  task {task:>3}: " + "   ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity", type=int, default=8, help="requests the server processes at once (C)")
     parser.add_argument("--tasks", type=int, default=9)
     parser.add_argument("--iterations", type=int, default=11)
-    parser.add_argument("--median", type=float, default=0.25, help="median episode length, seconds")
+    parser.add_argument("--median", type=float, default=0.5, help="median episode length, seconds")
     parser.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of episode lengths")
     parser.add_argument("--tail-share", type=float, default=0.03, help="share of episodes that run tail-factor×")
     parser.add_argument("--tail-factor", type=float, default=10.0)
-    parser.add_argument("--judge", type=float, default=0.02, help="seconds per judge call")
-    parser.add_argument("--optimizer", type=float, default=0.04, help="seconds per optimizer call")
+    parser.add_argument("--turn", type=float, help="longest agent turn, seconds (default: median / 8)")
+    parser.add_argument("--judge", type=float, default=0.04, help="seconds per judge call")
+    parser.add_argument("--optimizer", type=float, default=0.08, help="seconds per optimizer call")
     parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--profile", metavar="PREFIX", help="write cProfile stats of each schedule to PREFIX.<name>")
+    parser.add_argument("--timeline", action="store_true", help="print each task's phase ends (pipelined)")
+    parser.add_argument(
+        "--bootstrap-samples",
+        type=int,
+        default=0,
+        help="ranking bootstrap resamples (CPU off the server; 0 here, see the module docstring)",
+    )
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + str(SCHEDULES))
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -296,19 +444,20 @@ def main() -> None:
     shm = Path("/dev/shm")
     base = Path(tempfile.mkdtemp(prefix="mass-cycle-sim-", dir=shm if shm.is_dir() else None))
     tempfile.tempdir = str(base)
-    policy = ScriptedPolicy()
-    policy.judge_winner = lambda request: "B"  # the version always wins: every step arbitrates (fixed work)
     results: dict[str, dict[str, Any]] = {}
     try:
-        with EventLoopThread() as loop:
-            server = TimedServer(args.capacity, lengths, policy)
-            loop.run(server.start())
-            try:
-                for schedule in chosen:
-                    results[schedule] = run_schedule(schedule, server, base, args)
-                    print(f"{schedule}: {results[schedule]['wall_s']:.1f} s", file=sys.stderr, flush=True)
-            finally:
-                loop.run(server.stop())
+        server = ServerProcess(args.capacity, lengths)
+        try:
+            for schedule in chosen:
+                if args.profile:  # the calling thread only: the reference order runs its stage code there
+                    profiler = cProfile.Profile()
+                    results[schedule] = profiler.runcall(run_schedule, schedule, server, lengths, base, args)
+                    profiler.dump_stats(f"{args.profile}.{schedule}")
+                else:
+                    results[schedule] = run_schedule(schedule, server, lengths, base, args)
+                print(f"{schedule}: {results[schedule]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        finally:
+            server.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     config = sim_config("sim-bound", "http://127.0.0.1:9/v1", base, args.capacity, args)
@@ -325,6 +474,19 @@ def main() -> None:
             f"{bound['chain']:.2f} s, work/C {bound['work']:.2f} s); {result['episodes']} episodes, "
             f"{result['counts']['judge']} judge and {result['counts']['optimizer']} optimizer calls)"
         )
+    if args.bootstrap_samples < 2 and config.tasks.train:
+        print(
+            f"ranking bootstrap left out (--bootstrap-samples {args.bootstrap_samples}): "
+            f"{bootstrap_cost(config):.2f} s of CPU per task for the paper's 1000 resamples, no server work"
+        )
+    for schedule, result in results.items():
+        waits = ", ".join(
+            f"{kind} {result['waited'][kind] / max(1, result['counts'][kind]) * 1000:.0f} ms"
+            for kind in result["waited"]
+        )
+        print(f"{schedule:>10}: mean wait for a server slot: {waits}")
+    if args.timeline and results.get("pipelined", {}).get("phases"):
+        print_timeline(results["pipelined"]["phases"], drawn_lengths(config, lengths), lengths)
     if "pipelined" in results:
         pipelined = results["pipelined"]
         for other in ("today", "reference"):
