@@ -607,6 +607,11 @@ def inference_service(
 # Episode pods
 
 
+# A benchmark task's name as the adapters build it (`<benchmark>_<instance>`): what a command line, a label (after
+# `label_value`) and an artifact key can all carry.
+BENCHMARK_TASK_NAME = re.compile(r"[a-z0-9]+_[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
 class UnitRequest(Protocol):
     """What an episode spec binds to: the unit, condition and prompt hash of the request its stage runs (an
     `EpisodeRequest` of the runtime; compute sits below the runtime, so it names only the fields it reads)."""
@@ -631,7 +636,7 @@ class EpisodeSpec:
     """
 
     kind: EpisodeKind
-    task_id: int
+    task_id: int | str  # a catalogue task id, or a benchmark task's name (`tb2_hello-world`, `swe_<instance>`)
     version: int | None = None
     candidate: int | None = None
     replicate: int | None = None
@@ -642,12 +647,18 @@ class EpisodeSpec:
     prompt_sha256: str | None = None
 
     def __post_init__(self) -> None:
-        needs = {"search": "version", "collection": "candidate", "rollout": "replicate"}
+        needs = {"search": "version", "collection": "candidate", "rollout": "replicate", "benchmark": "candidate"}
         wanted = needs.get(self.kind)
         if wanted and getattr(self, wanted) is None:
             raise SpecError(f"episode: a {self.kind} episode needs {wanted}")
-        if self.task_id <= 0:
-            raise SpecError(f"episode: task_id must be positive (got {self.task_id})")
+        if self.kind == "benchmark":
+            # A benchmark task is named, not numbered; its unit keeps the trial in `candidate` (scoring's requests).
+            if not isinstance(self.task_id, str) or not BENCHMARK_TASK_NAME.fullmatch(self.task_id):
+                raise SpecError(f"episode: benchmark task {self.task_id!r} is not a benchmark task name")
+            if not self.generation:
+                raise SpecError(f"episode: benchmark task {self.task_id} needs the generation it runs")
+        elif isinstance(self.task_id, bool) or not isinstance(self.task_id, int) or self.task_id <= 0:
+            raise SpecError(f"episode: task_id must be a positive whole number (got {self.task_id!r})")
         run = (self.seed, self.condition, self.prompt_uri, self.prompt_sha256)
         if any(value is not None for value in run) and any(value is None for value in run):
             raise SpecError(f"episode {self.slug}: seed, condition, prompt_uri and prompt_sha256 come together")
@@ -720,13 +731,31 @@ class EpisodeSpec:
         return ["--prompt-uri", str(self.prompt_uri), "--prompt-sha256", str(self.prompt_sha256)]
 
 
-def episode_deadline_s(config: CycleConfig) -> int | None:
+def episode_deadline_s(config: CycleConfig, wall_clock_s: int | None = None) -> int | None:
     """Hard limit of an episode pod: every allowed infrastructure attempt at full wall clock, plus slack; None when
-    the episode has no wall-clock limit (`runtime.episode_wall_clock_s: null`, the paper presets)."""
+    the episode has no wall-clock limit (`runtime.episode_wall_clock_s: null`, the paper presets). `wall_clock_s`,
+    when given, is the episode's own limit instead of the config's (a benchmark task's official time limit)."""
     runtime = config.runtime
-    if runtime.episode_wall_clock_s is None:
+    limit = runtime.episode_wall_clock_s if wall_clock_s is None else wall_clock_s
+    if limit is None:
         return None
-    return runtime.episode_wall_clock_s * runtime.max_infra_attempts + 900
+    return limit * runtime.max_infra_attempts + 900
+
+
+@dataclass(frozen=True)
+class EpisodeServer:
+    """The inference server an episode runs on when it is not the config's endpoint: the server of the generation a
+    benchmark episode evaluates (the stage that binds the episode looks it up; the sandbox reaches no store)."""
+
+    endpoint: str
+    served_name: str
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.query:
+            raise SpecError(f"episode server: {self.endpoint!r} is not a plain http(s) URL")
+        if not self.served_name.strip():
+            raise SpecError("episode server: the served model name is empty")
 
 
 def proxy_upstream(config: CycleConfig) -> str:
@@ -755,7 +784,13 @@ def _unique_env(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def episode_pod(
-    config: CycleConfig, settings: WorkloadSettings, episode: EpisodeSpec, *, scope: str | None = None
+    config: CycleConfig,
+    settings: WorkloadSettings,
+    episode: EpisodeSpec,
+    *,
+    scope: str | None = None,
+    wall_clock_s: int | None = None,
+    server: EpisodeServer | None = None,
 ) -> dict[str, Any]:
     """The sandbox pod of one episode: non-root, no service-account token, capped resources, the NetworkPolicy's
     label, and two containers that share one emptyDir (`HANDOFF_MOUNT`) and nothing else.
@@ -782,13 +817,25 @@ def episode_pod(
     succeeds only when both containers exit 0, and the pod operator waits for the whole pod before it reads the phase
     and deletes it. The publisher learns that `base` ended from the hand-off's marker, or that it died from its
     stopped heartbeat. `shareProcessNamespace` stays off: with it the agent could read the publisher's environment.
+
+    A benchmark episode (ISSUE #18) is an episode pod like any other, with two differences its stage decides:
+    `wall_clock_s`, the task's time limit (the stricter of the benchmark's official agent limit and the config's),
+    which the runner enforces (`episode run --wall-clock-s`) and the pod's `activeDeadlineSeconds` bounds; and
+    `server`, the server of the generation it evaluates (`episode run --endpoint --served-name`; the proxy reaches
+    it as one of the namespace's Services). Both are run options, not config: the mounted config stays the cycle's,
+    whose hash the publisher checks. The agent's workspace starts empty, as in-process: the grader gets what it
+    leaves there.
     """
+    if wall_clock_s is not None and (isinstance(wall_clock_s, bool) or wall_clock_s < 1):
+        raise SpecError(f"episode {episode.slug}: wall_clock_s must be a whole number of seconds ≥ 1")
+    if (wall_clock_s is not None or server is not None) and episode.kind != "benchmark":
+        raise SpecError(f"episode {episode.slug}: only a benchmark episode takes its own time limit or server")
     k8s = config.compute.kubernetes
     scope = scope or config.cycle_name
     labels = {
         **workload_labels(config, scope),
         **settings.labels_for("episode"),
-        "mass-ops/task": str(episode.task_id),
+        "mass-ops/task": label_value(episode.task_id),
         "mass-ops/episode-kind": episode.kind,
     }
     limits = settings.episode_limits
@@ -803,6 +850,10 @@ def episode_pod(
         {"name": PROXY_LOG_DIR_ENV, "value": PROXY_LOG_MOUNT},
     ]
     run = ["mass-ops", "episode", "run", "--config", CONFIG_FILE, *episode.arguments()]
+    if wall_clock_s is not None:
+        run += ["--wall-clock-s", str(wall_clock_s)]
+    if server is not None:
+        run += ["--endpoint", server.endpoint, "--served-name", server.served_name]
     sandbox = {
         "name": "base",
         "image": k8s.image_episode,
@@ -875,7 +926,7 @@ def episode_pod(
         ],
         "terminationGracePeriodSeconds": 30,
     }
-    deadline = episode_deadline_s(config)
+    deadline = episode_deadline_s(config, wall_clock_s)
     if deadline is not None:
         spec["activeDeadlineSeconds"] = deadline
     if k8s.node_selector:

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
@@ -42,6 +43,7 @@ from mass_ops.layout import EpisodeKind, EpisodeUnit, bare_condition, teacher_co
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 
 if TYPE_CHECKING:
+    from mass_ops.context import CycleContext
     from mass_ops.runtime.handoff import SandboxHandoff
 
 episode_app = typer.Typer(no_args_is_help=True, help="Agent episodes: run one episode unit against the endpoint.")
@@ -72,7 +74,7 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
 
 @episode_app.command("run")
 def run_command(
-    task: Annotated[int, typer.Option("--task", help="Task id.")],
+    task: Annotated[str, typer.Option("--task", help="Task id (a benchmark episode: the benchmark task's name).")],
     kind: Annotated[str, typer.Option("--kind", help="reference, search, collection, rollout or benchmark.")],
     seed: Annotated[list[int], typer.Option("--seed", help="Episode seed (repeatable: one unit per seed).")],
     config: Annotated[str, typer.Option("--config", "-c", help="Preset (paper, cycle2, demo) or YAML/JSON file.")],
@@ -99,6 +101,17 @@ def run_command(
         Path | None,
         typer.Option("--handoff", help="Hand attempts to `episode publish --handoff DIR` instead of publishing."),
     ] = None,
+    wall_clock_s: Annotated[
+        int | None,
+        typer.Option("--wall-clock-s", help="Benchmark episodes: the task's time limit (instead of the config's)."),
+    ] = None,
+    endpoint: Annotated[
+        str | None,
+        typer.Option("--endpoint", help="Benchmark episodes: the evaluated generation's server."),
+    ] = None,
+    served_name: Annotated[
+        str | None, typer.Option("--served-name", help="Benchmark episodes: the model name that server serves.")
+    ] = None,
 ) -> None:
     """Run the episode unit(s) and print one JSON outcome line per seed."""
     with _episode_logging(log_format), _handoff_session(handoff) as session:
@@ -118,6 +131,7 @@ def run_command(
             scratch_dir=scratch_dir,
             keep_scratch=keep_scratch,
             progress=progress,
+            options=RunOptions(wall_clock_s, endpoint, served_name),
         )
 
 
@@ -142,10 +156,52 @@ def _handoff_session(root: Path | None) -> Iterator[SandboxHandoff | None]:
     session.__exit__(None, None, None)
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """What a benchmark episode's stage decides for its run and the config does not say: the task's time limit (the
+    stricter of the benchmark's official limit and the config's) and the server of the generation it evaluates.
+    The config stays the cycle's (its hash is the cycle's identity, which the hand-off's publisher checks); these
+    apply to the context the pool runs in, as `stages.benchmarks` applies them in-process."""
+
+    wall_clock_s: int | None = None
+    endpoint: str | None = None
+    served_name: str | None = None
+
+    def check(self, kind: str) -> None:
+        given = [flag for flag, value in self._flags() if value is not None]
+        if given and kind != "benchmark":
+            raise EpisodeInputError(f"{given[0]}: only benchmark episodes take it (kind is {kind})")
+        if (self.endpoint is None) != (self.served_name is None):
+            raise EpisodeInputError("--endpoint: give --endpoint and --served-name together")
+        if self.wall_clock_s is not None and self.wall_clock_s < 1:
+            raise EpisodeInputError(f"--wall-clock-s: {self.wall_clock_s} is not a number of seconds ≥ 1")
+
+    def _flags(self) -> list[tuple[str, Any]]:
+        return [
+            ("--wall-clock-s", self.wall_clock_s),
+            ("--endpoint", self.endpoint),
+            ("--served-name", self.served_name),
+        ]
+
+    def applied(self, ctx: CycleContext, generation: str | None) -> CycleContext:
+        """`ctx` on the given server, its episodes stopped at the given time limit."""
+        import dataclasses
+
+        config = ctx.config
+        if self.endpoint is not None and self.served_name is not None:
+            from mass_ops.serving import GenerationServer, serving_config
+
+            config = serving_config(config, GenerationServer(str(generation), self.endpoint, self.served_name))
+        if self.wall_clock_s is not None:
+            runtime = config.runtime.model_copy(update={"episode_wall_clock_s": self.wall_clock_s})
+            config = config.model_copy(update={"runtime": runtime})
+        return ctx if config is ctx.config else dataclasses.replace(ctx, config=config)
+
+
 def _run(
     *,
     handoff: SandboxHandoff | None = None,
-    task: int,
+    task: str,
     kind: str,
     seed: list[int],
     config: str,
@@ -159,13 +215,18 @@ def _run(
     scratch_dir: Path | None,
     keep_scratch: bool,
     progress: bool | None,
+    options: RunOptions | None = None,
 ) -> None:
+    options = options or RunOptions()
     try:
         cfg = load_config(config, set_ or ())
     except ConfigError as exc:
         raise _fail("\n".join(exc.problems)) from None
     try:
-        _check_unit(cfg, task, kind, version, seed)
+        task_id = _check_unit(cfg, task, kind, version, seed, candidate=candidate, generation=generation)
+        options.check(kind)
+        if kind == "benchmark" and condition is None:
+            raise EpisodeInputError("--condition: a benchmark episode needs its trial's condition")
     except EpisodeInputError as exc:
         raise _fail(str(exc)) from None
 
@@ -194,12 +255,18 @@ def _run(
         raise _fail(str(exc)) from None
     except HandoffError as exc:
         raise _fail(str(exc), 1) from None
-    chosen_condition = condition or default_condition(cfg, kind, task, version)
+    chosen_condition = condition or default_condition(cfg, kind, cast(int, task_id), version)
     unit_kind = cast(EpisodeKind, kind)  # checked by _check_unit
     requests = [
         EpisodeRequest(
             unit=EpisodeUnit(
-                cfg.cycle_name, task, unit_kind, s, version=version, candidate=candidate, generation=generation
+                cfg.cycle_name,
+                task_id,  # type: ignore[arg-type]  # a benchmark task is named; the store keeps ids as text
+                unit_kind,
+                s,
+                version=version,
+                candidate=candidate,
+                generation=generation,
             ),
             condition=chosen_condition,
             prompt=prompt,
@@ -213,6 +280,7 @@ def _run(
         except HandoffError as exc:
             raise _fail(str(exc), 1) from None
         pool_options["sink"] = handoff.sink
+    ctx = options.applied(ctx, generation)
     display = _Display(len(requests), enabled=progress if progress is not None else _err.is_terminal)
     previous_handler = _install_sigterm()
     try:
@@ -311,12 +379,40 @@ def default_condition(cfg: CycleConfig, kind: str, task: int, version: int | Non
     return bare_condition(task)
 
 
-def _check_unit(cfg: CycleConfig, task: int, kind: str, version: int | None, seeds: list[int]) -> None:
+def _check_unit(
+    cfg: CycleConfig,
+    task: str,
+    kind: str,
+    version: int | None,
+    seeds: list[int],
+    *,
+    candidate: int | None = None,
+    generation: str | None = None,
+) -> int | str:
+    """The unit's task id (an int; a benchmark task's name) once the unit is checked."""
     if kind not in KINDS:
         raise EpisodeInputError(f"--kind: {kind!r} is not one of {', '.join(KINDS)}")
-    known = set(cfg.tasks.train_candidates) | set(cfg.tasks.test) | set(cfg.rollout_tasks())
-    if task not in known:
-        raise EpisodeInputError(f"--task: task {task} is not part of cycle {cfg.cycle_name} (tasks: {sorted(known)})")
+    task_id: int | str
+    if kind == "benchmark":
+        # A benchmark task belongs to its benchmark's dataset, not to the cycle's catalogue: the stage that binds the
+        # episode (stages.benchmarks) read it there; its trial is the unit's candidate.
+        from mass_ops.compute.kubernetes import BENCHMARK_TASK_NAME
+
+        if not BENCHMARK_TASK_NAME.fullmatch(task):
+            raise EpisodeInputError(f"--task: {task!r} is not a benchmark task name (<benchmark>_<instance>)")
+        if candidate is None or not generation:
+            raise EpisodeInputError("--candidate, --generation: a benchmark episode needs its trial and generation")
+        task_id = task
+    else:
+        try:
+            task_id = int(task)
+        except ValueError:
+            raise EpisodeInputError(f"--task: {task!r} is not a task id (a whole number)") from None
+        known = set(cfg.tasks.train_candidates) | set(cfg.tasks.test) | set(cfg.rollout_tasks())
+        if task_id not in known:
+            raise EpisodeInputError(
+                f"--task: task {task_id} is not part of cycle {cfg.cycle_name} (tasks: {sorted(known)})"
+            )
     if kind == "search" and version is None:
         raise EpisodeInputError("--version: search episodes need the workflow version")
     if kind != "search" and version is not None:
@@ -325,6 +421,7 @@ def _check_unit(cfg: CycleConfig, task: int, kind: str, version: int | None, see
         raise EpisodeInputError("--seed: seeds must be non-negative")
     if len(set(seeds)) != len(seeds):
         raise EpisodeInputError("--seed: a seed is given twice")
+    return task_id
 
 
 def _read_prompt(store: Any, prompt_file: Path | None, prompt_uri: str | None) -> str:

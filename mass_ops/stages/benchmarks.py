@@ -7,6 +7,11 @@ the `BenchmarkTrialOperator` drives the same trial one instance at a time: `benc
 `benchmark_instance` (the episode, then either the score or the grader job to run), the operator's grader Job,
 `benchmark_grader_result` (the Job's log graded and recorded once), and `benchmark_trial_record` (the trial row).
 Each returns a small JSON-able dict (XCom).
+
+With `episode_pod` (what the operator passes on Kubernetes) `benchmark_instance` runs no episode: when the
+instance's episode is not recorded yet it returns the episode pod to run first — the spec bound to the exact request
+the in-process path runs, its prompt stored for the pod's publisher, admitted against the budgets, with the task's
+time limit and the generation's server — and once the pod has recorded it, it grades that recorded episode.
 """
 
 from __future__ import annotations
@@ -113,22 +118,83 @@ def benchmark_trial_tasks(
 
 
 def benchmark_instance(
-    config: CycleConfig, benchmark: str, generation: str, trial: int, task: str, data_dir: str | None = None
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    task: str,
+    data_dir: str | None = None,
+    episode_pod: bool = False,
 ) -> dict[str, Any]:
     """Run one task's episode (reused when finished) and start its grading: ``{"status": "recorded", "score"}``
     when it is scored (already, or by a grader that needs no container), else ``{"status": "grade", "job": …,
-    "bundle_uri", "bundle_sha256"}`` — the grader Job to run (`compute.kubernetes.benchmark_grader_job`)."""
-    from mass_ops.evaluation.benchmarks.scoring import TaskScore
+    "bundle_uri", "bundle_sha256"}`` — the grader Job to run (`compute.kubernetes.benchmark_grader_job`).
+
+    `episode_pod`: the episode runs in its own pod, never here — see `instance_step`."""
     from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
-    from mass_ops.evaluation.benchmarks.suite import prepare_instance
 
     adapter = benchmark_adapter(benchmark, data_dir)
     served = _served(config, generation)
-    prepared = prepare_instance(served, adapter, _executor_for, generation, int(trial), _task(adapter, task))
+    return instance_step(served, adapter, generation, int(trial), _task(adapter, task), episode_pod=episode_pod)
+
+
+def instance_step(
+    served: CycleContext, adapter: Any, generation: str, trial: int, task: Any, *, episode_pod: bool
+) -> dict[str, Any]:
+    """The next step of one instance in `served` (the cycle's context on `generation`'s server): as
+    `benchmark_instance` says; with `episode_pod`, ``{"status": "episode", …}`` (`_episode_pod`) while its episode
+    is not recorded, ``{"status": "budget_exhausted", "message"}`` when a budget leaves no room for that pod, and
+    the grading of the recorded episode (`RecordedEpisodes`: nothing runs here) once it is."""
+    from mass_ops.evaluation.benchmarks.scoring import TaskScore
+    from mass_ops.evaluation.benchmarks.suite import (
+        InstanceEpisode,
+        RecordedEpisodes,
+        fixed_executor,
+        instance_episode,
+        prepare_instance,
+    )
+
+    executor_for = _executor_for
+    if episode_pod:
+        state = instance_episode(served, adapter, generation, trial, task)
+        if isinstance(state, InstanceEpisode):
+            return _episode_pod(served, state, trial)
+        executor_for = fixed_executor(RecordedEpisodes(served))
+    prepared = prepare_instance(served, adapter, executor_for, generation, trial, task)
     if isinstance(prepared, TaskScore):
         return {"status": "recorded", "task": prepared.task, "score": prepared.score}
     pending = prepared.as_dict()
     return {"status": "grade", **{k: pending[k] for k in ("task", "job", "bundle_uri", "bundle_sha256")}}
+
+
+def _episode_pod(served: CycleContext, state: Any, trial: int) -> dict[str, Any]:
+    """The episode pod of an instance: ``{"status": "episode", "task", "cycle", "episode", "wall_clock_s",
+    "server"}`` — `episode` the fields of the bound `compute.kubernetes.EpisodeSpec` (its prompt stored where the
+    pod's publisher fetches it), `cycle` the cycle it is recorded in (the pod's config is that cycle's),
+    `wall_clock_s` the task's time limit (None: none), `server` the generation's server; or the budget stop."""
+    import dataclasses
+
+    from mass_ops.compute.kubernetes import EpisodeSpec
+    from mass_ops.stages.admission import admit_episode
+    from mass_ops.stages.units import publish_prompt
+
+    request = state.request
+    unit = request.unit
+    spec = EpisodeSpec(kind="benchmark", task_id=unit.task_id, candidate=trial, generation=unit.generation)
+    bound = spec.bound(request, publish_prompt(served, request))
+    stop = admit_episode(served, bound)
+    if stop is not None:
+        return {"status": "budget_exhausted", "task": state.task, "message": stop.message}
+    fields = {k: v for k, v in dataclasses.asdict(bound).items() if v is not None}
+    config = served.config
+    return {
+        "status": "episode",
+        "task": state.task,
+        "cycle": served.cycle_name,
+        "episode": fields,
+        "wall_clock_s": state.time_limit.seconds,
+        "server": {"endpoint": config.inference.endpoint, "served_name": config.models.served_name},
+    }
 
 
 def benchmark_grader_result(

@@ -331,22 +331,25 @@ def nightly_benchmark_trial_tasks(
 
 
 def nightly_benchmark_instance(
-    config: CycleConfig, benchmark: str, generation: str, trial: int, task: str, data_dir: str | None = None
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    task: str,
+    data_dir: str | None = None,
+    episode_pod: bool = False,
 ) -> dict[str, Any]:
-    """One slice instance's episode on tonight's server of `generation`, then its score or the grader job to run
-    (`stages.benchmarks.benchmark_instance`)."""
-    from mass_ops.evaluation.benchmarks.scoring import TaskScore
+    """One slice instance's episode on tonight's server of `generation`, then its score or the grader job to run;
+    with `episode_pod`, the episode pod to run first (recorded in the nightly cycle) — see
+    `stages.benchmarks.instance_step`."""
     from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
-    from mass_ops.evaluation.benchmarks.suite import prepare_instance
-    from mass_ops.stages.benchmarks import _executor_for, _task
+    from mass_ops.stages.benchmarks import _task, instance_step
 
     adapter = benchmark_adapter(benchmark, data_dir)
     served = _slice_served(config, generation)
-    prepared = prepare_instance(served, adapter, _executor_for, generation, _check_trial(trial), _task(adapter, task))
-    if isinstance(prepared, TaskScore):
-        return {"status": "recorded", "task": prepared.task, "score": prepared.score}
-    pending = prepared.as_dict()
-    return {"status": "grade", **{k: pending[k] for k in ("task", "job", "bundle_uri", "bundle_sha256")}}
+    return instance_step(
+        served, adapter, generation, _check_trial(trial), _task(adapter, task), episode_pod=episode_pod
+    )
 
 
 def nightly_benchmark_grader_result(

@@ -7,6 +7,11 @@ no request of its own: it asks the stage's domain module for the request that st
 `mass_ops.search.driver` for reference and search episodes, `mass_ops.stages.collect` for teacher candidates,
 `mass_ops.stages.evaluate` for rollouts — and `publish_prompt` stores its prompt where the pod's publisher fetches
 it (`mass_ops.layout.episode_prompt_key`, content-addressed).
+
+A benchmark episode's prompt comes from the benchmark's dataset, which only its stage reads (`stages.benchmarks`,
+given the dataset folder): that stage builds the request and binds the pod's spec to it. Asked again for that unit
+(the budget admission records a not-started attempt with it), `episode_request` rebuilds it from the bound identity
+and the prompt stored under its hash — and refuses an unbound one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Protocol
 from mass_ops.context import CycleContext
 from mass_ops.errors import InputError
 from mass_ops.evaluation.rollouts import RolloutError
-from mass_ops.layout import episode_prompt_key
+from mass_ops.layout import EpisodeUnit, episode_prompt_key
 from mass_ops.runtime.episode import EpisodeRequest
 from mass_ops.search.driver import SearchError, reference_request, search_episode_request
 from mass_ops.stages.collect import CollectionError, candidate_request
@@ -29,7 +34,7 @@ class EpisodeIdentity(Protocol):
     @property
     def kind(self) -> str: ...
     @property
-    def task_id(self) -> int: ...
+    def task_id(self) -> int | str: ...
     @property
     def version(self) -> int | None: ...
     @property
@@ -75,6 +80,8 @@ def episode_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRequ
             return search_episode_request(ctx, identity.task_id, _required(identity, "version"))
         if kind == "collection":
             return candidate_request(ctx, identity.task_id, _required(identity, "candidate"))
+        if kind == "benchmark":
+            return benchmark_request(ctx, identity)
         if kind == "rollout":
             if not identity.generation:
                 raise EpisodeUnitError(f"{describe(identity)}: a rollout episode needs the generation it evaluates")
@@ -83,6 +90,33 @@ def episode_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRequ
     except (SearchError, CollectionError, RolloutError) as exc:
         raise EpisodeUnitError(f"{describe(identity)}: {exc}") from None
     raise EpisodeUnitError(f"{describe(identity)}: {kind} episodes are not run one unit at a time by a stage")
+
+
+def benchmark_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRequest:
+    """The request of a benchmark episode bound by its stage (seed, condition and prompt hash on the identity, the
+    prompt stored under that hash); EpisodeUnitError for an unbound one or a prompt that is not stored."""
+    seed = getattr(identity, "seed", None)
+    condition = getattr(identity, "condition", None)
+    sha256 = getattr(identity, "prompt_sha256", None)
+    if seed is None or condition is None or sha256 is None:
+        raise EpisodeUnitError(
+            f"{describe(identity)}: a benchmark episode is bound by its benchmark stage, which reads the dataset"
+        )
+    key = episode_prompt_key(ctx.cycle_name, sha256)
+    if not ctx.artifacts.exists(key):
+        raise EpisodeUnitError(f"{describe(identity)}: its prompt {sha256[:12]}… is not stored; bind it first")
+    unit = EpisodeUnit(
+        ctx.cycle_name,
+        identity.task_id,  # type: ignore[arg-type]  # benchmark tasks are named; the store keeps ids as text
+        "benchmark",
+        int(seed),
+        candidate=identity.candidate,
+        generation=identity.generation,
+    )
+    request = EpisodeRequest(unit, str(condition), ctx.artifacts.get_bytes(key).decode("utf-8"))
+    if request.prompt_sha256 != sha256:
+        raise EpisodeUnitError(f"{describe(identity)}: the stored prompt does not have SHA-256 {sha256[:12]}…")
+    return request
 
 
 def publish_prompt(ctx: CycleContext, request: EpisodeRequest) -> str:

@@ -616,3 +616,57 @@ def test_benchmark_grader_jobs_of_one_instance_in_two_trials_have_two_names(pape
         paper, settings, job, bundle_uri="s3://b/x.tar", bundle_sha256="ab" * 32, unit="L1-t0"
     )["metadata"]["labels"]
     assert labels["mass-ops/unit"] == "L1-t0"  # what a retry's wait for the old Job selects
+
+
+# --- benchmark episode pods (#18.2) ----------------------------------------------------------------------------------
+
+BENCHMARK_EPISODE = bound(EpisodeSpec("benchmark", "swe_django__django-11099", candidate=2, generation="L1"), 31, "x")
+L1_SERVER = specs.EpisodeServer("http://vllm-c-l1.mass-ops.svc:8000/v1", "L1")
+
+
+def test_a_benchmark_episode_is_named_by_its_task_and_needs_its_trial_and_generation():
+    assert BENCHMARK_EPISODE.slug == "benchmark-L1-tswe_django__django-11099-c2"
+    with pytest.raises(SpecError, match="benchmark episode needs candidate"):
+        EpisodeSpec("benchmark", "tb2_hello", generation="L1")
+    with pytest.raises(SpecError, match="needs the generation it runs"):
+        EpisodeSpec("benchmark", "tb2_hello", candidate=0)
+    for name in ("tb2 hello", "../etc", "", 7, "tb2_" + "x" * 300):
+        with pytest.raises(SpecError, match="is not a benchmark task name"):
+            EpisodeSpec("benchmark", name, candidate=0, generation="L1")  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="task_id must be a positive whole number"):
+        EpisodeSpec("reference", "51")  # type: ignore[arg-type]
+
+
+def test_a_benchmark_episode_pod_validates_with_its_time_limit_and_server(paper, settings):
+    pod = specs.episode_pod(paper, settings, BENCHMARK_EPISODE, wall_clock_s=1200, server=L1_SERVER)
+    validate_manifest(pod)
+    assert len(pod["metadata"]["name"]) <= 63
+    sandbox, publisher = pod["spec"]["containers"]
+    run = flags(sandbox["command"])
+    assert (run["--kind"], run["--task"], run["--candidate"], run["--generation"]) == (
+        "benchmark", "swe_django__django-11099", "2", "L1",
+    )  # fmt: skip
+    assert (run["--wall-clock-s"], run["--endpoint"], run["--served-name"]) == ("1200", L1_SERVER.endpoint, "L1")
+    assert pod["spec"]["activeDeadlineSeconds"] == 1200 * paper.runtime.max_infra_attempts + 900
+    # The same sandbox as every episode: its label, the same image and limits; the key only in the proxy.
+    plain = specs.episode_pod(paper, settings, EPISODES[0])
+    assert pod["metadata"]["labels"]["mass-ops/role"] == plain["metadata"]["labels"]["mass-ops/role"] == "episode"
+    assert pod["metadata"]["labels"]["mass-ops/task"] == "swe_django__django-11099"
+    assert sandbox["image"] == plain["spec"]["containers"][0]["image"]
+    assert sandbox["resources"] == plain["spec"]["containers"][0]["resources"]
+    assert pod["spec"]["initContainers"] == plain["spec"]["initContainers"]
+    assert pod["metadata"]["annotations"] == plain["metadata"]["annotations"], "the config stays the cycle's"
+    assert "valueFrom" not in json.dumps(sandbox) and publisher["name"] == specs.PUBLISHER_CONTAINER
+
+
+def test_only_a_benchmark_episode_takes_run_options_and_they_must_be_sound(paper, settings):
+    with pytest.raises(SpecError, match="only a benchmark episode takes its own time limit or server"):
+        specs.episode_pod(paper, settings, EPISODES[0], wall_clock_s=60)
+    with pytest.raises(SpecError, match="wall_clock_s must be a whole number of seconds"):
+        specs.episode_pod(paper, settings, BENCHMARK_EPISODE, wall_clock_s=0)
+    with pytest.raises(SpecError, match="is not a plain http"):
+        specs.EpisodeServer("ftp://x/v1", "L1")
+    assert (
+        "--wall-clock-s"
+        not in specs.episode_pod(paper, settings, BENCHMARK_EPISODE)["spec"]["containers"][0]["command"]
+    )

@@ -1,7 +1,9 @@
 """The benchmark trial operator on Kubernetes: per instance, the grader Job from the benchmark's image is created,
 waited for in the triggerer, its result read back from the grader's log and recorded; a failed Job fails the task
-with the pod's log tails; a retry records a finished Job's result once and never grades an instance twice. On the
-local backend the trial is the in-process stage."""
+with the pod's log tails; a retry records a finished Job's result once and never grades an instance twice. Before
+that, an instance whose episode is not recorded gets its own episode sandbox pod (the stage's bound request, the
+task's time limit, the generation's server), and a retry never relaunches a recorded episode. On the local backend
+the trial is the in-process stage."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator, GraderJobFailed
 from mass_ops_airflow.triggers import JobCompletionTrigger
 
-from mass_ops.compute.kubernetes import GRADER_CONTAINER, JOB_NAME_LABEL
+from mass_ops.compute.kubernetes import GRADER_CONTAINER, JOB_NAME_LABEL, episode_deadline_s
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END
 from tests.plugins.conftest import task_context
 
@@ -37,7 +39,8 @@ class FakeBenchmarkStages:
             }
         )
 
-    def instance(self, config, benchmark, generation, trial, task, data_dir):
+    def instance(self, config, benchmark, generation, trial, task, data_dir, episode_pod):
+        assert episode_pod is True, "on Kubernetes no episode runs in the operator's task"
         if task in self.recorded:
             return {"status": "recorded", "task": task, "score": self.recorded[task]}
         job = {"benchmark": benchmark, "instance": "a", "image": IMAGE, "script": "bash /tests/test.sh",
@@ -92,7 +95,7 @@ def test_a_grader_job_is_created_waited_for_and_its_result_recorded(bench, clust
     assert job["metadata"]["labels"]["mass-ops/unit"] == "L1-t1" and "l1-t1" in name
     # Checks first, then the instance's episode, with the run's choice; the config saw no benchmark param.
     assert bench.calls("benchmark_trial_tasks")[0][1:] == ("tb2", 2, "/data")
-    assert bench.calls("benchmark_instance")[0][1:] == ("tb2", "L1", 1, "tb2_a", "/data")
+    assert bench.calls("benchmark_instance")[0][1:] == ("tb2", "L1", 1, "tb2_a", "/data", True)  # in a pod
     assert bench.calls("benchmark_instance")[0][0].compute.backend == "kubernetes"
 
     grader_pod(cluster, name, f"tests ran\n{RESULT_BEGIN}\n0.75\n{RESULT_END}\n")
@@ -158,3 +161,161 @@ def test_local_backend_runs_the_trial_in_process(bench, cluster):
     [(config, *args)] = bench.calls("benchmark_trial")
     assert tuple(args) == ("tb2", "L1", 1, 2, "/data") and config.compute.backend == "local"
     assert cluster.calls == []
+
+
+# --- the episode sandbox pod ------------------------------------------------------------------------------------------
+
+SERVER = {"endpoint": "http://vllm-c-l1.mass-ops.svc:8000/v1", "served_name": "L1"}
+EPISODE = {"kind": "benchmark", "task_id": "tb2_a", "candidate": 1, "generation": "L1", "seed": 3_000_101,
+           "condition": "tb2_L1_t1", "prompt_uri": "file:///p/ab.txt", "prompt_sha256": "ab" * 32}  # fmt: skip
+
+
+class PodBenchmarkStages(FakeBenchmarkStages):
+    """Instance `tb2_a` has no recorded episode until its pod records one (as the pod's publisher does); then its
+    grading needs a grader Job."""
+
+    def __init__(self, stages, repo, budget_stop: str | None = None) -> None:
+        super().__init__(stages)
+        self.repo, self.budget_stop = repo, budget_stop
+
+    def episode_recorded(self) -> bool:
+        rows = self.repo.episodes(self.repo.cycle_id, task_id="tb2_a", kind="benchmark", generation="L1")
+        return any(row.status == "succeeded" for row in rows)
+
+    def instance(self, config, benchmark, generation, trial, task, data_dir, episode_pod):
+        if task == "tb2_a" and task not in self.recorded and not self.episode_recorded():
+            if self.budget_stop:
+                return {"status": "budget_exhausted", "task": task, "message": self.budget_stop}
+            return {"status": "episode", "task": task, "cycle": config.cycle_name, "episode": dict(EPISODE),
+                    "wall_clock_s": 600, "server": dict(SERVER)}  # fmt: skip
+        return super().instance(config, benchmark, generation, trial, task, data_dir, episode_pod)
+
+
+def record_benchmark_episode(repo, status: str = "succeeded") -> None:
+    repo.record_episode(repo.cycle_id, task_id="tb2_a", kind="benchmark", seed=EPISODE["seed"], candidate=1,
+                        generation="L1", condition="tb2_L1_t1", status=status)  # fmt: skip
+
+
+@pytest.fixture
+def pod_bench(stages, cycle_store, cluster, chart_settings):
+    repo = cycle_store({k: v for k, v in K8S.items() if k not in ("generation", "limit", "data_dir")})
+    return PodBenchmarkStages(stages, repo)
+
+
+@pytest.fixture
+def pod_waits():
+    """The pod manager's waits patched, as the provider's own operator tests do (see test_episode_operator)."""
+    from unittest import mock
+
+    from airflow.providers.cncf.kubernetes.utils.pod_manager import PodManager
+
+    with (
+        mock.patch.object(PodManager, "await_pod_start", new_callable=mock.AsyncMock) as start,
+        mock.patch.object(PodManager, "fetch_requested_container_logs") as logs,
+    ):
+        yield start, logs
+
+
+def created_pods(cluster) -> list[dict]:
+    pods: list[dict] = []
+    previous = cluster.on_pod_created
+
+    def created(manifest: dict) -> None:
+        pods.append(manifest)
+        if previous is not None:
+            previous(manifest)
+
+    cluster.on_pod_created = created
+    return pods
+
+
+def test_an_unrecorded_episode_runs_in_its_sandbox_pod_then_is_graded(pod_bench, cluster, pod_waits):
+    from tests.deploy.chart_render import validate_manifest
+
+    cluster.on_pod_created = lambda manifest: record_benchmark_episode(pod_bench.repo)
+    pods = created_pods(cluster)
+    op = BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1], deferrable=False)
+    deferral = defer(op)  # the pod ran (synchronously here); then the grader Job of the now recorded episode
+    assert isinstance(deferral.trigger, JobCompletionTrigger) and deferral.kwargs == {"index": 0}
+    [pod] = pods
+    validate_manifest({k: v for k, v in pod.items() if k != "status"})  # as created (the stand-in adds a status)
+    spec = pod["spec"]
+    base = next(c for c in spec["containers"] if c["name"] == "base")
+    command = base["command"]
+    # The stage's bound request, the task's time limit and the generation's server, as run options.
+    assert command[:3] == ["mass-ops", "episode", "run"]
+    for flag, value in (("--kind", "benchmark"), ("--task", "tb2_a"), ("--candidate", "1"), ("--generation", "L1"),
+                        ("--seed", "3000101"), ("--condition", "tb2_L1_t1"), ("--wall-clock-s", "600"),
+                        ("--endpoint", SERVER["endpoint"]), ("--served-name", "L1")):  # fmt: skip
+        assert command[command.index(flag) + 1] == value, flag
+    config = bench_config()
+    deadline = 600 * config.runtime.max_infra_attempts + 900  # the task's limit, not the config's
+    assert spec["activeDeadlineSeconds"] == episode_deadline_s(config, 600) == deadline
+    # The sandbox pod: the NetworkPolicy's label, no token, non-root, and of the Secrets only the inference key (in
+    # the proxy container; the store's credentials are the publisher's).
+    labels = pod["metadata"]["labels"]
+    assert labels["mass-ops/role"] == "episode" and labels["mass-ops/task"] == "tb2_a"
+    assert labels["mass-ops/episode-kind"] == "benchmark"
+    assert spec["automountServiceAccountToken"] is False and base["securityContext"]["runAsNonRoot"] is True
+    assert not base.get("envFrom") and all(not e.get("valueFrom") for e in base["env"])
+    [proxy] = spec["initContainers"]
+    assert [e["name"] for e in proxy["env"] if e.get("valueFrom")] == [config.inference.api_key_env]
+    assert not cluster.objects["pods"], "the pod is deleted once it finished"
+    # The stage was asked again after the pod: it found the episode recorded and returned the grader Job.
+    assert [args[4] for args in pod_bench.calls("benchmark_instance")] == ["tb2_a", "tb2_a"]
+
+
+def bench_config():
+    from mass_ops_airflow.params import build_config
+
+    return build_config({k: v for k, v in K8S.items() if k not in ("generation", "limit", "data_dir")})
+
+
+def test_a_retry_does_not_relaunch_a_recorded_episode(pod_bench, cluster, pod_waits):
+    record_benchmark_episode(pod_bench.repo)  # try 1's pod recorded the episode, then the task died
+    deferral = defer(BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1], deferrable=False))
+    assert isinstance(deferral.trigger, JobCompletionTrigger)
+    assert ("", "pods", "create") not in cluster.calls
+
+
+def test_the_episode_pod_waits_in_the_triggerer_and_resumes_with_the_instance(pod_bench, cluster, pod_waits):
+    from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
+
+    op = BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1])
+    deferral = defer(op)
+    assert isinstance(deferral.trigger, KubernetesPodTrigger) and deferral.method_name == "episode_complete"
+    assert deferral.kwargs["index"] == 0 and deferral.kwargs["episode"]["episode"] == EPISODE
+    (pod_name,) = cluster.objects["pods"]
+    record_benchmark_episode(pod_bench.repo)  # what the pod's publisher does before the pod succeeds
+    event = {"status": "success", "name": pod_name, "namespace": "mass-ops"}
+    with pytest.raises(TaskDeferred) as caught:
+        BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1]).episode_complete(
+            task_context(K8S), event, **deferral.kwargs
+        )
+    assert isinstance(caught.value.trigger, JobCompletionTrigger) and caught.value.kwargs == {"index": 0}
+    assert not cluster.objects["pods"], "the finished pod is cleaned up on re-entry"
+
+
+def test_kill_deletes_the_episode_pod_in_flight(pod_bench, cluster, pod_waits):
+    op = BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1])
+    defer(op)
+    assert len(cluster.objects["pods"]) == 1
+    op.on_kill()
+    assert not cluster.objects["pods"]
+
+
+def test_a_pod_that_records_no_episode_fails_the_task(pod_bench, cluster, pod_waits):
+    from mass_ops_airflow.checks import StageOutputMissing
+
+    with pytest.raises(StageOutputMissing, match="benchmark-L1-ttb2_a-c1: the pod exited 0 but the metadata store"):
+        BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1], deferrable=False).execute(task_context(K8S))
+    assert pod_bench.calls("benchmark_grader_result") == []
+
+
+def test_a_budget_stop_creates_no_pod_and_fails_without_retry(pod_bench, cluster, pod_waits):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    pod_bench.budget_stop = "task budget tb2_a spent: raise budgets.task_tokens"
+    with pytest.raises(AirflowFailException, match="tb2_a: no episode pod created: task budget tb2_a spent"):
+        BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1]).execute(task_context(K8S))
+    assert ("", "pods", "create") not in cluster.calls

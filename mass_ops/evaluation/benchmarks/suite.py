@@ -19,6 +19,11 @@ On Kubernetes the container grading of one instance is split in two around a gra
 first with a runner that captures the `GraderJob` it asks for (stored as a pending grading with its file bundle),
 then with a runner that answers that job's log — only when the job is the same one, checked by its SHA-256. The
 adapters' grading code is the one the local Docker runner drives; nothing is graded differently on a cluster.
+
+On Kubernetes the agent runs in its own episode sandbox pod too, before the grading (`instance_episode` → the pod →
+`prepare_instance` with `RecordedEpisodes`): the pod runs `instance_request`, the very request the in-process path
+runs (same unit, seed, condition and prompt, under the same `task_time_limit`), and records it through the pod's
+hand-off; the grading then reads that recorded episode and never runs one — so both paths grade the same workspace.
 """
 
 from __future__ import annotations
@@ -40,13 +45,14 @@ from mass_ops.evaluation.benchmarks.scoring import (
     BenchmarkTask,
     TaskScore,
     TrialResult,
+    benchmark_requests,
     materialized_workspaces,
     record_trial,
     run_trial,
 )
 from mass_ops.judge.workspaces import StoredWorkspace
 from mass_ops.layout import report_prefix
-from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome
+from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 
 # An executor for one task's context (its config carries the task's time limit); see the module docstring.
 ExecutorFor = Callable[[CycleContext], AbstractContextManager[EpisodeExecutor]]
@@ -143,6 +149,88 @@ def _run_episode(
     with executor_for(limited_context(ctx, limit)) as executor:
         [outcome] = run_trial(ctx, executor, [task], generation, trial)
     return outcome, limit
+
+
+# --- the episode run elsewhere (an episode pod) ---------------------------------------------------------------------
+
+FINAL_EPISODE_STATUSES = ("succeeded", "model_failure")  # a final attempt is reused, never rerun (runtime.pool)
+
+
+class EpisodeNotRecorded(BenchmarkError):
+    """A benchmark instance's episode has no final recorded attempt where one was required (its pod must run
+    first)."""
+
+
+def instance_request(ctx: CycleContext, task: BenchmarkTask, generation: str, trial: int) -> EpisodeRequest:
+    """The request of one task's episode in trial `trial` of `generation`: what the in-process path runs and what
+    an episode pod must run for the grading to find it."""
+    [request] = benchmark_requests(ctx, [task], generation, trial)
+    return request
+
+
+def recorded_episode(ctx: CycleContext, request: EpisodeRequest) -> EpisodeOutcome | None:
+    """The final recorded attempt of `request`'s unit as an outcome (as the pool reuses it), or None when it has
+    none; BenchmarkError when it was recorded for another prompt (a unit's prompt never changes)."""
+    rows = ctx.repo.episode_attempts(ctx.cycle_id, **request.unit.identity())
+    final = next((row for row in reversed(rows) if row.status in FINAL_EPISODE_STATUSES), None)
+    if final is None:
+        return None
+    if final.prompt_sha256 and final.prompt_sha256 != request.prompt_sha256:
+        raise BenchmarkError(
+            f"episode {request.unit.slug}: recorded for another prompt ({final.prompt_sha256[:12]}…) than this "
+            f"task's ({request.prompt_sha256[:12]}…); the dataset changed under a recorded trial"
+        )
+    import dataclasses
+
+    unit = dataclasses.replace(request.unit, attempt=final.attempt)
+    status = ctx.artifacts.get_json(unit.artifact_key("status"))
+    artifacts = dict(final.artifacts or {})
+    return EpisodeOutcome(request, final.id, final.attempt, final.status, status, artifacts, reused=True)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RecordedEpisodes:
+    """An `EpisodeExecutor` that runs nothing: each request's recorded episode, or `EpisodeNotRecorded`. What the
+    grading uses once the instance's episode ran in its own pod, so that it can never run it a second time."""
+
+    ctx: CycleContext
+
+    def run(self, requests: Sequence[EpisodeRequest]) -> list[EpisodeOutcome]:
+        outcomes = []
+        for request in requests:
+            outcome = recorded_episode(self.ctx, request)
+            if outcome is None:
+                raise EpisodeNotRecorded(
+                    f"episode {request.unit.slug} is not recorded: its episode pod has not run it (run the pod first)"
+                )
+            outcomes.append(outcome)
+        return outcomes
+
+    def workspace(self, outcome: EpisodeOutcome, dest: Path) -> Path:
+        return StoredWorkspace(self.ctx.artifacts, outcome.artifacts["workspace"], "workspace").materialize(dest)
+
+
+@dataclass(frozen=True)
+class InstanceEpisode:
+    """An instance whose episode must run before it can be graded: the request its pod runs and its time limit."""
+
+    task: str
+    request: EpisodeRequest
+    time_limit: TimeLimit
+
+
+def instance_episode(
+    ctx: CycleContext, adapter: BenchmarkAdapter, generation: str, trial: int, task: BenchmarkTask
+) -> TaskScore | InstanceEpisode | None:
+    """Where one instance stands before its grading, running nothing: its recorded score; None when its episode is
+    recorded (grade it: `prepare_instance` with `RecordedEpisodes`); else the `InstanceEpisode` to run first."""
+    key = instance_key(ctx, adapter.name, generation, trial, task.name)
+    if ctx.artifacts.exists(key):
+        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    request = instance_request(ctx, task, generation, trial)
+    if recorded_episode(ctx, request) is not None:
+        return None
+    return InstanceEpisode(task.name, request, task_time_limit(ctx, task))
 
 
 # --- grading split around a grader Job --------------------------------------------------------------------------------

@@ -13,9 +13,20 @@ Job succeeds, the `grader` container's log — the result the grader prints betw
 records the score with the evaluator's version once; the Job is deleted and the next instance starts. When every
 instance has a score, `benchmark_trial_record` writes the trial's row.
 
+The agent runs in its own episode sandbox pod on Kubernetes, as the cycle's episodes do: `benchmark_instance` is
+called with ``episode_pod`` and, while the instance's episode is not recorded, returns that pod instead of running
+it — the spec bound to the request the in-process path runs (prompt stored for the pod's publisher, budgets
+admitted), the task's time limit and the evaluated generation's server. The pod is `compute.kubernetes.episode_pod`
+(non-root, no service-account token, the episode limits, the sandbox NetworkPolicy's label, the inference key in its
+proxy container only), run by the same provider machinery as `EpisodePodOperator`'s (`_pod.sandbox_runner`: it
+defers to the triggerer, re-attaches on a retry, and fails with the containers' log tails); once it ended, the
+store must hold the episode (`checks.episode_recorded`; a budget stop fails without retry). `benchmark_instance`
+then finds it recorded and grades it without running anything.
+
 A failed Job fails the task with the grader pod's log tails (its bundle fetch and its grader). A retry skips every
-recorded instance, reads the log of a grader Job that succeeded in the previous try instead of grading again,
-re-attaches to one still running, and replaces one that failed. A kill deletes the Job in flight.
+recorded instance, never relaunches a recorded episode, reads the log of a grader Job that succeeded in the previous
+try instead of grading again, re-attaches to one still running, and replaces one that failed. A kill deletes the
+Job or the episode pod in flight.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ class BenchmarkTrialOperator(BaseOperator):
     :param stage_prefix: the stage functions run are ``<prefix>_trial``, ``<prefix>_trial_tasks``,
         ``<prefix>_instance``, ``<prefix>_grader_result`` and ``<prefix>_trial_record`` (same signatures):
         ``benchmark`` (stages.benchmarks), or ``nightly_benchmark`` (the nightly slice: its cycle and servers).
+    :param deferrable: wait for episode pods in the triggerer (the default; an episode may run for hours).
     """
 
     template_fields: Sequence[str] = ("unit",)
@@ -77,6 +89,7 @@ class BenchmarkTrialOperator(BaseOperator):
         delete_timeout_s: int = 600,
         run_params: Sequence[str] = ("generation", "benchmarks", "trials", "limit", "data_dir"),
         stage_prefix: str = "benchmark",
+        deferrable: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -86,7 +99,9 @@ class BenchmarkTrialOperator(BaseOperator):
         self.kubernetes_conn_id = kubernetes_conn_id
         self.poll_interval_s = poll_interval_s
         self.delete_timeout_s = delete_timeout_s
+        self.deferrable = deferrable
         self._in_flight: dict[str, str] | None = None
+        self._runner: Any = None  # the episode pod's runner while one is in flight
 
     # -- the run's choice ------------------------------------------------------------------------------------------
 
@@ -132,7 +147,23 @@ class BenchmarkTrialOperator(BaseOperator):
         self._collect(context, config, index, name)
         return self._advance(context, config, index + 1)
 
+    def episode_complete(
+        self, context: Context, event: dict[str, Any], index: int = 0, episode: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Resume after instance `index`'s episode pod ended: the provider's logs, cleanup and failure handling, the
+        post-check, then the same instance again (now graded from its recorded episode) and the ones after it."""
+        self._choice(context)
+        config = cycle_config(self.config_params(context["params"]))
+        if episode is None:
+            raise ValueError("episode_complete: the deferral carried no episode")
+        runner, pod_config, spec = self._episode_runner(config, episode)
+        runner.trigger_reentry(context, event)
+        self._episode_recorded(pod_config, spec)
+        return self._advance(context, config, index)
+
     def on_kill(self) -> None:
+        if self._runner is not None:
+            self._runner.on_kill()
         if not self._in_flight:
             return
         from mass_ops_airflow import kube
@@ -153,13 +184,90 @@ class BenchmarkTrialOperator(BaseOperator):
         benchmark, trial, generation, limit, data_dir = self._choice(context)
         tasks = self._tasks(context, config)
         for index in range(start, len(tasks)):
-            prepared = call_stage(self._stage("instance"), config, benchmark, generation, trial, tasks[index], data_dir)
+            prepared = self._instance(context, config, tasks[index])
+            if prepared["status"] == "episode":
+                self._run_episode(context, config, index, prepared)  # defers while the pod runs
+                prepared = self._instance(context, config, tasks[index])
+            if prepared["status"] == "budget_exhausted":
+                raise self._budget_failure(f"{tasks[index]}: no episode pod created: {prepared['message']}")
+            if prepared["status"] == "episode":
+                raise RuntimeError(f"{tasks[index]}: its episode pod ended but the episode is still to run")
             if prepared["status"] == "recorded":
                 continue
             if self._grade(context, config, index, prepared):
                 continue  # a grader Job of a previous try had succeeded: its result is recorded now
         result = call_stage(self._stage("trial_record"), config, benchmark, generation, trial, limit, data_dir)
         return {"backend": "kubernetes", "result": result}
+
+    def _instance(self, context: Context, config: CycleConfig, task: str) -> dict[str, Any]:
+        """`<prefix>_instance` of `task`: on Kubernetes its episode runs in a pod, never in this task."""
+        benchmark, trial, generation, _, data_dir = self._choice(context)
+        return call_stage(self._stage("instance"), config, benchmark, generation, trial, task, data_dir, True)
+
+    # -- the episode pod -----------------------------------------------------------------------------------------------
+
+    def _episode_runner(self, config: CycleConfig, episode: dict[str, Any]) -> tuple[Any, CycleConfig, Any]:
+        """The pod runner of an instance's episode (`benchmark_instance`'s ``episode`` answer), the config of the
+        cycle it is recorded in (the nightly slice records in its own), and its spec."""
+        from mass_ops.compute import kubernetes as specs
+        from mass_ops_airflow.operators._pod import sandbox_runner
+
+        # The stage names the cycle; its config differs from the run's by the name only (stages.nightly).
+        cycle = str(episode["cycle"])
+        pod_config = config if cycle == config.cycle_name else config.model_copy(update={"name": cycle})
+        spec = specs.EpisodeSpec(**episode["episode"])
+        server = episode.get("server")
+        manifest = specs.episode_pod(
+            pod_config,
+            specs.load_workload_settings(),
+            spec,
+            wall_clock_s=episode.get("wall_clock_s"),
+            server=specs.EpisodeServer(**server) if server else None,
+        )
+        self._runner = sandbox_runner(
+            task_id=self.task_id,
+            manifest=manifest,
+            kubernetes_conn_id=self.kubernetes_conn_id,
+            startup_timeout_s=config.compute.kubernetes.startup_timeout_s,
+            deferrable=self.deferrable,
+            poll_interval_s=self.poll_interval_s,
+        )
+        return self._runner, pod_config, spec
+
+    def _run_episode(self, context: Context, config: CycleConfig, index: int, episode: dict[str, Any]) -> None:
+        """Run instance `index`'s episode pod; deferrable: defer to `episode_complete` with what it needs."""
+        from airflow.sdk.exceptions import TaskDeferred
+
+        runner, pod_config, spec = self._episode_runner(config, episode)
+        self.log.info("Episode pod for %s (%s, time limit %s s)", episode["task"], spec.slug, episode["wall_clock_s"])
+        try:
+            runner.execute(context)
+        except TaskDeferred as deferred:
+            # The provider defers to its own `trigger_reentry`; resume here instead, knowing which instance it was.
+            self.defer(
+                trigger=deferred.trigger,
+                method_name="episode_complete",
+                kwargs={"index": index, "episode": episode},
+                timeout=deferred.timeout,
+            )
+        self._episode_recorded(pod_config, spec)
+
+    def _episode_recorded(self, pod_config: CycleConfig, spec: Any) -> None:
+        """The post-check of an episode pod: its episode is recorded (a budget stop fails without retry)."""
+        from mass_ops_airflow.checks import EpisodeBudgetStopped, episode_recorded
+
+        self._runner = None
+        try:
+            found = episode_recorded(pod_config, spec)
+        except EpisodeBudgetStopped as stopped:
+            raise self._budget_failure(str(stopped)) from None
+        self.log.info("Episode %s recorded: %s", spec.slug, found)
+
+    @staticmethod
+    def _budget_failure(message: str) -> Exception:
+        from mass_ops_airflow.operators.episode import EpisodePodOperator
+
+        return EpisodePodOperator.budget_failure(message)
 
     def _unit_label(self, context: Context) -> str:
         _, trial, generation, _, _ = self._choice(context)
