@@ -4,6 +4,7 @@ the stage itself then runs (seen by the executor the stage is given), and one cl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,16 @@ def test_rollout_units_are_the_episodes_run_on_the_generations_server(
         episode_request(ctx, EpisodeSpec("rollout", 60, replicate=0, generation="L2"))
     with pytest.raises(EpisodeUnitError, match="a rollout episode needs the generation it evaluates"):
         episode_request(ctx, EpisodeSpec("rollout", 60, replicate=0))
-    with pytest.raises(EpisodeUnitError, match="benchmark episodes are not run one unit at a time by a stage"):
-        episode_request(ctx, EpisodeSpec("benchmark", 60))
+    # A benchmark episode's prompt is the dataset's: only its stage binds it (tests/evaluation/benchmarks/
+    # test_pod_episodes.py); unbound, or bound to a prompt that is not stored, it has no request here.
+    benchmark = EpisodeSpec("benchmark", "tb2_hello", candidate=0, generation="L1")
+    with pytest.raises(EpisodeUnitError, match=r"^benchmark episode ttb2_hello c0 of L1: a benchmark episode is bound"):
+        episode_request(ctx, benchmark)
+    unstored = dataclasses.replace(
+        benchmark, seed=1, condition="tb2_L1_t0", prompt_uri="s3://b/p", prompt_sha256="e" * 64
+    )
+    with pytest.raises(EpisodeUnitError, match="its prompt eeeeeeeeeeee… is not stored; bind it first"):
+        episode_request(ctx, unstored)
 
 
 def test_prompts_are_stored_once_under_their_hash(inner_loop: InnerLoopEnv) -> None:
