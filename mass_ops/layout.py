@@ -31,6 +31,11 @@ PAIRWISE_KIND = "pairwise"
 HANDOFF_PROMPT_FILE = "prompt.txt"
 
 
+# A benchmark task's name as the adapters build it (`<benchmark>_<instance>`): what a command line, a label (after
+# `compute.kubernetes.label_value`), a hand-off document and an artifact key can all carry.
+BENCHMARK_TASK_NAME = re.compile(r"[a-z0-9]+_[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
 def bare_condition(task_id: int) -> str:
     """Condition of a bare-task episode (RHI reference, evaluation rollout)."""
     return f"t{task_id}_bare"

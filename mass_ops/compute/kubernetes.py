@@ -43,7 +43,7 @@ import yaml
 
 from mass_ops.config import CycleConfig
 from mass_ops.errors import InputError
-from mass_ops.layout import HANDOFF_PROMPT_FILE, EpisodeUnit
+from mass_ops.layout import BENCHMARK_TASK_NAME, HANDOFF_PROMPT_FILE, EpisodeUnit
 
 CONFIG_ANNOTATION = "mass-ops/cycle-config"
 CONFIG_MOUNT = "/etc/mass-ops/cycle"
@@ -605,11 +605,6 @@ def inference_service(
 
 # --------------------------------------------------------------------------------------------------------------------
 # Episode pods
-
-
-# A benchmark task's name as the adapters build it (`<benchmark>_<instance>`): what a command line, a label (after
-# `label_value`) and an artifact key can all carry.
-BENCHMARK_TASK_NAME = re.compile(r"[a-z0-9]+_[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 class UnitRequest(Protocol):

@@ -63,15 +63,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    StringConstraints,
+    ValidationError,
+)
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, load_task_catalogue
 from mass_ops.errors import InfrastructureError
-from mass_ops.layout import EPISODE_FILES, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
+from mass_ops.layout import BENCHMARK_TASK_NAME, EPISODE_FILES, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
 from mass_ops.runtime.runner import (
     AttemptFiles,
@@ -143,7 +151,7 @@ class _Document(BaseModel):
 class HandoffUnit(_Document):
     """One unit the sandbox runs, as announced before any agent started."""
 
-    task_id: PositiveInt
+    task_id: PositiveInt | Annotated[str, StringConstraints(pattern=f"^{BENCHMARK_TASK_NAME.pattern}$")]
     kind: EpisodeKind
     seed: NonNegativeInt
     version: NonNegativeInt | None = None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
@@ -897,3 +898,20 @@ def test_the_sandbox_checks_the_task_and_cycle_spend_the_publisher_read(tmp_path
     ledger = BudgetLedger(sandbox_ctx.repo, sandbox_ctx.cycle_id, BudgetLimits.from_mapping(data["budgets"]))
     refused = ledger.exhausted(episode_scopes(TASK))
     assert refused is not None and refused.setting == "budgets.task_tokens"
+
+
+@pytest.mark.parametrize("task_id", ["tb2_hello-world", "swe_django__django-11099", 51])
+def test_a_unit_names_a_cycle_task_by_number_and_a_benchmark_task_by_name(tmp_path: Path, task_id: Any) -> None:
+    handoff = hand.Handoff(tmp_path)
+    unit = hand.HandoffUnit(
+        task_id=task_id, kind="benchmark", seed=1, candidate=0, generation="L1", condition="c", prompt_sha256="0" * 64
+    )
+    request = hand.HandoffRequest(cycle="c", config_hash="0" * 64, units=[unit])
+    handoff.write(handoff.path(hand.REQUEST_FILE), request)
+    assert handoff.read(handoff.path(hand.REQUEST_FILE), hand.HandoffRequest).units[0].task_id == task_id
+
+
+@pytest.mark.parametrize("task_id", ["../tb2_x", "tb2_x/../y", "tb2_", "TB2_x", "", 0, -3])
+def test_a_task_name_that_could_climb_out_of_a_key_is_refused(task_id: Any) -> None:
+    with pytest.raises(ValidationError):
+        hand.HandoffUnit(task_id=task_id, kind="benchmark", seed=1, condition="c", prompt_sha256="0" * 64)
