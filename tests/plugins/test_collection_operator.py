@@ -247,3 +247,38 @@ def test_a_task_not_collected_launches_nothing_and_is_skipped(cycle_store, clust
     with pytest.raises(AirflowSkipException, match=f"task {TASK}: no workflow version beat the reference"):
         collection().execute(task_context(K8S))
     assert ("", "pods", "create") not in cluster.calls and stages.names() == ["collect_task"]
+
+
+def test_a_spent_task_budget_starts_no_further_pod_and_the_raised_budget_continues(repo, cluster, stages):
+    """Each pod's spend reaches the ledger when its episode is ingested (here: as the pod is created); once the task's
+    budget is spent, no further pod starts, the running ones finish, and the unit fails without retry. Raising the
+    budget and clearing the unit runs only what is missing."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tests.plugins.test_episode_operator import budgets
+
+    pods = Pods(repo, cluster)
+    record = pods.created_pod
+
+    def charged(manifest: dict[str, Any]) -> None:
+        record(manifest)
+        repo.add_budget_spend(repo.cycle_id, [f"task:{TASK}", "cycle"], tokens=400)
+
+    cluster.on_pod_created = charged
+    with pytest.raises(
+        AirflowFailException,
+        match=rf"task {TASK}: candidate collection-t{TASK}-c{CAPACITY}\S*: no pod created: budget exhausted: "
+        rf"task {TASK} has used 1,600",
+    ):
+        collection().execute(task_context(budgets(task_tokens=1_000, episode_tokens=400)))
+    first_wave = sorted(pods.created)
+    assert first_wave == list(range(CAPACITY)), "the pods admitted before any spend was charged ran to their end"
+    assert not cluster.objects["pods"] and stages.names() == [], "nothing left running; the stage did not run"
+    stopped = [
+        e for e in repo.episodes(repo.cycle_id, task_id=TASK, kind="collection") if e.status == "budget_exhausted"
+    ]
+    assert [(e.candidate, e.failure["not_started"]) for e in stopped] == [(CAPACITY, True)]
+
+    collection().execute(task_context(budgets(task_tokens=100_000, episode_tokens=400)))
+    assert sorted(pods.created[len(first_wave) :]) == list(range(CAPACITY, CANDIDATES)), "only what was missing ran"
+    assert stages.names() == ["collect_task"]

@@ -15,6 +15,10 @@ stage (and the pods here) reuse every recorded episode.
   once it ended (and all of them when the task is killed or fails), and fails with the log tails of the failed
   pods. Then every candidate must be recorded final (the post-check) and the stage runs: it finds them recorded and
   writes the task's summary. The wait is synchronous (the worker slot is held while the pods run).
+- Budgets: before creating each pod, the task's and the cycle's budgets are checked in the ledger
+  (`EpisodePodOperator.admit`, as for a single episode pod; each pod's spend is charged when its episode is
+  ingested, so later pods see what earlier ones spent). A budget stop creates no further pod, lets the running
+  ones finish, and fails the task without retry (raise the budget, then clear it: nothing finished is redone).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class _Pod:
 
     slug: str
     manifest: dict[str, Any]
+    episode: EpisodeSpec
     created: bool = False
 
     @property
@@ -147,11 +152,15 @@ class TaskCollectionOperator(BaseOperator):
             self.log.info("No candidate pod for task %s: %s", task_no, exc)
             return
         settings = specs.load_workload_settings()
-        manifests = [(episode.slug, specs.episode_pod(config, settings, episode)) for episode in bound]
-        failures = self._run_all(config, manifests)
+        pods = [_Pod(episode.slug, specs.episode_pod(config, settings, episode), episode) for episode in bound]
+        failures, budget_stop = self._run_all(config, pods)
+        if budget_stop is not None:
+            raise EpisodePodOperator.budget_failure(
+                f"task {task_no}: {budget_stop}" + (f"; also {len(failures)} pod(s) failed" if failures else "")
+            )
         if failures:
             raise CollectionPodsFailed(
-                f"task {task_no}: {len(failures)} of {len(manifests)} candidate pod(s) failed; the others are "
+                f"task {task_no}: {len(failures)} of {len(pods)} candidate pod(s) failed; the others are "
                 "recorded and are reused when this task instance is cleared\n" + "\n".join(failures)
             )
         missing = [episode.slug for episode in candidates if not self._recorded(config, episode)]
@@ -161,20 +170,29 @@ class TaskCollectionOperator(BaseOperator):
                 f"{', '.join(missing)}"
             )
 
-    def _run_all(self, config: CycleConfig, manifests: list[tuple[str, dict[str, Any]]]) -> list[str]:
-        """Run the pods, at most `inference.max_concurrent_requests` at once; the failures' reports."""
+    def _run_all(self, config: CycleConfig, pods: list[_Pod]) -> tuple[list[str], str | None]:
+        """Run the pods, at most `inference.max_concurrent_requests` at once: (the failures' reports, the budget
+        stop's one line or None). A budget stop starts no further pod; the running ones finish."""
         from mass_ops_airflow import kube
+        from mass_ops_airflow.operators.episode import EpisodePodOperator
 
         self._core = kube.kubernetes_clients(self.kubernetes_conn_id).core
         self._namespace = config.compute.kubernetes.namespace
         limit = config.inference.max_concurrent_requests
         startup_s = config.compute.kubernetes.startup_timeout_s
-        queue = [_Pod(slug, manifest) for slug, manifest in manifests]
+        queue = list(pods)
         failures: list[str] = []
+        budget_stop: str | None = None
         try:
             while queue or self._pods:
                 while queue and len(self._pods) < limit:
                     pod = queue.pop(0)
+                    stop = None if self._read(pod.name) is not None else EpisodePodOperator.admit(config, pod.episode)
+                    if stop is not None:  # recorded budget_exhausted (not started); launch nothing more
+                        budget_stop = f"candidate {pod.slug}: no pod created: {stop['message']}"
+                        self.log.error("%s", budget_stop)
+                        queue.clear()
+                        break
                     self._pods[pod.name] = pod
                 for pod in list(self._pods.values()):
                     if not pod.created:
@@ -194,7 +212,7 @@ class TaskCollectionOperator(BaseOperator):
                     self._sleep()
         finally:
             self._delete_all()  # a failure or kill in the middle leaves no pod behind
-        return failures
+        return failures, budget_stop
 
     def _sleep(self) -> None:
         time.sleep(self.poll_interval_s)
