@@ -214,3 +214,32 @@ def test_verbose_restores_the_logs_on_the_terminal(tmp_path: Path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("XCom push") == 9 * 200 and done.stderr.count("structured record") == 9 * 200
     assert not (tmp_path / "runs" / "demo" / "logs").exists()
+
+
+def test_the_inner_loop_group_shows_its_phases_as_three_lines_in_dag_order():
+    """`mass_cycle`'s per-task group: search steps on one line, collection and ranking on their own, so a watcher sees
+    one task collecting while another still searches (the pipelined order)."""
+    order = ["validate_config", "inner_loop.reference_episode", "inner_loop.step_v0", "inner_loop.collect_task",
+             "inner_loop.rank_task", "select"]  # fmt: skip
+    script = [
+        TaskSnapshot("validate_config", state="success", started=at(0), ended=at(2)),
+        TaskSnapshot("inner_loop.step_v0", 0, "success", at(2), at(30), label="search-t51-v0"),
+        TaskSnapshot("inner_loop.step_v0", 1, "running", at(2), label="search-t202-v0"),
+        TaskSnapshot("inner_loop.collect_task", 0, "running", at(30), label="collection-t51 (3 candidates)"),
+        TaskSnapshot("inner_loop.collect_task", 1, None, label="collection-t202 (3 candidates)"),
+        TaskSnapshot("inner_loop.rank_task", 0, None),
+        TaskSnapshot("select", state=None),
+    ]
+    progress = DemoProgress(order=order, started=T0, now=lambda: at(60))
+    progress.update(script)
+    rows = [line for line in render(progress).splitlines() if line.count("│") > 5]
+    names = [r.split("│")[1].strip() for r in rows]
+    assert names == [
+        "validate_config",
+        "inner_loop.search",
+        "inner_loop.collect_task",
+        "inner_loop.rank_task",
+        "select",
+    ]
+    collecting = next(r for r in rows if "inner_loop.collect_task" in r.split("│")[1])
+    assert "inner_loop.collect_task[collection-t51" in collecting, "the running unit of the collection line"
