@@ -9,24 +9,59 @@ seed, and concurrency within the endpoint's capacity. It returns one `EpisodeOut
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from mass_ops.layout import EpisodeKind, EpisodeUnit
+from mass_ops.layout import EpisodeKind, EpisodeUnit, cycle_prefix
 
 EpisodeStatus = Literal["succeeded", "model_failure", "infra_failure", "budget_exhausted"]
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+# A workspace seed is a benchmark task's inputs: a repository checkout with its commit's pack, a task's files. The
+# limits keep a wrong or hostile archive from filling the sandbox's disk (its emptyDir has a size limit too).
+SEED_MAX_ENTRIES = 200_000
+SEED_MAX_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class WorkspaceSeed:
+    """What an episode's workspace holds before its agent starts: a deterministic tar.gz artifact (its URI) and the
+    SHA-256 it must have. A benchmark task's inputs (a repository checked out at its base commit, a task's
+    environment files); the runner extracts it safely into the fresh workspace (`runner.extract_workspace_seed`)
+    and the attempt's status document names it. Stored content-addressed (`workspace_seed_key`)."""
+
+    uri: str
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if not _HEX64.fullmatch(self.sha256):
+            raise ValueError(f"workspace seed {self.uri}: {self.sha256!r} is not a lowercase hex SHA-256")
+
+    def as_dict(self) -> dict[str, str]:
+        return {"uri": self.uri, "sha256": self.sha256}
+
+
+def workspace_seed_key(cycle: str, sha256: str) -> str:
+    """The artifact key of a cycle's workspace seed of this SHA-256 (the same seed is stored once)."""
+    if not _HEX64.fullmatch(sha256):
+        raise ValueError(f"workspace seed: {sha256!r} is not a lowercase hex SHA-256")
+    return f"{cycle_prefix(cycle)}/workspace-seeds/{sha256}.tar.gz"
+
+
 @dataclass(frozen=True)
 class EpisodeRequest:
-    """One episode unit to run: its identity (without attempt), condition and prompt text."""
+    """One episode unit to run: its identity (without attempt), condition and prompt text, and — for a benchmark
+    task that gives its agent files — the workspace seed the agent starts from (None: an empty workspace)."""
 
     unit: EpisodeUnit
     condition: str
     prompt: str
     generation: str | None = None
+    workspace_seed: WorkspaceSeed | None = None
 
     def __post_init__(self) -> None:
         # The generation belongs to the unit's identity; this field mirrors it for callers that read it here.

@@ -10,7 +10,12 @@ of work"):
    episode proxy, which does.
 2. A private attempt folder `<scratch>/<cycle>/<unit slug>-a<attempt>/` (deterministic, so the workspace path the
    agent sees is the same on every rerun) with an empty `workspace/`, `home/.qwen/settings.json` (HOME and
-   QWEN_HOME) and `logs/`.
+   QWEN_HOME) and `logs/`. A request with a workspace seed (a benchmark task's inputs) gets it extracted into
+   `workspace/` first: fetched by URI through the context's store (in a pod, the hand-off folder the publisher
+   delivered it to), its SHA-256 checked, its members checked before anything is written (no absolute paths, no
+   `..`, no links or hard links leading outside, no devices, at most `SEED_MAX_ENTRIES` members and
+   `SEED_MAX_BYTES` bytes), all or nothing (`extract_workspace_seed`); a seed that fails any check is one line
+   (`WorkspaceSeedError`) and no agent starts. The status document names the seed (`workspace_seed`).
 3. The episode's logging proxy in front of the endpoint; qwen-code talks only to it, with a random per-attempt
    token (`AGENT_TOKEN_ENV`), and the proxy puts the real key on the upstream request. Locally it is a `LoggingProxy`
    on an ephemeral port in this process (the agent's environment has no key; it runs as the same user, so only the
@@ -45,9 +50,11 @@ import secrets
 import shutil
 import signal
 import stat
+import tarfile
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -63,7 +70,14 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
-from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
+from mass_ops.runtime.episode import (
+    SEED_MAX_BYTES,
+    SEED_MAX_ENTRIES,
+    EpisodeOutcome,
+    EpisodeRequest,
+    EpisodeStatus,
+    WorkspaceSeed,
+)
 from mass_ops.runtime.outcome import (
     EXECUTION_MODE,
     StatusContext,
@@ -86,7 +100,16 @@ from mass_ops.runtime.proxy import (
 )
 from mass_ops.runtime.qwen_install import QwenInstall, ensure_qwen_code
 from mass_ops.runtime.settings import AGENT_TOKEN_ENV, SETTINGS_FILE, qwen_settings, write_settings
-from mass_ops.store.artifacts import ArtifactInfo, ArtifactStore
+from mass_ops.store.artifacts import (
+    ArtifactError,
+    ArtifactFormatError,
+    ArtifactInfo,
+    ArtifactKeyError,
+    ArtifactNotFoundError,
+    ArtifactStore,
+    extract_tarball,
+    file_sha256,
+)
 from mass_ops.store.budgets import CYCLE_SCOPE, BudgetLedger, BudgetLimits, task_scope
 
 logger = logging.getLogger(__name__)
@@ -115,6 +138,11 @@ class ModelNotListedError(EpisodePreflightError):
 
 class EpisodeBusyError(InfrastructureError):
     """The same attempt of the same unit is running in another process (its attempt folder is locked)."""
+
+
+class WorkspaceSeedError(InputError):
+    """An episode's workspace seed cannot be used: not in the store, other bytes than its SHA-256, not a tar.gz,
+    unsafe or too large. Nothing of it is extracted and no agent starts; the message is one line."""
 
 
 class PublishAborted(Exception):
@@ -457,6 +485,79 @@ def kill_scope(scope: str) -> int:
     return killed
 
 
+# --- workspace seeds --------------------------------------------------------------------------------------------
+
+
+def fetch_workspace_seed(store: Any, seed: WorkspaceSeed, dest: Path) -> None:
+    """Download the seed archive to `dest`, checked against its SHA-256; `WorkspaceSeedError` (one line) when the
+    store does not hold it or holds other bytes. `store` is the context's: in an episode pod, the hand-off's."""
+    try:
+        store.get_file(store.key_of(seed.uri), dest, sha256=seed.sha256)
+    except ArtifactKeyError as exc:
+        raise WorkspaceSeedError(f"workspace seed: {exc}") from None
+    except ArtifactNotFoundError:
+        raise WorkspaceSeedError(f"workspace seed {seed.uri} does not exist") from None
+    except ArtifactError as exc:
+        raise WorkspaceSeedError(f"workspace seed {seed.uri}: {_first_line(exc)}") from None
+
+
+def extract_workspace_seed(
+    archive: Path,
+    workspace: Path,
+    seed: WorkspaceSeed,
+    *,
+    max_entries: int = SEED_MAX_ENTRIES,
+    max_bytes: int = SEED_MAX_BYTES,
+) -> int:
+    """Extract the seed archive (a tar.gz) into the empty folder `workspace`, all or nothing; returns its number of
+    members. Refused with one line (`WorkspaceSeedError`), nothing extracted: bytes other than `seed.sha256`, more
+    than `max_entries` members or `max_bytes` bytes, or a member that could write or point outside (the store's
+    checks: `store.artifacts.extract_tarball`)."""
+    where = f"workspace seed {seed.uri}"
+    sha256, _size = file_sha256(archive)
+    if sha256 != seed.sha256:
+        raise WorkspaceSeedError(f"{where}: its bytes have SHA-256 {sha256[:12]}…, not {seed.sha256[:12]}…")
+    entries = total = 0
+    try:
+        # Counted before anything is written: a member header costs a few hundred bytes, its data `size`.
+        with tarfile.open(archive, mode="r:gz") as tar:
+            for member in tar:
+                entries += 1
+                total += max(member.size, 0)
+                if entries > max_entries:
+                    raise WorkspaceSeedError(f"{where}: more than {max_entries} members; refusing to extract")
+                if total > max_bytes:
+                    raise WorkspaceSeedError(f"{where}: more than {max_bytes} bytes; refusing to extract")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        raise WorkspaceSeedError(f"{where}: not a valid tar.gz archive ({_first_line(exc)})") from None
+    if any(workspace.iterdir()):
+        raise WorkspaceSeedError(f"{where}: the workspace {workspace} is not empty")
+    scratch = workspace.with_name(f".{workspace.name}.seed")
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        try:
+            extract_tarball(archive, scratch, uri=seed.uri)
+        except ArtifactFormatError as exc:  # UnsafeArchiveError too: a member that could leave the folder
+            raise WorkspaceSeedError(_first_line(exc)) from None
+        for entry in sorted(scratch.iterdir()):
+            os.rename(entry, workspace / entry.name)
+    except BaseException:
+        # All or nothing: what was moved already goes too, so the workspace is empty again.
+        for entry in list(workspace.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                _remove_tree(entry)
+            else:
+                entry.unlink()
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return entries
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
 # --- the runner -------------------------------------------------------------------------------------------------
 
 
@@ -599,6 +700,8 @@ class EpisodeRunner:
         started_at = datetime.now(UTC)
         clock = time.monotonic()
         async with self._attempt_folder(unit, request.prompt) as paths:
+            if request.workspace_seed is not None:
+                await asyncio.to_thread(self._seed_workspace, request.workspace_seed, paths)
             upstream, client_path = _split_endpoint(self.config.inference.endpoint)
             async with self._episode_proxy(paths, upstream, api_key, unit) as (proxy_url, agent_token):
                 client_endpoint = f"{proxy_url}{client_path}"
@@ -645,6 +748,16 @@ class EpisodeRunner:
                 with contextlib.suppress(BaseException):
                     await work
                 raise
+
+    def _seed_workspace(self, seed: WorkspaceSeed, paths: AttemptPaths) -> None:
+        """Fetch the request's seed through the context's store and extract it into the fresh workspace."""
+        archive = paths.root / "workspace-seed.tar.gz"
+        try:
+            fetch_workspace_seed(self.ctx.artifacts, seed, archive)
+            count = extract_workspace_seed(archive, paths.workspace, seed)
+        finally:
+            archive.unlink(missing_ok=True)
+        logger.info("episode workspace seeded from %s (%d entries, sha256 %s…)", seed.uri, count, seed.sha256[:12])
 
     @contextlib.asynccontextmanager
     async def _attempt_folder(self, unit: EpisodeUnit, prompt: str) -> AsyncIterator[AttemptPaths]:
@@ -816,11 +929,15 @@ class EpisodeRunner:
         )
         # Whatever the agent left (a `chmod 000`) must not break the workspace tarball.
         _make_readable(paths.workspace)
+        status = status_record(context, classification, usage)
+        if request.workspace_seed is not None:
+            # Which files the agent started from: the workspace is the seed plus the agent's work.
+            status["workspace_seed"] = request.workspace_seed.as_dict()
         return EpisodePublication(
             request=request,
             unit=unit,
             files=AttemptFiles.of_attempt(paths),
-            status=status_record(context, classification, usage),
+            status=status,
             record=EpisodeRecord(
                 status=classification.status,
                 model=context.model,

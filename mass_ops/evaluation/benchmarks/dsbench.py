@@ -4,7 +4,9 @@ in this process.
 Nothing is downloaded. The folder holds DSBench's ``data.json`` (one JSON object per line: ``id``, ``questions`` —
 question file names — and ``answers``, in the same order) and ``data/<id>/`` with each question's text
 (``<question>.txt``) and the task's data files. Every question is one task, named ``ds_<id>_<question>``, indexed in
-file order (ds is benchmark index 2). The agent writes its final answer to ``answer.txt`` in its workspace.
+file order (ds is benchmark index 2). The agent starts with the task's data files (every file of ``data/<id>/`` but
+the question texts, the ones its prompt names) in its workspace (`ds_seed`) and writes its final answer to
+``answer.txt`` there.
 
 DSBench has no package on the index; its reference scorer asks an LLM whether the answer matches. This grader is
 deterministic instead — the answer matches when, after trimming case, whitespace and a trailing period, the strings
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask
+from mass_ops.evaluation.benchmarks.seeds import FileSeed
 
 DS = "ds"
 DATA_FILE = "data.json"
@@ -70,12 +73,23 @@ def load_ds_questions(root: str | Path) -> list[DSQuestion]:
     return questions
 
 
+def data_files(question: DSQuestion) -> list[Path]:
+    """The task's data files: every file of its folder but the question texts."""
+    return sorted(p for p in question.data_dir.iterdir() if p.is_file() and p.suffix != ".txt")
+
+
+def ds_seed(question: DSQuestion) -> FileSeed | None:
+    """The data files the prompt names, at the workspace's top (None when the task has none)."""
+    files = tuple((path.name, path) for path in data_files(question))
+    return FileSeed(files, f"DSBench task {question.task_id} data") if files else None
+
+
 def ds_instruction(question: DSQuestion) -> str:
-    files = sorted(p.name for p in question.data_dir.iterdir() if p.is_file() and p.suffix != ".txt")
+    files = [p.name for p in data_files(question)]
     return (
         f"{question.text.strip()}\n\nThe data files for this question are: {', '.join(files) or 'none'} "
-        f"(from DSBench task {question.task_id}). Analyse them and write only your final answer to `{ANSWER_FILE}` "
-        "in your working directory."
+        f"(from DSBench task {question.task_id}), in your working directory. Analyse them and write only your final "
+        f"answer to `{ANSWER_FILE}` there."
     )
 
 
@@ -106,7 +120,10 @@ class DSBench:
     needs_container: bool = False
 
     def tasks(self) -> list[BenchmarkTask]:
-        return [BenchmarkTask(DS, q.name, i, ds_instruction(q)) for i, q in enumerate(load_ds_questions(self.root))]
+        return [
+            BenchmarkTask(DS, q.name, i, ds_instruction(q), seed=ds_seed(q))
+            for i, q in enumerate(load_ds_questions(self.root))
+        ]
 
     def evaluator(self) -> str:
         return EVALUATOR

@@ -5,7 +5,9 @@ Nothing is downloaded. The dataset folder holds the annotation sheet as ``Scienc
 ``ScienceAgentBench.csv`` (fields of the official sheet: instance_id, task_inst, gold_program_name, output_fname and
 optionally domain, domain_knowledge, dataset_folder_tree, dataset_preview, eval_script_name) and the official
 ``benchmark/`` folder the evaluator reads. The agent writes its program to ``pred_programs/pred_<gold name>`` and its
-outputs to ``pred_results/`` inside its workspace.
+outputs to ``pred_results/`` inside its workspace. Given the dataset folder (`sab_tasks(dataset_root=…)`), an
+instance's agent starts with its dataset at ``benchmark/datasets/<name>/`` in its workspace — the folder the first
+line of its ``dataset_folder_tree`` names, copied from ``benchmark/datasets/`` as the official setup places it.
 
 Scoring runs the official harness (``python -m evaluation.harness.run_evaluation`` from a checkout of the
 ScienceAgentBench repository, with Docker) on the trial's programs: the latest non-empty program per task, a
@@ -36,6 +38,7 @@ from mass_ops.evaluation.benchmarks.scoring import (
     TrialResult,
     materialized_workspaces,
 )
+from mass_ops.evaluation.benchmarks.seeds import FolderSeed
 from mass_ops.runtime.episode import EpisodeOutcome
 
 SAB = "sab"
@@ -48,6 +51,7 @@ MISSING_PROGRAM = "ERROR"
 EVALUATOR_ENV = "MASS_SAB_EVALUATOR"
 HARNESS_MODULE = "evaluation.harness.run_evaluation"
 PROGRAM_TIME_LIMIT_S = 900
+DATASETS_DIR = "benchmark/datasets"  # where the official setup puts an instance's dataset, in the dataset folder too
 
 
 @dataclass(frozen=True)
@@ -151,10 +155,36 @@ def sab_instruction(instance: SABInstance, *, use_knowledge: bool = False) -> st
     return "\n\n".join(parts)
 
 
-def sab_tasks(instances: Sequence[SABInstance], *, use_knowledge: bool = False) -> list[BenchmarkTask]:
-    """Benchmark tasks in instance order; the task index of the seed formula is the position (sab_1 → 0)."""
+def dataset_name(instance: SABInstance) -> str | None:
+    """The instance's dataset folder: the first line of its ``dataset_folder_tree`` (``|-- clintox/``)."""
+    lines = instance.dataset_folder_tree.strip().splitlines()
+    name = lines[0].strip().lstrip("|").lstrip("-").strip().rstrip("/") if lines else ""
+    return name if name and "/" not in name and name not in (".", "..") else None
+
+
+def sab_seed(instance: SABInstance, dataset_root: Path) -> FolderSeed | None:
+    """The instance's dataset as the official setup gives it: ``benchmark/datasets/<name>/`` in the workspace."""
+    name = dataset_name(instance)
+    if name is None:
+        return None
+    folder = dataset_root / DATASETS_DIR / name
+    return FolderSeed(folder, f"{DATASETS_DIR}/{name}", f"ScienceAgentBench instance {instance.instance_id} dataset")
+
+
+def sab_tasks(
+    instances: Sequence[SABInstance], *, use_knowledge: bool = False, dataset_root: str | Path | None = None
+) -> list[BenchmarkTask]:
+    """Benchmark tasks in instance order; the task index of the seed formula is the position (sab_1 → 0). With
+    `dataset_root` (the folder holding ``benchmark/``) each starts with its dataset in its workspace."""
+    root = None if dataset_root is None else Path(dataset_root)
     return [
-        BenchmarkTask(SAB, instance.name, index, sab_instruction(instance, use_knowledge=use_knowledge))
+        BenchmarkTask(
+            SAB,
+            instance.name,
+            index,
+            sab_instruction(instance, use_knowledge=use_knowledge),
+            seed=None if root is None else sab_seed(instance, root),
+        )
         for index, instance in enumerate(instances)
     ]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from mass_ops.context import CycleContext
 from mass_ops.errors import InputError
+from mass_ops.evaluation.benchmarks.seeds import SeedSource, check_seeds, store_seed
 from mass_ops.evaluation.efficiency import ScoredEpisode
 from mass_ops.judge.workspaces import StoredWorkspace
 from mass_ops.layout import EpisodeUnit, report_prefix
@@ -50,6 +51,8 @@ class BenchmarkTask:
     instruction: str
     # The benchmark's official agent time limit for this task, when it sets one (Terminal-Bench's task.toml).
     time_limit_s: float | None = None
+    # What the benchmark puts in the agent's workspace before it starts (None: nothing); see `benchmarks.seeds`.
+    seed: SeedSource | None = None
 
 
 def task_seed(benchmark: str, trial: int, task_index: int) -> int:
@@ -68,9 +71,10 @@ def benchmark_condition(benchmark: str, generation: str, trial: int) -> str:
 
 
 def benchmark_requests(
-    ctx: CycleContext, tasks: Sequence[BenchmarkTask], generation: str, trial: int
+    ctx: CycleContext, tasks: Sequence[BenchmarkTask], generation: str, trial: int, *, seeded: bool = True
 ) -> list[EpisodeRequest]:
-    """One request per task for trial `trial` of `generation`."""
+    """One request per task for trial `trial` of `generation`, each with its task's workspace seed stored
+    (`seeds.store_seed`; `seeded=False` leaves it out, for callers that only look a unit up)."""
     if trial < 0:
         raise BenchmarkError(f"benchmark trial must be ≥ 0, got {trial}")
     requests = []
@@ -85,15 +89,26 @@ def benchmark_requests(
             generation=generation,
         )
         condition = benchmark_condition(task.benchmark, generation, trial)
-        requests.append(EpisodeRequest(unit, condition, task.instruction, generation=generation))
+        seed = store_seed(ctx, task.seed) if seeded else None
+        requests.append(EpisodeRequest(unit, condition, task.instruction, generation=generation, workspace_seed=seed))
     return requests
 
 
 def run_trial(
-    ctx: CycleContext, executor: EpisodeExecutor, tasks: Sequence[BenchmarkTask], generation: str, trial: int
+    ctx: CycleContext,
+    executor: EpisodeExecutor,
+    tasks: Sequence[BenchmarkTask],
+    generation: str,
+    trial: int,
+    *,
+    seeded: bool = True,
 ) -> list[EpisodeOutcome]:
-    """Run (or reuse) one trial; infrastructure failures raise (rerun once the endpoint is healthy)."""
-    outcomes = executor.run(benchmark_requests(ctx, tasks, generation, trial))
+    """Run (or reuse) one trial; infrastructure failures raise (rerun once the endpoint is healthy). Every task's
+    inputs are checked first (one line for a missing one, before any agent time); `seeded=False` (an executor that
+    only reads recorded episodes) stores no seed."""
+    if seeded:
+        check_seeds([task.seed for task in tasks])
+    outcomes = executor.run(benchmark_requests(ctx, tasks, generation, trial, seeded=seeded))
     failed = [o.request.unit.slug for o in outcomes if o.status == "infra_failure"]
     if failed:
         raise BenchmarkError(

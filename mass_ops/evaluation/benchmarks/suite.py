@@ -8,6 +8,13 @@ an artifact; a rerun after an interruption skips every task whose score is recor
 reuses finished episodes), so no finished instance runs or is graded twice. The trial's result, with the
 evaluator's version and tasks attempted vs scored, is recorded as the trial's ``evaluations`` row.
 
+Workspace seeds: a task whose benchmark gives its agent files (a repository at its base commit, a task's
+environment files, a dataset) carries a `seeds.SeedSource`; every task's source is checked before any agent time
+(`check_seeds`: a missing repository or commit is one line), and its episode request carries the seed stored
+content-addressed (`EpisodeRequest.workspace_seed`), which the runtime extracts into the fresh workspace — in
+process and in an episode pod alike. Graders see the whole final workspace; SWE-bench's patch is the diff against
+the base commit, so the seed is never counted as the agent's work.
+
 Time limits: each task's episode runs under the benchmark's official agent limit when it sets one
 (`BenchmarkTask.time_limit_s`, e.g. Terminal-Bench's ``[agent] timeout_sec``), or the cycle's
 ``runtime.episode_wall_clock_s`` when that is stricter; the limit applied and where it came from are recorded with
@@ -50,6 +57,7 @@ from mass_ops.evaluation.benchmarks.scoring import (
     record_trial,
     run_trial,
 )
+from mass_ops.evaluation.benchmarks.seeds import check_seeds
 from mass_ops.judge.workspaces import StoredWorkspace
 from mass_ops.layout import report_prefix
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
@@ -147,7 +155,9 @@ def _run_episode(
 ) -> tuple[EpisodeOutcome, TimeLimit]:
     limit = task_time_limit(ctx, task)
     with executor_for(limited_context(ctx, limit)) as executor:
-        [outcome] = run_trial(ctx, executor, [task], generation, trial)
+        # An executor that only reads recorded episodes needs no seed: building one (a repository's pack) is waste.
+        seeded = not getattr(executor, "reads_records_only", False)
+        [outcome] = run_trial(ctx, executor, [task], generation, trial, seeded=seeded)
     return outcome, limit
 
 
@@ -161,10 +171,13 @@ class EpisodeNotRecorded(BenchmarkError):
     first)."""
 
 
-def instance_request(ctx: CycleContext, task: BenchmarkTask, generation: str, trial: int) -> EpisodeRequest:
+def instance_request(
+    ctx: CycleContext, task: BenchmarkTask, generation: str, trial: int, *, seeded: bool = True
+) -> EpisodeRequest:
     """The request of one task's episode in trial `trial` of `generation`: what the in-process path runs and what
-    an episode pod must run for the grading to find it."""
-    [request] = benchmark_requests(ctx, [task], generation, trial)
+    an episode pod must run for the grading to find it — with its workspace seed stored (`seeded=False`: without,
+    to look its unit up)."""
+    [request] = benchmark_requests(ctx, [task], generation, trial, seeded=seeded)
     return request
 
 
@@ -194,6 +207,7 @@ class RecordedEpisodes:
     grading uses once the instance's episode ran in its own pod, so that it can never run it a second time."""
 
     ctx: CycleContext
+    reads_records_only = True  # the requests it gets need no workspace seed (`_run_episode`)
 
     def run(self, requests: Sequence[EpisodeRequest]) -> list[EpisodeOutcome]:
         outcomes = []
@@ -227,10 +241,9 @@ def instance_episode(
     key = instance_key(ctx, adapter.name, generation, trial, task.name)
     if ctx.artifacts.exists(key):
         return TaskScore.from_dict(ctx.artifacts.get_json(key))
-    request = instance_request(ctx, task, generation, trial)
-    if recorded_episode(ctx, request) is not None:
+    if recorded_episode(ctx, instance_request(ctx, task, generation, trial, seeded=False)) is not None:
         return None
-    return InstanceEpisode(task.name, request, task_time_limit(ctx, task))
+    return InstanceEpisode(task.name, instance_request(ctx, task, generation, trial), task_time_limit(ctx, task))
 
 
 # --- grading split around a grader Job --------------------------------------------------------------------------------
@@ -475,9 +488,8 @@ def run_benchmark_trial(
     for every task)."""
     require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
     evaluator = adapter.evaluator()  # raises EvaluatorNotInstalledError before any episode runs
+    tasks = trial_tasks(adapter, limit)
+    check_seeds([task.seed for task in tasks])  # a missing repository or dataset: one line, before any episode
     executor_for = _as_executor_for(executor)
-    scores = [
-        run_instance(ctx, adapter, executor_for, generation, trial, task, runner)
-        for task in trial_tasks(adapter, limit)
-    ]
+    scores = [run_instance(ctx, adapter, executor_for, generation, trial, task, runner) for task in tasks]
     return record_benchmark_trial(ctx, adapter, generation, trial, evaluator=evaluator, limit=limit, scores=scores)

@@ -3,8 +3,13 @@ package (its test specs, log parsers and resolution rules) on a log from the ins
 
 Nothing is downloaded. The folder holds ``SWE-bench_Verified.jsonl``: one instance per line in the `swebench`
 package's format (instance_id, repo, base_commit, problem_statement, version, FAIL_TO_PASS, PASS_TO_PASS, image,
-log_parser, eval_type, eval_script; optional hints_text). The agent leaves its change as a unified diff in
-``model.patch`` in its workspace (or, when it worked in a ``repo/`` git checkout, its uncommitted ``git diff``).
+log_parser, eval_type, eval_script; optional hints_text) — and ``repos/`` holds a clone or bare mirror of each
+instance's repository, named ``<owner>__<name>`` (SWE-bench's own naming) or ``<owner>/<name>``, optionally with
+``.git`` (`repos` overrides that folder). The agent starts with the repository checked out at the instance's
+``base_commit`` in ``repo/`` of its workspace (`seeds.GitCheckoutSeed`; a missing repository or commit is one line
+before any agent time). Its patch is the change of ``repo/`` against ``base_commit`` — committed or not, new files
+included, ``.gitignore``d files not (the way SWE-agent collects it: ``git add -A; git diff --cached <base>``, here
+on a scratch index) — so the seed itself is never part of it; a ``model.patch`` it leaves instead is the fallback.
 
 Grading runs one container per instance from the instance's image (`GraderJob`): the patch is applied the way the
 official harness applies it and the instance's eval script runs; the log goes through
@@ -15,6 +20,8 @@ scores 0 without a container.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -25,6 +32,7 @@ from typing import Any
 
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask, EvaluatorNotInstalledError
+from mass_ops.evaluation.benchmarks.seeds import GitCheckoutSeed
 
 SWE = "swe"
 DATASET_FILE = "SWE-bench_Verified.jsonl"
@@ -43,6 +51,7 @@ REQUIRED_FIELDS = (
 )
 PATCH_FILE = "model.patch"
 REPO_DIR = "repo"
+REPOS_DIR = "repos"
 GRADER_PATCH = "/tmp/mass_model.patch"
 GRADER_EVAL = "/tmp/mass_eval.sh"
 GRADER_TIMEOUT_S = 1800  # the official harness's default per-instance timeout
@@ -85,40 +94,86 @@ def load_swe_instances(root: str | Path) -> list[dict[str, Any]]:
 
 
 def swe_instruction(instance: dict[str, Any]) -> str:
-    """The agent's prompt: the issue, and where its change must end up."""
+    """The agent's prompt: the issue, where the repository is, and where its change must end up."""
     hints = f"\n\nHints from the issue thread:\n{instance['hints_text']}" if instance.get("hints_text") else ""
     return (
-        f"Resolve this issue in the repository {instance['repo']} (commit {instance['base_commit']}).\n\n"
+        f"Resolve this issue in the repository {instance['repo']} (commit {instance['base_commit']}), which is "
+        f"checked out at that commit in `{REPO_DIR}/` in your working directory.\n\n"
         f"{instance['problem_statement']}{hints}\n\n"
-        f"Change only non-test source files. When done, leave your change as a unified diff relative to that commit "
-        f"in `{PATCH_FILE}` in your working directory (or uncommitted in the `{REPO_DIR}/` checkout)."
+        f"Change only non-test source files, in `{REPO_DIR}/`. Your change is graded as its diff against that commit."
     )
 
 
-def swe_tasks(instances: Sequence[dict[str, Any]]) -> list[BenchmarkTask]:
+def repo_candidates(repos_dir: Path, repo: str) -> tuple[Path, ...]:
+    """Where a clone or bare mirror of ``owner/name`` may lie under `repos_dir`, in the order looked at."""
+    owner, _, name = repo.partition("/")
+    names = [f"{owner}__{name}", f"{owner}/{name}"] if name else [owner]
+    return tuple(repos_dir / f"{base}{suffix}" for base in names for suffix in ("", ".git"))
+
+
+def swe_seed(instance: dict[str, Any], repos_dir: Path) -> GitCheckoutSeed:
+    """The instance's repository at its base commit, as the agent's `repo/`."""
+    repo = str(instance["repo"])
+    if repo.startswith("/") or ".." in repo.split("/"):
+        raise BenchmarkError(f"SWE-bench instance {instance['instance_id']}: repo {repo!r} is not owner/name")
+    return GitCheckoutSeed(
+        repo,
+        str(instance["base_commit"]),
+        repo_candidates(repos_dir, repo),
+        repos_dir,
+        REPO_DIR,
+        where=f"SWE-bench instance {instance['instance_id']}",
+    )
+
+
+def swe_tasks(instances: Sequence[dict[str, Any]], repos_dir: Path | None = None) -> list[BenchmarkTask]:
+    """The instances as tasks; with `repos_dir`, each starts from its repository at its base commit."""
     return [
-        BenchmarkTask(SWE, f"swe_{row['instance_id']}", index, swe_instruction(row))
+        BenchmarkTask(
+            SWE,
+            f"swe_{row['instance_id']}",
+            index,
+            swe_instruction(row),
+            seed=None if repos_dir is None else swe_seed(row, repos_dir),
+        )
         for index, row in enumerate(instances)
     ]
 
 
-def read_patch(workspace: Path | None) -> str:
-    """The agent's patch: ``model.patch``, else ``git diff`` of ``repo/``; empty when there is neither."""
+def read_patch(workspace: Path | None, base_commit: str | None = None) -> str:
+    """The agent's patch: the change of ``repo/`` against `base_commit` (see the module docstring), else
+    ``model.patch``; empty when there is neither."""
     if workspace is None:
         return ""
+    repo = workspace / REPO_DIR
+    if base_commit and (repo / ".git").is_dir():
+        diff = _diff_against(repo, base_commit)
+        if diff.strip():
+            return diff
     patch = workspace / PATCH_FILE
     if patch.is_file():
         return patch.read_text(encoding="utf-8", errors="replace")
-    if (workspace / REPO_DIR / ".git").exists():
-        result = subprocess.run(
-            ["git", "-C", str(workspace / REPO_DIR), "diff", "--no-color"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        return result.stdout if result.returncode == 0 else ""
     return ""
+
+
+def _diff_against(repo: Path, base_commit: str) -> str:
+    """``git add -A; git diff --cached <base>`` on a scratch copy of the index (the workspace stays as it is);
+    empty when git cannot say (the agent removed the commit, or ``.git``)."""
+    environ = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
+    with tempfile.TemporaryDirectory(prefix="mass-swe-index-") as scratch:
+        index = Path(scratch) / "index"
+        if (repo / ".git" / "index").is_file():
+            shutil.copyfile(repo / ".git" / "index", index)
+        env = {**environ, "GIT_INDEX_FILE": str(index)}
+        # The workspace came out of an archive: whoever owns it, it is this grading's own copy.
+        base = ["git", "-c", f"safe.directory={repo}", "-c", "core.hooksPath=/dev/null", "-C", str(repo)]
+        for command in (["add", "-A"], ["diff", "--cached", "--no-color", "--no-ext-diff", base_commit, "--"]):
+            result = subprocess.run(
+                [*base, *command], capture_output=True, text=True, env=env, timeout=300, check=False
+            )
+            if result.returncode != 0:
+                return ""
+        return result.stdout
 
 
 def grader_job(instance: dict[str, Any], patch: str) -> GraderJob:
@@ -168,24 +223,30 @@ def grade_log(instance: dict[str, Any], patch: str, log: str) -> tuple[float, di
 
 @dataclass(frozen=True)
 class SWEBench:
-    """The SWE-bench Verified adapter over a dataset folder (see the module docstring)."""
+    """The SWE-bench Verified adapter over a dataset folder (see the module docstring); `repos`: the folder of
+    clones or bare mirrors, ``<root>/repos`` when not given."""
 
     root: Path
     name: str = SWE
     needs_container: bool = True
+    repos: Path | None = None
+
+    @property
+    def repos_dir(self) -> Path:
+        return self.repos if self.repos is not None else self.root / REPOS_DIR
 
     def instances(self) -> list[dict[str, Any]]:
         return load_swe_instances(self.root)
 
     def tasks(self) -> list[BenchmarkTask]:
-        return swe_tasks(self.instances())
+        return swe_tasks(self.instances(), self.repos_dir)
 
     def evaluator(self) -> str:
         return evaluator_version()
 
     def grade(self, task: BenchmarkTask, workspace: Path | None, runner: Any) -> tuple[float, dict[str, Any]]:
         instance = next(row for row in self.instances() if f"swe_{row['instance_id']}" == task.name)
-        patch = read_patch(workspace)
+        patch = read_patch(workspace, str(instance["base_commit"]))
         if not patch.strip():
             return grade_log(instance, "", "")
         return grade_log(instance, patch, runner.run(grader_job(instance, patch)))

@@ -6,6 +6,12 @@ agent's prompt), ``task.toml`` (``[agent] timeout_sec``, ``[verifier] timeout_se
 ``docker_image`` and optional ``cpus``/``memory_mb``), ``environment/`` and ``tests/`` with ``test.sh``. The task
 index of the seed formula is the position in name order (tb2 is benchmark index 0).
 
+The agent starts with what the task's image puts in its working directory (``WORKDIR``, ``/app``): the files the
+final stage of ``environment/Dockerfile`` copies there from the build context (``COPY``/``ADD`` of local paths,
+``.dockerignore`` applied; `environment_seed`). Never ``tests/`` or ``solution/`` — they are not in the build
+context, the verifier brings ``tests/`` itself. What ``RUN`` steps create, ``COPY --from`` another stage and remote
+``ADD`` sources are not reproduced: the agent's sandbox is not the task's image (see the report of #18).
+
 Grading follows Harbor's verifier contract: the agent's workspace goes to the task's working directory (``/app``)
 in a container from the task's image, ``tests/`` to ``/tests``, ``bash /tests/test.sh`` runs and writes the reward to
 ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}``). The `harbor` package needs
@@ -14,9 +20,12 @@ Python ≥ 3.12 and this project's environment is 3.11, so the format is read he
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
 import math
+import posixpath
+import shlex
 import tarfile
 import tomllib
 from dataclasses import dataclass
@@ -25,6 +34,7 @@ from typing import Any
 
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
 from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask
+from mass_ops.evaluation.benchmarks.seeds import FileSeed
 
 TB2 = "tb2"
 EVALUATOR = "terminal-bench 2.0 task verifier (Harbor task format, tests/test.sh)"
@@ -96,6 +106,140 @@ def load_tb2_tasks(root: str | Path, image_prefix: str = "") -> list[TB2Task]:
     return [load_tb2_task(p, image_prefix) for p in dirs]
 
 
+# --- the agent's starting files: what the task image's Dockerfile copies into its working directory --------------
+
+
+def _instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile: comments dropped, continuation lines joined."""
+    joined: list[str] = []
+    pending = ""
+    for raw in dockerfile.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        joined.append(pending + line)
+        pending = ""
+    if pending.strip():
+        joined.append(pending)
+    result = []
+    for line in joined:
+        keyword, _, rest = line.strip().partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def _copy_arguments(rest: str) -> tuple[list[str], list[str]] | None:
+    """(flags, paths) of a COPY/ADD instruction (shell or JSON form); None when it cannot be read."""
+    try:
+        words = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+    except (ValueError, json.JSONDecodeError):
+        return None
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        return None
+    flags = [w for w in words if w.startswith("--")]
+    paths = [w for w in words if not w.startswith("--")]
+    return (flags, paths) if len(paths) >= 2 else None
+
+
+def _dockerignore(context: Path) -> list[tuple[bool, str]]:
+    """The context's .dockerignore as (exclude?, pattern) in order (a later match wins, as in Docker)."""
+    path = context / ".dockerignore"
+    if not path.is_file():
+        return []
+    rules = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = posixpath.normpath(line.lstrip("!").strip().lstrip("/"))
+        rules.append((not negate, pattern))
+    return rules
+
+
+def _ignored(relative: str, rules: list[tuple[bool, str]]) -> bool:
+    """Whether the context path `relative` is left out of the build context (a pattern matches it or a parent)."""
+    parts = relative.split("/")
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    ignored = False
+    for exclude, pattern in rules:
+        if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+            ignored = exclude
+    return ignored
+
+
+def _sources(context: Path, pattern: str) -> list[Path]:
+    """The context paths a COPY source names (wildcards expanded), never outside the context."""
+    relative = posixpath.normpath(pattern.lstrip("/"))
+    if relative == ".":
+        return [context]
+    if relative.startswith("..") or any(c in pattern for c in "$"):
+        return []
+    matches = sorted(context.glob(relative)) if any(c in relative for c in "*?[") else [context / relative]
+    root = context.resolve()
+    return [m for m in matches if m.exists() and m.resolve().is_relative_to(root)]
+
+
+def environment_files(task_dir: Path) -> dict[str, Path]:
+    """What the final stage of ``environment/Dockerfile`` copies into the image's working directory, as
+    workspace-relative path → context file (later copies win, as later layers do); empty without a Dockerfile."""
+    context = task_dir / "environment"
+    dockerfile = context / "Dockerfile"
+    if not dockerfile.is_file():
+        return {}
+    rules = _dockerignore(context)
+    workdir = "/"
+    copies: list[tuple[list[Path], str, bool]] = []  # (sources, absolute destination, destination is a folder)
+    for keyword, rest in _instructions(dockerfile.read_text(encoding="utf-8", errors="replace")):
+        if keyword == "FROM":
+            workdir, copies = "/", []  # only the final stage is the image
+        elif keyword == "WORKDIR" and rest:
+            workdir = posixpath.normpath(posixpath.join(workdir, rest.strip().strip('"')))
+        elif keyword in ("COPY", "ADD"):
+            parsed = _copy_arguments(rest)
+            if parsed is None or any(flag.startswith("--from") for flag in parsed[0]):
+                continue
+            *sources, dest = parsed[1]
+            if any("://" in source or source.startswith("git@") for source in sources):
+                continue
+            as_folder = dest.endswith("/") or len(sources) > 1
+            target = posixpath.normpath(posixpath.join(workdir, dest))
+            copies.append(([p for source in sources for p in _sources(context, source)], target, as_folder))
+    root = workdir  # the final WORKDIR: where the agent works, and the verifier unpacks its workspace
+    files: dict[str, Path] = {}
+    for sources, target, as_folder in copies:
+        for source in sources:
+            if source.is_dir():
+                entries = [(p, p.relative_to(source).as_posix()) for p in sorted(source.rglob("*"))]
+                placed = [(p, posixpath.join(target, rel)) for p, rel in entries]
+            else:
+                into = target if not (as_folder or source == context) else posixpath.join(target, source.name)
+                placed = [(source, into)]
+            for path, destination in placed:
+                if not path.is_file() or path.is_symlink():
+                    continue
+                if _ignored(path.relative_to(context).as_posix(), rules):
+                    continue
+                inside = posixpath.relpath(destination, root)
+                if inside.startswith("..") or inside == ".":
+                    continue  # copied elsewhere in the image: not the agent's working directory
+                files[inside] = path
+    return files
+
+
+def environment_seed(task: TB2Task) -> FileSeed | None:
+    """The task's starting files (`environment_files`) as a workspace seed; None when its image copies none."""
+    files = environment_files(task.path)
+    if not files:
+        return None
+    return FileSeed(tuple(sorted(files.items())), f"Terminal-Bench task {task.name} environment")
+
+
 def parse_reward(text: str, where: str) -> float:
     """The verifier's reward: a bare number (reward.txt) or ``{"reward": x}`` (reward.json)."""
     text = text.strip()
@@ -161,7 +305,9 @@ class TerminalBench2:
 
     def tasks(self) -> list[BenchmarkTask]:
         return [
-            BenchmarkTask(TB2, f"tb2_{t.name}", index, t.instruction, time_limit_s=t.agent_timeout_s)
+            BenchmarkTask(
+                TB2, f"tb2_{t.name}", index, t.instruction, time_limit_s=t.agent_timeout_s, seed=environment_seed(t)
+            )
             for index, t in enumerate(self.load())
         ]
 
