@@ -550,3 +550,90 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, extra: list[str], 
     assert process.returncode == 2
     assert message in stderr and len(stderr.strip().splitlines()) == 1
     assert ctx.repo.episodes(ctx.cycle_id) == []
+
+
+# --- workspace seeds (ISSUE #18) ----------------------------------------------------------------------------------
+
+
+class _WorkspaceCapturingRunner(EpisodeRunner):
+    """The real runner, keeping what each agent's workspace held when the agent started."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started_with: list[dict[str, bytes]] = []
+
+    async def _run_agent(self, install: QwenInstall, paths: AttemptPaths, env: dict[str, str], scope: str) -> Any:
+        files = [p for p in paths.workspace.rglob("*") if p.is_file()]
+        self.started_with.append({p.relative_to(paths.workspace).as_posix(): p.read_bytes() for p in files})
+        return await super()._run_agent(install, paths, env, scope)
+
+
+def _seed_archive(members: dict[str, bytes], link: tuple[str, str] | None = None) -> bytes:
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        if link is not None:
+            info = tarfile.TarInfo(link[0])
+            info.type, info.linkname = tarfile.SYMTYPE, link[1]
+            tar.addfile(info)
+    return buffer.getvalue()
+
+
+def _stored_seed(ctx: Any, data: bytes) -> Any:
+    """The archive stored as the cycle's workspace seed of its SHA-256."""
+    import hashlib
+
+    from mass_ops.runtime.episode import WorkspaceSeed, workspace_seed_key
+
+    sha256 = hashlib.sha256(data).hexdigest()
+    return WorkspaceSeed(ctx.artifacts.put_bytes(workspace_seed_key(ctx.cycle_name, sha256), data).uri, sha256)
+
+
+def test_the_agent_starts_in_its_seeded_workspace_and_the_episode_names_the_seed(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    import dataclasses
+
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        seed = _stored_seed(ctx, _seed_archive({"repo/calc.py": b"def add(a, b): return a + b\n", "data.csv": b"1"}))
+        runner = _WorkspaceCapturingRunner(
+            ctx, install=stand_in_install, environ=runner_environ(), scratch_dir=tmp_path / "scratch"
+        )
+        episode = dataclasses.replace(request(ctx, "Fix it.\n@agent requests=1", seed=3), workspace_seed=seed)
+        outcome = asyncio.run(runner.run_attempt(episode, 1))
+
+    assert outcome.status == "succeeded"
+    assert runner.started_with == [{"repo/calc.py": b"def add(a, b): return a + b\n", "data.csv": b"1"}]
+    assert outcome.status_record["workspace_seed"] == {"uri": seed.uri, "sha256": seed.sha256}
+    dest = tmp_path / "ws"
+    EpisodePool(ctx, runner=runner).workspace(outcome, dest)
+    assert (dest / "repo" / "calc.py").read_text().startswith("def add")  # the final workspace holds the seed
+
+
+def test_a_hostile_seed_starts_no_agent_and_records_nothing(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    import dataclasses
+
+    from mass_ops.runtime.runner import WorkspaceSeedError
+
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        seed = _stored_seed(ctx, _seed_archive({"ok.txt": b"ok"}, link=("etc", "/etc")))
+        runner = _WorkspaceCapturingRunner(
+            ctx, install=stand_in_install, environ=runner_environ(), scratch_dir=tmp_path / "scratch"
+        )
+        episode = dataclasses.replace(request(ctx, "Fix it.\n@agent requests=1", seed=3), workspace_seed=seed)
+        with pytest.raises(WorkspaceSeedError, match="'etc' is a link to an absolute path '/etc'") as caught:
+            asyncio.run(runner.run_attempt(episode, 1))
+
+    assert "\n" not in str(caught.value)
+    assert runner.started_with == [] and ctx.repo.episodes(ctx.cycle_id) == []
+    assert list((tmp_path / "scratch" / ctx.cycle_name).iterdir()) == []  # the attempt folder is gone
