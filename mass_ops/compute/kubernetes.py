@@ -13,7 +13,9 @@ Contracts with the images:
   CONFIG_FILE --kind K --task T --seed S [...] --condition C --prompt-file HANDOFF_MOUNT/prompt.txt --handoff
   HANDOFF_MOUNT` with no secret at all, and `publisher` runs `mass-ops episode publish --config CONFIG_FILE
   --handoff HANDOFF_MOUNT --prompt-uri URI --prompt-sha256 H` with the store and database credentials: it fetches
-  the prompt the operator stored, checks its hash and writes it into the folder before the sandbox reads it
+  the prompt the operator stored (and a benchmark task's workspace seed, `--workspace-seed-uri U
+  --workspace-seed-sha256 H` on both containers), checks its hash and writes it into the folder before the sandbox
+  reads it
   (`mass_ops.runtime.handoff`; why two containers and not a native sidecar: `episode_pod`). The inference key
   lives in a third container, the native sidecar `proxy`, which runs the episode's logging proxy
   (`python -m mass_ops.runtime.proxy --sessions-dir PROXY_LOG_MOUNT ...`) on 127.0.0.1:`proxy_port` and writes one
@@ -640,6 +642,10 @@ class EpisodeSpec:
     condition: str | None = None
     prompt_uri: str | None = None
     prompt_sha256: str | None = None
+    # A benchmark task's starting files (its request's `workspace_seed`): the publisher fetches the artifact into the
+    # hand-off folder, checked against the SHA-256, before the sandbox starts; the sandbox's runner extracts it.
+    workspace_seed_uri: str | None = None
+    workspace_seed_sha256: str | None = None
 
     def __post_init__(self) -> None:
         needs = {"search": "version", "collection": "candidate", "rollout": "replicate", "benchmark": "candidate"}
@@ -661,6 +667,13 @@ class EpisodeSpec:
             raise SpecError(f"episode {self.slug}: seed must be non-negative (got {self.seed})")
         if self.prompt_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.prompt_sha256):
             raise SpecError(f"episode {self.slug}: prompt_sha256 {self.prompt_sha256!r} is not a hex SHA-256")
+        seed = (self.workspace_seed_uri, self.workspace_seed_sha256)
+        if (seed[0] is None) != (seed[1] is None) or (seed[0] is not None and self.seed is None):
+            raise SpecError(f"episode {self.slug}: a workspace seed's URI and SHA-256 come together, on a bound spec")
+        if seed[0] is not None and self.kind != "benchmark":
+            raise SpecError(f"episode {self.slug}: only a benchmark episode starts from a workspace seed")
+        if seed[1] is not None and not re.fullmatch(r"[0-9a-f]{64}", seed[1]):
+            raise SpecError(f"episode {self.slug}: workspace_seed_sha256 {seed[1]!r} is not a hex SHA-256")
 
     @property
     def unit_candidate(self) -> int | None:
@@ -675,12 +688,15 @@ class EpisodeSpec:
         theirs = (unit.kind, unit.task_id, unit.version, unit.candidate, unit.generation)
         if mine != theirs:
             raise SpecError(f"episode {self.slug}: the request is for another unit ({unit.slug})")
+        workspace_seed = getattr(request, "workspace_seed", None)  # a benchmark task's inputs, when it has any
         return replace(
             self,
             seed=unit.seed,
             condition=request.condition,
             prompt_uri=prompt_uri,
             prompt_sha256=request.prompt_sha256,
+            workspace_seed_uri=None if workspace_seed is None else workspace_seed.uri,
+            workspace_seed_sha256=None if workspace_seed is None else workspace_seed.sha256,
         )
 
     @property
@@ -718,12 +734,23 @@ class EpisodeSpec:
         ):
             if value is not None:
                 args += [flag, str(value)]
-        return [*args, "--condition", str(self.condition), "--prompt-file", f"{HANDOFF_MOUNT}/{HANDOFF_PROMPT_FILE}"]
+        args += ["--condition", str(self.condition), "--prompt-file", f"{HANDOFF_MOUNT}/{HANDOFF_PROMPT_FILE}"]
+        return [*args, *self._seed_arguments()]
 
     def publisher_arguments(self) -> list[str]:
-        """The prompt arguments of `mass-ops episode publish`: which artifact to hand over, and its SHA-256."""
+        """The prompt arguments of `mass-ops episode publish`: which artifact to hand over, and its SHA-256 (and the
+        same for the workspace seed, when the episode has one)."""
         self._require_bound()
-        return ["--prompt-uri", str(self.prompt_uri), "--prompt-sha256", str(self.prompt_sha256)]
+        prompt = ["--prompt-uri", str(self.prompt_uri), "--prompt-sha256", str(self.prompt_sha256)]
+        return [*prompt, *self._seed_arguments()]
+
+    def _seed_arguments(self) -> list[str]:
+        """The workspace seed as both containers name it: the publisher fetches that artifact into the hand-off
+        folder; the sandbox's request carries it, and its runner reads it from there (it reaches no store)."""
+        if self.workspace_seed_uri is None:
+            return []
+        uri, sha256 = str(self.workspace_seed_uri), str(self.workspace_seed_sha256)
+        return ["--workspace-seed-uri", uri, "--workspace-seed-sha256", sha256]
 
 
 def episode_deadline_s(config: CycleConfig, wall_clock_s: int | None = None) -> int | None:
@@ -818,8 +845,11 @@ def episode_pod(
     which the runner enforces (`episode run --wall-clock-s`) and the pod's `activeDeadlineSeconds` bounds; and
     `server`, the server of the generation it evaluates (`episode run --endpoint --served-name`; the proxy reaches
     it as one of the namespace's Services). Both are run options, not config: the mounted config stays the cycle's,
-    whose hash the publisher checks. The agent's workspace starts empty, as in-process: the grader gets what it
-    leaves there.
+    whose hash the publisher checks. A benchmark task that gives its agent files (the SWE-bench repository at its
+    base commit, a Terminal-Bench task's environment files) has a workspace seed on its bound spec: the publisher
+    fetches it from the store into the hand-off folder, checked against its SHA-256, before it writes the prompt
+    (`episode publish --workspace-seed-uri --workspace-seed-sha256`); the sandbox, named the same seed, extracts it
+    from there into the fresh workspace before the agent starts, as in-process.
     """
     if wall_clock_s is not None and (isinstance(wall_clock_s, bool) or wall_clock_s < 1):
         raise SpecError(f"episode {episode.slug}: wall_clock_s must be a whole number of seconds ≥ 1")

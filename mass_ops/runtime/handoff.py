@@ -11,6 +11,10 @@ The folder, each file written atomically (temporary name, then rename) and by on
     prompt.txt                 publisher  the prompt of the pod's unit, when the publisher was given one (`--prompt-uri
                                           --prompt-sha256`): fetched from the store and checked against the hash the
                                           operator computed, written first; the sandbox waits for it, then reads it
+    workspace-seed.tar.gz      publisher  a benchmark task's starting files, when the publisher was given a seed
+                                          (`--workspace-seed-uri --workspace-seed-sha256`): fetched from the cycle's
+                                          seed artifact of that hash, checked, written before prompt.txt; the
+                                          sandbox's runner extracts it (through `LedgerArtifacts.get_file`)
     request.json               sandbox    the units it will run (identity, condition, prompt hash) and the config hash,
                                           written before any agent starts; the publisher captures it at once
     ledger.json                publisher  each unit's recorded attempts (reuse, or which attempt comes next), the
@@ -80,7 +84,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, load_task_catalogue
 from mass_ops.errors import InfrastructureError
 from mass_ops.layout import BENCHMARK_TASK_NAME, EPISODE_FILES, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
-from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus, WorkspaceSeed, workspace_seed_key
 from mass_ops.runtime.runner import (
     AttemptFiles,
     EpisodePublication,
@@ -88,13 +92,21 @@ from mass_ops.runtime.runner import (
     PublishAborted,
     publish_episode,
 )
-from mass_ops.store.artifacts import ArtifactNotFoundError, ArtifactStore, open_artifact_store, write_tarball
+from mass_ops.store.artifacts import (
+    ArtifactIntegrityError,
+    ArtifactNotFoundError,
+    ArtifactStore,
+    file_sha256,
+    open_artifact_store,
+    write_tarball,
+)
 from mass_ops.store.budgets import charge_episode, episode_scopes
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
 PROMPT_FILE = HANDOFF_PROMPT_FILE
+SEED_FILE = "workspace-seed.tar.gz"
 REQUEST_FILE = "request.json"
 LEDGER_FILE = "ledger.json"
 COMPLETE_FILE = "complete.json"
@@ -133,6 +145,11 @@ class PromptDeliveryError(IncompleteHandoffError):
     or other bytes): no agent starts, nothing is published."""
 
 
+class SeedDeliveryError(IncompleteHandoffError):
+    """The workspace seed the publisher was given cannot be handed over (not the cycle's seed artifact of that hash,
+    missing, or other bytes): no agent starts, nothing is published."""
+
+
 @dataclass(frozen=True)
 class PromptDelivery:
     """The prompt the publisher hands to the sandbox: its artifact URI and the SHA-256 the operator computed."""
@@ -159,10 +176,12 @@ class HandoffUnit(_Document):
     generation: str | None = None
     condition: str
     prompt_sha256: str = Field(pattern=_HEX64)
+    workspace_seed_sha256: str | None = Field(default=None, pattern=_HEX64)
 
     @classmethod
     def of_request(cls, request: EpisodeRequest) -> HandoffUnit:
         unit = request.unit
+        seed = request.workspace_seed
         return cls(
             task_id=unit.task_id,
             kind=unit.kind,
@@ -172,6 +191,7 @@ class HandoffUnit(_Document):
             generation=unit.generation,
             condition=request.condition,
             prompt_sha256=request.prompt_sha256,
+            workspace_seed_sha256=None if seed is None else seed.sha256,
         )
 
     def unit(self, cycle: str, attempt: int = 1) -> EpisodeUnit:
@@ -410,9 +430,18 @@ class LedgerArtifacts:
     """The publisher's artifact store as the sandbox sees it: URIs (no credentials needed to name an object), and
     the status documents of final attempts, which the ledger carries. Nothing is read from or written to the store."""
 
-    def __init__(self, store: ArtifactStore, statuses: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        store: ArtifactStore,
+        statuses: dict[str, dict[str, Any]],
+        *,
+        cycle: str | None = None,
+        handoff: Handoff | None = None,
+    ) -> None:
         self._store = store
         self._statuses = statuses
+        self._cycle = cycle
+        self._handoff = handoff
 
     @property
     def url(self) -> str:
@@ -420,6 +449,24 @@ class LedgerArtifacts:
 
     def uri(self, key: str) -> str:
         return self._store.uri(key)
+
+    def key_of(self, uri: str) -> str:
+        return self._store.key_of(uri)
+
+    def get_file(self, key: str, dest: str | os.PathLike[str], *, sha256: str | None = None) -> None:
+        """The workspace seed the publisher delivered (`SEED_FILE`), copied to `dest` when `key` is the cycle's
+        seed key of its SHA-256 (and `sha256`, when given, is that hash); `ArtifactNotFoundError` otherwise — the
+        sandbox reaches no store."""
+        delivered = None if self._handoff is None else self._handoff.path(SEED_FILE)
+        if delivered is not None and self._cycle is not None and delivered.is_file() and not delivered.is_symlink():
+            actual, _size = file_sha256(delivered)
+            if key == workspace_seed_key(self._cycle, actual) and sha256 in (None, actual):
+                target = Path(dest)
+                temp = target.with_name(f".{target.name}.partial")
+                shutil.copyfile(delivered, temp)
+                os.replace(temp, target)
+                return
+        raise ArtifactNotFoundError(f"artifact {self.uri(key)} is not in the hand-off")
 
     def get_json(self, key: str) -> Any:
         if key not in self._statuses:
@@ -521,7 +568,12 @@ class SandboxHandoff:
             config=config,
             catalogue=load_task_catalogue(config),
             repo=cast(Any, LedgerRepository(config.cycle_name, ledger)),
-            artifacts=cast(Any, LedgerArtifacts(open_artifact_store(ledger.artifact_url), statuses)),
+            artifacts=cast(
+                Any,
+                LedgerArtifacts(
+                    open_artifact_store(ledger.artifact_url), statuses, cycle=config.cycle_name, handoff=handoff
+                ),
+            ),
             cycle_id=ledger.cycle_id,
         )
 
@@ -620,10 +672,12 @@ class HandoffPublisher:
         on_outcome: Callable[[EpisodeOutcome], None] | None = None,
         environ: Mapping[str, str] | None = None,
         prompt: PromptDelivery | None = None,
+        workspace_seed: WorkspaceSeed | None = None,
     ) -> None:
         self.config = config
         self.handoff = Handoff(Path(root))
         self.prompt = prompt
+        self.workspace_seed = workspace_seed
         self.attach = attach
         self.start_timeout_s = start_timeout_s
         self.stale_after_s = stale_after_s
@@ -647,8 +701,12 @@ class HandoffPublisher:
         try:
             with Heartbeat(handoff.path(PUBLISHER_ALIVE)):
                 ctx = None
-                if self.prompt is not None:
+                if self.workspace_seed is not None:
+                    # Before the prompt: the sandbox starts once prompt.txt is there, and finds its seed beside it.
                     ctx = self._attach()
+                    self._deliver_seed(ctx, self.workspace_seed)
+                if self.prompt is not None:
+                    ctx = ctx or self._attach()
                     self._deliver_prompt(ctx, self.prompt)
                 request = self._await_request()
                 if request is None:
@@ -692,6 +750,24 @@ class HandoffPublisher:
             raise PromptDeliveryError(f"--prompt-uri: {prompt.uri} does not hold the prompt of SHA-256 {prompt.sha256}")
         self.handoff.write_bytes(self.handoff.path(PROMPT_FILE), data)
 
+    def _deliver_seed(self, ctx: CycleContext, seed: WorkspaceSeed) -> None:
+        """Fetch the workspace seed from the cycle's content-addressed key of its hash, checked, into `SEED_FILE`."""
+        key = workspace_seed_key(ctx.cycle_name, seed.sha256)
+        if ctx.artifacts.uri(key) != seed.uri:
+            raise SeedDeliveryError(
+                f"--workspace-seed-uri: {seed.uri} is not the workspace seed of cycle {ctx.cycle_name} with SHA-256 "
+                f"{seed.sha256[:12]}… (expected {ctx.artifacts.uri(key)})"
+            )
+        target = self.handoff.path(SEED_FILE)
+        try:
+            ctx.artifacts.get_file(key, target, sha256=seed.sha256)  # atomic, and only when the bytes check
+        except ArtifactNotFoundError:
+            raise SeedDeliveryError(f"--workspace-seed-uri: {seed.uri} does not exist") from None
+        except ArtifactIntegrityError:
+            raise SeedDeliveryError(
+                f"--workspace-seed-uri: {seed.uri} does not hold the seed of SHA-256 {seed.sha256}"
+            ) from None
+
     def _sandbox_problem(self) -> str | None:
         age = self.handoff.age_s(SANDBOX_ALIVE)
         if age is not None and age > self.stale_after_s:
@@ -724,6 +800,14 @@ class HandoffPublisher:
         slugs = [unit.unit(request.cycle).slug for unit in request.units]
         if len(set(slugs)) != len(slugs):
             raise IncompleteHandoffError(f"hand-off {self.handoff.root}: request.json names a unit twice")
+        delivered = None if self.workspace_seed is None else self.workspace_seed.sha256
+        for unit, slug in zip(request.units, slugs, strict=True):
+            if unit.workspace_seed_sha256 != delivered:
+                raise IncompleteHandoffError(
+                    f"hand-off {self.handoff.root}: request.json announces {slug} with workspace seed "
+                    f"{(unit.workspace_seed_sha256 or 'none')[:12]}, not the seed this publisher delivered "
+                    f"({(delivered or 'none')[:12]})"
+                )
         if self.prompt is not None:
             for unit, slug in zip(request.units, slugs, strict=True):
                 if unit.prompt_sha256 != self.prompt.sha256:

@@ -11,7 +11,8 @@ it (`mass_ops.layout.episode_prompt_key`, content-addressed).
 A benchmark episode's prompt comes from the benchmark's dataset, which only its stage reads (`stages.benchmarks`,
 given the dataset folder): that stage builds the request and binds the pod's spec to it. Asked again for that unit
 (the budget admission records a not-started attempt with it), `episode_request` rebuilds it from the bound identity
-and the prompt stored under its hash — and refuses an unbound one.
+and the prompt stored under its hash, with the workspace seed it was bound with (a benchmark task's inputs, stored
+content-addressed by its stage) — and refuses an unbound one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mass_ops.context import CycleContext
 from mass_ops.errors import InputError
 from mass_ops.evaluation.rollouts import RolloutError
 from mass_ops.layout import EpisodeUnit, episode_prompt_key
-from mass_ops.runtime.episode import EpisodeRequest
+from mass_ops.runtime.episode import EpisodeRequest, WorkspaceSeed, workspace_seed_key
 from mass_ops.search.driver import SearchError, reference_request, search_episode_request
 from mass_ops.stages.collect import CollectionError, candidate_request
 from mass_ops.stages.evaluate import rollout_unit_request
@@ -113,10 +114,34 @@ def benchmark_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRe
         candidate=identity.candidate,
         generation=identity.generation,
     )
-    request = EpisodeRequest(unit, str(condition), ctx.artifacts.get_bytes(key).decode("utf-8"))
+    request = EpisodeRequest(
+        unit,
+        str(condition),
+        ctx.artifacts.get_bytes(key).decode("utf-8"),
+        workspace_seed=_bound_seed(ctx, identity),
+    )
     if request.prompt_sha256 != sha256:
         raise EpisodeUnitError(f"{describe(identity)}: the stored prompt does not have SHA-256 {sha256[:12]}…")
     return request
+
+
+def _bound_seed(ctx: CycleContext, identity: EpisodeIdentity) -> WorkspaceSeed | None:
+    """The workspace seed a benchmark episode was bound with (None: none), which must be the cycle's stored seed
+    of that SHA-256."""
+    uri = getattr(identity, "workspace_seed_uri", None)
+    sha256 = getattr(identity, "workspace_seed_sha256", None)
+    if uri is None and sha256 is None:
+        return None
+    try:
+        key = workspace_seed_key(ctx.cycle_name, str(sha256))
+    except ValueError as exc:
+        raise EpisodeUnitError(f"{describe(identity)}: {exc}") from None
+    if ctx.artifacts.uri(key) != uri or not ctx.artifacts.exists(key):
+        raise EpisodeUnitError(
+            f"{describe(identity)}: its workspace seed {uri} is not the cycle's stored seed of SHA-256 "
+            f"{str(sha256)[:12]}…; bind it again"
+        )
+    return WorkspaceSeed(str(uri), str(sha256))
 
 
 def publish_prompt(ctx: CycleContext, request: EpisodeRequest) -> str:

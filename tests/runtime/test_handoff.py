@@ -915,3 +915,109 @@ def test_a_unit_names_a_cycle_task_by_number_and_a_benchmark_task_by_name(tmp_pa
 def test_a_task_name_that_could_climb_out_of_a_key_is_refused(task_id: Any) -> None:
     with pytest.raises(ValidationError):
         hand.HandoffUnit(task_id=task_id, kind="benchmark", seed=1, condition="c", prompt_sha256="0" * 64)
+
+
+# --- a benchmark task's workspace seed (ISSUE #18) -----------------------------------------------------------------
+
+
+def stored_seed(ctx: CycleContext, files: dict[str, bytes], *, stored: bytes | None = None) -> Any:
+    """A workspace seed archived as the benchmark stage archives one, stored under its SHA-256 (or `stored` bytes
+    under that key, nothing when b"")."""
+    from mass_ops.runtime.episode import WorkspaceSeed, workspace_seed_key
+    from mass_ops.store.artifacts import write_tarball
+
+    tree = Path(ctx.config.storage.artifact_url.removeprefix("file://")).parent / "seed-tree"
+    for name, data in files.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_bytes(data)
+    buffer = io.BytesIO()
+    write_tarball(tree, buffer)
+    sha = hashlib.sha256(buffer.getvalue()).hexdigest()
+    key = workspace_seed_key(ctx.cycle_name, sha)
+    data = buffer.getvalue() if stored is None else stored
+    if data:
+        ctx.artifacts.put_bytes(key, data)
+    return WorkspaceSeed(ctx.artifacts.uri(key), sha)
+
+
+def seeding_publisher(ctx: CycleContext, root: Path, prompt: str, seed: Any) -> hand.HandoffPublisher:
+    publisher = delivering_publisher(ctx, root, prompt)
+    publisher.workspace_seed = seed
+    return publisher
+
+
+def test_the_publisher_delivers_the_seed_before_the_prompt_and_the_sandbox_runner_reads_it_there(
+    tmp_path: Path,
+) -> None:
+    from mass_ops.runtime.runner import WorkspaceSeedError, extract_workspace_seed, fetch_workspace_seed
+
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    seed = stored_seed(ctx, {"repo/calc.py": b"def add(a, b): return abs(a) + b\n", "data.csv": b"a,b\n"})
+    prompt = "the prompt of the unit\n"
+    thread, result = serve_in_thread(seeding_publisher(ctx, tmp_path / "handoff", prompt, seed))
+    sandbox = hand.SandboxHandoff(tmp_path / "handoff")
+    with sandbox:
+        sandbox.await_prompt(tmp_path / "handoff" / hand.PROMPT_FILE)
+        assert (tmp_path / "handoff" / hand.SEED_FILE).is_file()  # written before the prompt the sandbox waits for
+        unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED)
+        request = EpisodeRequest(unit=unit, condition=f"t{TASK}_bare", prompt=prompt, workspace_seed=seed)
+        pod_ctx = sandbox.open(ctx.config, [request])
+        # The sandbox reaches no store: its runner's fetch is answered from the hand-off folder, checked.
+        workspace = tmp_path / "attempt" / "workspace"
+        workspace.mkdir(parents=True)
+        fetch_workspace_seed(pod_ctx.artifacts, seed, tmp_path / "attempt" / "seed.tar.gz")
+        extract_workspace_seed(tmp_path / "attempt" / "seed.tar.gz", workspace, seed)
+        assert (workspace / "repo" / "calc.py").read_bytes().startswith(b"def add")
+        assert (workspace / "data.csv").read_bytes() == b"a,b\n"
+        other = dataclasses_replace(seed, sha256="0" * 64)
+        with pytest.raises(WorkspaceSeedError, match="does not exist"):
+            fetch_workspace_seed(pod_ctx.artifacts, other, tmp_path / "attempt" / "other.tar.gz")
+    thread.join(timeout=60)
+    assert result == {"code": 0}
+
+
+def dataclasses_replace(seed: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(seed, **changes)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ("missing", "does not exist"),
+        ("other bytes", "does not hold the seed of SHA-256"),
+        ("another uri", "is not the workspace seed of cycle episode-test with SHA-256"),
+    ],
+)
+def test_a_seed_the_publisher_cannot_vouch_for_stops_the_pod_before_its_prompt(
+    tmp_path: Path, scenario: str, message: str
+) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    files = {"a.txt": b"a"}
+    seed = {
+        "missing": lambda: stored_seed(ctx, files, stored=b""),
+        "other bytes": lambda: stored_seed(ctx, files, stored=b"not the archive the stage stored"),
+        "another uri": lambda: dataclasses_replace(stored_seed(ctx, files), uri=ctx.artifacts.uri("cycles/x.tar.gz")),
+    }[scenario]()
+    thread, result = serve_in_thread(seeding_publisher(ctx, tmp_path / "handoff", "the prompt", seed))
+    sandbox = hand.SandboxHandoff(tmp_path / "handoff")
+    with pytest.raises(hand.HandoffError) as caught, sandbox:
+        sandbox.await_prompt(tmp_path / "handoff" / hand.PROMPT_FILE)
+    thread.join(timeout=60)
+    assert isinstance(result.get("error"), hand.SeedDeliveryError) and message in str(result["error"])
+    assert "the publisher gave up" in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "handoff" / hand.PROMPT_FILE).exists()
+    assert not (tmp_path / "handoff" / hand.SEED_FILE).exists()
+
+
+def test_a_request_announcing_another_seed_than_the_delivered_one_is_refused(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    seed = stored_seed(ctx, {"a.txt": b"a"})
+    thread, result = serve_in_thread(seeding_publisher(ctx, tmp_path / "handoff", "the prompt", seed))
+    ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt").announce_only()  # announces no seed
+    thread.join(timeout=60)
+    error = result.get("error")
+    assert isinstance(error, hand.IncompleteHandoffError), result
+    assert "announces reference-t51-s450051 with workspace seed none" in str(error)
+    assert not (tmp_path / "handoff" / hand.LEDGER_FILE).exists()

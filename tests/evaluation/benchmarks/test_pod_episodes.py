@@ -4,6 +4,8 @@ has recorded the episode the grading reads it and runs nothing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mass_ops.compute.kubernetes import EpisodeSpec
@@ -86,3 +88,45 @@ def test_an_unbound_benchmark_episode_has_no_request():
     spec = EpisodeSpec("benchmark", "tb2_hello-world", candidate=0, generation="L1")
     with pytest.raises(EpisodeUnitError, match="bound by its benchmark stage, which reads the dataset"):
         episode_request(SimpleNamespace(cycle_name="c"), spec)  # type: ignore[arg-type]
+
+
+def test_a_seeded_instance_pod_carries_its_seed_to_the_publisher_and_the_sandbox(tmp_path, eval_env):
+    from mass_ops.compute.kubernetes import WorkloadSettings, episode_pod
+    from tests.evaluation.benchmarks.test_seeds import make_harbor_task
+
+    ctx = eval_env.ctx
+    make_harbor_task(tmp_path)  # its image copies data.csv and src/ into /app
+    adapter = TerminalBench2(tmp_path)
+    [task] = adapter.tasks()
+    step = instance_step(ctx, adapter, "L1", 0, task, episode_pod=True)
+    spec = EpisodeSpec(**step["episode"])
+    in_process = instance_request(ctx, task, "L1", 0)
+    assert in_process.workspace_seed is not None
+    assert (spec.workspace_seed_uri, spec.workspace_seed_sha256) == (
+        in_process.workspace_seed.uri, in_process.workspace_seed.sha256,
+    )  # fmt: skip
+    # The request the pod's stage rebuilds from the spec is the in-process one, seed included.
+    assert episode_request(ctx, spec) == in_process
+    sandbox, publisher = episode_pod(ctx.config, WorkloadSettings(), spec, wall_clock_s=600)["spec"]["containers"]
+    seed_args = ["--workspace-seed-uri", spec.workspace_seed_uri, "--workspace-seed-sha256", spec.workspace_seed_sha256]
+    for container in (sandbox, publisher):
+        command = container["command"]
+        start = command.index("--workspace-seed-uri")
+        assert command[start : start + 4] == seed_args
+    # A spec naming a seed that is not the cycle's stored seed of that hash has no request.
+    forged = dataclasses.replace(spec, workspace_seed_uri=ctx.artifacts.uri("cycles/elsewhere/seed.tar.gz"))
+    with pytest.raises(EpisodeUnitError, match="is not the cycle's stored seed"):
+        episode_request(ctx, forged)
+
+
+def test_an_unseeded_instance_pod_has_no_seed_arguments(tmp_path, eval_env):
+    from mass_ops.compute.kubernetes import WorkloadSettings, episode_pod
+
+    ctx = eval_env.ctx
+    make_tb2_task(tmp_path, "hello-world")  # its image copies nothing
+    adapter = TerminalBench2(tmp_path)
+    [task] = adapter.tasks()
+    spec = EpisodeSpec(**instance_step(ctx, adapter, "L1", 0, task, episode_pod=True)["episode"])
+    assert spec.workspace_seed_uri is None
+    pod = episode_pod(ctx.config, WorkloadSettings(), spec)
+    assert not any("--workspace-seed-uri" in c["command"] for c in pod["spec"]["containers"])
