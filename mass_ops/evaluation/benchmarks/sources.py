@@ -1,7 +1,8 @@
 """Which adapter runs a named benchmark, over which user-provided folder (MASS_SPEC §10, ISSUE #18).
 
 Nothing is downloaded: the datasets lie in one folder the user provides, one subfolder per benchmark (``swe/``,
-``tb2/``, ``ds/``, ``asta/``), given as `data_dir` or ``$MASS_BENCHMARK_DATA``; the images come from the registry
+``tb2/``, ``ds/``, ``asta/``; SWE-bench's repositories, clones or bare mirrors, in ``swe/repos/``), given as
+`data_dir` or ``$MASS_BENCHMARK_DATA``; the images come from the registry
 the user provides (SWE-bench instances name theirs; Terminal-Bench tasks name theirs or take
 ``$MASS_TB2_IMAGE_PREFIX<task>``; AstaBench's grader image with `astabench` installed is ``$MASS_ASTA_IMAGE`` and its
 scoring wrapper ``$MASS_ASTA_SCORE_COMMAND``).
