@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from mass_ops.config import ConfigError, CycleConfig, load_config
 from mass_ops.errors import InputError
 from mass_ops.layout import EpisodeKind, EpisodeUnit, bare_condition, teacher_condition, version_condition
-from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
+from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, WorkspaceSeed
 
 if TYPE_CHECKING:
     from mass_ops.context import CycleContext
@@ -112,6 +112,14 @@ def run_command(
     served_name: Annotated[
         str | None, typer.Option("--served-name", help="Benchmark episodes: the model name that server serves.")
     ] = None,
+    workspace_seed_uri: Annotated[
+        str | None,
+        typer.Option("--workspace-seed-uri", help="Benchmark episodes: the task's starting files (a tar.gz artifact)."),
+    ] = None,
+    workspace_seed_sha256: Annotated[
+        str | None,
+        typer.Option("--workspace-seed-sha256", help="SHA-256 the workspace seed must have (with its URI)."),
+    ] = None,
 ) -> None:
     """Run the episode unit(s) and print one JSON outcome line per seed."""
     with _episode_logging(log_format), _handoff_session(handoff) as session:
@@ -131,7 +139,7 @@ def run_command(
             scratch_dir=scratch_dir,
             keep_scratch=keep_scratch,
             progress=progress,
-            options=RunOptions(wall_clock_s, endpoint, served_name),
+            options=RunOptions(wall_clock_s, endpoint, served_name, workspace_seed_uri, workspace_seed_sha256),
         )
 
 
@@ -166,6 +174,8 @@ class RunOptions:
     wall_clock_s: int | None = None
     endpoint: str | None = None
     served_name: str | None = None
+    workspace_seed_uri: str | None = None  # the task's starting files (`runtime.episode.WorkspaceSeed`)
+    workspace_seed_sha256: str | None = None
 
     def check(self, kind: str) -> None:
         given = [flag for flag, value in self._flags() if value is not None]
@@ -175,12 +185,23 @@ class RunOptions:
             raise EpisodeInputError("--endpoint: give --endpoint and --served-name together")
         if self.wall_clock_s is not None and self.wall_clock_s < 1:
             raise EpisodeInputError(f"--wall-clock-s: {self.wall_clock_s} is not a number of seconds ≥ 1")
+        if (self.workspace_seed_uri is None) != (self.workspace_seed_sha256 is None):
+            raise EpisodeInputError(
+                "--workspace-seed-uri: give --workspace-seed-uri and --workspace-seed-sha256 together"
+            )
+        self.workspace_seed()  # a malformed hash is one line here, before anything runs
+
+    def workspace_seed(self) -> WorkspaceSeed | None:
+        """The episode's workspace seed, when one was given."""
+        return _workspace_seed(self.workspace_seed_uri, self.workspace_seed_sha256, "--workspace-seed-sha256")
 
     def _flags(self) -> list[tuple[str, Any]]:
         return [
             ("--wall-clock-s", self.wall_clock_s),
             ("--endpoint", self.endpoint),
             ("--served-name", self.served_name),
+            ("--workspace-seed-uri", self.workspace_seed_uri),
+            ("--workspace-seed-sha256", self.workspace_seed_sha256),
         ]
 
     def applied(self, ctx: CycleContext, generation: str | None) -> CycleContext:
@@ -270,6 +291,7 @@ def _run(
             ),
             condition=chosen_condition,
             prompt=prompt,
+            workspace_seed=options.workspace_seed(),
         )
         for s in seed
     ]
@@ -326,6 +348,14 @@ def publish_command(
     prompt_sha256: Annotated[
         str | None, typer.Option("--prompt-sha256", help="SHA-256 the prompt artifact must have (with --prompt-uri).")
     ] = None,
+    workspace_seed_uri: Annotated[
+        str | None,
+        typer.Option("--workspace-seed-uri", help="Benchmark episodes: the task's starting files (a tar.gz artifact)."),
+    ] = None,
+    workspace_seed_sha256: Annotated[
+        str | None,
+        typer.Option("--workspace-seed-sha256", help="SHA-256 the workspace seed must have (with its URI)."),
+    ] = None,
 ) -> None:
     """Publish what `episode run --handoff` hands over: each attempt's artifacts, then its row (one JSON line each)."""
     with _episode_logging(log_format):
@@ -337,6 +367,12 @@ def publish_command(
 
         if (prompt_uri is None) != (prompt_sha256 is None):
             raise _fail("episode publish: give --prompt-uri and --prompt-sha256 together")
+        if (workspace_seed_uri is None) != (workspace_seed_sha256 is None):
+            raise _fail("episode publish: give --workspace-seed-uri and --workspace-seed-sha256 together")
+        try:
+            seed = _workspace_seed(workspace_seed_uri, workspace_seed_sha256, "--workspace-seed-sha256")
+        except EpisodeInputError as exc:
+            raise _fail(f"episode publish: {exc}") from None
         if not handoff.is_dir():
             # The pod mounts the shared folder before either container starts; a missing one is a wrong path.
             raise _fail(f"episode publish: --handoff {handoff} is not a folder (the volume both containers share)")
@@ -347,6 +383,7 @@ def publish_command(
             stale_after_s=stale_after_s,
             on_outcome=lambda outcome: print(json.dumps(outcome_line(outcome)), flush=True),
             prompt=PromptDelivery(prompt_uri, prompt_sha256) if prompt_uri and prompt_sha256 else None,
+            workspace_seed=seed,
         )
         try:
             code = publisher.run()
@@ -422,6 +459,16 @@ def _check_unit(
     if len(set(seeds)) != len(seeds):
         raise EpisodeInputError("--seed: a seed is given twice")
     return task_id
+
+
+def _workspace_seed(uri: str | None, sha256: str | None, flag: str) -> WorkspaceSeed | None:
+    """`WorkspaceSeed(uri, sha256)` when both are given (None when neither); a malformed hash is one line."""
+    if uri is None or sha256 is None:
+        return None
+    try:
+        return WorkspaceSeed(uri, sha256)
+    except ValueError as exc:
+        raise EpisodeInputError(f"{flag}: {exc}") from None
 
 
 def _read_prompt(store: Any, prompt_file: Path | None, prompt_uri: str | None) -> str:

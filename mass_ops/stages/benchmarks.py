@@ -102,6 +102,7 @@ def benchmark_trial_tasks(
 ) -> dict[str, Any]:
     """The tasks of one trial (the first `limit`), checked before any agent time: the dataset reads and the
     evaluator is installed."""
+    from mass_ops.evaluation.benchmarks.seeds import check_seeds
     from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
     from mass_ops.evaluation.benchmarks.suite import trial_tasks
 
@@ -109,11 +110,14 @@ def benchmark_trial_tasks(
     _check_limit(benchmark, limit)
     adapter = benchmark_adapter(benchmark, data_dir)
     evaluator = adapter.evaluator()  # EvaluatorNotInstalledError here, before any episode
+    tasks = trial_tasks(adapter, limit)
+    # A missing repository, commit or dataset folder: one line now, not after earlier instances spent agent time.
+    check_seeds([task.seed for task in tasks])
     return {
         "benchmark": adapter.name,
         "needs_container": adapter.needs_container,
         "evaluator": evaluator,
-        "tasks": [t.name for t in trial_tasks(adapter, limit)],
+        "tasks": [t.name for t in tasks],
     }
 
 

@@ -82,3 +82,55 @@ def test_run_options_and_task_names_belong_to_their_kind(tmp_path: Path, args, m
     process = cli_process([*command, "--prompt-file", str(prompt)], tmp_path)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_the_command_line_seeds_a_benchmark_workspace(policy_host: PolicyHost, tmp_path: Path) -> None:
+    """What a benchmark pod's sandbox container is given: the seed's URI and hash; the run starts from its files and
+    the episode's status document names it (the workspace it publishes holds them)."""
+    from tests.runtime.test_runner import _seed_archive, _stored_seed
+
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        seed = _stored_seed(ctx, _seed_archive({"repo/calc.py": b"def add(a, b): return a + b\n"}))
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text("Fix it.\n@agent requests=1")
+        args = benchmark_args(write_config(ctx, tmp_path), prompt, tmp_path / "scratch")
+        args += ["--workspace-seed-uri", seed.uri, "--workspace-seed-sha256", seed.sha256]
+        process = cli_process(args, tmp_path)
+        _stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    status = json.loads(ctx.artifacts.get_bytes(ctx.artifacts.key_of(row.artifacts["status"])))
+    assert status["workspace_seed"] == {"uri": seed.uri, "sha256": seed.sha256}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--workspace-seed-uri", "file:///x.tar.gz"],
+            "give --workspace-seed-uri and --workspace-seed-sha256 together",
+        ),
+        (["--workspace-seed-uri", "file:///x", "--workspace-seed-sha256", "XYZ"], "is not a lowercase hex SHA-256"),
+    ],
+)
+def test_a_bad_workspace_seed_is_one_line_and_exit_2(tmp_path: Path, extra, message) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    process = cli_process([*benchmark_args(write_config(ctx, tmp_path), prompt, tmp_path / "s"), *extra], tmp_path)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert ctx.repo.episodes(ctx.cycle_id) == []
+
+
+def test_a_seed_belongs_to_benchmark_episodes_only(tmp_path: Path) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    command = ["run", "--config", str(write_config(ctx, tmp_path)), "--kind", "reference", "--task", "51",
+               "--seed", "1", "--prompt-file", str(prompt),
+               "--workspace-seed-uri", "file:///x", "--workspace-seed-sha256", "0" * 64]  # fmt: skip
+    process = cli_process(command, tmp_path)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2 and "--workspace-seed-uri: only benchmark episodes" in stderr, stderr

@@ -5,6 +5,7 @@ has recorded the episode the grading reads it and runs nothing."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -90,6 +91,23 @@ def test_an_unbound_benchmark_episode_has_no_request():
         episode_request(SimpleNamespace(cycle_name="c"), spec)  # type: ignore[arg-type]
 
 
+def cli_params(command: list[str]) -> dict[str, object]:
+    """The parameters `mass-ops …` parses from a container's command (Click raises on an unknown option)."""
+    import typer
+
+    from mass_ops.cli import app
+
+    assert command[0] == "mass-ops"
+    group: Any = typer.main.get_command(app)
+    context = group.make_context("mass-ops", list(command[1:]))
+    while hasattr(group, "resolve_command"):  # a command group (Typer may carry its own Click)
+        name, sub, rest = group.resolve_command(context, context._protected_args + context.args)
+        assert sub is not None and name is not None
+        context = sub.make_context(name, rest, parent=context)
+        group = sub
+    return context.params
+
+
 def test_a_seeded_instance_pod_carries_its_seed_to_the_publisher_and_the_sandbox(tmp_path, eval_env):
     from mass_ops.compute.kubernetes import WorkloadSettings, episode_pod
     from tests.evaluation.benchmarks.test_seeds import make_harbor_task
@@ -113,6 +131,8 @@ def test_a_seeded_instance_pod_carries_its_seed_to_the_publisher_and_the_sandbox
         command = container["command"]
         start = command.index("--workspace-seed-uri")
         assert command[start : start + 4] == seed_args
+        parsed = cli_params(command)  # the CLI the containers run accepts every argument the pod gives it
+        assert (parsed["workspace_seed_uri"], parsed["workspace_seed_sha256"]) == tuple(seed_args[1::2])
     # A spec naming a seed that is not the cycle's stored seed of that hash has no request.
     forged = dataclasses.replace(spec, workspace_seed_uri=ctx.artifacts.uri("cycles/elsewhere/seed.tar.gz"))
     with pytest.raises(EpisodeUnitError, match="is not the cycle's stored seed"):

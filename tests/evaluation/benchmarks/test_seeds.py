@@ -225,6 +225,23 @@ def test_a_missing_repository_or_commit_is_one_line_before_any_episode(tmp_path,
     assert executor.executed == [] and eval_env.ctx.repo.episodes(eval_env.ctx.cycle_id) == []
 
 
+def test_the_kubernetes_trial_checks_every_instance_s_inputs_before_its_first_episode(tmp_path, eval_env):
+    """`benchmark_trial_tasks` is the operator's first call on Kubernetes: a missing repository is refused there, not
+    when its instance is reached after earlier instances spent agent time."""
+    from mass_ops.evaluation.benchmarks.sources import SWE
+    from mass_ops.stages.benchmarks import benchmark_trial_tasks
+
+    root = tmp_path / SWE
+    (root / "repos").mkdir(parents=True)
+    write_swe(root, "0" * 40)
+    with pytest.raises(BenchmarkError, match="no clone or bare mirror of calc/calc") as caught:
+        benchmark_trial_tasks(eval_env.ctx.config, SWE, None, str(tmp_path))
+    assert "\n" not in str(caught.value)
+    _repo, base = make_repo(root / "repos")
+    write_swe(root, base)
+    assert benchmark_trial_tasks(eval_env.ctx.config, SWE, None, str(tmp_path))["tasks"]
+
+
 # --- Terminal-Bench 2.0 (Harbor task format) --------------------------------------------------------------------------
 
 
