@@ -19,7 +19,10 @@ live in /dev/shm when it exists.
 - mass-ops: all tasks' chains at once (threads), episodes concurrent within the capacity, collection in one batch.
 
 Prints both wall-clocks, the speedup (target ≥ 5×) and mass-ops' wall-clock over the critical-path lower bound
-(the longer of the slowest task chain and total server time / capacity, for search and for collection).
+(the longer of the slowest task chain and total server time / capacity, for search and for collection). The bound
+counts server time only: the stage code's own work per step (ledger and row writes, evidence; ~0.1–0.3 s on 2 busy
+cores) is a large share of a step at the default latency (wall/bound 1.40 there), a small one at `--latency 0.16`
+(1.06; the sequential baseline then takes about 3 minutes).
 
     .venv/bin/python benchmarks/search_concurrency.py [--tasks 9] [--iterations 11] [--candidates 18]
         [--latency 0.04] [--episode-turns 3] [--capacity 8]
