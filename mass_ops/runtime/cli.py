@@ -72,6 +72,16 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
     return typer.Exit(code)
 
 
+# A benchmark task's starting files (`runtime.episode.WorkspaceSeed`), given to both containers of its pod.
+SeedUriOption = Annotated[
+    str | None,
+    typer.Option("--workspace-seed-uri", help="Benchmark episodes: the task's starting files (a tar.gz artifact)."),
+]
+SeedSha256Option = Annotated[
+    str | None, typer.Option("--workspace-seed-sha256", help="SHA-256 the workspace seed must have (with its URI).")
+]
+
+
 @episode_app.command("run")
 def run_command(
     task: Annotated[str, typer.Option("--task", help="Task id (a benchmark episode: the benchmark task's name).")],
@@ -112,14 +122,8 @@ def run_command(
     served_name: Annotated[
         str | None, typer.Option("--served-name", help="Benchmark episodes: the model name that server serves.")
     ] = None,
-    workspace_seed_uri: Annotated[
-        str | None,
-        typer.Option("--workspace-seed-uri", help="Benchmark episodes: the task's starting files (a tar.gz artifact)."),
-    ] = None,
-    workspace_seed_sha256: Annotated[
-        str | None,
-        typer.Option("--workspace-seed-sha256", help="SHA-256 the workspace seed must have (with its URI)."),
-    ] = None,
+    workspace_seed_uri: SeedUriOption = None,
+    workspace_seed_sha256: SeedSha256Option = None,
 ) -> None:
     """Run the episode unit(s) and print one JSON outcome line per seed."""
     with _episode_logging(log_format), _handoff_session(handoff) as session:
@@ -348,14 +352,8 @@ def publish_command(
     prompt_sha256: Annotated[
         str | None, typer.Option("--prompt-sha256", help="SHA-256 the prompt artifact must have (with --prompt-uri).")
     ] = None,
-    workspace_seed_uri: Annotated[
-        str | None,
-        typer.Option("--workspace-seed-uri", help="Benchmark episodes: the task's starting files (a tar.gz artifact)."),
-    ] = None,
-    workspace_seed_sha256: Annotated[
-        str | None,
-        typer.Option("--workspace-seed-sha256", help="SHA-256 the workspace seed must have (with its URI)."),
-    ] = None,
+    workspace_seed_uri: SeedUriOption = None,
+    workspace_seed_sha256: SeedSha256Option = None,
 ) -> None:
     """Publish what `episode run --handoff` hands over: each attempt's artifacts, then its row (one JSON line each)."""
     with _episode_logging(log_format):

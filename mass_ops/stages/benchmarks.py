@@ -17,7 +17,7 @@ time limit and the generation's server — and once the pod has recorded it, it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mass_ops.config import CycleConfig
@@ -84,6 +84,24 @@ def benchmark_trial(
     when given), each task under its official time limit; resumable per instance. A benchmark whose grader needs a
     container stops before any episode when no engine runs here (one line) — on Kubernetes such a benchmark runs
     through `BenchmarkTrialOperator` instead."""
+    return trial_on(_served, config, benchmark, generation, int(trial), limit, data_dir)
+
+
+# Where a trial's episodes run and are recorded: given the config and the generation, the cycle's context on that
+# generation's server (the full suite: `_served`; the nightly slice: the nightly cycle on tonight's servers).
+ServedOn = Callable[[CycleConfig, str], CycleContext]
+
+
+def trial_on(
+    served_on: ServedOn,
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    limit: int | None,
+    data_dir: str | None,
+) -> dict[str, Any]:
+    """`benchmark_trial` in the context `served_on` gives (shared by the full suite and the nightly slice)."""
     from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
     from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
     from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
@@ -92,8 +110,8 @@ def benchmark_trial(
     adapter = benchmark_adapter(benchmark, data_dir)
     runner = local_runner() if config.compute.backend == "local" else None
     require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
-    served = _served(config, generation)
-    result = run_benchmark_trial(served, adapter, _executor_for, generation, int(trial), runner=runner, limit=limit)
+    served = served_on(config, generation)
+    result = run_benchmark_trial(served, adapter, _executor_for, generation, trial, runner=runner, limit=limit)
     return _summary(result)
 
 
@@ -135,11 +153,25 @@ def benchmark_instance(
     "bundle_uri", "bundle_sha256"}`` — the grader Job to run (`compute.kubernetes.benchmark_grader_job`).
 
     `episode_pod`: the episode runs in its own pod, never here — see `instance_step`."""
+    return instance_on(_served, config, benchmark, generation, int(trial), task, data_dir, episode_pod)
+
+
+def instance_on(
+    served_on: ServedOn,
+    config: CycleConfig,
+    benchmark: str,
+    generation: str,
+    trial: int,
+    task: str,
+    data_dir: str | None,
+    episode_pod: bool,
+) -> dict[str, Any]:
+    """`benchmark_instance` in the context `served_on` gives (shared by the full suite and the nightly slice)."""
     from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
 
     adapter = benchmark_adapter(benchmark, data_dir)
-    served = _served(config, generation)
-    return instance_step(served, adapter, generation, int(trial), _task(adapter, task), episode_pod=episode_pod)
+    served = served_on(config, generation)
+    return instance_step(served, adapter, generation, trial, _task(adapter, task), episode_pod=episode_pod)
 
 
 def instance_step(

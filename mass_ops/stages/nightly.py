@@ -305,20 +305,9 @@ def nightly_benchmark_trial(
 ) -> dict[str, Any]:
     """Tonight's slice of `benchmark` for `generation`, run, graded and recorded here (local backend; see
     `stages.benchmarks.benchmark_trial`), skipping every instance already recorded for this night."""
-    from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
-    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
-    from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
-    from mass_ops.stages.benchmarks import _check_limit, _executor_for, _summary
+    from mass_ops.stages.benchmarks import trial_on
 
-    _check_limit(benchmark, limit)
-    adapter = benchmark_adapter(benchmark, data_dir)
-    runner = local_runner() if config.compute.backend == "local" else None
-    require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
-    served = _slice_served(config, generation)
-    result = run_benchmark_trial(
-        served, adapter, _executor_for, generation, _check_trial(trial), runner=runner, limit=limit
-    )
-    return _summary(result)
+    return trial_on(_slice_served, config, benchmark, generation, _check_trial(trial), limit, data_dir)
 
 
 def nightly_benchmark_trial_tasks(
@@ -342,14 +331,9 @@ def nightly_benchmark_instance(
     """One slice instance's episode on tonight's server of `generation`, then its score or the grader job to run;
     with `episode_pod`, the episode pod to run first (recorded in the nightly cycle) — see
     `stages.benchmarks.instance_step`."""
-    from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
-    from mass_ops.stages.benchmarks import _task, instance_step
+    from mass_ops.stages.benchmarks import instance_on
 
-    adapter = benchmark_adapter(benchmark, data_dir)
-    served = _slice_served(config, generation)
-    return instance_step(
-        served, adapter, generation, _check_trial(trial), _task(adapter, task), episode_pod=episode_pod
-    )
+    return instance_on(_slice_served, config, benchmark, generation, _check_trial(trial), task, data_dir, episode_pod)
 
 
 def nightly_benchmark_grader_result(
