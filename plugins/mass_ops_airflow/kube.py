@@ -178,6 +178,16 @@ def _trainjob_api(namespace: str) -> dict[str, str]:
     return {"group": TRAINJOB_GROUP, "version": TRAINJOB_VERSION, "namespace": namespace, "plural": TRAINJOB_PLURAL}
 
 
+def read_job(batch: Any, name: str, namespace: str) -> Any | None:
+    """The Job `name`, or None when there is none (another API error propagates)."""
+    try:
+        return batch.read_namespaced_job(name=name, namespace=namespace)
+    except _api_exception() as exc:
+        if is_not_found(exc):
+            return None
+        raise
+
+
 def read_trainjob(custom: Any, name: str, namespace: str) -> dict[str, Any] | None:
     """The TrainJob `name` as a dict (the custom-objects API returns plain JSON), or None when there is none."""
     api_exception = _api_exception()

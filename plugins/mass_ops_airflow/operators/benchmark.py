@@ -294,7 +294,7 @@ class BenchmarkTrialOperator(BaseOperator):
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
         clients = kube.kubernetes_clients(self.kubernetes_conn_id)
         self._in_flight = {"job": name, "namespace": namespace}
-        existing = self._read_job(clients, name, namespace)
+        existing = kube.read_job(clients.batch, name, namespace)
         if existing is not None:
             state, _ = kube.job_state(existing)
             if state == "succeeded":
@@ -324,17 +324,6 @@ class BenchmarkTrialOperator(BaseOperator):
             kwargs={"index": index},
         )
         return False  # not reached: defer raises
-
-    @staticmethod
-    def _read_job(clients: Any, name: str, namespace: str) -> Any | None:
-        from mass_ops_airflow import kube
-
-        try:
-            return clients.batch.read_namespaced_job(name=name, namespace=namespace)
-        except Exception as exc:
-            if kube.is_not_found(exc):
-                return None
-            raise
 
     def _grader_pods(self, clients: Any, namespace: str, name: str) -> list[Any]:
         from mass_ops.compute.kubernetes import JOB_NAME_LABEL

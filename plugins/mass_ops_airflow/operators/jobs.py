@@ -82,7 +82,7 @@ class GpuJobOperator(BaseOperator):
         name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
         clients = kube.kubernetes_clients(self.kubernetes_conn_id)
         self._created = {"job": name, "service": service["metadata"]["name"], "namespace": namespace}
-        existing = self._read_job(clients, name, namespace)
+        existing = kube.read_job(clients.batch, name, namespace)
         if existing is not None:
             state, _ = kube.job_state(existing)
             if state == "succeeded":
@@ -151,17 +151,6 @@ class GpuJobOperator(BaseOperator):
             ),
             method_name="execute_complete",
         )
-
-    @staticmethod
-    def _read_job(clients: Any, name: str, namespace: str) -> Any | None:
-        from mass_ops_airflow import kube
-
-        try:
-            return clients.batch.read_namespaced_job(name=name, namespace=namespace)
-        except Exception as exc:
-            if kube.is_not_found(exc):
-                return None
-            raise
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the Job ended: delete it and its Service, then post-check — or fail with the log tails."""
