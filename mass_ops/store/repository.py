@@ -43,6 +43,7 @@ from mass_ops.store.schema import (
     DataSplit,
     Episode,
     EpisodeKind,
+    EpisodeLease,
     EpisodeStatus,
     Evaluation,
     Ledger,
@@ -59,6 +60,7 @@ from mass_ops.store.schema import (
     WindowRole,
     WorkflowVersion,
     episode_unit_key,
+    episode_unit_slug,
     utcnow,
 )
 
@@ -1176,6 +1178,72 @@ class MetadataRepository:
         if scopes is not None:
             statement = statement.where(BudgetSpend.scope.in_(list(scopes)))
         return {row.scope: row for row in self._all(statement)}
+
+    # -- episode leases ------------------------------------------------------------------------------------------
+
+    def start_episode_lease(
+        self,
+        cycle_id: int,
+        *,
+        task_id: TaskId,
+        kind: str,
+        seed: int,
+        attempt: int,
+        version: int | None = None,
+        candidate: int | None = None,
+        generation: str | None = None,
+        host: str | None = None,
+        started_at: datetime | None = None,
+    ) -> EpisodeLease:
+        """Mark attempt `attempt` of the unit as started (upsert): the unit's lease, whatever attempt it named
+        before, now names this one, started at `started_at` (default now) on `host`."""
+        identity = {
+            "task_id": _task(task_id),
+            "kind": _member(EpisodeKind, kind, "kind"),
+            "version": version,
+            "candidate": candidate,
+            "generation": generation,
+        }
+        key = {"cycle_id": cycle_id, "unit_key": episode_unit_slug(seed=seed, **identity)}
+        values = {
+            **identity,
+            "attempt": attempt,
+            "started_at": _aware(started_at, "started_at") or utcnow(),
+            "host": host[:253] if host else None,
+        }
+        insert = self._dialect_insert(EpisodeLease)
+        statement = insert.on_conflict_do_update(
+            index_elements=list(key), set_={name: getattr(insert.excluded, name) for name in values}
+        ).returning(EpisodeLease)
+        with self.store.write() as session:
+            return session.scalars(statement, {**key, **values}).one()
+
+    def end_episode_lease(
+        self,
+        cycle_id: int,
+        *,
+        task_id: TaskId,
+        kind: str,
+        seed: int,
+        attempt: int | None = None,
+        version: int | None = None,
+        candidate: int | None = None,
+        generation: str | None = None,
+    ) -> bool:
+        """Remove the unit's lease if it names attempt `attempt` or an earlier one (any attempt when None): a later
+        attempt's lease stays. Returns whether a lease was removed."""
+        unit_key = episode_unit_slug(
+            task_id=_task(task_id), kind=kind, seed=seed, version=version, candidate=candidate, generation=generation
+        )
+        statement = sa.delete(EpisodeLease).where(EpisodeLease.cycle_id == cycle_id, EpisodeLease.unit_key == unit_key)
+        if attempt is not None:
+            statement = statement.where(EpisodeLease.attempt <= attempt)
+        with self.store.transaction() as connection:
+            return bool(connection.execute(statement).rowcount)
+
+    def episode_leases(self, cycle_id: int) -> list[EpisodeLease]:
+        """Every lease of a cycle (fresh or not: `mass_ops.stages.leases` decides), in the order they were made."""
+        return self._all(sa.select(EpisodeLease).where(EpisodeLease.cycle_id == cycle_id).order_by(EpisodeLease.id))
 
     # -- artifact references -------------------------------------------------------------------------------------
 

@@ -154,6 +154,22 @@ def episode_unit_key(
     `candidate` and `generation` are often absent and SQL treats NULLs as distinct, which would let duplicates in.
     Never change this format: stored keys must keep matching on resume.
     """
+    slug = episode_unit_slug(
+        task_id=task_id, kind=kind, seed=seed, version=version, candidate=candidate, generation=generation
+    )
+    return f"{slug}/a{attempt}"
+
+
+def episode_unit_slug(
+    *,
+    task_id: str,
+    kind: str,
+    seed: int,
+    version: int | None = None,
+    candidate: int | None = None,
+    generation: str | None = None,
+) -> str:
+    """The identity of an episode unit across its attempts: `episode_unit_key` without its ``/a<attempt>``."""
     unit = EpisodeUnit(
         cycle="",
         task_id=task_id,
@@ -161,10 +177,9 @@ def episode_unit_key(
         seed=seed,
         version=version,
         candidate=candidate,  # type: ignore[arg-type]
-        attempt=attempt,
         generation=generation,
     )
-    return f"{unit.slug}/a{attempt}"
+    return unit.slug
 
 
 class Base(DeclarativeBase):
@@ -561,3 +576,30 @@ class BudgetCharge(Base):
     cycle_id: Mapped[int] = mapped_column(sa.ForeignKey("cycles.id", ondelete="CASCADE"))
     charge_key: Mapped[str] = mapped_column(sa.String(200))
     created_at: Mapped[datetime] = _created()
+
+
+class EpisodeLease(Base):
+    """An episode attempt that has started and is not recorded yet (revision 0005): an episode's row is written only
+    when its attempt ends, so this is what tells `status` that the unit is in flight.
+
+    Written by whoever starts the attempt — the local runner as its agent starts, the operator that creates a
+    Kubernetes episode pod — and deleted once the attempt's row is recorded (or the attempt died without one). One
+    lease per unit: `unit_key` is the episode's unit key without its attempt (`episode_unit_slug`), so a later attempt
+    replaces an earlier one's. A crash leaves its lease behind; readers ignore a lease older than the attempt could
+    run (`mass_ops.stages.leases`). The identity columns mirror `episodes`, so a reader matches a lease to a unit as it
+    matches the unit's rows. `host` says where it runs (host and pid, or the pod's name): never a secret."""
+
+    __tablename__ = "episode_leases"
+    __table_args__ = (sa.UniqueConstraint("cycle_id", "unit_key"), one_of("kind", EpisodeKind))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cycle_id: Mapped[int] = mapped_column(sa.ForeignKey("cycles.id", ondelete="CASCADE"))
+    unit_key: Mapped[str] = mapped_column(sa.String(200))
+    task_id: Mapped[str] = mapped_column(sa.String(64))
+    kind: Mapped[str] = mapped_column(sa.String(16))
+    version: Mapped[int | None] = mapped_column()
+    candidate: Mapped[int | None] = mapped_column()
+    generation: Mapped[str | None] = mapped_column(sa.String(64))
+    attempt: Mapped[int] = mapped_column()
+    started_at: Mapped[datetime] = mapped_column()
+    host: Mapped[str | None] = mapped_column(sa.String(253))

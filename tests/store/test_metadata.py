@@ -223,6 +223,24 @@ def test_every_table_round_trips(repo: MetadataRepository, cycle_id: int):
     assert search.unit_key == "search-t51-v1-s451051/a1"
     assert repo.get_episode(search.id).prompt_tokens == 1_500_000
 
+    # An attempt in flight has a lease (its row comes when it ends): one per unit, the later attempt replacing it.
+    unit = {"task_id": 51, "kind": "search", "seed": 451052, "version": 2}
+    first = repo.start_episode_lease(cycle_id, attempt=1, host="node-a pid 7", started_at=started, **unit)
+    second = repo.start_episode_lease(cycle_id, attempt=2, host="ep-search-t51-v2", **unit)
+    rollout = repo.start_episode_lease(cycle_id, task_id=60, kind="rollout", seed=9, attempt=1, candidate=0,
+                                       generation="L1")  # fmt: skip
+    (lease, other) = repo.episode_leases(cycle_id)
+    assert (lease.id, lease.unit_key, lease.task_id, lease.version, lease.candidate) == (
+        first.id, "search-t51-v2-s451052", "51", 2, None,
+    )  # fmt: skip
+    assert (lease.attempt, lease.host) == (2, "ep-search-t51-v2") and lease.started_at > started
+    assert lease.started_at.tzinfo is not None and second.attempt == 2
+    assert (other.unit_key, other.generation, other.candidate) == ("rollout-t60-c0-s9-gL1", "L1", 0)
+    assert repo.end_episode_lease(cycle_id, attempt=1, **unit) is False, "attempt 1's end keeps attempt 2's lease"
+    assert repo.end_episode_lease(cycle_id, attempt=2, **unit) is True
+    assert [row.id for row in repo.episode_leases(cycle_id)] == [rollout.id]
+    repo.start_episode_lease(cycle_id, attempt=3, **unit)  # stays: the table check below needs a row
+
     judge = repo.record_llm_call(cycle_id, "t51/rhi/v1_vs_no_harness", purpose="judge", model="L0", seed=450051)
     rhi = repo.record_comparison(
         cycle_id,
