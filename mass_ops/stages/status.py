@@ -5,10 +5,12 @@ It works the same for a cycle run from the CLI and from Airflow because it reads
 writes. A unit is in flight (``running``) when the store holds part of its records and not the one that ends it: a
 search step whose episode is recorded but whose judging and next proposal are not, a task with ranking calls but no
 ranks, a render with one split of two, a training run marked running, evaluation judge calls without the summary.
-An agent episode's row is written only when its attempt ends, so an episode still running shows as ``pending``
-like one not started (`IN_FLIGHT_NOTE`, printed with the table); a unit whose run died half-way also shows as in
-flight until it is redone. ``pending`` counts every unit neither finished nor failed, ``in_flight`` those of them
-that started.
+An agent episode's row is written only when its attempt ends; while it runs, its unit holds a lease
+(`stages.leases`: written by the local runner, or by the operator that created its pod), and an episode unit with a
+fresh lease for an attempt later than any recorded one is ``running`` ("attempt 2 started 3m ago on <where>"). A lease
+older than its attempt could run is stale (a crash left it) and ignored (`IN_FLIGHT_NOTE`, printed with the table); a
+unit whose run died half-way also shows as in flight until it is redone. ``pending`` counts every unit neither
+finished nor failed, ``in_flight`` those of them that started.
 
 The unit lists here are also what `stages.repair` redoes: one place decides what a missing or failed unit is.
 
@@ -31,12 +33,14 @@ from mass_ops.config import CycleConfig, validate_config
 from mass_ops.cost.prices import token_cost
 from mass_ops.errors import InputError
 from mass_ops.stages.common import TRAINING_RUN_KEY
+from mass_ops.stages.leases import describe_lease, lease_horizon_s, lease_is_fresh
 from mass_ops.store.budgets import BudgetLimits
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import (
     Cycle,
     Dataset,
     Episode,
+    EpisodeLease,
     Evaluation,
     LLMCall,
     ModelGeneration,
@@ -56,9 +60,10 @@ STAGES: tuple[str, ...] = (
 )  # fmt: skip
 FINAL_EPISODE = ("succeeded", "model_failure")
 IN_FLIGHT_NOTE = (
-    "in flight = part of the unit's records are in the store, not the last (a search step judging or proposing, a "
-    "task being ranked, a render, the training run, the evaluation's judging); an agent episode is recorded when its "
-    "attempt ends, so one still running counts as pending"
+    "in flight = an agent episode whose attempt has started and is not recorded yet (its lease), or a unit with part "
+    "of its records in the store, not the last (a search step judging or proposing, a task being ranked, a render, "
+    "the training run, the evaluation's judging); a lease older than the episode wall-clock limit plus a margin is "
+    "left by a crash and counts as pending"
 )
 NOT_RECORDED = IN_FLIGHT_NOTE  # the former name
 
@@ -89,8 +94,7 @@ class StageStatus:
     failed: int
     budget_exhausted: int
     pending: int  # not finished, not failed: in flight or not started
-    in_flight: int  # of those, the started ones (state ``running``; an agent episode still running is not: see
-    # IN_FLIGHT_NOTE)
+    in_flight: int  # of those, the started ones (state ``running``: see IN_FLIGHT_NOTE)
     started: bool
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -223,9 +227,11 @@ class _Records:
     runs: list[TrainingRun]
     generations: list[ModelGeneration]
     evaluations: list[Evaluation]
+    leases: list[EpisodeLease] = field(default_factory=list)
+    now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @classmethod
-    def read(cls, repo: MetadataRepository, cycle_id: int) -> _Records:
+    def read(cls, repo: MetadataRepository, cycle_id: int, now: datetime | None = None) -> _Records:
         return cls(
             episodes=repo.episodes(cycle_id),
             calls=repo.llm_calls(cycle_id),
@@ -237,6 +243,8 @@ class _Records:
             runs=_rows(repo, TrainingRun, cycle_id),
             generations=_rows(repo, ModelGeneration, cycle_id),
             evaluations=_rows(repo, Evaluation, cycle_id),
+            leases=repo.episode_leases(cycle_id),
+            now=now or datetime.now(UTC),
         )
 
     def latest_attempts(self) -> dict[tuple[str, str, int | None, int | None, str | None], Episode]:
@@ -248,13 +256,29 @@ class _Records:
                 latest[key] = e
         return latest
 
+    def running_leases(self, config: CycleConfig) -> dict[tuple[str, str, int | None, int | None, str | None], str]:
+        """The detail of every episode unit in flight, keyed as `latest_attempts`: a fresh lease of an attempt later
+        than the unit's latest recorded one (an older attempt's lease outlived its row: its end was lost)."""
+        horizon = lease_horizon_s(config)
+        latest = self.latest_attempts()
+        running = {}
+        for lease in self.leases:
+            key = (lease.kind, lease.task_id, lease.version, lease.candidate, lease.generation)
+            recorded = latest.get(key)
+            if lease_is_fresh(lease, horizon, self.now) and (recorded is None or lease.attempt > recorded.attempt):
+                running[key] = describe_lease(lease, self.now)
+        return running
 
-def _episode_state(stage: str, key: str, task: int, episode: Episode | None) -> UnitState:
-    """A unit whose record is one episode (its latest attempt)."""
+
+def _episode_state(stage: str, key: str, task: int, episode: Episode | None, running: str | None = None) -> UnitState:
+    """A unit whose record is one episode (its latest attempt), `running` the detail of its lease when a later attempt
+    is in flight."""
+    if episode is not None and episode.status in FINAL_EPISODE:
+        return UnitState(stage, key, "done", episode.status, task, episode.finished_at)
+    if running is not None:
+        return UnitState(stage, key, "running", running, task)
     if episode is None:
         return UnitState(stage, key, "pending", task_id=task)
-    if episode.status in FINAL_EPISODE:
-        return UnitState(stage, key, "done", episode.status, task, episode.finished_at)
     state = "budget_exhausted" if episode.status == "budget_exhausted" else "failed"
     return UnitState(stage, key, state, f"attempt {episode.attempt} {episode.status}", task, episode.finished_at)
 
@@ -279,6 +303,7 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     from mass_ops.stages.evaluate import evaluated_generations, rollout_units
 
     latest = records.latest_attempts()
+    running = records.running_leases(config)
     units: list[UnitState] = []
     # search: step k is done once it proposed v(k+1), the last step once the task's retained workflow is recorded;
     # its episode's latest attempt tells a failed step from one not run.
@@ -292,13 +317,21 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
             if record is not None:
                 units.append(UnitState("search", key, "done", task_id=task, finished_at=record.created_at))
                 continue
-            episodes = [latest.get(("search", str(task), version, None, None))]
+            keys = [("search", str(task), version, None, None)]
             if version == 0:
-                episodes.append(latest.get(("reference", str(task), None, None, None)))
-            states = [_episode_state("search", key, task, e) for e in episodes if e is not None]
+                keys.append(("reference", str(task), None, None, None))
+            episodes = [latest.get(k) for k in keys]
+            states = [
+                _episode_state("search", key, task, latest.get(k), running.get(k))
+                for k in keys
+                if k in latest or k in running
+            ]
             broken = [u for u in states if u.state in ("failed", "budget_exhausted")]
+            leased = [u for u in states if u.state == "running"]
             if broken:
                 units.append(broken[0])
+            elif leased:  # an episode of the step is running
+                units.append(leased[0])
             elif states:  # an episode of the step is recorded, its judging and proposal are not (yet)
                 what = "episodes recorded" if len(states) == len(episodes) else "an episode recorded"
                 detail = f"{what}; {'the retained workflow' if version == last else f'v{version + 1}'} not yet"
@@ -308,8 +341,10 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     collected, _ = collected_tasks(config, records.retained)
     for task in collected:
         for candidate in range(config.collection.candidates):
-            episode = latest.get(("collection", str(task), None, candidate, None))
-            units.append(_episode_state("collect", f"collection-t{task}-c{candidate}", task, episode))
+            unit = ("collection", str(task), None, candidate, None)
+            units.append(
+                _episode_state("collect", f"collection-t{task}-c{candidate}", task, latest.get(unit), running.get(unit))
+            )
     ranked = defaultdict(list)
     for r in records.rankings:
         ranked[int(r.task_id)].append(r.created_at)
@@ -348,8 +383,9 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     units.append(UnitState("export", f"register-{new}", "done" if registered else "pending",
                            finished_at=registered.registered_at if registered else None))  # fmt: skip
     for generation, task, replicate in rollout_units(config):
-        episode = latest.get(("rollout", str(task), None, replicate, generation))
-        units.append(_episode_state("rollout", f"rollout-{generation}-t{task}-r{replicate}", task, episode))
+        unit = ("rollout", str(task), None, replicate, generation)
+        key = f"rollout-{generation}-t{task}-r{replicate}"
+        units.append(_episode_state("rollout", key, task, latest.get(unit), running.get(unit)))
     evaluation = next((e for e in records.evaluations if e.kind == "pairwise"), None)
     judged = sum(call_stage(c) == "evaluate" for c in records.calls)
     if evaluation is None and judged:
@@ -493,7 +529,7 @@ def cycle_status(config: CycleConfig, cycle: str, *, now: datetime | None = None
     repo = open_repository(config)
     row = cycle_row(repo, cycle)
     own, budgets_from = recorded_config(config, row)
-    records = _Records.read(repo, row.id)
+    records = _Records.read(repo, row.id, now)
     units = cycle_units(own, records)
     spend = stage_spend(own, records)
     _, search_final = collected_tasks(own, records.retained)

@@ -4,6 +4,7 @@ episode and LLM-call rows, budgets from the ledger, read from the metadata store
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -13,6 +14,7 @@ from mass_ops.context import CycleContext
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
 from mass_ops.stages.collect import collect_batch
+from mass_ops.stages.evaluate import rollout_units
 from mass_ops.stages.status import cycle_status
 from tests.inner_loop_fakes import FailurePlan, InnerLoopEnv, OpenCycle, inner_loop_fixture  # noqa: F401
 from tests.stages import test_collect
@@ -91,7 +93,9 @@ def test_status_counts_units_tokens_and_budgets_from_the_rows(inner_loop: InnerL
     text = runner.invoke(app, ["status", ctx.cycle_name, "--config", str(tmp_path / "cycle.json")])
     assert text.exit_code == 0, text.output
     assert f"collect: collection-t{TASK}-c1 failed (attempt 2 infra_failure)" in text.stdout
-    assert "an agent episode is recorded when its attempt ends" in " ".join(text.stdout.split())
+    assert "an agent episode whose attempt has started and is not recorded yet (its lease)" in " ".join(
+        text.stdout.split()
+    )
 
 
 def test_a_budget_stopped_unit_is_counted_apart_and_its_tokens_reach_the_stage(inner_loop: InnerLoopEnv) -> None:
@@ -194,3 +198,54 @@ def test_units_in_flight_are_told_from_units_not_started(inner_loop: InnerLoopEn
     (rank_row,) = [line for line in lines if line.startswith("│ rank ")]
     cells = [cell.strip() for cell in rank_row.split("│")[1:-1]]
     assert (cells[5], cells[6]) == ("1", "1"), "pending 1, of which in flight 1"
+
+
+def test_a_running_episode_is_in_flight_by_its_lease_and_a_stale_lease_is_not(
+    inner_loop: InnerLoopEnv, tmp_path: Path
+) -> None:
+    """An episode's row comes when its attempt ends; until then its lease says it runs. c1 failed twice on
+    infrastructure and its third attempt runs; c0's first attempt is recorded and its lease outlived the row; one
+    rollout runs, another's lease was left by a crash hours ago (the demo's wall clock is 600 s)."""
+    opened = collected_with_one_failure(inner_loop)
+    ctx = opened.ctx
+    now = datetime.now(UTC)
+    base = ctx.config.collection.seed_base
+
+    def lease(attempt: int, started: datetime, **unit: object) -> None:
+        ctx.repo.start_episode_lease(ctx.cycle_id, attempt=attempt, started_at=started, host="node-a pid 7", **unit)
+
+    lease(3, now - timedelta(minutes=3), task_id=TASK, kind="collection", candidate=1,
+          seed=collection_seed(base, TASK, 1))  # fmt: skip
+    lease(1, now - timedelta(minutes=1), task_id=TASK, kind="collection", candidate=0,
+          seed=collection_seed(base, TASK, 0))  # fmt: skip
+    (generation, task, replicate), (generation2, task2, replicate2), *_ = rollout_units(opened.config)
+    lease(1, now - timedelta(seconds=20), task_id=task, kind="rollout", candidate=replicate, generation=generation,
+          seed=1)  # fmt: skip
+    lease(1, now - timedelta(hours=3), task_id=task2, kind="rollout", candidate=replicate2, generation=generation2,
+          seed=2)  # fmt: skip
+
+    status = cycle_status(opened.config, ctx.cycle_name, now=now)
+    collect, rollout = status.stage("collect"), status.stage("rollout")
+    assert (collect.done, collect.failed, collect.pending, collect.in_flight) == (2, 0, 1, 1)
+    assert rollout.in_flight == 1 and rollout.pending == rollout.planned
+    states = {u.key: (u.state, u.detail) for u in status.units}
+    assert states[f"collection-t{TASK}-c1"] == ("running", "attempt 3 started 3m ago on node-a pid 7")
+    assert states[f"collection-t{TASK}-c0"][0] == "done", "a lease of a recorded attempt is a lost end, not a run"
+    assert states[f"rollout-{generation}-t{task}-r{replicate}"] == (
+        "running",
+        "attempt 1 started 20s ago on node-a pid 7",
+    )
+    assert states[f"rollout-{generation2}-t{task2}-r{replicate2}"] == ("pending", ""), "a stale lease: a crash"
+    running = [u for u in status.as_dict()["units"] if u["state"] == "running"]
+    assert [u["key"] for u in running] == [f"collection-t{TASK}-c1", f"rollout-{generation}-t{task}-r{replicate}"]
+
+    # The CLI reads the same leases (the clock is the real one: only the counts are asserted).
+    result = runner.invoke(app, ["status", ctx.cycle_name, "--config", config_file(opened, tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    stages = {s["stage"]: s for s in json.loads(result.stdout)["stages"]}
+    assert (stages["collect"]["failed"], stages["collect"]["in_flight"], stages["rollout"]["in_flight"]) == (0, 1, 1)
+
+    # Once the attempt's row is recorded and its lease ended, the unit is what its row says.
+    ctx.repo.end_episode_lease(ctx.cycle_id, task_id=TASK, kind="collection", candidate=1, attempt=3,
+                               seed=collection_seed(base, TASK, 1))  # fmt: skip
+    assert cycle_status(opened.config, ctx.cycle_name, now=now).stage("collect").failed == 1
