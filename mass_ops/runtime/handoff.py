@@ -410,6 +410,14 @@ class LedgerRepository:
         """Nothing to note: a pod's proxy holds only the episode budget, whose refusals stay in its records."""
         del cycle_id, scope, need
 
+    def start_episode_lease(self, cycle_id: int, **unit: Any) -> None:
+        """Nothing to lease: the operator leased the pod's unit when it created the pod."""
+        del cycle_id, unit
+
+    def end_episode_lease(self, cycle_id: int, **unit: Any) -> None:
+        """Nothing to end here: the publisher ends the lease when it ingests the attempt."""
+        del cycle_id, unit
+
     def episode_attempts(
         self,
         cycle_id: int,
@@ -877,6 +885,16 @@ class HandoffPublisher:
         """Publish attempts as they come until the marker is there and nothing is left, or the sandbox stopped."""
         units = {announced.unit(request.cycle).slug: announced for announced in request.units}
         expected = {slug: (ledger.attempts[slug][-1].attempt + 1 if ledger.attempts[slug] else 1) for slug in units}
+        try:
+            self._serve_until_complete(ctx, request, units, expected)
+        finally:
+            # The sandbox has ended: no attempt of its units runs any more, whether it was handed over or not.
+            for slug, announced in units.items():
+                self._end_lease(ctx, announced.unit(request.cycle, expected[slug]))
+
+    def _serve_until_complete(
+        self, ctx: CycleContext, request: HandoffRequest, units: dict[str, HandoffUnit], expected: dict[str, int]
+    ) -> None:
         complete = self.handoff.path(COMPLETE_FILE)
         while True:
             finished = complete.exists()  # read before the scan: what came before the marker is on disk now
@@ -926,6 +944,7 @@ class HandoffPublisher:
         except IncompleteHandoffError:
             raise
         except Exception as exc:
+            self._end_lease(ctx, unit)  # the attempt has ended, recorded or not
             self.failures += 1
             message = self.scrubbed((str(exc).splitlines() or [""])[0])
             error = f"{type(exc).__name__}: {message}"
@@ -943,9 +962,19 @@ class HandoffPublisher:
                 status_record=outcome.status_record,
             ),
         )
+        self._end_lease(ctx, unit)  # its row is recorded: the operator's lease of the pod's attempt ends
         self._charge(ctx, publication, outcome)  # once per attempt, whichever ingest gets here first
         if self.on_outcome is not None:
             self.on_outcome(outcome)
+
+    def _end_lease(self, ctx: CycleContext, unit: EpisodeUnit) -> None:
+        """End the unit's lease of attempt `unit.attempt` or earlier (`status` stops showing it running); a failure
+        is logged, never fatal: a lease left behind goes stale on its own."""
+        try:
+            ctx.repo.end_episode_lease(ctx.cycle_id, attempt=unit.attempt, **unit.identity())
+        except Exception as exc:
+            message = self.scrubbed((str(exc).splitlines() or [""])[0])
+            logger.warning("episode %s: could not end its lease: %s: %s", unit.key, type(exc).__name__, message)
 
     def _charge(self, ctx: CycleContext, publication: EpisodePublication, outcome: EpisodeOutcome) -> None:
         """Charge the attempt's spend to its task's and the cycle's budget scopes: the pod's proxy could not (it has

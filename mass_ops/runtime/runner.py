@@ -49,6 +49,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import tarfile
 import tempfile
@@ -64,6 +65,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeInt
+from sqlalchemy.exc import SQLAlchemyError
 
 from mass_ops.compute.kubernetes import PROXY_LOG_DIR_ENV, PROXY_URL_ENV
 from mass_ops.config import CycleConfig
@@ -554,6 +556,11 @@ def extract_workspace_seed(
     return entries
 
 
+def lease_host() -> str:
+    """Where a local attempt runs, as its lease names it (`status`: "started 3m ago on <host> pid <pid>")."""
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
@@ -698,6 +705,40 @@ class EpisodeRunner:
         api_key = await self.preflight()
         install = await asyncio.to_thread(lambda: self.install)  # may run npm the first time: off the loop
         started_at = datetime.now(UTC)
+        await asyncio.to_thread(self._lease, "start", unit, started_at)
+        try:
+            return await self._attempt(request, unit, install, api_key, started_at, retry_of_id, on_agent_exit)
+        finally:
+            # The row is recorded (or the attempt died without one): the unit is no longer in flight.
+            await asyncio.to_thread(self._lease, "end", unit, None)
+
+    def _lease(self, action: str, unit: EpisodeUnit, started_at: datetime | None) -> None:
+        """Start or end the attempt's lease (what `status` shows as running; `mass_ops.stages.leases`). In a pod the
+        repository is the hand-off's stand-in, which does nothing: the operator and the publisher hold the lease.
+        A store failure is logged: a lease only feeds `status`, and an episode never fails for it."""
+        identity = unit.identity()
+        try:
+            if action == "start":
+                self.ctx.repo.start_episode_lease(
+                    self.ctx.cycle_id, attempt=unit.attempt, host=lease_host(), started_at=started_at, **identity
+                )
+            else:
+                self.ctx.repo.end_episode_lease(self.ctx.cycle_id, attempt=unit.attempt, **identity)
+        except SQLAlchemyError as exc:
+            logger.warning("episode %s: could not %s its lease: %s", unit.key, action, _first_line(exc))
+
+    async def _attempt(
+        self,
+        request: EpisodeRequest,
+        unit: EpisodeUnit,
+        install: QwenInstall,
+        api_key: str | None,
+        started_at: datetime,
+        retry_of_id: int | None,
+        on_agent_exit: Callable[[], None] | None,
+    ) -> EpisodeOutcome:
+        """The leased part of `run_attempt`: the attempt folder, the proxy, the agent, then publishing."""
+        attempt = unit.attempt
         clock = time.monotonic()
         async with self._attempt_folder(unit, request.prompt) as paths:
             if request.workspace_seed is not None:

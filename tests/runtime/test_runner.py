@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from mass_ops.config import load_config
+from mass_ops.errors import InfrastructureError
 from mass_ops.layout import EPISODE_FILES
 from mass_ops.runtime.episode import EpisodeOutcome
 from mass_ops.runtime.pool import EpisodePool, EpisodePromptConflictError
@@ -25,9 +26,13 @@ from mass_ops.runtime.runner import (
     EpisodeRunner,
     ModelNotListedError,
     agent_environment,
+    lease_host,
     resolve_api_key,
 )
+from mass_ops.store.repository import MetadataRepository
 from tests.policy_server import RequestKind, classify_request
+from tests.policy_server.faults import Fault, FaultRule
+from tests.policy_server.policies import ChatRequest, PolicyReply, ResearchTeamPolicy
 from tests.runtime.conftest import (
     API_KEY,
     KEY_VAR,
@@ -637,3 +642,107 @@ def test_a_hostile_seed_starts_no_agent_and_records_nothing(
     assert "\n" not in str(caught.value)
     assert runner.started_with == [] and ctx.repo.episodes(ctx.cycle_id) == []
     assert list((tmp_path / "scratch" / ctx.cycle_name).iterdir()) == []  # the attempt folder is gone
+
+
+# --- leases: an attempt in flight is visible before its row (ISSUE #15.3) -------------------------------------------
+
+
+class _LeaseWatchingPolicy:
+    """The stand-in policy, noting the cycle's leases at every chat request: the agent is running right then."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.inner = ResearchTeamPolicy()
+        self.repo = MetadataRepository.from_url(ctx.config.storage.metadata_url)
+        self.cycle_id = ctx.cycle_id
+        self.seen: list[list[tuple[str, int, str | None]]] = []
+
+    def respond(self, request: ChatRequest) -> PolicyReply:
+        leases = self.repo.episode_leases(self.cycle_id)
+        self.seen.append([(lease.unit_key, lease.attempt, lease.host) for lease in leases])
+        return self.inner.respond(request)
+
+
+def test_an_attempt_holds_a_lease_while_its_agent_runs_and_not_after_its_row(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        policy = _LeaseWatchingPolicy(ctx)
+        server.policy = policy
+        outcome = asyncio.run(
+            _runner(ctx, stand_in_install, tmp_path).run_attempt(request(ctx, "hi\n@agent requests=2"), 1)
+        )
+    assert outcome.status == "succeeded"
+    assert policy.seen == [[("reference-t51-s7", 1, lease_host())]] * 2
+    assert ctx.repo.episode_leases(ctx.cycle_id) == [] and len(ctx.repo.episodes(ctx.cycle_id)) == 1
+
+
+def test_an_infrastructure_failure_ends_its_lease_with_its_row(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve(faults=[FaultRule(Fault.HTTP_503, requests=frozenset({2}))]) as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        policy = _LeaseWatchingPolicy(ctx)
+        server.policy = policy
+        runner = _runner(ctx, stand_in_install, tmp_path)
+        outcome = asyncio.run(runner.run_attempt(request(ctx, "hi\n@agent requests=2"), 2))
+    assert outcome.status == "infra_failure"
+    assert policy.seen == [[("reference-t51-s7", 2, lease_host())]], "the request before the 503: attempt 2 running"
+    assert ctx.repo.episode_leases(ctx.cycle_id) == []
+
+
+class _FailingSink:
+    """A publication sink whose store fails after the agent ran (nothing recorded); notes the leases it saw."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.seen: list[int] = []
+
+    def deliver(self, publication: Any, abort: Any) -> EpisodeOutcome:
+        self.seen = [lease.attempt for lease in self.ctx.repo.episode_leases(self.ctx.cycle_id)]
+        raise InfrastructureError("artifact store unreachable")
+
+
+def test_an_attempt_that_dies_before_its_row_ends_its_lease_too(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        sink = _FailingSink(ctx)
+        runner = _runner(ctx, stand_in_install, tmp_path, sink=sink)
+        with pytest.raises(InfrastructureError, match="artifact store unreachable"):
+            asyncio.run(runner.run_attempt(request(ctx, "hi\n@agent requests=1"), 1))
+    assert sink.seen == [1] and ctx.repo.episodes(ctx.cycle_id) == []
+    assert ctx.repo.episode_leases(ctx.cycle_id) == []
+
+
+def test_in_a_pod_the_operators_lease_stands_until_the_publisher_records_the_attempt(
+    policy_host: PolicyHost, tmp_path: Path
+) -> None:
+    """The sandbox reaches no store (its repository is the hand-off's stand-in: its lease calls do nothing); the
+    operator leased the pod's attempt when it created the pod, and the publisher ends the lease with the row."""
+    from tests.runtime.conftest import fake_qwen_runtime
+    from tests.runtime.test_handoff import SEED, base_env, pod_config, run_pod, store_env, unit_args
+
+    runtime = fake_qwen_runtime(tmp_path / "runtime")
+    pod = {"handoff": tmp_path / "handoff", "scratch": tmp_path / "scratch"}
+    pod["handoff"].mkdir()
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path / "pod", f"{server.base_url}/v1")
+        policy = _LeaseWatchingPolicy(ctx)
+        server.policy = policy
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text("Write the report.\n@agent requests=1")
+        unit = {"task_id": 51, "kind": "reference", "seed": SEED}
+        ctx.repo.start_episode_lease(ctx.cycle_id, attempt=1, host="ep-reference-t51", **unit)  # the operator's
+        result = run_pod(
+            pod_config(ctx.config, tmp_path),
+            pod,
+            unit_args(prompt, pod["scratch"]),
+            base_env(MASS_RUNTIME_DIR=str(runtime), **{KEY_VAR: API_KEY}),
+            base_env(**store_env(ctx.config, None)),
+        )
+    assert result["run"][0] == 0 and result["publish"][0] == 0, result
+    assert policy.seen == [[(f"reference-t51-s{SEED}", 1, "ep-reference-t51")]]
+    assert [row.status for row in ctx.repo.episodes(ctx.cycle_id)] == ["succeeded"]
+    assert ctx.repo.episode_leases(ctx.cycle_id) == []
