@@ -384,3 +384,32 @@ def test_bootstrap_rejects_bad_arguments() -> None:
         bootstrap_intervals(["a", "b"], [], 10, seed=1)
     with pytest.raises(RankingError, match="unknown candidate"):
         bootstrap_intervals(["a", "b"], [MatchResult("a", "q", "a")], 10, seed=1)
+
+
+def test_the_resamples_are_fitted_as_one_by_one_refits_would_fit_them() -> None:
+    """The vectorised bootstrap: the same draws as resampling the matches one by one, each refit equal to the
+    reference update (`_fit` with the bootstrap's early stop) on that resample, in any chunking."""
+    from mass_ops import ranking
+
+    rng = random.Random(8)
+    matches = _random_matches(NAMES, tournament_pairs(NAMES, 6, seed=8), rng)
+    matches += [MatchResult(NAMES[0], NAMES[1], None)]  # a tie
+    draws = [random.Random(11 + b).choices(range(len(matches)), k=len(matches)) for b in range(12)]
+    fitted = ranking._fit_resamples(NAMES, matches, draws, 500, 0.5, ranking._BOOTSTRAP_TOLERANCE)
+    for row, drawn in zip(fitted, draws, strict=True):
+        wins, games = ranking._tally(NAMES, [matches[i] for i in drawn])
+        expected = ranking._fit(wins, games, 500, 0.5, ranking._BOOTSTRAP_TOLERANCE)
+        assert list(row) == pytest.approx(expected, abs=1e-9)
+    # The draws are the ones `choices` over the matches themselves makes (the same objects, in the same order).
+    by_index = [id(matches[i]) for i in random.Random(4).choices(range(len(matches)), k=len(matches))]
+    assert by_index == [id(m) for m in random.Random(4).choices(matches, k=len(matches))]
+
+
+def test_the_intervals_do_not_depend_on_the_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mass_ops import ranking
+
+    rng = random.Random(9)
+    matches = _random_matches(NAMES, tournament_pairs(NAMES, 6, seed=9), rng)
+    whole = bootstrap_intervals(NAMES, matches, 60, seed=2)
+    monkeypatch.setattr(ranking, "_BOOTSTRAP_CELLS", len(NAMES) ** 2 * 7)  # 7 resamples per chunk
+    assert bootstrap_intervals(NAMES, matches, 60, seed=2) == whole
