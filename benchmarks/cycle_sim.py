@@ -19,8 +19,9 @@ What time scaling does not shrink: the stage code's own work per unit (ledger an
 workspace tarballs: ~0.15 s per search step on 2 idle cores, more when 9 chains share them) is milliseconds against
 minutes in production but a sizeable share of a scaled step; it is not in the bound, so wall/bound includes it, and a
 larger scale (`--median 1 --judge 0.08 --optimizer 0.16`) shows the schedule with less of it. The ranking's bootstrap
-intervals (CPU only, 3.5–7 s per task here in pure Python, no server work) are left out by default
-(`--bootstrap-samples 0`; their cost is printed): at this scale they would stand for hours of simulated time.
+intervals (CPU only, no server work: ~0.4 s per task since they are fitted for all resamples at once, 3.5–7 s
+before; `benchmarks/ranking_bootstrap.py`) are left out by default (`--bootstrap-samples 0`; their cost is printed):
+at this scale even 0.4 s stands for about a quarter of an hour of simulated time.
 
 Schedules:
 - reference: the reference release's sequential order — tasks one after another, each version in order, one episode
