@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from mass_ops.config import CycleConfig
-from mass_ops.context import attach_cycle
+from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import EpisodeLease
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,22 @@ def lease_episode_pod(config: CycleConfig, episode: Any, pod: str) -> dict[str, 
         "candidate": episode.unit_candidate,
         "generation": episode.generation,
     }
+    # The store only, not `attach_cycle`: a lease needs no catalogue or prompt check (the pod's binding did them).
+    repo = MetadataRepository.from_url(config.storage.metadata_url)
     try:
-        ctx = attach_cycle(config)
-        attempts = ctx.repo.episode_attempts(ctx.cycle_id, **identity)
+        cycle = repo.get_cycle(config.cycle_name)
+        if cycle is None:
+            logger.warning("episode %s: cycle %s is not in the store: no lease", episode.slug, config.cycle_name)
+            return None
+        attempts = repo.episode_attempts(cycle.id, **identity)
         if any(row.status in FINAL_STATUSES for row in attempts):
             return None
         attempt = max((row.attempt for row in attempts), default=0) + 1
-        lease = ctx.repo.start_episode_lease(ctx.cycle_id, attempt=attempt, host=pod, **identity)
+        lease = repo.start_episode_lease(cycle.id, attempt=attempt, host=pod, **identity)
     except sa.exc.SQLAlchemyError as exc:
         logger.warning("episode %s: could not lease it on pod %s (status will not show it running): %s",
                        episode.slug, pod, (str(exc).splitlines() or [""])[0])  # fmt: skip
         return None
+    finally:
+        repo.store.dispose()
     return {"unit": lease.unit_key, "attempt": lease.attempt, "where": pod}

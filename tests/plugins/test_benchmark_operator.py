@@ -7,11 +7,14 @@ the trial is the in-process stage."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator, GraderJobFailed
 from mass_ops_airflow.triggers import JobCompletionTrigger
 
+import mass_ops.stages.api as stage_api  # the real module, imported before a test swaps in the stage recorder
 from mass_ops.compute.kubernetes import GRADER_CONTAINER, JOB_NAME_LABEL, episode_deadline_s
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END
 from tests.plugins.conftest import task_context
@@ -198,6 +201,7 @@ def record_benchmark_episode(repo, status: str = "succeeded") -> None:
 
 @pytest.fixture
 def pod_bench(stages, cycle_store, cluster, chart_settings):
+    stages.passthrough["lease_episode_pod"] = stage_api.lease_episode_pod  # real work of the operator, not a stage
     repo = cycle_store({k: v for k, v in K8S.items() if k not in ("generation", "limit", "data_dir")})
     return PodBenchmarkStages(stages, repo)
 
@@ -263,6 +267,24 @@ def test_an_unrecorded_episode_runs_in_its_sandbox_pod_then_is_graded(pod_bench,
     assert not cluster.objects["pods"], "the pod is deleted once it finished"
     # The stage was asked again after the pod: it found the episode recorded and returned the grader Job.
     assert [args[4] for args in pod_bench.calls("benchmark_instance")] == ["tb2_a", "tb2_a"]
+
+
+def test_the_episode_pod_is_leased_as_it_is_created(pod_bench, cluster, pod_waits):
+    """Until the pod's publisher records the episode, its lease makes `status` count the unit in flight."""
+    record_benchmark_episode(pod_bench.repo, status="infra_failure")  # attempt 1 failed: the pod runs attempt 2
+    seen: list[Any] = []
+
+    def created(manifest: dict) -> None:
+        leases = pod_bench.repo.episode_leases(pod_bench.repo.cycle_id)
+        seen.append((manifest["metadata"]["name"], [(lease.unit_key, lease.attempt, lease.host) for lease in leases]))
+        pod_bench.repo.record_episode(pod_bench.repo.cycle_id, task_id="tb2_a", kind="benchmark", seed=EPISODE["seed"],
+                                      candidate=1, generation="L1", status="succeeded", attempt=2)  # fmt: skip
+
+    cluster.on_pod_created = created
+    defer(BenchmarkTrialOperator(task_id="benchmark_trial", unit=["tb2", 1], deferrable=False))
+    [(pod, [(key, attempt, where)])] = seen
+    assert (key, attempt) == (f"benchmark-ttb2_a-c1-s{EPISODE['seed']}-gL1", 2)
+    assert pod.startswith(f"{where}-"), "the pod's name before the provider's random suffix"
 
 
 def bench_config():

@@ -12,6 +12,7 @@ from mass_ops_airflow.checks import StageOutputMissing
 from mass_ops_airflow.operators import TaskCollectionOperator
 from mass_ops_airflow.operators.collection import CollectionPodsFailed
 
+import mass_ops.stages.api as stage_api  # the real module, imported before a test swaps in the stage recorder
 from mass_ops.seeds import collection_seed
 from tests.compute.test_kubernetes_specs import flags
 from tests.plugins.conftest import task_context
@@ -20,6 +21,13 @@ from tests.plugins.test_episode_operator import K8S, LOG, retain_v0
 TASK = 202  # a training task of the paper preset
 CANDIDATES = 18  # the paper preset's collection.candidates
 CAPACITY = 4  # the paper preset's inference.max_concurrent_requests
+
+
+@pytest.fixture
+def stages(stages):
+    """The stage recorder, with the pods' leases passed through: real work of the operator, not a stage."""
+    stages.passthrough["lease_episode_pod"] = stage_api.lease_episode_pod
+    return stages
 
 
 @pytest.fixture
@@ -106,6 +114,32 @@ def test_one_pod_per_unrecorded_candidate_at_most_the_capacity_at_once_then_the_
     assert cluster.calls.count(("", "pods", "delete")) == CANDIDATES - 2
     assert result["backend"] == "kubernetes" and stages.names() == ["collect_task"]
     assert stages.calls[0][1][1:] == (TASK,)
+
+
+def test_each_pod_is_leased_as_it_is_created(repo, cluster, stages):
+    """From its pod's creation until its row, a candidate's lease (its next attempt, on the pod) makes `status`
+    count it in flight."""
+    record_candidate(repo, 3, status="infra_failure")  # its pod runs attempt 2
+    seen: dict[int, tuple[list[tuple[int, str | None]], str]] = {}
+
+    def created(manifest: dict[str, Any]) -> None:
+        candidate = candidate_of(manifest)
+        seed = collection_seed(repo.config.collection.seed_base, TASK, candidate)
+        leases = repo.episode_leases(repo.cycle_id)
+        mine = [
+            (lease.attempt, lease.host)
+            for lease in leases
+            if lease.unit_key == f"collection-t{TASK}-c{candidate}-s{seed}"
+        ]
+        seen[candidate] = (mine, manifest["metadata"]["name"])
+        earlier = repo.episodes(repo.cycle_id, task_id=TASK, kind="collection")
+        record_candidate(repo, candidate, attempt=1 + sum(row.candidate == candidate for row in earlier))
+
+    cluster.on_pod_created = created
+    collection().execute(task_context(K8S))
+    assert sorted(seen) == list(range(CANDIDATES))
+    for candidate, (leases, pod) in seen.items():
+        assert leases == [(2 if candidate == 3 else 1, pod)], candidate
 
 
 def test_the_pods_run_the_requests_the_stage_runs(repo, cluster, stages):

@@ -35,7 +35,7 @@ def budgets(**limits: int) -> dict[str, Any]:
 @pytest.fixture
 def stages(stages):
     """The stage recorder, with the budget admission passed through: real work of the operator, not a stage."""
-    for name in ("admit_episode", "budget_stop_message"):
+    for name in ("admit_episode", "budget_stop_message", "lease_episode_pod"):
         stages.passthrough[name] = getattr(stage_api, name)
     return stages
 
@@ -125,6 +125,31 @@ def test_success_runs_the_sandbox_pod_and_checks_the_store(repo, cluster, pod_wa
     assert pod.spec.containers[0].command[:3] == ["mass-ops", "episode", "run"]
     assert pod.spec.containers[1].command[:3] == ["mass-ops", "episode", "publish"]
     assert start.call_args.kwargs["startup_timeout"] == start.call_args.kwargs["schedule_timeout"] == 1800
+
+
+def test_the_pod_is_leased_as_it_is_created_so_status_shows_the_unit_running(repo, cluster, pod_waits):
+    """An episode's row comes when its attempt ends: from its pod's creation until then the unit's lease (the next
+    attempt after the recorded ones, on the pod) makes `status` count it in flight."""
+    from mass_ops.stages.status import cycle_status
+
+    record_episode(repo, status="infra_failure")  # attempt 1 failed: the pod runs attempt 2
+    seen: list[Any] = []
+
+    def created(manifest: dict[str, Any]) -> None:
+        seen.append(manifest["metadata"]["name"])
+        seen.append([(lease.unit_key, lease.attempt, lease.host) for lease in repo.episode_leases(repo.cycle_id)])
+        status = cycle_status(repo.config, repo.config.cycle_name)
+        seen.append(next((u.state, u.detail) for u in status.units if u.key == "search-t51-v3"))
+        repo.record_episode(repo.cycle_id, task_id=51, kind="search", version=3, seed=453051, status="succeeded",
+                            attempt=2)  # fmt: skip
+
+    cluster.on_pod_created = created
+    result = search_episode().execute(task_context(K8S))
+    assert (result["status"], result["attempt"]) == ("succeeded", 2)
+    (pod, [(key, attempt, where)], (state, detail)) = seen
+    assert (key, attempt) == ("search-t51-v3-s453051", 2)
+    assert pod.startswith(f"{where}-"), "the pod's name before the provider's random suffix"
+    assert state == "running" and detail.startswith("attempt 2 started ") and detail.endswith(f" ago on {where}")
 
 
 def test_exit_zero_without_a_recorded_episode_fails(repo, cluster, pod_waits):

@@ -238,8 +238,11 @@ class BenchmarkTrialOperator(BaseOperator):
         """Run instance `index`'s episode pod; deferrable: defer to `episode_complete` with what it needs."""
         from airflow.sdk.exceptions import TaskDeferred
 
+        from mass_ops_airflow.operators.episode import EpisodePodOperator
+
         runner, pod_config, spec = self._episode_runner(config, episode)
         self.log.info("Episode pod for %s (%s, time limit %s s)", episode["task"], spec.slug, episode["wall_clock_s"])
+        EpisodePodOperator.lease(pod_config, spec, runner.name)  # `status` shows it running from now on
         try:
             runner.execute(context)
         except TaskDeferred as deferred:

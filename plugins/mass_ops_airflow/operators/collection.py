@@ -90,6 +90,7 @@ class TaskCollectionOperator(BaseOperator):
         self._pods: dict[str, _Pod] = {}
         self._namespace: str | None = None
         self._core: Any = None
+        self._config: CycleConfig | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowSkipException
@@ -178,6 +179,7 @@ class TaskCollectionOperator(BaseOperator):
 
         self._core = kube.kubernetes_clients(self.kubernetes_conn_id).core
         self._namespace = config.compute.kubernetes.namespace
+        self._config = config
         limit = config.inference.max_concurrent_requests
         startup_s = config.compute.kubernetes.startup_timeout_s
         queue = list(pods)
@@ -227,6 +229,10 @@ class TaskCollectionOperator(BaseOperator):
                 self.log.info("Candidate %s: re-attached to pod %s (%s)", pod.slug, pod.name, phase)
                 return True
             self._delete(pod.name)
+        if self._config is not None:  # `status` shows the candidate running from its pod's creation on
+            from mass_ops_airflow.operators.episode import EpisodePodOperator
+
+            EpisodePodOperator.lease(self._config, pod.episode, pod.name)
         try:
             self._core.create_namespaced_pod(namespace=self._namespace, body=pod.manifest)
         except Exception as exc:

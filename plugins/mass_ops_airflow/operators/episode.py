@@ -85,6 +85,7 @@ class EpisodePodOperator(BaseOperator):
         self.poll_interval_s = poll_interval_s
         self.check_outputs = check_outputs
         self._runner: Any = None
+        self._leased: tuple[EpisodeSpec, str] | None = None  # the bound episode and its pod's name, once built
 
     def episode(self) -> EpisodeSpec:
         """The episode this task runs (from its rendered fields)."""
@@ -119,6 +120,14 @@ class EpisodePodOperator(BaseOperator):
         return stage_function("admit_episode")(config, episode)
 
     @staticmethod
+    def lease(config: CycleConfig, episode: EpisodeSpec, pod: str) -> None:
+        """As `episode`'s pod (bound) is created: lease the unit's next attempt on `pod`, so `mass-ops status` shows
+        it running until the pod's publisher records it (`stages.leases`; a store failure is only logged)."""
+        from mass_ops_airflow.cycle import stage_function
+
+        stage_function("lease_episode_pod")(config, episode, pod)
+
+    @staticmethod
     def budget_failure(message: str) -> Exception:
         """The task's end for a budget stop: a failure Airflow does not retry (the budget must be raised first)."""
         from airflow.sdk.exceptions import AirflowFailException
@@ -132,6 +141,7 @@ class EpisodePodOperator(BaseOperator):
         # A re-entry binds again: the request is deterministic and the prompt artifact content-addressed.
         bound = self.bound_episode(config, episode)
         manifest = specs.episode_pod(config, specs.load_workload_settings(), bound)
+        self._leased = (bound, str(manifest["metadata"]["name"]))
         self._runner = sandbox_runner(
             task_id=self.task_id,
             manifest=manifest,
@@ -159,7 +169,10 @@ class EpisodePodOperator(BaseOperator):
         stop = self.admit(config, episode)
         if stop is not None:
             raise self.budget_failure(f"episode {episode.slug}: no pod created: {stop['message']}")
-        self._build_runner(config, episode).execute(context)
+        runner = self._build_runner(config, episode)
+        if self._leased is not None:
+            self.lease(config, *self._leased)
+        runner.execute(context)  # creates the pod (or re-attaches to it) and waits
         return self._finish(config, episode)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
