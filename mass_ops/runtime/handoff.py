@@ -50,6 +50,9 @@ as it would the store; and the publisher charges each attempt's tokens and serve
 cycle on every ingest of the attempt, keyed by the attempt's row: the charge's marker commits with the increments
 (`budget_charges`), so a retried ingest — even one after a publisher killed between the row and the charge — adds
 the spend exactly once.
+
+Leases (`mass-ops status`): the operator that created the pod leased its unit's next attempt; the publisher ends the
+lease when it ingests an attempt (recorded or not), and every announced unit's once the sandbox has ended.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ of work"):
    Kubernetes `mass_ops.runtime.handoff.HandoffSink` hands it to the pod's publisher container, which runs the same
    `publish_episode`. A cancelled attempt (task cancellation: Ctrl-C, SIGTERM) stops the agent and the proxy,
    publishes and records nothing, and removes its folder.
+
+From the agent's start until its row is recorded (or the attempt died) the attempt holds its unit's lease in the
+metadata store (`EpisodeLease`: attempt, start, host and pid), which `mass-ops status` counts as in flight: the row
+only comes when the attempt ends. In a Kubernetes pod the repository is the hand-off's stand-in, whose lease calls do
+nothing: the operator leased the pod's attempt when it created the pod, and the publisher ends the lease.
 """
 
 from __future__ import annotations

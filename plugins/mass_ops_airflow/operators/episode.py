@@ -19,6 +19,10 @@ fault: retrying it would only stop again). Raise the budget and clear the task: 
 The pod's spend is charged to its task and the cycle when its publisher records the episode, so a budget is overshot
 by at most (pods in flight for it) x `budgets.episode_tokens`.
 
+Status: as it creates the pod, the operator leases the unit's next attempt on the pod (`lease`: the stage function
+`lease_episode_pod`), so `mass-ops status` counts the unit in flight until the pod's publisher records the attempt and
+ends the lease (the collection and benchmark operators do the same for their pods).
+
 On the local backend the stage function that follows (search step, collection, rollout) runs the episode itself,
 so this task only records that there was nothing to launch. `EpisodeStageOperator` joins the two in one task: the
 pod, then the stage function (a search step, a teacher candidate, a rollout) in-process.
