@@ -518,6 +518,14 @@ def admit_episode(config: CycleConfig, episode: Any) -> dict[str, Any] | None:
     return None if stop is None else stop.as_dict()
 
 
+def lease_episode_pod(config: CycleConfig, episode: Any, pod: str) -> dict[str, Any] | None:
+    """As an episode pod is created: lease its unit's next attempt on `pod`, so `status` counts it in flight until
+    the pod's publisher records it (see `stages.leases`); None when the unit is final or the store refused the write."""
+    from mass_ops.stages.leases import lease_episode_pod as lease
+
+    return lease(config, episode, pod)
+
+
 def budget_stop_message(error: BaseException) -> str | None:
     """The one-line message of an error that is a budget stop (`store.budgets.BudgetExhaustedError`: raise the budget
     and rerun, never retry as a fault), else None."""

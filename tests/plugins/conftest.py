@@ -87,6 +87,7 @@ def stages(monkeypatch) -> StageRecorder:
     # The budget admission before a pod and the budget-stop check of an error read the real ledger (no stage runs).
     recorder.passthrough["admit_episode"] = real.admit_episode
     recorder.passthrough["budget_stop_message"] = real.budget_stop_message
+    recorder.passthrough["lease_episode_pod"] = real.lease_episode_pod  # the in-flight lease as a pod is created
     monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
     import mass_ops.stages
 
