@@ -14,7 +14,6 @@ from airflow.sdk.exceptions import TaskDeferred
 from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator, GraderJobFailed
 from mass_ops_airflow.triggers import JobCompletionTrigger
 
-import mass_ops.stages.api as stage_api  # the real module, imported before a test swaps in the stage recorder
 from mass_ops.compute.kubernetes import GRADER_CONTAINER, JOB_NAME_LABEL, episode_deadline_s
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END
 from tests.plugins.conftest import task_context
@@ -201,7 +200,6 @@ def record_benchmark_episode(repo, status: str = "succeeded") -> None:
 
 @pytest.fixture
 def pod_bench(stages, cycle_store, cluster, chart_settings):
-    stages.passthrough["lease_episode_pod"] = stage_api.lease_episode_pod  # real work of the operator, not a stage
     repo = cycle_store({k: v for k, v in K8S.items() if k not in ("generation", "limit", "data_dir")})
     return PodBenchmarkStages(stages, repo)
 

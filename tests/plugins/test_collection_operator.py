@@ -12,7 +12,6 @@ from mass_ops_airflow.checks import StageOutputMissing
 from mass_ops_airflow.operators import TaskCollectionOperator
 from mass_ops_airflow.operators.collection import CollectionPodsFailed
 
-import mass_ops.stages.api as stage_api  # the real module, imported before a test swaps in the stage recorder
 from mass_ops.seeds import collection_seed
 from tests.compute.test_kubernetes_specs import flags
 from tests.plugins.conftest import task_context
@@ -21,13 +20,6 @@ from tests.plugins.test_episode_operator import K8S, LOG, retain_v0
 TASK = 202  # a training task of the paper preset
 CANDIDATES = 18  # the paper preset's collection.candidates
 CAPACITY = 4  # the paper preset's inference.max_concurrent_requests
-
-
-@pytest.fixture
-def stages(stages):
-    """The stage recorder, with the pods' leases passed through: real work of the operator, not a stage."""
-    stages.passthrough["lease_episode_pod"] = stage_api.lease_episode_pod
-    return stages
 
 
 @pytest.fixture

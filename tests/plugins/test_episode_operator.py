@@ -18,7 +18,6 @@ from mass_ops_airflow.checks import StageOutputMissing
 from mass_ops_airflow.operators import EpisodePodOperator, EpisodeStageOperator
 from mass_ops_airflow.operators._pod import SandboxPodFailed
 
-import mass_ops.stages.api as stage_api  # the real module, imported before a test swaps in the stage recorder
 from mass_ops.compute import kubernetes as specs
 from mass_ops.layout import workflow_version_key
 from mass_ops.stages.units import EpisodeUnitError
@@ -30,14 +29,6 @@ K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ['tasks.
 def budgets(**limits: int) -> dict[str, Any]:
     """The K8S params with budget limits (not part of the config hash: the same cycle, other budgets)."""
     return {**K8S, "overrides": [*K8S["overrides"], *(f"budgets.{name}={value}" for name, value in limits.items())]}
-
-
-@pytest.fixture
-def stages(stages):
-    """The stage recorder, with the budget admission passed through: real work of the operator, not a stage."""
-    for name in ("admit_episode", "budget_stop_message", "lease_episode_pod"):
-        stages.passthrough[name] = getattr(stage_api, name)
-    return stages
 
 
 def propose(repo, task: int, version: int) -> str:
