@@ -369,6 +369,7 @@ def test_plan_works_offline_on_every_preset(name, tmp_path):
 
 # --- Every field is described (#14): the Airflow trigger form shows these texts -------------------------------------
 
+
 def _schema_properties(schema: dict) -> dict[str, dict]:
     """Every property of the config's JSON Schema, as '<Model>.<field>' -> its schema (nested models included)."""
     found = {f"CycleConfig.{name}": prop for name, prop in schema["properties"].items()}
@@ -381,9 +382,5 @@ def _schema_properties(schema: dict) -> dict[str, dict]:
 def test_every_config_field_has_a_description():
     properties = _schema_properties(config_json_schema())
     assert len(properties) > 117
-    undescribed = sorted(
-        name
-        for name, prop in properties.items()
-        if not str(prop.get("description", "")).strip()
-    )
+    undescribed = sorted(name for name, prop in properties.items() if not str(prop.get("description", "")).strip())
     assert undescribed == [], f"fields without a description: {undescribed}"

@@ -208,8 +208,6 @@ def check_templates(config: CycleConfig) -> PromptSet:
     return prompts
 
 
-
-
 def check_recorded(prompts: PromptSet, recorded: Mapping[str, str] | None, cycle: str) -> None:
     """Refuse templates that differ from those the cycle recorded when it was opened (a later stage would otherwise
     mix two wordings in one cycle); a cycle that recorded none is not checked."""

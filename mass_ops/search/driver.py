@@ -743,4 +743,3 @@ def search_tasks(
     if any(result.error for result in results):
         raise SearchFailedError(results)
     return results
-

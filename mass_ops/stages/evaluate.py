@@ -404,7 +404,6 @@ def write_report(ctx: CycleContext, out_prefix: str | None = None) -> dict[str, 
 STAND_IN_JUDGE_PREFIX = "in-loop-"
 
 
-
 def evaluated_generations(config: CycleConfig) -> tuple[str, str]:
     """(new generation, parent): ``L<g+1>`` and ``L<g>``."""
     return f"L{config.generation + 1}", f"L{config.generation}"

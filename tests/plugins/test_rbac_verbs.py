@@ -28,7 +28,7 @@ from tests.deploy.test_helm_chart import OPERATOR_VERBS
 from tests.plugins.conftest import task_context
 from tests.plugins.test_triggers import run_trigger
 
-K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ["tasks.catalogue=\"builtin\""]}
+K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ['tasks.catalogue="builtin"']}
 TRAINJOB = {**K8S, "overrides": ["compute.kubernetes.training_launcher=trainjob"]}
 
 UNUSED_GRANTS: dict[tuple[str, str], set[str]] = {
