@@ -625,8 +625,8 @@ def print_status(current: Any) -> None:
     for s in current.stages:
         if s.note:
             console.print(f"{s.stage}: {s.note}", markup=False)
-    broken = [u for u in current.units if u.state in ("failed", "budget_exhausted")]
-    for unit in broken:
+    listed = [u for u in current.units if u.state in ("failed", "budget_exhausted") or u.leased]
+    for unit in listed:  # what needs a decision, and the episodes at work right now
         console.print(f"{unit.stage}: {unit.key} {unit.state} ({unit.detail})", markup=False)
     budgets = Table(title=f"Budgets (limits from {current.budgets_from}; spend from the ledger)")
     for column in ("scope", "tokens", "token limit", "USD", "USD limit", "requests", "exhausted"):

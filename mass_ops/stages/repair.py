@@ -7,7 +7,9 @@ done — failed on infrastructure, stopped by a budget, or not recorded. Stages 
 they are the rest of the run, listed as such. A budget-stopped unit is redone only after its budget is raised
 (`budgets.*`: not part of the config hash, so the same cycle continues).
 
-Make sure the cycle is not running while repairing it: a unit in flight cannot be told from a missing one.
+An episode an agent is at work on right now (a fresh lease: `stages.leases`) is not redone: it is listed as in
+flight. Other partial units (a search step between its episodes and its proposal, a ranking with matches but no
+ranks) cannot be told from interrupted ones: make sure the cycle is not running while repairing them.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class RepairPlan:
     cycle: str
     stages: list[StageRepair]
     not_started: list[str] = field(default_factory=list)
+    in_flight: list[UnitState] = field(default_factory=list)  # leased episodes: at work now, not redone
 
     @property
     def nothing_to_repair(self) -> bool:
@@ -131,6 +134,7 @@ class RepairPlan:
                 for s in self.stages
             ],
             "not_started": self.not_started,
+            "in_flight": [{"stage": u.stage, "key": u.key, "detail": u.detail} for u in self.in_flight],
             "airflow_rest": {"method": "POST", "path": path, "body": body} if self.stages else None,
             "airflow_cli": self.airflow_cli() if self.stages else None,
             "commands": self.stage_commands(config_args) if self.stages else [],
@@ -138,10 +142,11 @@ class RepairPlan:
 
     def lines(self, config_args: Sequence[str], dag_run_id: str | None = None) -> list[str]:
         """The plan as text (what `repair --dry-run` prints)."""
+        flying = [f"in flight now, not redone: {u.stage} {u.key} ({u.detail})" for u in self.in_flight]
         if self.nothing_to_repair:
             rest = f" (not started yet: {', '.join(self.not_started)})" if self.not_started else ""
-            return [f"cycle {self.cycle}: nothing to repair{rest}"]
-        out = [f"cycle {self.cycle}: {sum(len(s.units) for s in self.stages)} unit(s) to redo"]
+            return [f"cycle {self.cycle}: nothing to repair{rest}", *flying]
+        out = [f"cycle {self.cycle}: {sum(len(s.units) for s in self.stages)} unit(s) to redo", *flying]
         for repair in self.stages:
             out.append(f"{repair.stage}:")
             out += [f"  {u.key}  {u.state}" + (f" ({u.detail})" if u.detail else "") for u in repair.units]
@@ -180,8 +185,9 @@ def plan_repair(config: CycleConfig, cycle: str) -> RepairPlan:
     started = _started_stages(records, units)
     repairs: list[StageRepair] = []
     not_started = []
+    in_flight = [u for u in units if u.leased]
     for stage in STAGES:
-        todo = [u for u in units if u.stage == stage and u.state in NOT_DONE]
+        todo = [u for u in units if u.stage == stage and u.state in NOT_DONE and not u.leased]
         if stage not in started:
             if any(u.stage == stage for u in units):
                 not_started.append(stage)
@@ -191,7 +197,7 @@ def plan_repair(config: CycleConfig, cycle: str) -> RepairPlan:
         tasks = sorted({u.task_id for u in todo if u.task_id is not None}) if stage in PER_TASK else None
         airflow = _search_airflow_tasks(todo) if stage == "search" else list(AIRFLOW_TASKS[stage])
         repairs.append(StageRepair(stage, todo, tasks, airflow))
-    return RepairPlan(row.name, repairs, not_started)
+    return RepairPlan(row.name, repairs, not_started, in_flight)
 
 
 def _started_stages(records: _Records, units: Sequence[UnitState]) -> set[str]:

@@ -82,6 +82,7 @@ class UnitState:
     detail: str = ""
     task_id: int | None = None
     finished_at: datetime | None = None
+    leased: bool = False  # running under a fresh episode lease: an agent is at work on it right now
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,7 @@ def _episode_state(stage: str, key: str, task: int, episode: Episode | None, run
     if episode is not None and episode.status in FINAL_EPISODE:
         return UnitState(stage, key, "done", episode.status, task, episode.finished_at)
     if running is not None:
-        return UnitState(stage, key, "running", running, task)
+        return UnitState(stage, key, "running", running, task, leased=True)
     if episode is None:
         return UnitState(stage, key, "pending", task_id=task)
     state = "budget_exhausted" if episode.status == "budget_exhausted" else "failed"

@@ -91,3 +91,27 @@ def test_running_a_repair_needs_the_cycles_own_config(inner_loop: InnerLoopEnv) 
     other = opened.config.model_copy(update={"name": "another-cycle"})
     with pytest.raises(RepairError, match="the config names cycle 'another-cycle'"):
         run_repair(other, plan)
+
+
+def test_an_episode_at_work_under_its_lease_is_listed_in_flight_and_not_redone(inner_loop: InnerLoopEnv) -> None:
+    """c1 failed twice on infrastructure and its third attempt is running now (a fresh lease): repairing must not
+    start it a second time beside the running one."""
+    from datetime import UTC, datetime, timedelta
+
+    from mass_ops.seeds import collection_seed
+
+    opened = collected_with_one_failure(inner_loop)
+    ctx = opened.ctx
+    seed = collection_seed(ctx.config.collection.seed_base, TASK, 1)
+    ctx.repo.start_episode_lease(ctx.cycle_id, task_id=TASK, kind="collection", candidate=1, seed=seed, attempt=3,
+                                 started_at=datetime.now(UTC) - timedelta(minutes=2), host="node-b pid 9")  # fmt: skip
+    plan = plan_repair(opened.config, ctx.cycle_name)
+    assert plan.nothing_to_repair and [u.key for u in plan.in_flight] == [f"collection-t{TASK}-c1"]
+    lines = plan.lines([])
+    assert lines[0].startswith(f"cycle {ctx.cycle_name}: nothing to repair")
+    assert (
+        f"in flight now, not redone: collect collection-t{TASK}-c1 (attempt 3 started 2m ago on node-b pid 9)" in lines
+    )
+    assert plan.as_dict([])["in_flight"] == [
+        {"stage": "collect", "key": f"collection-t{TASK}-c1", "detail": "attempt 3 started 2m ago on node-b pid 9"}
+    ]

@@ -242,6 +242,9 @@ def test_a_running_episode_is_in_flight_by_its_lease_and_a_stale_lease_is_not(
     # The CLI reads the same leases (the clock is the real one: only the counts are asserted).
     result = runner.invoke(app, ["status", ctx.cycle_name, "--config", config_file(opened, tmp_path), "--json"])
     assert result.exit_code == 0, result.output
+    table = runner.invoke(app, ["status", ctx.cycle_name, "--config", config_file(opened, tmp_path)])
+    assert any(line.startswith(f"collect: collection-t{TASK}-c1 running (attempt 3 started") for line in
+               table.stdout.splitlines()), table.stdout  # fmt: skip
     stages = {s["stage"]: s for s in json.loads(result.stdout)["stages"]}
     assert (stages["collect"]["failed"], stages["collect"]["in_flight"], stages["rollout"]["in_flight"]) == (0, 1, 1)
 
