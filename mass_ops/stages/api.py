@@ -526,6 +526,14 @@ def lease_episode_pod(config: CycleConfig, episode: Any, pod: str) -> dict[str, 
     return lease(config, episode, pod)
 
 
+def end_episode_pod_lease(config: CycleConfig, episode: Any) -> bool:
+    """An episode pod is gone without its publisher ending its lease (failed, never started, deleted on a kill): end
+    it, so `status` stops counting the unit in flight (see `stages.leases`)."""
+    from mass_ops.stages.leases import end_episode_pod_lease as end
+
+    return end(config, episode)
+
+
 def budget_stop_message(error: BaseException) -> str | None:
     """The one-line message of an error that is a budget stop (`store.budgets.BudgetExhaustedError`: raise the budget
     and rerun, never retry as a fault), else None."""

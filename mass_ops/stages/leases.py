@@ -94,3 +94,30 @@ def lease_episode_pod(config: CycleConfig, episode: Any, pod: str) -> dict[str, 
     finally:
         repo.store.dispose()
     return {"unit": lease.unit_key, "attempt": lease.attempt, "where": pod}
+
+
+def end_episode_pod_lease(config: CycleConfig, episode: Any) -> bool:
+    """The pod of a bound episode is gone without its publisher ending the lease (it failed, could not start, or was
+    deleted on a kill): end the unit's lease, so `status` stops counting it in flight. Whether a lease was removed;
+    a store failure is only logged (a lease only feeds `status`)."""
+    if episode.seed is None:
+        raise ValueError(f"episode {episode.slug}: only a bound spec names its unit (no seed)")
+    repo = MetadataRepository.from_url(config.storage.metadata_url)
+    try:
+        cycle = repo.get_cycle(config.cycle_name)
+        if cycle is None:
+            return False
+        return repo.end_episode_lease(
+            cycle.id,
+            task_id=episode.task_id,
+            kind=episode.kind,
+            seed=episode.seed,
+            version=episode.version,
+            candidate=episode.unit_candidate,
+            generation=episode.generation,
+        )
+    except sa.exc.SQLAlchemyError as exc:
+        logger.warning("episode %s: could not end its lease: %s", episode.slug, (str(exc).splitlines() or [""])[0])
+        return False
+    finally:
+        repo.store.dispose()

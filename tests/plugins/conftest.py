@@ -88,6 +88,7 @@ def stages(monkeypatch) -> StageRecorder:
     recorder.passthrough["admit_episode"] = real.admit_episode
     recorder.passthrough["budget_stop_message"] = real.budget_stop_message
     recorder.passthrough["lease_episode_pod"] = real.lease_episode_pod  # the in-flight lease as a pod is created
+    recorder.passthrough["end_episode_pod_lease"] = real.end_episode_pod_lease  # ... and as it is gone unrecorded
     monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
     import mass_ops.stages
 

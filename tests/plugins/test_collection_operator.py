@@ -175,6 +175,7 @@ def test_failed_pods_fail_the_unit_with_their_log_tails_and_the_stage_does_not_r
     assert "container base:" in message and "container publisher:" in message
     assert "agent line 99" in message and "agent line 60" in message and "agent line 59" not in message
     assert not cluster.objects["pods"] and stages.calls == []
+    assert repo.episode_leases(repo.cycle_id) == [], "the failed pods' leases are ended: nothing runs any more"
 
 
 def test_a_pod_that_cannot_start_fails_fast(repo, cluster, stages):
@@ -198,6 +199,7 @@ def test_a_pod_that_cannot_start_fails_fast(repo, cluster, stages):
     cluster.on_pod_created = image_missing
     with pytest.raises(CollectionPodsFailed, match="container base is ImagePullBackOff: pull access denied"):
         collection().execute(task_context(K8S))
+    assert repo.episode_leases(repo.cycle_id) == [], "a pod that never started leaves no unit in flight"
     assert not cluster.objects["pods"] and stages.calls == []
 
 
@@ -224,6 +226,7 @@ def test_a_kill_while_waiting_deletes_every_pod(repo, cluster, stages):
         operator.execute(task_context(K8S))
     assert seen == [CAPACITY]
     assert not cluster.objects["pods"] and stages.calls == []
+    assert repo.episode_leases(repo.cycle_id) == [], "the deleted pods' leases are ended"
 
 
 def test_a_retry_reattaches_to_a_pod_still_running(repo, cluster, stages):

@@ -167,6 +167,7 @@ def test_pod_failure_fails_the_task_with_the_log_tail(repo, cluster, pod_waits):
     assert cluster.calls.count(("", "pods/log", "get")) >= 2
     assert ("", "pods", "patch") in cluster.calls, "a failed pod is marked checked so a retry never re-attaches"
     assert not cluster.objects["pods"], "and then deleted"
+    assert repo.episode_leases(repo.cycle_id) == [], "no publisher will end the failed pod's lease: the operator did"
 
 
 def test_deferred_wait_and_failure_on_reentry(repo, cluster, pod_waits):
@@ -194,8 +195,10 @@ def test_kill_deletes_the_pod(repo, cluster, pod_waits):
     with pytest.raises(TaskDeferred):
         operator.execute(task_context(K8S))
     assert len(cluster.objects["pods"]) == 1
+    assert len(repo.episode_leases(repo.cycle_id)) == 1, "a deferred wait is not a failure: the pod runs, leased"
     operator.on_kill()
     assert not cluster.objects["pods"]
+    assert repo.episode_leases(repo.cycle_id) == [], "the deleted pod's lease is ended"
 
 
 def test_retry_reattaches_to_the_running_pod(repo, cluster, pod_waits):

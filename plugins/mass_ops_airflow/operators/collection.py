@@ -206,6 +206,7 @@ class TaskCollectionOperator(BaseOperator):
                     if verdict:
                         failures.append(verdict)
                         self.log.error("%s", verdict)
+                        self._end_lease(pod)  # no publisher is left to end it
                     else:
                         self.log.info("Candidate %s: pod %s succeeded", pod.slug, pod.name)
                     self._delete(pod.name)
@@ -289,12 +290,21 @@ class TaskCollectionOperator(BaseOperator):
                 raise
 
     def _delete_all(self) -> None:
-        for name in list(self._pods):
+        """Delete the pods still in flight (a kill, or an error while waiting) and end their leases."""
+        for name, pod in list(self._pods.items()):
             try:
                 self._delete(name)
             except Exception:  # keep deleting the others; the error is in the log
                 self.log.exception("Could not delete pod %s", name)
+            if pod.created:
+                self._end_lease(pod)
             self._pods.pop(name, None)
+
+    def _end_lease(self, pod: _Pod) -> None:
+        if self._config is not None:
+            from mass_ops_airflow.operators.episode import EpisodePodOperator
+
+            EpisodePodOperator.end_lease(self._config, pod.episode)
 
     def on_kill(self) -> None:
         if self._core is not None:

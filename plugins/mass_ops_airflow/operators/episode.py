@@ -30,7 +30,8 @@ pod, then the stage function (a search step, a teacher candidate, a rollout) in-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -90,6 +91,7 @@ class EpisodePodOperator(BaseOperator):
         self.check_outputs = check_outputs
         self._runner: Any = None
         self._leased: tuple[EpisodeSpec, str] | None = None  # the bound episode and its pod's name, once built
+        self._config: CycleConfig | None = None  # the run's config, once a pod is running (for `on_kill`)
 
     def episode(self) -> EpisodeSpec:
         """The episode this task runs (from its rendered fields)."""
@@ -130,6 +132,14 @@ class EpisodePodOperator(BaseOperator):
         from mass_ops_airflow.cycle import stage_function
 
         stage_function("lease_episode_pod")(config, episode, pod)
+
+    @staticmethod
+    def end_lease(config: CycleConfig, episode: EpisodeSpec) -> None:
+        """`episode`'s pod is gone without its publisher ending the lease (it failed, never started, or was deleted):
+        end it, so `mass-ops status` stops counting the unit in flight (a store failure is only logged)."""
+        from mass_ops_airflow.cycle import stage_function
+
+        stage_function("end_episode_pod_lease")(config, episode)
 
     @staticmethod
     def budget_failure(message: str) -> Exception:
@@ -176,7 +186,9 @@ class EpisodePodOperator(BaseOperator):
         runner = self._build_runner(config, episode)
         if self._leased is not None:
             self.lease(config, *self._leased)
-        runner.execute(context)  # creates the pod (or re-attaches to it) and waits
+        self._config = config
+        with self._lease_ended_on_failure(config):
+            runner.execute(context)  # creates the pod (or re-attaches to it) and waits
         return self._finish(config, episode)
 
     def trigger_reentry(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
@@ -184,8 +196,26 @@ class EpisodePodOperator(BaseOperator):
         config = cycle_config(context["params"])
         episode = self.episode()
         context["episode_label"] = episode.slug  # type: ignore[typeddict-unknown-key]
-        self._build_runner(config, episode).trigger_reentry(context, event)
+        runner = self._build_runner(config, episode)
+        self._config = config
+        with self._lease_ended_on_failure(config):
+            runner.trigger_reentry(context, event)
         return self._finish(config, episode)
+
+    @contextlib.contextmanager
+    def _lease_ended_on_failure(self, config: CycleConfig) -> Iterator[None]:
+        """A pod that failed or never started has no publisher left to end its lease: end it here, then re-raise.
+        (A deferral — Airflow's TaskDeferred — is not a failure: the pod keeps running and keeps its lease.)"""
+        from airflow.sdk.exceptions import TaskDeferred
+
+        try:
+            yield
+        except TaskDeferred:
+            raise
+        except BaseException:
+            if self._leased is not None:
+                self.end_lease(config, self._leased[0])
+            raise
 
     def _local(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
         self.log.info("Local backend: episode %s runs inside the stage task that follows", episode.slug)
@@ -217,6 +247,8 @@ class EpisodePodOperator(BaseOperator):
     def on_kill(self) -> None:
         if self._runner is not None:
             self._runner.on_kill()
+        if self._leased is not None and self._config is not None:  # the pod is deleted: nothing will end the lease
+            self.end_lease(self._config, self._leased[0])
 
 
 class EpisodeStageOperator(EpisodePodOperator):
