@@ -417,6 +417,10 @@ class LedgerRepository:
         """Nothing to lease: the operator leased the pod's unit when it created the pod."""
         del cycle_id, unit
 
+    def renew_episode_lease(self, cycle_id: int, **unit: Any) -> None:
+        """Nothing to renew: a pod's lease is the operator's (it lapses by age, not by renewals)."""
+        del cycle_id, unit
+
     def end_episode_lease(self, cycle_id: int, **unit: Any) -> None:
         """Nothing to end here: the publisher ends the lease when it ingests the attempt."""
         del cycle_id, unit

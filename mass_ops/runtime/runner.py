@@ -118,6 +118,7 @@ from mass_ops.store.artifacts import (
     file_sha256,
 )
 from mass_ops.store.budgets import CYCLE_SCOPE, BudgetLedger, BudgetLimits, task_scope
+from mass_ops.store.schema import LEASE_RENEW_S
 
 logger = logging.getLogger(__name__)
 
@@ -587,8 +588,10 @@ class EpisodeRunner:
         kill_grace_s: float = 5.0,
         execution_mode: str = EXECUTION_MODE,
         sink: PublicationSink | None = None,
+        lease_renew_s: float = LEASE_RENEW_S,
     ) -> None:
         self.ctx = ctx
+        self.lease_renew_s = lease_renew_s  # how often a running attempt renews its lease (`status`: alive)
         self.sink: PublicationSink = sink or StoreSink(ctx)
         self.config = ctx.config
         self._install = install  # resolved on first use: a pool that only reuses finished units needs no agent
@@ -711,11 +714,22 @@ class EpisodeRunner:
         install = await asyncio.to_thread(lambda: self.install)  # may run npm the first time: off the loop
         started_at = datetime.now(UTC)
         await asyncio.to_thread(self._lease, "start", unit, started_at)
+        renewing = asyncio.create_task(self._renew_lease(unit))
         try:
             return await self._attempt(request, unit, install, api_key, started_at, retry_of_id, on_agent_exit)
         finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
             # The row is recorded (or the attempt died without one): the unit is no longer in flight.
             await asyncio.to_thread(self._lease, "end", unit, None)
+
+    async def _renew_lease(self, unit: EpisodeUnit) -> None:
+        """Renew the attempt's lease every `lease_renew_s` while it lives: a runner that dies stops renewing, and its
+        lease lapses (`LEASE_LAPSE_S`) even when the attempt has no time limit."""
+        while True:
+            await asyncio.sleep(self.lease_renew_s)
+            await asyncio.to_thread(self._lease, "renew", unit, None)
 
     def _lease(self, action: str, unit: EpisodeUnit, started_at: datetime | None) -> None:
         """Start or end the attempt's lease (what `status` shows as running; `mass_ops.stages.leases`). In a pod the
@@ -725,8 +739,15 @@ class EpisodeRunner:
         try:
             if action == "start":
                 self.ctx.repo.start_episode_lease(
-                    self.ctx.cycle_id, attempt=unit.attempt, host=lease_host(), started_at=started_at, **identity
+                    self.ctx.cycle_id,
+                    attempt=unit.attempt,
+                    host=lease_host(),
+                    started_at=started_at,
+                    renewed=True,
+                    **identity,
                 )
+            elif action == "renew":
+                self.ctx.repo.renew_episode_lease(self.ctx.cycle_id, attempt=unit.attempt, **identity)
             else:
                 self.ctx.repo.end_episode_lease(self.ctx.cycle_id, attempt=unit.attempt, **identity)
         except SQLAlchemyError as exc:

@@ -8,7 +8,10 @@ A crashed process, a deleted pod or a lost node leave their lease behind. A leas
 while it is younger than its attempt could possibly run (`lease_horizon_s`): the episode wall-clock limit plus
 `LEASE_MARGIN_S` for setup and publishing, plus the pod start timeout on Kubernetes. Without a wall-clock limit
 (`runtime.episode_wall_clock_s: null`) an episode may run for any time, so a lease stays fresh until its unit is
-recorded or leased again; its age is shown with it.
+recorded or leased again; its age is shown with it. A local runner also renews its lease every `LEASE_RENEW_S`
+while the attempt lives: a renewed lease not renewed for `LEASE_LAPSE_S` names a runner that died, with or without a
+time limit. (A pod's lease is the operator's: nothing in the pod can renew it, so it lapses by age alone, and its
+operator ends it when the pod fails, never starts or is killed.)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sqlalchemy as sa
 
 from mass_ops.config import CycleConfig
 from mass_ops.store.repository import MetadataRepository
-from mass_ops.store.schema import EpisodeLease
+from mass_ops.store.schema import LEASE_LAPSE_S, EpisodeLease
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ def lease_horizon_s(config: CycleConfig) -> float | None:
 
 def lease_is_fresh(lease: EpisodeLease, horizon_s: float | None, now: datetime) -> bool:
     """Whether `lease` can still name a running attempt at `now` (see the module docstring)."""
+    if lease.renewed_at is not None and (now - lease.renewed_at).total_seconds() > LEASE_LAPSE_S:
+        return False  # a local runner renews its lease while the attempt lives: this one died
     return horizon_s is None or (now - lease.started_at).total_seconds() <= horizon_s
 
 

@@ -1194,9 +1194,11 @@ class MetadataRepository:
         generation: str | None = None,
         host: str | None = None,
         started_at: datetime | None = None,
+        renewed: bool = False,
     ) -> EpisodeLease:
         """Mark attempt `attempt` of the unit as started (upsert): the unit's lease, whatever attempt it named
-        before, now names this one, started at `started_at` (default now) on `host`."""
+        before, now names this one, started at `started_at` (default now) on `host`. `renewed`: its holder renews it
+        (`renew_episode_lease`), so it lapses when renewals stop; else it lasts until ended or too old."""
         identity = {
             "task_id": _task(task_id),
             "kind": _member(EpisodeKind, kind, "kind"),
@@ -1211,12 +1213,41 @@ class MetadataRepository:
             "started_at": _aware(started_at, "started_at") or utcnow(),
             "host": host[:253] if host else None,
         }
+        values["renewed_at"] = values["started_at"] if renewed else None
         insert = self._dialect_insert(EpisodeLease)
         statement = insert.on_conflict_do_update(
             index_elements=list(key), set_={name: getattr(insert.excluded, name) for name in values}
         ).returning(EpisodeLease)
         with self.store.write() as session:
             return session.scalars(statement, {**key, **values}).one()
+
+    def renew_episode_lease(
+        self,
+        cycle_id: int,
+        *,
+        task_id: TaskId,
+        kind: str,
+        seed: int,
+        attempt: int,
+        version: int | None = None,
+        candidate: int | None = None,
+        generation: str | None = None,
+    ) -> bool:
+        """Renew the unit's lease if it still names attempt `attempt` (its holder is alive); whether it did."""
+        unit_key = episode_unit_slug(
+            task_id=_task(task_id), kind=kind, seed=seed, version=version, candidate=candidate, generation=generation
+        )
+        statement = (
+            sa.update(EpisodeLease)
+            .where(
+                EpisodeLease.cycle_id == cycle_id,
+                EpisodeLease.unit_key == unit_key,
+                EpisodeLease.attempt == attempt,
+            )
+            .values(renewed_at=utcnow())
+        )
+        with self.store.transaction() as connection:
+            return bool(connection.execute(statement).rowcount)
 
     def end_episode_lease(
         self,

@@ -578,6 +578,10 @@ class BudgetCharge(Base):
     created_at: Mapped[datetime] = _created()
 
 
+LEASE_RENEW_S = 60.0  # how often a local runner renews its attempt's lease
+LEASE_LAPSE_S = 5 * LEASE_RENEW_S  # a renewed lease older than this names a runner that died
+
+
 class EpisodeLease(Base):
     """An episode attempt that has started and is not recorded yet (revision 0005): an episode's row is written only
     when its attempt ends, so this is what tells `status` that the unit is in flight.
@@ -603,3 +607,6 @@ class EpisodeLease(Base):
     attempt: Mapped[int] = mapped_column()
     started_at: Mapped[datetime] = mapped_column()
     host: Mapped[str | None] = mapped_column(sa.String(253))
+    # Renewed every LEASE_RENEW_S by a local runner while its attempt lives (None: a pod's lease, which nothing in the
+    # pod can renew): a lease not renewed for LEASE_LAPSE_S names a runner that died, whatever the attempt's limit.
+    renewed_at: Mapped[datetime | None] = mapped_column()

@@ -54,6 +54,7 @@ def upgrade() -> None:
         sa.Column("attempt", sa.Integer(), nullable=False),
         sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("host", sa.String(253), nullable=True),
+        sa.Column("renewed_at", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_episode_leases"),
         sa.ForeignKeyConstraint(
             ["cycle_id"], ["cycles.id"], name="fk_episode_leases_cycle_id_cycles", ondelete="CASCADE"

@@ -746,3 +746,40 @@ def test_in_a_pod_the_operators_lease_stands_until_the_publisher_records_the_att
     assert policy.seen == [[(f"reference-t51-s{SEED}", 1, "ep-reference-t51")]]
     assert [row.status for row in ctx.repo.episodes(ctx.cycle_id)] == ["succeeded"]
     assert ctx.repo.episode_leases(ctx.cycle_id) == []
+
+
+class _RenewalWaitingPolicy(_LeaseWatchingPolicy):
+    """Holds the agent's first request until the attempt's lease has been renewed (the runner renews it while the
+    agent runs), then answers; notes whether it saw a renewal before its deadline."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.renewed: list[bool] = []
+
+    def respond(self, request: ChatRequest) -> PolicyReply:
+        deadline = time.monotonic() + 30
+        renewed = False
+        while not renewed and time.monotonic() < deadline:
+            renewed = any(
+                lease.renewed_at is not None and lease.renewed_at > lease.started_at
+                for lease in self.repo.episode_leases(self.cycle_id)
+            )
+            if not renewed:
+                time.sleep(0.02)
+        self.renewed.append(renewed)
+        return self.inner.respond(request)
+
+
+def test_a_running_attempt_renews_its_lease(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    """A local runner renews its lease while the attempt lives: `status` tells a runner that died (no renewals) from
+    one at work even when episodes have no time limit."""
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        policy = _RenewalWaitingPolicy(ctx)
+        server.policy = policy
+        runner = _runner(ctx, stand_in_install, tmp_path, lease_renew_s=0.05)
+        outcome = asyncio.run(runner.run_attempt(request(ctx, "hi\n@agent requests=1"), 1))
+    assert outcome.status == "succeeded" and policy.renewed == [True]
+    assert ctx.repo.episode_leases(ctx.cycle_id) == [], "ended with its row, renewals stopped"

@@ -248,6 +248,21 @@ def test_a_running_episode_is_in_flight_by_its_lease_and_a_stale_lease_is_not(
     stages = {s["stage"]: s for s in json.loads(result.stdout)["stages"]}
     assert (stages["collect"]["failed"], stages["collect"]["in_flight"], stages["rollout"]["in_flight"]) == (0, 1, 1)
 
+    # A local runner renews its lease while it lives: one whose renewals stopped names a runner that died, even
+    # under a config without an episode time limit (the paper presets).
+    from mass_ops.store.schema import LEASE_LAPSE_S
+
+    ctx.repo.start_episode_lease(ctx.cycle_id, attempt=3, started_at=now - timedelta(hours=5), renewed=True,
+                                 host="node-a pid 7", task_id=TASK, kind="collection", candidate=1,
+                                 seed=collection_seed(base, TASK, 1))  # fmt: skip
+    unlimited = opened.config.model_copy(
+        update={"runtime": opened.config.runtime.model_copy(update={"episode_wall_clock_s": None})}
+    )
+    soon = now - timedelta(hours=5) + timedelta(seconds=LEASE_LAPSE_S - 1)  # just before its first renewal is due
+    assert cycle_status(unlimited, ctx.cycle_name, now=soon).stage("collect").in_flight == 1, "renewed recently"
+    later = now + timedelta(seconds=1)  # five hours after its last renewal
+    assert cycle_status(unlimited, ctx.cycle_name, now=later).stage("collect").in_flight == 0, "its runner died"
+
     # Once the attempt's row is recorded and its lease ended, the unit is what its row says.
     ctx.repo.end_episode_lease(ctx.cycle_id, task_id=TASK, kind="collection", candidate=1, attempt=3,
                                seed=collection_seed(base, TASK, 1))  # fmt: skip

@@ -239,7 +239,13 @@ def test_every_table_round_trips(repo: MetadataRepository, cycle_id: int):
     assert repo.end_episode_lease(cycle_id, attempt=1, **unit) is False, "attempt 1's end keeps attempt 2's lease"
     assert repo.end_episode_lease(cycle_id, attempt=2, **unit) is True
     assert [row.id for row in repo.episode_leases(cycle_id)] == [rollout.id]
-    repo.start_episode_lease(cycle_id, attempt=3, **unit)  # stays: the table check below needs a row
+    assert rollout.renewed_at is None, "a pod's lease: nothing renews it"
+    renewed = repo.start_episode_lease(cycle_id, attempt=3, started_at=started, renewed=True, **unit)  # stays
+    assert renewed.renewed_at == renewed.started_at == started, "a local runner's lease starts renewed"
+    assert repo.renew_episode_lease(cycle_id, attempt=2, **unit) is False, "only the attempt it names renews it"
+    assert repo.renew_episode_lease(cycle_id, attempt=3, **unit) is True
+    (kept,) = [row for row in repo.episode_leases(cycle_id) if row.unit_key == "search-t51-v2-s451052"]
+    assert kept.renewed_at is not None and kept.renewed_at > started
 
     judge = repo.record_llm_call(cycle_id, "t51/rhi/v1_vs_no_harness", purpose="judge", model="L0", seed=450051)
     rhi = repo.record_comparison(
