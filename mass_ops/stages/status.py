@@ -62,8 +62,8 @@ FINAL_EPISODE = ("succeeded", "model_failure")
 IN_FLIGHT_NOTE = (
     "in flight = an agent episode whose attempt has started and is not recorded yet (its lease), or a unit with part "
     "of its records in the store, not the last (a search step judging or proposing, a task being ranked, a render, "
-    "the training run, the evaluation's judging); a lease older than the episode wall-clock limit plus a margin is "
-    "left by a crash and counts as pending"
+    "the training run, the evaluation's judging); a lease older than the episode wall-clock limit plus a margin, or "
+    "a local runner's lease not renewed for 5 minutes, was left by a crash and counts as pending"
 )
 NOT_RECORDED = IN_FLIGHT_NOTE  # the former name
 
