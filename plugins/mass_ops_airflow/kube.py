@@ -36,11 +36,32 @@ class KubeClients:
     custom: Any = None
 
 
+# (connect, read) seconds of every API call these clients make that sets no timeout of its own: the Kubernetes client
+# waits forever by default, so an API server that accepts and never answers would hang the task. A watch sets its
+# own (its server-side timeout plus a margin: events may be minutes apart).
+REQUEST_TIMEOUT_S = (10.0, 60.0)
+
+
+def with_request_timeout(api_client: Any, timeout: tuple[float, float] = REQUEST_TIMEOUT_S) -> Any:
+    """`api_client` whose REST calls default to `timeout` when the call gives no `_request_timeout` (an explicit one
+    still wins); returns it."""
+    rest = api_client.rest_client
+    request = rest.request
+
+    def timed(*args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        return request(*args, _request_timeout=_request_timeout or timeout, **kwargs)
+
+    rest.request = timed
+    return api_client
+
+
 def kubernetes_clients(conn_id: str | None) -> KubeClients:
-    """Clients of the Airflow Kubernetes connection `conn_id` (None: in-cluster or kubeconfig defaults)."""
+    """Clients of the Airflow Kubernetes connection `conn_id` (None: in-cluster or kubeconfig defaults), every call
+    bounded by `REQUEST_TIMEOUT_S` unless it sets its own."""
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
     hook = KubernetesHook(conn_id=conn_id)
+    with_request_timeout(hook.api_client)  # shared by the four clients below
     return KubeClients(
         core=hook.core_v1_client,
         apps=hook.apps_v1_client,
@@ -161,7 +182,13 @@ def wait_gone(
     if not remaining:
         return
     watcher = (watcher_factory or _watch_factory)()
-    for event in watcher.stream(list_function, namespace=namespace, label_selector=selector, timeout_seconds=timeout_s):
+    for event in watcher.stream(
+        list_function,
+        namespace=namespace,
+        label_selector=selector,
+        timeout_seconds=timeout_s,
+        _request_timeout=(REQUEST_TIMEOUT_S[0], timeout_s + 30),  # events may be minutes apart: not the default read
+    ):
         if event["type"] == "DELETED":
             remaining.discard(event["object"].metadata.name)
         if not remaining:
