@@ -177,6 +177,15 @@ def _describe(key: Mapping[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in key.items())
 
 
+def _lease_key(
+    task_id: TaskId, kind: str, seed: int, version: int | None, candidate: int | None, generation: str | None
+) -> str:
+    """The unit key a lease is stored under (the episode's unit key without its attempt)."""
+    return episode_unit_slug(
+        task_id=_task(task_id), kind=kind, seed=seed, version=version, candidate=candidate, generation=generation
+    )
+
+
 class MetadataRepository:
     """Typed, idempotent access to the metadata tables of one `MetadataStore`."""
 
@@ -1234,9 +1243,7 @@ class MetadataRepository:
         generation: str | None = None,
     ) -> bool:
         """Renew the unit's lease if it still names attempt `attempt` (its holder is alive); whether it did."""
-        unit_key = episode_unit_slug(
-            task_id=_task(task_id), kind=kind, seed=seed, version=version, candidate=candidate, generation=generation
-        )
+        unit_key = _lease_key(task_id, kind, seed, version, candidate, generation)
         statement = (
             sa.update(EpisodeLease)
             .where(
@@ -1263,9 +1270,7 @@ class MetadataRepository:
     ) -> bool:
         """Remove the unit's lease if it names attempt `attempt` or an earlier one (any attempt when None): a later
         attempt's lease stays. Returns whether a lease was removed."""
-        unit_key = episode_unit_slug(
-            task_id=_task(task_id), kind=kind, seed=seed, version=version, candidate=candidate, generation=generation
-        )
+        unit_key = _lease_key(task_id, kind, seed, version, candidate, generation)
         statement = sa.delete(EpisodeLease).where(EpisodeLease.cycle_id == cycle_id, EpisodeLease.unit_key == unit_key)
         if attempt is not None:
             statement = statement.where(EpisodeLease.attempt <= attempt)
