@@ -23,4 +23,12 @@ $VPY -m pip install --quiet -e ".[train,airflow,report,dev,benchmarks]"
 if [ -f plugins/pyproject.toml ]; then
   $VPY -m pip install --quiet -e plugins/
 fi
+# DeepSpeed JIT-builds its CPU shared-memory collective the first time a trainer starts (about a minute on 2 cores):
+# build it once here into torch's extension cache, with the venv's ninja as the trainer uses (stages/train.py).
+PATH="$PWD/.venv/bin:$PATH" DS_ACCELERATOR=cpu $VPY -c "
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder('ShareMemCommBuilder')
+if builder is not None and builder.is_compatible():
+    builder.load()
+" >/dev/null
 echo "$want" > "$stamp"

@@ -291,6 +291,10 @@ def _training_env(config: CycleConfig, accelerator: str) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name not in secrets}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
+    # The trainer's tools come from its own environment: DeepSpeed JIT-builds its ops with the first `ninja` on PATH,
+    # and a system ninja of another version rewrites the build log and rebuilds an op the other one had cached.
+    tools = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([tools, *(p for p in env.get("PATH", "").split(os.pathsep) if p and p != tools)])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"

@@ -11,7 +11,9 @@ refusals and export/register from a hand-made adapter.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,6 +254,17 @@ def test_the_trainer_environment_carries_no_api_key(seeded: SeededCycle, monkeyp
     import mass_ops
 
     assert str(Path(mass_ops.__file__).resolve().parents[1]) in env["PYTHONPATH"].split(":")  # holds the package
+
+
+def test_the_trainer_finds_the_tools_of_its_own_environment_first(
+    seeded: SeededCycle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed builds its ops with the first `ninja` on PATH: the environment's own, wherever PATH had it."""
+    from mass_ops.stages.train import _training_env
+
+    tools = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", tools, "/bin"]))
+    assert _training_env(seeded.config, "cpu")["PATH"].split(os.pathsep) == [tools, "/usr/bin", "/bin"]
 
 
 # -- render -----------------------------------------------------------------------------------------------------------

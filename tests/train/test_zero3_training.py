@@ -180,6 +180,8 @@ def _free_port() -> int:
 def _launch(argv: list[str], log: Path) -> None:
     env = {
         **os.environ,
+        # the venv's tools first, as the training stage does (its ninja built DeepSpeed's op in scripts/setup.sh)
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
         "DS_ACCELERATOR": "cpu",
