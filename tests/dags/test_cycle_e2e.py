@@ -53,15 +53,18 @@ def _overrides(tmp: Path, endpoint: str) -> list[str]:
         "compute.local_inference=external",
         f"evaluation.judges={judge}",
         # Smaller than the demo preset where the demo's size adds nothing to what is shown: two RHI tasks, one of
-        # them trained, two candidates (train rank 1, validation rank 2), two ZeRO-3 steps.
+        # them trained, two candidates (train rank 1, validation rank 2), one ZeRO-3 step validated once (each pass
+        # over a ~15 K-token window costs tens of seconds on 2 cores).
         f"tasks.train_candidates=[{FAST}, {SLOW}]",
         f"tasks.train=[{FAST}]",
         f"tasks.excluded=[{SLOW}]",  # searched, never trained
         "collection.candidates=2",
         "runtime.max_infra_attempts=1",  # the injected failure ends the unit's first try at once
-        "training.steps=2",
+        "training.steps=1",
+        "training.warmup_steps=0",
         "training.save_every=1",
         "training.val_every=1",
+        "training.val_at_start=false",
     ]
 
 

@@ -4,7 +4,7 @@ follow the run to `success` (slow: a whole small cycle on CPU).
 `mass-ops demo --ui` runs as the user runs it, in a temporary working folder (its `runs/demo/` and model servers stay
 there), with the scripted policy stand-in serving the "model" (`stand_in_serving`). Chromium is the system one,
 driven by Playwright. The form shrinks the demo cycle to one training task, two candidates (the knob changed in the
-form; the preset says 3), one test task and two training steps, and moves the model servers to free ports.
+form; the preset says 3), one test task and one training step, and moves the model servers to free ports.
 
 Artifacts (screenshots, a JSON summary of the run, the logs of failed tasks) are kept in
 `runs/test-artifacts/browser/` of the repository.
@@ -36,10 +36,14 @@ TERMINAL = {"success", "failed"}
 
 
 def cycle_overrides(model_port: int) -> list[str]:
-    """Override lines typed into the form: the smallest cycle the demo preset allows (two ZeRO-3 steps, each a
-    forward and backward over a ~15 K-token window on CPU), servers on free ports."""
+    """Override lines typed into the form: the smallest cycle the demo preset allows (one ZeRO-3 step, a forward and
+    backward over a ~15 K-token window on CPU, validated once at its end), servers on free ports."""
     return [
-        "training.steps=2",
+        "training.steps=1",
+        "training.warmup_steps=0",
+        "training.save_every=1",
+        "training.val_every=1",
+        "training.val_at_start=false",
         f"tasks.train=[{TRAIN_TASK}]",
         f"tasks.train_candidates=[{TRAIN_TASK}]",
         f"tasks.test=[{TEST_TASK}]",
