@@ -84,7 +84,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1148,6 +1148,18 @@ async def _serve(args: argparse.Namespace) -> None:
         await proxy.stop()
 
 
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run the proxy process's `main` on uvloop where it is installed (a relay's CPU per byte is mostly the event
+    loop's), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL (--log PATH | --sessions-dir DIR --key-env
     NAME [--upstream URL ...] [--allow-host-suffix .ns.svc ...]) [--port-file F]`."""
@@ -1175,10 +1187,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--key-env, --allow-host-suffix and several --upstream go with --sessions-dir")
     with contextlib.suppress(KeyboardInterrupt):
         if args.sessions_dir is None:
-            asyncio.run(_serve(args))
+            _run(_serve(args))
             return
         try:
-            asyncio.run(
+            _run(
                 serve_episode_proxy(
                     sessions_dir=args.sessions_dir,
                     upstreams=args.upstream,
