@@ -4,7 +4,7 @@ Setup: the policy stand-in server (tests/policy_server) with a fixed latency per
 concurrent completions (excess requests queue); a cycle on SQLite + a local artifact folder; N episodes.
 Baseline: the same N episodes one after another (each to its committed row before the next starts), as the
 reference release runs them. Measured: the pool with
-capacity C. Printed: sequential time, pool time, speedup, efficiency = speedup / min(C, N) (target ≥ 0.8), the
+capacity C. Printed: sequential time, pool time, speedup, efficiency = speedup / min(C, N) (goal ≥ 0.95), the
 server's peak concurrency and the episodes' outcome counts.
 
 What runs is the production path except the agent: the real `EpisodePool` (capacity, fairness, retries) and the real
