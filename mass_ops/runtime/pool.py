@@ -10,7 +10,8 @@ For each request the pool reads the unit's recorded attempts first (ARCHITECTURE
 
 Capacity: at most `inference.max_concurrent_requests` attempts use the endpoint at once (its capacity; an attempt
 holds one slot from its preflight until its agent and proxy have stopped — publishing artifacts and the row happen
-after the slot is freed, since they do not load the endpoint). Priority and fairness: when a slot frees, it goes to
+after the slot is freed, since they do not load the endpoint; under a task or cycle budget the slot is kept until the
+outcome is known, see Budgets). Priority and fairness: when a slot frees, it goes to
 the waiting episode on the longest remaining chain of its task (`chain_priority`: an early search version before a
 late one, any search before collection — a task's search chain is the cycle's critical path, so another task's
 collection must not delay it, ISSUE #17.2); among equals, to the task with the fewest running episodes, then the
@@ -21,7 +22,9 @@ task): every call is scheduled on the pool's one event loop.
 Budgets (ISSUE #15.2): a `budget_exhausted` attempt (its proxy refused a request a budget had no room for) is
 neither final nor retried: the next run of the pool runs the unit as its next attempt. Once a task's budget is
 exhausted its remaining units are not started, and once the cycle's is, none are: before each attempt the pool
-checks the runner's budget ledger (shared by every process of the cycle) and what this pool has seen. A `run()`
+checks the runner's budget ledger (shared by every process of the cycle) and what this pool has seen; an attempt
+under such a budget keeps its slot while it publishes, so that a budget stop is seen before the slot's next
+admission check (the ledger alone may still show room: the proxy refused one request's need). A `run()`
 that stopped for a budget raises `BudgetStopError` (a `BudgetExhaustedError`: which budget, how to raise it) after
 every started attempt has ended and been recorded; `outcomes` holds what finished. Raise the budget and rerun: finished
 units are reused, nothing is redone.
@@ -502,7 +505,13 @@ class EpisodePool:
                     self._emit(PoolEvent("done", request.unit, attempt, "budget_exhausted"))
                     raise BudgetExhaustedError(refused, f"episode {request.unit.slug} not started")
                 self._emit(PoolEvent("started", request.unit, attempt))
-                outcome = await self.runner.run_attempt(request, attempt, retry_of_id=previous, on_agent_exit=release)
+                # Under a task or cycle budget the slot is kept until the outcome is noted, publishing included: an
+                # attempt its budget stopped must be known before the next admission check, or a unit of the spent
+                # scope could start in the gap between the agent's exit and the noted outcome.
+                early_release = None if self._budgeted(request.unit) else release
+                outcome = await self.runner.run_attempt(
+                    request, attempt, retry_of_id=previous, on_agent_exit=early_release
+                )
                 self._note_budget(outcome)
             except EndpointUnreachableError as exc:
                 if wait == self.preflight_waits:
@@ -517,6 +526,12 @@ class EpisodePool:
                 release()
             await asyncio.sleep(self.retry_backoff_s * 2**wait)
         raise AssertionError("unreachable")
+
+    def _budgeted(self, unit: EpisodeUnit) -> bool:
+        """Whether a task or cycle budget limits `unit` (one an attempt of it could exhaust)."""
+        scopes_of = getattr(self.runner, "budget_scopes", None)
+        ledger = getattr(self.runner, "budgets", None)
+        return scopes_of is not None and ledger is not None and bool(ledger.limits.limited(scopes_of(unit)))
 
     async def _budget_refusal(self, unit: EpisodeUnit) -> Refusal | None:
         """Why `unit` may not start: its task's or the cycle's budget is exhausted (seen here, or in the ledger)."""

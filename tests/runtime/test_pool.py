@@ -12,13 +12,15 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
-from mass_ops.runtime.pool import EpisodePool, EpisodePromptConflictError, FairScheduler, PoolEvent
+from mass_ops.runtime.pool import BudgetStopError, EpisodePool, EpisodePromptConflictError, FairScheduler, PoolEvent
 from mass_ops.runtime.qwen_install import QwenInstall
+from mass_ops.store.budgets import CYCLE_SCOPE, Refusal, task_scope
 from tests.policy_server import FaultRule
 from tests.runtime.conftest import (
     PolicyHost,
@@ -191,6 +193,43 @@ def test_infrastructure_failures_are_retried_with_the_same_seed_up_to_the_limit(
     assert {r.seed for r in rows} == {2}
     kinds = [e.kind for e in events if e.unit.seed == 1]
     assert kinds == ["queued", "started", "finished", "retrying", "started", "finished", "done"]
+
+
+class BudgetStoppingRunner(ScriptedRunner):
+    """The first attempt is stopped by the task's budget; its agent exits (`on_agent_exit`) well before its outcome
+    is published, and the ledger does not show the scope as spent (what the proxy refused was a request's need)."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.refusal = Refusal(task_scope(51), "budgets.task_tokens", 4000, 3455, 882, "tokens")
+        self.budgets = SimpleNamespace(
+            limits=SimpleNamespace(limited=lambda scopes: list(scopes)), exhausted=lambda scopes: None
+        )
+
+    def budget_scopes(self, unit: Any) -> tuple[str, ...]:
+        return (task_scope(unit.task_id), CYCLE_SCOPE)
+
+    async def run_attempt(self, request: EpisodeRequest, attempt: int, **options: Any) -> Any:
+        self.started.append(request.unit.key)
+        if len(self.started) > 1:
+            return await super().run_attempt(request, attempt)
+        if options.get("on_agent_exit") is not None:
+            options["on_agent_exit"]()
+        await asyncio.sleep(0.3)  # publishing
+        record = {"status": "budget_exhausted", "failure": {"budget": dataclasses.asdict(self.refusal)}}
+        return EpisodeOutcome(request, 1, attempt, "budget_exhausted", record, {})  # type: ignore[arg-type]
+
+
+def test_a_budget_stop_is_known_before_the_next_unit_of_its_scope_is_admitted(tmp_path: Path) -> None:
+    """Capacity 1, two units of one task: the first is stopped by the task budget; the second must not start in the
+    gap between the first's agent exit and its published outcome."""
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", capacity=1, max_infra_attempts=1)
+    runner = BudgetStoppingRunner(ctx)
+    requests = [request(ctx, "p", seed=1, task=51), request(ctx, "p", seed=2, task=51)]
+    with EpisodePool(ctx, runner=runner) as pool, pytest.raises(BudgetStopError) as stop:
+        pool.run(requests)
+    assert runner.started == [requests[0].unit.key]
+    assert stop.value.not_started == [requests[1].unit.key]
 
 
 # --- with the real runner and the stand-in agent -----------------------------------------------------------------
