@@ -40,6 +40,7 @@ for a server slot per kind, the ratios pipelined/today and pipelined/reference, 
 utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met, and with `--timeline` each task's phase ends.
 
     .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.5] [--schedules reference,today,pipelined]
+        [--seeds 17[,1,2,3]]
 """
 
 from __future__ import annotations
@@ -412,59 +413,11 @@ def print_timeline(
         print(f"  task {task:>3}: " + "   ".join(cells))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--capacity", type=int, default=8, help="requests the server processes at once (C)")
-    parser.add_argument("--tasks", type=int, default=9)
-    parser.add_argument("--iterations", type=int, default=11)
-    parser.add_argument("--median", type=float, default=0.5, help="median episode length, seconds")
-    parser.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of episode lengths")
-    parser.add_argument("--tail-share", type=float, default=0.03, help="share of episodes that run tail-factor×")
-    parser.add_argument("--tail-factor", type=float, default=10.0)
-    parser.add_argument("--turn", type=float, help="longest agent turn, seconds (default: median / 8)")
-    parser.add_argument("--judge", type=float, default=0.04, help="seconds per judge call")
-    parser.add_argument("--optimizer", type=float, default=0.08, help="seconds per optimizer call")
-    parser.add_argument("--seed", type=int, default=17)
-    parser.add_argument("--profile", metavar="PREFIX", help="write cProfile stats of each schedule to PREFIX.<name>")
-    parser.add_argument("--timeline", action="store_true", help="print each task's phase ends (pipelined)")
-    parser.add_argument(
-        "--bootstrap-samples",
-        type=int,
-        default=0,
-        help="ranking bootstrap resamples (CPU off the server; 0 here, see the module docstring)",
-    )
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + str(SCHEDULES))
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.ERROR)
-    lengths = Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, args.seed)
-    chosen = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    unknown = sorted(set(chosen) - set(SCHEDULES))
-    if unknown:
-        raise SystemExit(f"cycle_sim: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}")
-
-    shm = Path("/dev/shm")
-    base = Path(tempfile.mkdtemp(prefix="mass-cycle-sim-", dir=shm if shm.is_dir() else None))
-    tempfile.tempdir = str(base)
-    results: dict[str, dict[str, Any]] = {}
-    try:
-        server = ServerProcess(args.capacity, lengths)
-        try:
-            for schedule in chosen:
-                if args.profile:  # the calling thread only: the reference order runs its stage code there
-                    profiler = cProfile.Profile()
-                    results[schedule] = profiler.runcall(run_schedule, schedule, server, lengths, base, args)
-                    profiler.dump_stats(f"{args.profile}.{schedule}")
-                else:
-                    results[schedule] = run_schedule(schedule, server, lengths, base, args)
-                print(f"{schedule}: {results[schedule]['wall_s']:.1f} s", file=sys.stderr, flush=True)
-        finally:
-            server.close()
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    config = sim_config("sim-bound", "http://127.0.0.1:9/v1", base, args.capacity, args)
+def report(results: dict[str, dict[str, Any]], config: CycleConfig, lengths: Lengths, args: argparse.Namespace) -> None:
+    """Print one seed's figures per schedule (module docstring) and set each result's `wall_over_bound`."""
     print(
         f"C = {args.capacity}; episodes log-normal median {args.median} s, sigma {args.sigma}, {args.tail_share:.0%} "
-        f"at {args.tail_factor:g}×; judge {args.judge} s, optimizer {args.optimizer} s; seed {args.seed}"
+        f"at {args.tail_factor:g}×; judge {args.judge} s, optimizer {args.optimizer} s; seed {lengths.seed}"
     )
     for schedule, result in results.items():
         bound = lower_bound(config, lengths, result["work_s"], args.capacity)
@@ -474,11 +427,6 @@ def main() -> None:
             f"wall/bound {result['wall_over_bound']:.2f}  (bound {bound['bound']:.2f} s = max(chain "
             f"{bound['chain']:.2f} s, work/C {bound['work']:.2f} s); {result['episodes']} episodes, "
             f"{result['counts']['judge']} judge and {result['counts']['optimizer']} optimizer calls)"
-        )
-    if args.bootstrap_samples < 2 and config.tasks.train:
-        print(
-            f"ranking bootstrap left out (--bootstrap-samples {args.bootstrap_samples}): "
-            f"{bootstrap_cost(config):.2f} s of CPU per task for the paper's 1000 resamples, no server work"
         )
     for schedule, result in results.items():
         waits = ", ".join(
@@ -493,11 +441,96 @@ def main() -> None:
         for other in ("today", "reference"):
             if other in results:
                 print(f"pipelined / {other}: {pipelined['wall_s'] / results[other]['wall_s']:.2f}")
-        met = pipelined["utilisation"] >= 0.9 and pipelined["wall_over_bound"] <= 1.1
         print(
-            f"goal (pipelined utilisation >= 0.9 and wall/bound <= 1.1 at C = 8): {'met' if met else 'not met'} "
-            f"({pipelined['utilisation']:.2f}, {pipelined['wall_over_bound']:.2f})"
+            f"goal (pipelined utilisation >= 0.9 and wall/bound <= 1.1 at C = 8): "
+            f"{'met' if goal_met(pipelined) else 'not met'} ({pipelined['utilisation']:.2f}, "
+            f"{pipelined['wall_over_bound']:.2f})"
         )
+
+
+def goal_met(pipelined: dict[str, Any]) -> bool:
+    return pipelined["utilisation"] >= 0.9 and pipelined["wall_over_bound"] <= 1.1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity", type=int, default=8, help="requests the server processes at once (C)")
+    parser.add_argument("--tasks", type=int, default=9)
+    parser.add_argument("--iterations", type=int, default=11)
+    parser.add_argument("--median", type=float, default=0.5, help="median episode length, seconds")
+    parser.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of episode lengths")
+    parser.add_argument("--tail-share", type=float, default=0.03, help="share of episodes that run tail-factor×")
+    parser.add_argument("--tail-factor", type=float, default=10.0)
+    parser.add_argument("--turn", type=float, help="longest agent turn, seconds (default: median / 8)")
+    parser.add_argument("--judge", type=float, default=0.04, help="seconds per judge call")
+    parser.add_argument("--optimizer", type=float, default=0.08, help="seconds per optimizer call")
+    parser.add_argument(
+        "--seeds", default="17", help="comma-separated seeds of the drawn lengths; each is a run of every schedule"
+    )
+    parser.add_argument("--profile", metavar="PREFIX", help="write cProfile stats of each schedule to PREFIX.<name>")
+    parser.add_argument("--timeline", action="store_true", help="print each task's phase ends (pipelined)")
+    parser.add_argument(
+        "--bootstrap-samples",
+        type=int,
+        default=0,
+        help="ranking bootstrap resamples (CPU off the server; 0 here, see the module docstring)",
+    )
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + str(SCHEDULES))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        raise SystemExit(f"cycle_sim: --seeds must be comma-separated integers (got {args.seeds!r})") from None
+    chosen = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SCHEDULES))
+    if not seeds:
+        raise SystemExit("cycle_sim: --seeds names no seed")
+    if unknown:
+        raise SystemExit(f"cycle_sim: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}")
+    draws = [
+        Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, seed)
+        for seed in seeds
+    ]
+
+    shm = Path("/dev/shm")
+    base = Path(tempfile.mkdtemp(prefix="mass-cycle-sim-", dir=shm if shm.is_dir() else None))
+    tempfile.tempdir = str(base)
+    runs: list[dict[str, dict[str, Any]]] = []
+    try:
+        # One server for every seed: its call latencies do not depend on the draw, episodes send their own lengths.
+        server = ServerProcess(args.capacity, draws[0])
+        try:
+            for lengths in draws:
+                results: dict[str, dict[str, Any]] = {}
+                folder = base / f"seed-{lengths.seed}"
+                for schedule in chosen:
+                    if args.profile:  # the calling thread only: the reference order runs its stage code there
+                        profiler = cProfile.Profile()
+                        results[schedule] = profiler.runcall(run_schedule, schedule, server, lengths, folder, args)
+                        profiler.dump_stats(f"{args.profile}.{schedule}")
+                    else:
+                        results[schedule] = run_schedule(schedule, server, lengths, folder, args)
+                    seconds = results[schedule]["wall_s"]
+                    print(f"seed {lengths.seed} {schedule}: {seconds:.1f} s", file=sys.stderr, flush=True)
+                runs.append(results)
+        finally:
+            server.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    config = sim_config("sim-bound", "http://127.0.0.1:9/v1", base, args.capacity, args)
+    for lengths, results in zip(draws, runs, strict=True):
+        report(results, config, lengths, args)
+    if args.bootstrap_samples < 2 and config.tasks.train:
+        print(
+            f"ranking bootstrap left out (--bootstrap-samples {args.bootstrap_samples}): "
+            f"{bootstrap_cost(config):.2f} s of CPU per task for the paper's 1000 resamples, no server work"
+        )
+    if len(seeds) > 1 and "pipelined" in chosen:
+        pipelined = [(lengths.seed, results["pipelined"]) for lengths, results in zip(draws, runs, strict=True)]
+        cells = ", ".join(f"seed {seed} {r['utilisation']:.2f}/{r['wall_over_bound']:.2f}" for seed, r in pipelined)
+        met = sum(goal_met(r) for _, r in pipelined)
+        print(f"pipelined over {len(seeds)} seeds (utilisation/wall-bound): {cells}; goal met on {met} of {len(seeds)}")
 
 
 if __name__ == "__main__":
