@@ -4,10 +4,13 @@ Workload: RHI for 9 tasks × 12 versions (reference + v0..v11 episodes per task)
 for the 8 training tasks, a ring tournament of 54 matches per training task. Every judge and optimizer call is a real
 call of the stage code to the scripted OpenAI-compatible stand-in (`tests.policy_server`) whose capacity is C
 requests at once; episodes are a stand-in runner behind the real `EpisodePool` that spends the episode's drawn length
-on the server as back-to-back turns (one request per turn, at most `--turn` seconds each: an agent talks to the server
-turn by turn, so a judge call queues behind a turn, not behind a whole episode), then publishes a small workspace and
-its row. The server runs in its own process, as the model server is another machine in production (in this process
-its request handling would take the interpreter lock from the stage code it serves).
+on the server as back-to-back turns (at most `--turn` seconds each, every turn queueing for a slot again: an agent
+talks to the server turn by turn, so a judge call queues behind a turn, not behind a whole episode), then publishes a
+small workspace and its row. The server runs in its own process, as the model server is another machine in
+production (in this process its request handling would take the interpreter lock from the stage code it serves); it
+also plays an episode's turns, from one request per episode: a real agent is a process of its own too, and a turn
+loop in this process would leave the slot idle between turns while it waits for the interpreter lock (~80 ms per
+episode measured on 2 cores).
 
 Episode lengths are heavy-tailed and seeded per unit (the same unit has the same length in every schedule):
 log-normal with median `--median` seconds and shape `--sigma` (0.6: the 90th percentile is about 2.2× the median),
@@ -36,8 +39,14 @@ request to the last answer); wall / bound, where bound = max(longest dependency 
 computed from the drawn lengths (server time only). The chain assumes a task's longest collection candidate starts as
 soon as its search ends, which a scheduler that does not know episode lengths in advance cannot promise when many
 tasks collect at once: one 10× candidate that starts mid-phase leaves the server idle in the tail. Then the mean wait
-for a server slot per kind, the ratios pipelined/today and pipelined/reference, whether the goals (pipelined
-utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met, and with `--timeline` each task's phase ends.
+for server slots per kind, the ratios pipelined/today and pipelined/reference, whether the goals (pipelined
+utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met, and with `--timeline` the server's busy slots over the run
+and each task's phase ends (pipelined).
+
+Per seed it also prints the ideal list schedule of the same draw (`schedule_model.py`: the bound's dependencies, no
+overhead at all), once not knowing episode lengths (random candidate orders: median and spread) and once knowing them
+(longest candidate first). The measured pipelined figures over the ideal's are what the platform's own work costs;
+the ideal's over the bound are what not knowing lengths costs, which no scheduler of this kind can win back.
 
     .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.5] [--schedules reference,today,pipelined]
         [--seeds 17[,1,2,3]]
@@ -71,6 +80,7 @@ from aiohttp import web
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.schedule_model import Calls, IdealFigures, ideal  # noqa: E402
 from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
 from mass_ops.context import CycleContext, open_cycle  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
@@ -132,6 +142,7 @@ class TimedServer(PolicyServer):
         self.work = {"episode": 0.0, "judge": 0.0, "optimizer": 0.0}
         self.counts = {"episode": 0, "judge": 0, "optimizer": 0}
         self.waited = {"episode": 0.0, "judge": 0.0, "optimizer": 0.0}  # seconds queued for a slot
+        self.busy: list[tuple[float, float]] = []  # (start, end) of every held slot, for the busy-slot profile
 
     def figures(self) -> dict[str, Any]:
         """Busy slot-seconds, first request and last answer (this process's perf_counter), work and counts."""
@@ -142,17 +153,25 @@ class TimedServer(PolicyServer):
             "work": dict(self.work),
             "counts": dict(self.counts),
             "waited": dict(self.waited),
+            "busy": list(self.busy),
         }
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()  # aiohttp keeps the body: the stand-in's handler reads it again
         text = str((body.get("messages") or [{}])[-1].get("content", ""))
-        if text.startswith(HOLD):
-            kind, hold = "episode", float(text.removeprefix(HOLD))
-        else:
-            request_kind = classify_request(body)
-            kind = "optimizer" if request_kind is RequestKind.OPTIMIZER else "judge"
-            hold = self.lengths.optimizer if kind == "optimizer" else self.lengths.judge
+        if text.startswith(HOLD):  # "@hold <seconds> <turns>": an episode, played turn by turn
+            seconds, turns = text.removeprefix(HOLD).split()
+            for _ in range(int(turns)):
+                await self._hold("episode", float(seconds) / int(turns))
+            self.counts["episode"] += 1
+            return web.json_response({"choices": [{"message": {"role": "assistant", "content": "done"}}]})
+        kind = "optimizer" if classify_request(body) is RequestKind.OPTIMIZER else "judge"
+        await self._hold(kind, self.lengths.optimizer if kind == "optimizer" else self.lengths.judge)
+        self.counts[kind] += 1
+        return await super()._chat(request)
+
+    async def _hold(self, kind: str, seconds: float) -> None:
+        """Wait for a slot (first come, first served), then keep it `seconds`."""
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.capacity)
         arrived = time.perf_counter()
@@ -161,16 +180,13 @@ class TimedServer(PolicyServer):
             self.waited[kind] += started - arrived
             self.first = started if self.first is None else self.first
             try:
-                await asyncio.sleep(hold)
-                if kind == "episode":
-                    return web.json_response({"choices": [{"message": {"role": "assistant", "content": "done"}}]})
-                return await super()._chat(request)
+                await asyncio.sleep(seconds)
             finally:
                 ended = time.perf_counter()
                 self.busy_s += ended - started
+                self.busy.append((started, ended))
                 self.last = max(self.last, ended)
-                self.work[kind] += hold
-                self.counts[kind] += 1
+                self.work[kind] += seconds
 
 
 def serve(capacity: int, lengths: Lengths, commands: Connection) -> None:
@@ -196,6 +212,7 @@ def serve(capacity: int, lengths: Lengths, commands: Connection) -> None:
                     for name in ("first", "last"):
                         if figures[name] is not None:
                             figures[name] += offset
+                    figures["busy"] = [(start + offset, end + offset) for start, end in figures["busy"]]
                     commands.send(figures)
         finally:
             loop.run(server.stop())
@@ -259,18 +276,14 @@ class SimRunner:
         return self.recorder._outcome(request, row, reused=False)
 
     def _hold(self, seconds: float) -> None:
-        """The episode's server time as turns of at most `turn` seconds, one request each, back to back: an agent
-        talks to the server turn by turn, so a judge call waits for a turn to end, not for a whole episode."""
+        """The episode's server time: one request, played by the server as turns of at most `turn` seconds."""
         turns = max(1, math.ceil(seconds / self.turn - 1e-9))
-        for _ in range(turns):
-            body = json.dumps(
-                {"model": MODEL, "messages": [{"role": "user", "content": f"{HOLD}{seconds / turns:.6f}"}]}
-            )
-            post = urllib.request.Request(
-                f"{self.endpoint}/chat/completions", body.encode(), {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(post, timeout=600) as answer:
-                answer.read()
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{HOLD}{seconds:.6f} {turns}"}]})
+        post = urllib.request.Request(
+            f"{self.endpoint}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(post, timeout=600) as answer:
+            answer.read()
 
 
 def small_workspace(request: EpisodeRequest, task_text: str) -> dict[str, bytes]:
@@ -341,7 +354,21 @@ def run_schedule(
         "waited": served["waited"],
         "episodes": len(ctx.repo.episodes(ctx.cycle_id)),
         "phases": phases,
+        "profile": busy_profile(served["busy"], started, started + wall),
     }
+
+
+def busy_profile(busy: list[tuple[float, float]], start: float, end: float, bins: int = 20) -> list[float]:
+    """Mean busy slots of the server in each of `bins` equal slices of [start, end]: where the schedule idles."""
+    width = (end - start) / bins
+    if width <= 0:
+        return []
+    slots = [0.0] * bins
+    for held_from, held_to in busy:
+        for index in range(max(0, int((held_from - start) / width)), min(bins, int((held_to - start) / width) + 1)):
+            low, high = start + index * width, start + (index + 1) * width
+            slots[index] += max(0.0, min(held_to, high) - max(held_from, low))
+    return [held / width for held in slots]
 
 
 def lower_bound(config: CycleConfig, lengths: Lengths, work_s: float, capacity: int) -> dict[str, float]:
@@ -413,8 +440,11 @@ def print_timeline(
         print(f"  task {task:>3}: " + "   ".join(cells))
 
 
-def report(results: dict[str, dict[str, Any]], config: CycleConfig, lengths: Lengths, args: argparse.Namespace) -> None:
-    """Print one seed's figures per schedule (module docstring) and set each result's `wall_over_bound`."""
+def report(
+    results: dict[str, dict[str, Any]], config: CycleConfig, lengths: Lengths, args: argparse.Namespace
+) -> IdealFigures:
+    """Print one seed's figures per schedule (module docstring), set each result's `wall_over_bound`, and return the
+    ideal list schedule's figures on the same draw (`schedule_model`)."""
     print(
         f"C = {args.capacity}; episodes log-normal median {args.median} s, sigma {args.sigma}, {args.tail_share:.0%} "
         f"at {args.tail_factor:g}×; judge {args.judge} s, optimizer {args.optimizer} s; seed {lengths.seed}"
@@ -433,7 +463,11 @@ def report(results: dict[str, dict[str, Any]], config: CycleConfig, lengths: Len
             f"{kind} {result['waited'][kind] / max(1, result['counts'][kind]) * 1000:.0f} ms"
             for kind in result["waited"]
         )
-        print(f"{schedule:>10}: mean wait for a server slot: {waits}")
+        print(f"{schedule:>10}: mean wait for server slots per episode (all its turns) and per call: {waits}")
+    if args.timeline:
+        for schedule, result in results.items():
+            cells = " ".join(f"{slots:.1f}" for slots in result["profile"])
+            print(f"{schedule:>10}: busy slots per twentieth of the run: {cells}")
     if args.timeline and results.get("pipelined", {}).get("phases"):
         print_timeline(results["pipelined"]["phases"], drawn_lengths(config, lengths), lengths)
     if "pipelined" in results:
@@ -442,10 +476,26 @@ def report(results: dict[str, dict[str, Any]], config: CycleConfig, lengths: Len
             if other in results:
                 print(f"pipelined / {other}: {pipelined['wall_s'] / results[other]['wall_s']:.2f}")
         print(
-            f"goal (pipelined utilisation >= 0.9 and wall/bound <= 1.1 at C = 8): "
+            f"goal (pipelined utilisation >= 0.9 and wall/bound <= 1.1 at C = {args.capacity}): "
             f"{'met' if goal_met(pipelined) else 'not met'} ({pipelined['utilisation']:.2f}, "
             f"{pipelined['wall_over_bound']:.2f})"
         )
+    figures = ideal_figures(config, lengths, args.capacity)
+    print(figures.line())
+    return figures
+
+
+def ideal_figures(config: CycleConfig, lengths: Lengths, capacity: int) -> IdealFigures:
+    """`schedule_model.ideal` on this draw, held to the same bound as the measured schedules."""
+    matches = math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
+    calls = Calls(judge=lengths.judge, optimizer=lengths.optimizer, matches=matches)
+    return ideal(
+        drawn_lengths(config, lengths),
+        calls,
+        capacity,
+        lambda work: lower_bound(config, lengths, work, capacity)["bound"],
+        seed=lengths.seed,
+    )
 
 
 def goal_met(pipelined: dict[str, Any]) -> bool:
@@ -519,8 +569,7 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     config = sim_config("sim-bound", "http://127.0.0.1:9/v1", base, args.capacity, args)
-    for lengths, results in zip(draws, runs, strict=True):
-        report(results, config, lengths, args)
+    ideals = [report(results, config, lengths, args) for lengths, results in zip(draws, runs, strict=True)]
     if args.bootstrap_samples < 2 and config.tasks.train:
         print(
             f"ranking bootstrap left out (--bootstrap-samples {args.bootstrap_samples}): "
@@ -531,6 +580,15 @@ def main() -> None:
         cells = ", ".join(f"seed {seed} {r['utilisation']:.2f}/{r['wall_over_bound']:.2f}" for seed, r in pipelined)
         met = sum(goal_met(r) for _, r in pipelined)
         print(f"pipelined over {len(seeds)} seeds (utilisation/wall-bound): {cells}; goal met on {met} of {len(seeds)}")
+        blind = ", ".join(
+            f"seed {lengths.seed} {figures.blind_utilisation:.2f}/{figures.blind_over_bound[1]:.2f}"
+            for lengths, figures in zip(draws, ideals, strict=True)
+        )
+        reach = sum(figures.blind_utilisation >= 0.9 and figures.blind_over_bound[1] <= 1.1 for figures in ideals)
+        print(
+            f"ideal list schedule not knowing lengths, medians (utilisation/wall-bound): {blind}; "
+            f"within the goal on {reach} of {len(seeds)}"
+        )
 
 
 if __name__ == "__main__":
