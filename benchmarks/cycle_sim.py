@@ -46,10 +46,13 @@ and each task's phase ends (pipelined).
 Per seed it also prints the ideal list schedule of the same draw (`schedule_model.py`: the bound's dependencies, no
 overhead at all), once not knowing episode lengths (random candidate orders: median and spread) and once knowing them
 (longest candidate first). The measured pipelined figures over the ideal's are what the platform's own work costs;
-the ideal's over the bound are what not knowing lengths costs, which no scheduler of this kind can win back.
+the ideal's over the bound are what not knowing lengths costs, which no scheduler of this kind can win back. The
+pipelined run also prints the ideal in the order its pool actually started the candidates, so that the platform's
+cost is measured without the luck of the order. `--model-draws N` runs only the model, on N draws and four candidate
+orders, and prints how often the goal is within reach at all.
 
     .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.5] [--schedules reference,today,pipelined]
-        [--seeds 17[,1,2,3]]
+        [--seeds 17[,1,2,3]] [--timeline] [--model-draws 300]
 """
 
 from __future__ import annotations
@@ -60,12 +63,14 @@ import contextlib
 import cProfile
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
 import multiprocessing
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -80,7 +85,8 @@ from aiohttp import web
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.schedule_model import Calls, IdealFigures, ideal  # noqa: E402
+from benchmarks import schedule_model  # noqa: E402
+from benchmarks.schedule_model import Calls, IdealFigures, ModelRun, ideal  # noqa: E402
 from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
 from mass_ops.context import CycleContext, open_cycle  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
@@ -262,6 +268,7 @@ class SimRunner:
         self.lengths = lengths
         self.turn = turn
         self.recorder = FakeExecutor(ctx, workspace_files=small_workspace)
+        self.candidate_order: list[tuple[int, int]] = []  # (task, candidate) in the order the pool started them
 
     async def preflight(self) -> None:
         return None
@@ -269,6 +276,8 @@ class SimRunner:
     async def run_attempt(
         self, request: EpisodeRequest, attempt: int, *, retry_of_id: int | None = None, on_agent_exit: Any = None
     ) -> EpisodeOutcome:
+        if request.unit.candidate is not None:
+            self.candidate_order.append((request.unit.task_id, request.unit.candidate))
         await asyncio.to_thread(self._hold, self.lengths.episode(request.unit.slug))
         if on_agent_exit is not None:
             on_agent_exit()  # publishing does not load the server
@@ -318,9 +327,8 @@ def run_schedule(
     config = sim_config(f"sim-{schedule}", f"{server.base_url}/v1", base / schedule, capacity, args)
     ctx = open_cycle(config)
     client = open_client(config, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1))
-    pool = EpisodePool(
-        ctx, runner=SimRunner(ctx, f"{server.base_url}/v1", lengths, args.turn or args.median / 8), capacity=capacity
-    )
+    runner = SimRunner(ctx, f"{server.base_url}/v1", lengths, args.turn or args.median / 8)
+    pool = EpisodePool(ctx, runner=runner, capacity=capacity)
     server.reset()
     phases: list[tuple[float, int, str, str]] = []  # (seconds since start, task, phase, started | finished)
     started = time.time()
@@ -355,6 +363,7 @@ def run_schedule(
         "episodes": len(ctx.repo.episodes(ctx.cycle_id)),
         "phases": phases,
         "profile": busy_profile(served["busy"], started, started + wall),
+        "candidate_order": runner.candidate_order,
     }
 
 
@@ -480,22 +489,77 @@ def report(
             f"{'met' if goal_met(pipelined) else 'not met'} ({pipelined['utilisation']:.2f}, "
             f"{pipelined['wall_over_bound']:.2f})"
         )
+        same = same_order_ideal(config, lengths, args.capacity, pipelined["candidate_order"])
+        print(
+            f"ideal list schedule in this run's candidate order: wall {same.wall:.2f} s, utilisation "
+            f"{same.utilisation:.2f}; pipelined wall over it {pipelined['wall_s'] / same.wall:.2f} (the platform's own "
+            f"work, the order's luck taken out)"
+        )
     figures = ideal_figures(config, lengths, args.capacity)
     print(figures.line())
     return figures
 
 
+def model_calls(config: CycleConfig, lengths: Lengths) -> Calls:
+    matches = math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
+    return Calls(judge=lengths.judge, optimizer=lengths.optimizer, matches=matches)
+
+
 def ideal_figures(config: CycleConfig, lengths: Lengths, capacity: int) -> IdealFigures:
     """`schedule_model.ideal` on this draw, held to the same bound as the measured schedules."""
-    matches = math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
-    calls = Calls(judge=lengths.judge, optimizer=lengths.optimizer, matches=matches)
     return ideal(
         drawn_lengths(config, lengths),
-        calls,
+        model_calls(config, lengths),
         capacity,
         lambda work: lower_bound(config, lengths, work, capacity)["bound"],
         seed=lengths.seed,
     )
+
+
+def same_order_ideal(config: CycleConfig, lengths: Lengths, capacity: int, started: list[tuple[int, int]]) -> ModelRun:
+    """The ideal list schedule that starts waiting candidates in the order this run's pool started them: the
+    measured wall over its wall is the platform's own cost, with the luck of the order taken out."""
+    rank = {candidate: position for position, candidate in enumerate(started)}
+    return schedule_model.schedule(
+        drawn_lengths(config, lengths),
+        model_calls(config, lengths),
+        capacity,
+        lambda task, index, _seconds: rank.get((task, index), math.inf),
+    )
+
+
+def model_study(config: CycleConfig, args: argparse.Namespace) -> None:
+    """The ideal list schedule on `args.model_draws` draws (seeds 0…N-1) under four candidate orders: random; the
+    pool's (the k-th candidate of every task before any task's next one); first released first; longest first (the
+    one that knows lengths). Prints per order the mean, median and 90th percentile of wall/bound and on how many
+    draws the goal holds."""
+    orders: dict[str, Any] = {
+        "random": lambda draw, _release: lambda *_: draw.random(),
+        "the pool's": lambda _draw, _release: lambda task, index, _seconds: (index, task),
+        "first released": lambda _draw, release: lambda *_: next(release),
+        "longest first": lambda _draw, _release: lambda _task, _index, seconds: -seconds,
+    }
+    ratios: dict[str, list[float]] = {name: [] for name in orders}
+    met = dict.fromkeys(orders, 0)
+    for seed in range(args.model_draws):
+        lengths = Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, seed)
+        drawn, calls = drawn_lengths(config, lengths), model_calls(config, lengths)
+        for name, make in orders.items():
+            run = schedule_model.schedule(drawn, calls, args.capacity, make(random.Random(seed), itertools.count()))
+            ratio = run.wall / lower_bound(config, lengths, run.work, args.capacity)["bound"]
+            ratios[name].append(ratio)
+            met[name] += run.utilisation >= 0.9 and ratio <= 1.1
+    print(
+        f"ideal list schedule (no overhead) on {args.model_draws} draws, C = {args.capacity}, episodes log-normal "
+        f"median {args.median} s, sigma {args.sigma}, {args.tail_share:.0%} at {args.tail_factor:g}×:"
+    )
+    for name, values in ratios.items():
+        deciles = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+        print(
+            f"  {name:>15} order: wall/bound mean {statistics.mean(values):.3f}, "
+            f"median {statistics.median(values):.3f}, p90 {deciles[-1]:.3f}; "
+            f"goal (utilisation >= 0.9 and wall/bound <= 1.1) on {met[name]} of {args.model_draws} draws"
+        )
 
 
 def goal_met(pipelined: dict[str, Any]) -> bool:
@@ -520,6 +584,13 @@ def main() -> None:
     parser.add_argument("--profile", metavar="PREFIX", help="write cProfile stats of each schedule to PREFIX.<name>")
     parser.add_argument("--timeline", action="store_true", help="print each task's phase ends (pipelined)")
     parser.add_argument(
+        "--model-draws",
+        type=int,
+        metavar="N",
+        help="only the ideal list schedule (no server, no stage code) on N draws, per candidate order: how often the "
+        "goal is within reach of a scheduler that knows or does not know lengths",
+    )
+    parser.add_argument(
         "--bootstrap-samples",
         type=int,
         default=0,
@@ -542,6 +613,11 @@ def main() -> None:
         Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, seed)
         for seed in seeds
     ]
+    if args.model_draws is not None:
+        if args.model_draws < 1:
+            raise SystemExit(f"cycle_sim: --model-draws must be at least 1 (got {args.model_draws})")
+        model_study(sim_config("sim-model", "http://127.0.0.1:9/v1", Path("."), args.capacity, args), args)
+        return
 
     shm = Path("/dev/shm")
     base = Path(tempfile.mkdtemp(prefix="mass-cycle-sim-", dir=shm if shm.is_dir() else None))
