@@ -25,11 +25,13 @@ import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Drawn lengths per task: (search episodes: reference, v0, v1, …; collection candidates, empty for a search-only task).
 Drawn = Mapping[int, tuple[Sequence[float], Sequence[float]]]
-# How waiting collection candidates are ordered: (task, candidate index, length) -> sort key, smallest first.
-CandidateOrder = Callable[[int, int, float], float]
+# How waiting collection candidates are ordered: (task, candidate index, length) -> a sort key, smallest first (keys of
+# one run must compare with each other: all numbers, or all tuples).
+CandidateOrder = Callable[[int, int, float], Any]
 
 
 @dataclass(frozen=True)
@@ -61,13 +63,13 @@ def schedule(
     phase, at)` hears when each task's search, collection and ranking end."""
     if capacity < 1:
         raise ValueError(f"capacity must be ≥ 1 (got {capacity})")
-    ready: list[tuple[tuple[float, ...], int, float, Callable[[], None]]] = []  # (priority, tie, seconds, on done)
+    ready: list[tuple[tuple[Any, ...], int, float, Callable[[], None]]] = []  # (priority, tie, seconds, on done)
     running: list[tuple[float, int, Callable[[], None]]] = []  # (ends at, tie, on done)
     tie = itertools.count()
     now = 0.0
     work = 0.0
 
-    def submit(priority: tuple[float, ...], seconds: float, done: Callable[[], None]) -> None:
+    def submit(priority: tuple[Any, ...], seconds: float, done: Callable[[], None]) -> None:
         heapq.heappush(ready, (priority, next(tie), seconds, done))
 
     def after(count: int, then: Callable[[], None]) -> Callable[[], None]:
