@@ -114,11 +114,14 @@ def schedule(
             rank()
 
         def rank() -> None:
+            if calls.matches == 0:
+                ended("ranking")
+                return
             finished = after(calls.matches, lambda: ended("ranking"))
             for _ in range(calls.matches):
                 submit((1.0,), calls.judge, finished)
 
-        both = after(2, lambda: propose(0))
+        both = after(2, lambda: propose(0) if versions > 0 else collect())  # no later version: v0 is retained
         submit((0.0, -float(versions + 1)), search[0], both)  # the reference
         submit((0.0, -float(versions + 1)), search[1], both)  # v0
 

@@ -55,6 +55,18 @@ def test_search_work_goes_before_waiting_candidates_and_ranking_follows_the_last
     assert ends[(1, "ranking")] == pytest.approx(ends[(1, "collection")] + 1)  # two matches side by side
 
 
+def test_a_search_without_iterations_goes_from_v0_to_collection_and_a_ranking_without_matches_ends_at_once():
+    ends: dict[tuple[int, str], float] = {}
+    schedule(
+        {1: ([1.0, 2.0], [3.0])},
+        NO_CALLS,
+        2,
+        lambda *_: 0.0,
+        on_phase=lambda task, phase, at: ends.setdefault((task, phase), at),
+    )
+    assert ends == {(1, "search"): 2.0, (1, "collection"): 5.0, (1, "ranking"): 5.0}
+
+
 def test_a_capacity_below_one_is_refused():
     with pytest.raises(ValueError, match="capacity"):
         schedule({1: ([1.0, 1.0, 1.0], [])}, NO_CALLS, 0, lambda *_: 0.0)
