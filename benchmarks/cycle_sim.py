@@ -85,8 +85,8 @@ from aiohttp import web
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import schedule_model  # noqa: E402
 from benchmarks.schedule_model import Calls, IdealFigures, ModelRun, ideal  # noqa: E402
+from benchmarks.schedule_model import schedule as ideal_schedule  # noqa: E402
 from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
 from mass_ops.context import CycleContext, open_cycle  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
@@ -385,7 +385,7 @@ def lower_bound(config: CycleConfig, lengths: Lengths, work_s: float, capacity: 
     later version its episode, a verdict, an arbitration and (but the last) a proposal; for a training task then
     its slowest candidate and its matches, C at a time."""
     judge, optimizer = lengths.judge, lengths.optimizer
-    matches = math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
+    matches = tournament_matches(config)
     drawn = drawn_lengths(config, lengths)
     chains = []
     for search, collection in drawn.values():
@@ -395,6 +395,11 @@ def lower_bound(config: CycleConfig, lengths: Lengths, work_s: float, capacity: 
             chain += max(collection) + math.ceil(matches / capacity) * judge
         chains.append(chain)
     return {"chain": max(chains), "work": work_s / capacity, "bound": max(max(chains), work_s / capacity)}
+
+
+def tournament_matches(config: CycleConfig) -> int:
+    """Ranking matches per training task: each candidate meets `opponents_per_episode` others."""
+    return math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
 
 
 def drawn_lengths(config: CycleConfig, lengths: Lengths) -> dict[int, tuple[list[float], list[float]]]:
@@ -501,8 +506,7 @@ def report(
 
 
 def model_calls(config: CycleConfig, lengths: Lengths) -> Calls:
-    matches = math.ceil(config.collection.candidates * config.ranking.opponents_per_episode / 2)
-    return Calls(judge=lengths.judge, optimizer=lengths.optimizer, matches=matches)
+    return Calls(judge=lengths.judge, optimizer=lengths.optimizer, matches=tournament_matches(config))
 
 
 def ideal_figures(config: CycleConfig, lengths: Lengths, capacity: int) -> IdealFigures:
@@ -520,7 +524,7 @@ def same_order_ideal(config: CycleConfig, lengths: Lengths, capacity: int, start
     """The ideal list schedule that starts waiting candidates in the order this run's pool started them: the
     measured wall over its wall is the platform's own cost, with the luck of the order taken out."""
     rank = {candidate: position for position, candidate in enumerate(started)}
-    return schedule_model.schedule(
+    return ideal_schedule(
         drawn_lengths(config, lengths),
         model_calls(config, lengths),
         capacity,
@@ -545,7 +549,7 @@ def model_study(config: CycleConfig, args: argparse.Namespace) -> None:
         lengths = Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, seed)
         drawn, calls = drawn_lengths(config, lengths), model_calls(config, lengths)
         for name, make in orders.items():
-            run = schedule_model.schedule(drawn, calls, args.capacity, make(random.Random(seed), itertools.count()))
+            run = ideal_schedule(drawn, calls, args.capacity, make(random.Random(seed), itertools.count()))
             ratio = run.wall / lower_bound(config, lengths, run.work, args.capacity)["bound"]
             ratios[name].append(ratio)
             met[name] += run.utilisation >= 0.9 and ratio <= 1.1
