@@ -43,6 +43,12 @@ for server slots per kind, the ratios pipelined/today and pipelined/reference, w
 utilisation ≥ 0.9, wall/bound ≤ 1.1 at C = 8) are met, and with `--timeline` the server's busy slots over the run
 and each task's phase ends (pipelined).
 
+The server takes waiting requests first come, first served, or with `--scheduling-policy priority` as vLLM's priority
+scheduling does (lowest `priority` first; the stage code then sends `critical_path.server_priority`, and the stand-in
+runner stamps each episode's as its proxy would). `--pool-capacity N` lets N episodes run at once against C server
+slots, as in the DAG, where every task's collection instance has its own pool beside the search steps: the server
+then queues the excess, which is where its order matters.
+
 Per seed it also prints the ideal list schedule of the same draw (`schedule_model.py`: the bound's dependencies, no
 overhead at all), once not knowing episode lengths (random candidate orders: median and spread) and once knowing them
 (longest candidate first). The measured pipelined figures over the ideal's are what the platform's own work costs;
@@ -52,7 +58,7 @@ cost is measured without the luck of the order. `--model-draws N` runs only the 
 orders, and prints how often the goal is within reach at all.
 
     .venv/bin/python benchmarks/cycle_sim.py [--capacity 8] [--median 0.5] [--schedules reference,today,pipelined]
-        [--seeds 17[,1,2,3]] [--timeline] [--model-draws 300]
+        [--seeds 17[,1,2,3]] [--timeline] [--model-draws 300] [--scheduling-policy priority] [--pool-capacity 16]
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ import contextlib
 import cProfile
 import dataclasses
 import hashlib
+import heapq
 import itertools
 import json
 import logging
@@ -89,6 +96,7 @@ from benchmarks.schedule_model import Calls, IdealFigures, ModelRun, ideal  # no
 from benchmarks.schedule_model import schedule as ideal_schedule  # noqa: E402
 from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
 from mass_ops.context import CycleContext, open_cycle  # noqa: E402
+from mass_ops.critical_path import episode_phase, server_priority  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
 from mass_ops.llm.calls import open_client  # noqa: E402
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest  # noqa: E402
@@ -165,34 +173,62 @@ class TimedServer(PolicyServer):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()  # aiohttp keeps the body: the stand-in's handler reads it again
         text = str((body.get("messages") or [{}])[-1].get("content", ""))
+        priority = body.get("priority", 0)  # vLLM's default when a request names none
         if text.startswith(HOLD):  # "@hold <seconds> <turns>": an episode, played turn by turn
             seconds, turns = text.removeprefix(HOLD).split()
             for _ in range(int(turns)):
-                await self._hold("episode", float(seconds) / int(turns))
+                await self._hold("episode", float(seconds) / int(turns), priority)
             self.counts["episode"] += 1
             return web.json_response({"choices": [{"message": {"role": "assistant", "content": "done"}}]})
         kind = "optimizer" if classify_request(body) is RequestKind.OPTIMIZER else "judge"
-        await self._hold(kind, self.lengths.optimizer if kind == "optimizer" else self.lengths.judge)
+        await self._hold(kind, self.lengths.optimizer if kind == "optimizer" else self.lengths.judge, priority)
         self.counts[kind] += 1
         return await super()._chat(request)
 
-    async def _hold(self, kind: str, seconds: float) -> None:
-        """Wait for a slot (first come, first served), then keep it `seconds`."""
+    async def _hold(self, kind: str, seconds: float, priority: int) -> None:
+        """Wait for a slot (lowest priority first, then first come, first served), then keep it `seconds`."""
         if self._gate is None:
-            self._gate = asyncio.Semaphore(self.capacity)
+            self._gate = PrioritySlots(self.capacity)
         arrived = time.perf_counter()
-        async with self._gate:
-            started = time.perf_counter()
-            self.waited[kind] += started - arrived
-            self.first = started if self.first is None else self.first
-            try:
-                await asyncio.sleep(seconds)
-            finally:
-                ended = time.perf_counter()
-                self.busy_s += ended - started
-                self.busy.append((started, ended))
-                self.last = max(self.last, ended)
-                self.work[kind] += seconds
+        await self._gate.acquire(priority)
+        started = time.perf_counter()
+        self.waited[kind] += started - arrived
+        self.first = started if self.first is None else self.first
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._gate.release()
+            ended = time.perf_counter()
+            self.busy_s += ended - started
+            self.busy.append((started, ended))
+            self.last = max(self.last, ended)
+            self.work[kind] += seconds
+
+
+class PrioritySlots:
+    """C slots whose waiting requests are served lowest `priority` first, arrival order among equals: vLLM's waiting
+    queue under `--scheduling-policy priority` (a request without the field has priority 0, so with no priorities
+    sent this is first come, first served). Like vLLM at its `--max-num-seqs`, a running request is never preempted
+    for a more urgent one."""
+
+    def __init__(self, capacity: int) -> None:
+        self.free = capacity
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if self.free and not self._waiting:
+            self.free -= 1
+            return
+        granted = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority, next(self._arrivals), granted))
+        await granted  # the slot is handed over by `release`, never freed in between
+
+    def release(self) -> None:
+        if self._waiting:
+            heapq.heappop(self._waiting)[2].set_result(None)
+        else:
+            self.free += 1
 
 
 def serve(capacity: int, lengths: Lengths, commands: Connection) -> None:
@@ -265,6 +301,7 @@ class SimRunner:
 
     def __init__(self, ctx: CycleContext, endpoint: str, lengths: Lengths, turn: float) -> None:
         self.endpoint = endpoint
+        self.config = ctx.config
         self.lengths = lengths
         self.turn = turn
         self.recorder = FakeExecutor(ctx, workspace_files=small_workspace)
@@ -278,18 +315,26 @@ class SimRunner:
     ) -> EpisodeOutcome:
         if request.unit.candidate is not None:
             self.candidate_order.append((request.unit.task_id, request.unit.candidate))
-        await asyncio.to_thread(self._hold, self.lengths.episode(request.unit.slug))
+        unit = request.unit
+        # What the episode's proxy stamps on each of the agent's requests when the server schedules by priority.
+        priority = server_priority(self.config, episode_phase(unit.kind), unit.version)
+        await asyncio.to_thread(self._hold, self.lengths.episode(unit.slug), priority)
         if on_agent_exit is not None:
             on_agent_exit()  # publishing does not load the server
         row = await asyncio.to_thread(self.recorder._execute, request, attempt, FailurePlan(), None)
         return self.recorder._outcome(request, row, reused=False)
 
-    def _hold(self, seconds: float) -> None:
+    def _hold(self, seconds: float, priority: int | None) -> None:
         """The episode's server time: one request, played by the server as turns of at most `turn` seconds."""
         turns = max(1, math.ceil(seconds / self.turn - 1e-9))
-        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"{HOLD}{seconds:.6f} {turns}"}]})
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"{HOLD}{seconds:.6f} {turns}"}],
+        }
+        if priority is not None:
+            body["priority"] = priority
         post = urllib.request.Request(
-            f"{self.endpoint}/chat/completions", body.encode(), {"Content-Type": "application/json"}
+            f"{self.endpoint}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(post, timeout=600) as answer:
             answer.read()
@@ -311,6 +356,7 @@ def sim_config(name: str, endpoint: str, store: Path, capacity: int, args: argpa
     data["name"] = name
     data["models"]["served_name"] = MODEL
     data["inference"].update(endpoint=endpoint, max_concurrent_requests=capacity)
+    data["inference"]["server"]["scheduling_policy"] = args.scheduling_policy
     data["tasks"].update(train_candidates=tasks, train=train, excluded=[t for t in tasks if t not in train])
     data["tasks"]["catalogue"] = "builtin"  # mass-ops' own tasks with the paper's settings
     data["evaluation"]["tasks"] = None
@@ -328,7 +374,10 @@ def run_schedule(
     ctx = open_cycle(config)
     client = open_client(config, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.1))
     runner = SimRunner(ctx, f"{server.base_url}/v1", lengths, args.turn or args.median / 8)
-    pool = EpisodePool(ctx, runner=runner, capacity=capacity)
+    # Episodes in flight may exceed the server's capacity (`--pool-capacity`), as in the DAG, where every task's
+    # collection instance runs its own pool beside the search steps: the server then queues the excess.
+    pool_capacity = 1 if schedule == "reference" else args.pool_capacity or args.capacity
+    pool = EpisodePool(ctx, runner=runner, capacity=pool_capacity)
     server.reset()
     phases: list[tuple[float, int, str, str]] = []  # (seconds since start, task, phase, started | finished)
     started = time.time()
@@ -461,7 +510,8 @@ def report(
     ideal list schedule's figures on the same draw (`schedule_model`)."""
     print(
         f"C = {args.capacity}; episodes log-normal median {args.median} s, sigma {args.sigma}, {args.tail_share:.0%} "
-        f"at {args.tail_factor:g}×; judge {args.judge} s, optimizer {args.optimizer} s; seed {lengths.seed}"
+        f"at {args.tail_factor:g}×; judge {args.judge} s, optimizer {args.optimizer} s; seed {lengths.seed}; "
+        f"server scheduling {args.scheduling_policy}"
     )
     for schedule, result in results.items():
         bound = lower_bound(config, lengths, result["work_s"], args.capacity)
@@ -573,6 +623,9 @@ def goal_met(pipelined: dict[str, Any]) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity", type=int, default=8, help="requests the server processes at once (C)")
+    parser.add_argument(
+        "--pool-capacity", type=int, help="episodes in flight at once (default C; more: the server queues the excess)"
+    )
     parser.add_argument("--tasks", type=int, default=9)
     parser.add_argument("--iterations", type=int, default=11)
     parser.add_argument("--median", type=float, default=0.5, help="median episode length, seconds")
@@ -580,6 +633,12 @@ def main() -> None:
     parser.add_argument("--tail-share", type=float, default=0.03, help="share of episodes that run tail-factor×")
     parser.add_argument("--tail-factor", type=float, default=10.0)
     parser.add_argument("--turn", type=float, help="longest agent turn, seconds (default: median / 8)")
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="the server's order of waiting requests (inference.server.scheduling_policy)",
+    )
     parser.add_argument("--judge", type=float, default=0.04, help="seconds per judge call")
     parser.add_argument("--optimizer", type=float, default=0.08, help="seconds per optimizer call")
     parser.add_argument(
@@ -613,6 +672,8 @@ def main() -> None:
         raise SystemExit("cycle_sim: --seeds names no seed")
     if unknown:
         raise SystemExit(f"cycle_sim: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}")
+    if args.pool_capacity is not None and args.pool_capacity < 1:
+        raise SystemExit(f"cycle_sim: --pool-capacity must be at least 1 (got {args.pool_capacity})")
     draws = [
         Lengths(args.median, args.sigma, args.tail_share, args.tail_factor, args.judge, args.optimizer, seed)
         for seed in seeds

@@ -69,7 +69,9 @@ SHORT_TIMEOUT = dt.timedelta(minutes=30)
 # Priorities (absolute, so Airflow does not add up downstream weights): a unit's weight is the length of its task's
 # chain from it to the end of the inner loop (search versions left, then collection, then ranking). The pools hand
 # a free slot to the highest weight first, so the model server serves the longest remaining chains — the critical
-# path — before collection and ranking, which a search chain must never wait behind.
+# path — before collection and ranking, which a search chain must never wait behind. These are the chain priorities
+# of `mass_ops.critical_path` + 1 (the order the episode pool and a priority-scheduling server use; Airflow's least
+# weight is 1), written out here so that parsing the DAG stays light; a test keeps the two equal.
 RANK_PRIORITY = 1
 COLLECT_PRIORITY = 2
 WEIGHT_RULE = "absolute"

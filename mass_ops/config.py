@@ -187,6 +187,15 @@ class ServerConfig(_Section):
         default=1,
         description="GPUs the inference server runs on (tensor parallel size). Reference: 1.",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description=(
+            "Order in which the server takes waiting requests (vLLM `--scheduling-policy`). 'priority': every "
+            "request carries its work's place on the cycle's critical path (search, then collection, then ranking; "
+            "`mass_ops.critical_path`), so a full server serves the longest remaining chain first; needs the vllm "
+            "backend. Reference: fcfs."
+        ),
+    )
     readiness_timeout_s: PositiveInt = Field(
         default=1800,
         description=(
@@ -274,6 +283,11 @@ class InferenceConfig(_Section):
                 f"max_output_tokens: max(episode_max_output_tokens, max_output_tokens) + context_safety_tokens = "
                 f"{largest + self.context_safety_tokens} must be below context_window_tokens "
                 f"({self.context_window_tokens})"
+            )
+        if self.server.scheduling_policy == "priority" and self.backend != "vllm":
+            problems.append(
+                f"server.scheduling_policy: priority needs the vllm backend (a {self.backend} server does not "
+                "schedule by the request's priority field)"
             )
         endpoint_problem = _endpoint_problem(self.endpoint, self.backend)
         if endpoint_problem:

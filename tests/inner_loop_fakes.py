@@ -303,15 +303,21 @@ def inner_loop_config(
     opponents: int = 2,
     require_beats_reference: bool = True,
     position_bias_sample: float = 0.0,
+    scheduling_policy: str = "fcfs",
     **search: Any,
 ) -> CycleConfig:
-    """The demo preset shrunk to the inner-loop test budgets, pointed at a policy server and the given stores."""
+    """The demo preset shrunk to the inner-loop test budgets, pointed at a policy server and the given stores.
+    `scheduling_policy` "priority" makes the server a vLLM one that schedules by priority (the stand-in takes the
+    field and ignores it)."""
     data = read_config_source("demo")
     data["name"] = "inner-loop-test"
     data["models"]["served_name"] = MODEL
     data["inference"]["endpoint"] = endpoint
     data["inference"]["max_output_tokens"] = 2048
     data["inference"]["max_concurrent_requests"] = 4
+    if scheduling_policy != "fcfs":
+        data["inference"]["backend"] = "vllm"
+        data["inference"]["server"]["scheduling_policy"] = scheduling_policy
     data["tasks"].update(train_candidates=list(tasks), train=list(tasks), excluded=[])
     data["evaluation"]["tasks"] = [tasks[0], *data["tasks"]["test"]]
     # The demo preset carries designs forward on unusable optimizer output; tests get the paper behaviour unless

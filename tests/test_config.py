@@ -183,6 +183,13 @@ MUTATIONS = [
     (lambda d: _set(d, "inference.endpoint", "not a url"), "inference"),
     (lambda d: _set(_set(d, "inference.backend", "openrouter"), "inference.endpoint", "https://x.ai/v1"), "inference"),
     (lambda d: _set(d, "inference.reasoning_effort", "xhigh"), "inference.reasoning_effort"),
+    (lambda d: _set(d, "inference.server.scheduling_policy", "lifo"), "inference.server.scheduling_policy"),
+    (
+        lambda d: _set(
+            _set(d, "inference.backend", "openai-compatible"), "inference.server.scheduling_policy", "priority"
+        ),
+        "inference",
+    ),
     (lambda d: _set(d, "inference.api_key_env", "sk-secret value"), "inference"),
     (lambda d: _set(d, "inference.sampling.temperature", 3.0), "inference.sampling.temperature"),
     (lambda d: _set(d, "inference.sampling.top_p", 0), "inference.sampling.top_p"),

@@ -635,12 +635,13 @@ def test_endpoint_normalises_the_url_and_reads_the_key_at_call_time(monkeypatch:
 
 
 def test_vllm_sampling_extensions_go_to_vllm_only() -> None:
-    sampling = SamplingParams(temperature=0.6, top_k=20, repetition_penalty=1.0, enable_thinking=True)
+    sampling = SamplingParams(temperature=0.6, top_k=20, repetition_penalty=1.0, enable_thinking=True, priority=3)
     vllm = LLMClient(LLMEndpoint("http://127.0.0.1:1/v1", "m", backend="vllm")).build_request("s", "u", sampling)
     plain = LLMClient(LLMEndpoint("http://127.0.0.1:1/v1", "m", backend="openai-compatible")).build_request(
         "s", "u", sampling
     )
     assert vllm["extra_body"]["top_k"] == 20 and vllm["extra_body"]["repetition_penalty"] == 1.0
+    assert vllm["extra_body"]["priority"] == 3
     # transformers serve answers 422 to these fields.
-    assert "top_k" not in plain["extra_body"] and "repetition_penalty" not in plain["extra_body"]
+    assert not {"top_k", "repetition_penalty", "priority"} & set(plain["extra_body"])
     assert plain["extra_body"]["chat_template_kwargs"] == {"enable_thinking": True}

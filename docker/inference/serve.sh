@@ -11,6 +11,7 @@
 #   MASS_SERVE_REASONING_PARSER      qwen3
 #   MASS_SERVE_MAX_NUM_SEQS          4
 #   MASS_SERVE_GPU_MEMORY_UTILIZATION 0.90
+#   MASS_SERVE_SCHEDULING_POLICY     fcfs (or priority: requests are served by their `priority` field, lower first)
 #   MASS_SERVE_TENSOR_PARALLEL_SIZE  unset (vLLM's default, one GPU); set for multi-GPU serving
 #
 # Extra arguments are passed through to `vllm serve`.
@@ -40,6 +41,7 @@ tool_call_parser=${MASS_SERVE_TOOL_CALL_PARSER:-qwen3_coder}
 reasoning_parser=${MASS_SERVE_REASONING_PARSER:-qwen3}
 max_num_seqs=${MASS_SERVE_MAX_NUM_SEQS:-4}
 gpu_memory_utilization=${MASS_SERVE_GPU_MEMORY_UTILIZATION:-0.90}
+scheduling_policy=${MASS_SERVE_SCHEDULING_POLICY:-fcfs}
 tensor_parallel_size=${MASS_SERVE_TENSOR_PARALLEL_SIZE:-}
 
 [[ -n $model ]] || fail "MASS_SERVE_MODEL must name the model directory to serve"
@@ -50,6 +52,7 @@ require_match MASS_SERVE_MAX_MODEL_LEN "$max_model_len" '^[1-9][0-9]*$' "a posit
 require_match MASS_SERVE_MAX_NUM_SEQS "$max_num_seqs" '^[1-9][0-9]*$' "a positive integer"
 require_match MASS_SERVE_GPU_MEMORY_UTILIZATION "$gpu_memory_utilization" '^(0(\.[0-9]+)?|1(\.0+)?)$' \
   "a fraction in (0, 1]"
+require_match MASS_SERVE_SCHEDULING_POLICY "$scheduling_policy" '^(fcfs|priority)$' "fcfs or priority"
 if [[ -n $tensor_parallel_size ]]; then
   require_match MASS_SERVE_TENSOR_PARALLEL_SIZE "$tensor_parallel_size" '^[1-9][0-9]*$' "a positive integer"
 fi
@@ -73,6 +76,7 @@ args=(
   --reasoning-parser "$reasoning_parser"
   --max-num-seqs "$max_num_seqs"
   --gpu-memory-utilization "$gpu_memory_utilization"
+  --scheduling-policy "$scheduling_policy"
 )
 if [[ -n $tensor_parallel_size ]]; then
   args+=(--tensor-parallel-size "$tensor_parallel_size")

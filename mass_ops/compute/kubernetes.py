@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from mass_ops.config import CycleConfig
+from mass_ops.critical_path import episode_phase, server_priority
 from mass_ops.errors import InputError
 from mass_ops.layout import BENCHMARK_TASK_NAME, HANDOFF_PROMPT_FILE, EpisodeUnit
 
@@ -520,6 +521,7 @@ def inference_deployment(
         {"name": "MASS_SERVE_REASONING_PARSER", "value": server.reasoning_parser},
         {"name": "MASS_SERVE_MAX_NUM_SEQS", "value": str(server.max_num_seqs)},
         {"name": "MASS_SERVE_GPU_MEMORY_UTILIZATION", "value": f"{server.gpu_memory_utilization:g}"},
+        {"name": "MASS_SERVE_SCHEDULING_POLICY", "value": server.scheduling_policy},
         # vLLM, Triton and torch.compile write caches under HOME/XDG dirs: point them at a writable scratch volume.
         {"name": "HOME", "value": "/scratch"},
         {"name": "XDG_CACHE_HOME", "value": "/scratch/cache"},
@@ -805,6 +807,13 @@ def _unique_env(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(by_name.values())
 
 
+def _priority_arguments(config: CycleConfig, episode: EpisodeSpec) -> list[str]:
+    """The proxy's `--request-priority` for this episode, when the server schedules by priority: set in the pod spec,
+    out of the sandbox's reach (`mass_ops.critical_path`)."""
+    priority = server_priority(config, episode_phase(episode.kind), episode.version)
+    return [] if priority is None else ["--request-priority", str(priority)]
+
+
 def episode_pod(
     config: CycleConfig,
     settings: WorkloadSettings,
@@ -921,6 +930,7 @@ def episode_pod(
             *("--sessions-dir", PROXY_LOG_MOUNT, "--key-env", config.inference.api_key_env),
             *("--upstream", proxy_upstream(config), "--allow-host-suffix", f".{k8s.namespace}.svc"),
             *("--port-file", PROXY_READY_FILE),
+            *_priority_arguments(config, episode),
         ],
         "env": [
             {"name": "HOME", "value": "/tmp"},

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mass_ops.judge.evidence import EvidenceBundle
@@ -56,7 +56,8 @@ def swapped_unit(unit: CallUnit) -> CallUnit:
 
 @dataclass(frozen=True)
 class PairwiseCase:
-    """One pair to judge: A and B evidence of one task, their labels, the call unit and the sampling seed."""
+    """One pair to judge: A and B evidence of one task, their labels, the call unit and the sampling seed; `priority`
+    is the calls' server priority (`critical_path.server_priority`; None: not sent)."""
 
     unit: CallUnit
     task_id: int
@@ -66,6 +67,7 @@ class PairwiseCase:
     bundle_a: EvidenceBundle
     bundle_b: EvidenceBundle
     seed: int | None
+    priority: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class PairwiseJudge:
                 case.task_text, case.label_a, case.label_b, case.bundle_a, case.bundle_b, prompts=self.prompts
             ),
             case.seed,
+            case.priority,
         )
 
         def backward_prompt() -> str:
@@ -147,7 +150,7 @@ class PairwiseJudge:
             calls = forward.calls
             if in_position_bias_sample(case.unit.key, self.position_bias_sample):
                 # A measurement only: recorded in the ledger, never folded into the verdict, usage or rationale.
-                check = self._judge_order(swapped_unit(case.unit), system, backward_prompt(), case.seed)
+                check = self._judge_order(swapped_unit(case.unit), system, backward_prompt(), case.seed, case.priority)
                 checked = "invalid" if check.verdict is None else _FLIP[check.verdict.winner]
                 calls += check.calls
             return JudgeOutcome(
@@ -158,7 +161,7 @@ class PairwiseJudge:
                 calls,
                 swapped_verdict=checked,
             )
-        backward = self._judge_order(swapped_unit(case.unit), system, backward_prompt(), case.seed)
+        backward = self._judge_order(swapped_unit(case.unit), system, backward_prompt(), case.seed, case.priority)
         usage = _add_usage(forward.usage, backward.usage)
         calls = forward.calls + backward.calls
         if forward.verdict is None or backward.verdict is None:
@@ -175,7 +178,9 @@ class PairwiseJudge:
             rationale = "The two presentation orders disagree, so the pair is a tie.\n" + rationale
         return JudgeOutcome(verdict, rationale, forward.call_id, usage, calls, swapped_verdict=mapped_back)
 
-    def _judge_order(self, unit: CallUnit, system: str, user: str, seed: int | None) -> _OrderResult:
+    def _judge_order(
+        self, unit: CallUnit, system: str, user: str, seed: int | None, priority: int | None
+    ) -> _OrderResult:
         """One presentation order: a finished attempt, else new attempts until a valid verdict or until
         1 + `invalid_retries` answers of this round were unusable."""
         attempts = self.ledger.attempts(unit)
@@ -194,6 +199,8 @@ class PairwiseJudge:
                 with self.ledger.attempt(unit, len(attempts) + 1) as attempt:
                     calls += 1
                     sampling = self.sampling(judge_retry_seed(seed, unusable))
+                    if priority is not None:
+                        sampling = replace(sampling, priority=priority)
                     result = self.client.chat(
                         system, user, purpose=unit.purpose, sampling=sampling, json_mode="json_object"
                     )

@@ -172,8 +172,8 @@ class LLMEndpoint:
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling knobs of one call; None means "not sent". Backend-specific fields are dropped where unsupported:
-    top_k and repetition_penalty go to vLLM only, enable_thinking to any non-OpenRouter server, reasoning_effort to
-    OpenRouter only.
+    top_k, repetition_penalty and priority go to vLLM only, enable_thinking to any non-OpenRouter server,
+    reasoning_effort to OpenRouter only.
     """
 
     temperature: float | None = None
@@ -185,6 +185,9 @@ class SamplingParams:
     reasoning_effort: str | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # Not sampling but scheduling: the request's place in a priority-scheduling vLLM server's queue (lower first;
+    # `mass_ops.critical_path.server_priority`). Sent to the vllm backend only.
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         def number(value: object) -> bool:
@@ -214,6 +217,8 @@ class SamplingParams:
             not number(self.repetition_penalty) or self.repetition_penalty <= 0
         ):
             raise LLMConfigError(f"sampling: repetition_penalty must be positive, got {self.repetition_penalty!r}")
+        if self.priority is not None and (isinstance(self.priority, bool) or not isinstance(self.priority, int)):
+            raise LLMConfigError(f"sampling: priority must be an integer, got {self.priority!r}")
 
 
 @dataclass(frozen=True)
@@ -481,6 +486,8 @@ class LLMClient:
                 extra["top_k"] = sampling.top_k
             if sampling.repetition_penalty is not None and self.endpoint.backend == "vllm":
                 extra["repetition_penalty"] = sampling.repetition_penalty
+            if sampling.priority is not None and self.endpoint.backend == "vllm":
+                extra["priority"] = sampling.priority
         if extra:
             request["extra_body"] = extra
         if json_mode == "json_object":

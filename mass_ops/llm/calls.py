@@ -68,11 +68,12 @@ def endpoint_from_config(config: CycleConfig) -> LLMEndpoint:
     )
 
 
-def in_loop_sampling(config: CycleConfig, seed: int | None) -> SamplingParams:
+def in_loop_sampling(config: CycleConfig, seed: int | None, *, priority: int | None = None) -> SamplingParams:
     """Sampling of optimizer and judge calls (MASS_SPEC §3.2, §5).
 
     Local servers get the Qwen sampling (temperature, top-p, top-k, thinking on) and the call's seed; OpenRouter
-    gets the reasoning effort only — the reference omits temperature there and seeds are local-only.
+    gets the reasoning effort only — the reference omits temperature there and seeds are local-only. `priority` is
+    the call's server priority (`critical_path.server_priority`), sent where the server schedules by it.
     """
     inference = config.inference
     if inference.backend == "openrouter":
@@ -85,6 +86,7 @@ def in_loop_sampling(config: CycleConfig, seed: int | None) -> SamplingParams:
         max_tokens=inference.max_output_tokens,
         seed=seed,
         enable_thinking=sampling.enable_thinking,
+        priority=priority,
     )
 
 

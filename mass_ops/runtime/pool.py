@@ -12,8 +12,8 @@ Capacity: at most `inference.max_concurrent_requests` attempts use the endpoint 
 holds one slot from its preflight until its agent and proxy have stopped — publishing artifacts and the row happen
 after the slot is freed, since they do not load the endpoint; under a task or cycle budget the slot is kept until the
 outcome is known, see Budgets). Priority and fairness: when a slot frees, it goes to
-the waiting episode on the longest remaining chain of its task (`chain_priority`: an early search version before a
-late one, any search before collection — a task's search chain is the cycle's critical path, so another task's
+the waiting episode on the longest remaining chain of its task (`critical_path.chain_priority`: an early search version
+before a late one, any search before collection — a task's search chain is the cycle's critical path, so another task's
 collection must not delay it, ISSUE #17.2); among equals, to the task with the fewest running episodes, then the
 fewest started so far, so a task with 18 candidates cannot starve one with 2.
 Capacity and fairness hold across concurrent `run()` calls too (the RHI search calls `run()` from one thread per
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from mass_ops.context import CycleContext
+from mass_ops.critical_path import chain_priority, episode_phase
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus
@@ -135,14 +136,6 @@ class PoolEvent:
     duration_s: float | None = None
 
 
-def chain_priority(unit: EpisodeUnit, iterations: int) -> int:
-    """How many phases of its task's chain are left once `unit` is done (higher = more urgent): a search episode at
-    version k leaves the later versions, collection and ranking; a collection episode leaves ranking."""
-    if unit.kind in ("search", "reference"):
-        return 2 + max(0, iterations - (unit.version or 0))
-    return 1 if unit.kind == "collection" else 0
-
-
 class FairScheduler:
     """`capacity` slots; waiting episodes are granted highest priority first, then per task, fewest running first,
     then fewest started."""
@@ -162,7 +155,7 @@ class FairScheduler:
         return sum(self.running.values())
 
     async def acquire(self, task_id: int, priority: int = 0) -> None:
-        """Wait for a slot for an episode of `task_id` with `priority` (see `chain_priority`; cancellable)."""
+        """Wait for a slot for an episode of `task_id` with `priority` (`critical_path.chain_priority`; cancellable)."""
         if self.in_use < self.capacity and not any(self._waiting.values()):
             self._grant(task_id)
             return
@@ -494,7 +487,8 @@ class EpisodePool:
         assert self._scheduler is not None
         task_id = request.unit.task_id
         scheduler = self._scheduler
-        priority = chain_priority(request.unit, self.ctx.config.search.iterations)
+        unit = request.unit
+        priority = chain_priority(episode_phase(unit.kind), unit.version, self.ctx.config.search.iterations)
         for wait in range(self.preflight_waits + 1):
             await scheduler.acquire(task_id, priority)
             release = _releaser(scheduler, task_id)

@@ -1,7 +1,8 @@
 """Logging reverse proxy between the agent (qwen-code) and the model server; its log is the episode's trajectory.
 
-Every request is forwarded unchanged to the upstream (method, path + query, body, end-to-end headers) and answered
-with the upstream's status, headers and body; SSE streams are relayed chunk by chunk as they arrive, never buffered.
+Every request is forwarded unchanged (but see "Server priority") to the upstream (method, path + query, body,
+end-to-end headers) and answered with the upstream's status, headers and body; SSE streams are relayed chunk by chunk
+as they arrive, never buffered.
 One JSONL record per request is appended to the log when the exchange ends (MASS_SPEC §4):
 
     ts_start, ts_start_iso, method, path, seq, request_bytes, request | request_raw, status, response_headers,
@@ -43,6 +44,14 @@ whose `code` is `budget_exhausted` — never forwarded — and its record carrie
 limit, spent, need). Each response's reported usage is added to the episode's spend and to the ledger when its
 record is written. Where the server reports cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`), the
 record carries them as `cached_prompt_tokens` too.
+
+Server priority (ISSUE #17.2): given `request_priority`, every completion request that is a JSON object is forwarded
+with its top-level `priority` set to that value — the episode's place on the cycle's critical path, for a vLLM server
+that schedules by priority (`mass_ops.critical_path`). It replaces any priority the agent sent: the agent is
+untrusted and must not move its own work up the server's queue. This is the one change the proxy makes to a
+request's body, and the record holds the body as forwarded. When the body holds no `"priority"` key anywhere, the
+field is appended without parsing the body (a copy, no JSON round trip); otherwise the body is parsed and written
+again with the field set.
 
 Deployment decision: **one proxy per episode, on an ephemeral port** (`port=0`), not one shared proxy.
 - Isolation: the log *is* the episode's trajectory; a per-episode proxy needs no request-to-episode attribution
@@ -267,6 +276,30 @@ class EpisodeBudget:
                 self.ledger.release(self.ledger_scopes, need)
 
 
+PRIORITY_KEY = b'"priority"'
+
+
+def with_priority(body: bytes, priority: int) -> bytes:
+    """`body` with its top-level `priority` set to `priority` when it is a JSON object; any other body as it is (the
+    upstream answers it as it would have)."""
+    text = body.strip()
+    if not (text.startswith(b"{") and text.endswith(b"}")):
+        return body
+    field = PRIORITY_KEY + b":" + str(int(priority)).encode()
+    if PRIORITY_KEY not in text:
+        # No key of that name anywhere: append it before the closing brace, a copy instead of a parse.
+        inner = text[:-1].rstrip()
+        return inner + (b"" if inner == b"{" else b",") + field + b"}"
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(document, dict):
+        return body
+    document["priority"] = int(priority)
+    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def _end_to_end_headers(headers: Any) -> list[tuple[str, str]]:
     """Headers minus hop-by-hop ones, including any the `Connection` header names (RFC 9110 §7.6.1)."""
     named = {token.strip().lower() for value in headers.getall("Connection", []) for token in value.split(",")}
@@ -465,6 +498,7 @@ class _Session:
     last_record: asyncio.Task[None] | None = None  # the newest record task: the next one is written after it
     records: int = 0
     budget: EpisodeBudget | None = None
+    priority: int | None = None  # stamped on every completion request (module docstring, "Server priority")
 
 
 class LoggingProxy:
@@ -486,6 +520,7 @@ class LoggingProxy:
         agent_token: str | None = None,
         upstream_api_key: str | None = None,
         budget: EpisodeBudget | None = None,
+        request_priority: int | None = None,
     ) -> None:
         if upstream_api_key is not None and agent_token is None:
             # An open proxy that adds the key would hand the key's power to anything that can reach the port.
@@ -497,6 +532,7 @@ class LoggingProxy:
         self._agent_token = agent_token
         self._upstream_api_key = upstream_api_key
         self.budget = budget
+        self.request_priority = request_priority
         self._requested_port = port
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -528,6 +564,7 @@ class LoggingProxy:
             self.upstream_base_url,
             _RecordLog(self.log_path, redact=self._upstream_api_key),
             budget=self.budget,
+            priority=self.request_priority,
         )
         self._sessions[episode.name] = episode
         self._rejections = episode  # one log per episode: its refused requests belong to its trajectory's evidence
@@ -633,9 +670,12 @@ class LoggingProxy:
         assert self._session is not None
         exchange = _Exchange(seq=next(session.seq), method=request.method, path=request.path)
         exchange.request_body = await request.read()
+        completion = request.method == "POST" and request.path.endswith(COMPLETION_PATH_SUFFIXES)
+        if completion and session.priority is not None:
+            exchange.request_body = with_priority(exchange.request_body, session.priority)
         exchange.request_bytes = len(exchange.request_body)
         budget = session.budget
-        if budget is not None and request.method == "POST" and request.path.endswith(COMPLETION_PATH_SUFFIXES):
+        if budget is not None and completion:
             need = budget.need(exchange.request_body)
             # The shared ledger is a database read: off the loop that relays every other stream.
             refused = await asyncio.to_thread(budget.admit, need) if budget.uses_store else budget.admit(need)
@@ -915,6 +955,7 @@ class SessionProxy(LoggingProxy):
         GET  {CONTROL_PREFIX}/health                                   -> 200 {"status": "ok", "sessions"}
 
     `log` is the session log's file name under `sessions_dir`; refused requests go to `rejected.jsonl` there.
+    `request_priority` is stamped on every session's completion requests (the pod runs one episode).
     """
 
     def __init__(
@@ -927,6 +968,7 @@ class SessionProxy(LoggingProxy):
         host: str = "127.0.0.1",
         port: int = 0,
         keep_raw_sse: bool = True,
+        request_priority: int | None = None,
     ) -> None:
         bases = [_base_url(url) for url in upstreams]
         if not bases or any(base is None for base in bases):
@@ -944,6 +986,8 @@ class SessionProxy(LoggingProxy):
             keep_raw_sse=keep_raw_sse,
             agent_token="",  # token auth on; sessions bring the tokens
             upstream_api_key=upstream_api_key,
+            # The pod's, for every session: fixed when the pod starts, so the sandbox cannot choose its own.
+            request_priority=request_priority,
         )
 
     def _open_logs(self) -> None:
@@ -988,7 +1032,9 @@ class SessionProxy(LoggingProxy):
         name = secrets.token_hex(8)
         token = new_agent_token()
         log = _RecordLog(self.sessions_dir / f"{name}.jsonl", redact=self._upstream_api_key)
-        self._sessions[name] = _Session(name, token.encode(), upstream, log, budget=budget)
+        self._sessions[name] = _Session(
+            name, token.encode(), upstream, log, budget=budget, priority=self.request_priority
+        )
         return web.json_response({"session": name, "token": token, "log": log.path.name}, status=201)
 
     async def _close_session(self, request: web.Request) -> web.Response:
@@ -1106,6 +1152,7 @@ async def serve_episode_proxy(
     environ: Mapping[str, str] | None = None,
     port_file: Path | str | None = None,
     stop: asyncio.Event | None = None,
+    request_priority: int | None = None,
 ) -> None:
     """Run a pod's `SessionProxy` until SIGTERM/SIGINT (or `stop`): the key comes from variable `key_env` of this
     process, which is the only one in the pod that holds it."""
@@ -1116,6 +1163,7 @@ async def serve_episode_proxy(
         allowed_host_suffixes=allowed_host_suffixes,
         host=host,
         port=listen,
+        request_priority=request_priority,
     )
     await proxy.start()
     stopped = stop or asyncio.Event()
@@ -1133,7 +1181,14 @@ async def serve_episode_proxy(
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    proxy = LoggingProxy(args.upstream[0], args.log, host=args.host, port=args.listen, keep_raw_sse=args.keep_raw_sse)
+    proxy = LoggingProxy(
+        args.upstream[0],
+        args.log,
+        host=args.host,
+        port=args.listen,
+        keep_raw_sse=args.keep_raw_sse,
+        request_priority=args.request_priority,
+    )
     await proxy.start()
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -1162,7 +1217,7 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL (--log PATH | --sessions-dir DIR --key-env
-    NAME [--upstream URL ...] [--allow-host-suffix .ns.svc ...]) [--port-file F]`."""
+    NAME [--upstream URL ...] [--allow-host-suffix .ns.svc ...]) [--port-file F] [--request-priority N]`."""
     parser = argparse.ArgumentParser(prog="python -m mass_ops.runtime.proxy", description=__doc__.split("\n")[0])
     if (sys.argv[1:] if argv is None else argv) == [RECORD_WRITER_FLAG]:
         _record_writer_main()
@@ -1178,6 +1233,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port-file", help="write the bound port here (atomically) once listening")
     parser.add_argument("--keep-raw-sse", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--request-priority", type=int, help="stamp this vLLM priority on every completion request (lower first)"
+    )
     args = parser.parse_args(argv)
     if (args.log is None) == (args.sessions_dir is None):
         parser.error("give exactly one of --log or --sessions-dir")
@@ -1199,6 +1257,7 @@ def main(argv: list[str] | None = None) -> None:
                     listen=args.listen,
                     host=args.host,
                     port_file=args.port_file,
+                    request_priority=args.request_priority,
                 )
             )
         except ProxyConfigError as exc:

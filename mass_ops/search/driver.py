@@ -24,6 +24,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.critical_path import server_priority
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, results_json_appendix
 from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget
@@ -351,7 +352,9 @@ class _TaskSearch:
         labels: tuple[str, str],
         outcomes: tuple[EpisodeOutcome, EpisodeOutcome],
         bundles: tuple[EvidenceBundle, EvidenceBundle],
+        version: int,
     ) -> Comparison:
+        """Judge one pair of the step at `version` and record its verdict in `ledger`."""
         unit = CallUnit(f"task{self.task_id}/{ledger.value}/{key}", purpose, self.task_id)
         case = PairwiseCase(
             unit=unit,
@@ -362,6 +365,7 @@ class _TaskSearch:
             bundle_a=bundles[0],
             bundle_b=bundles[1],
             seed=self.call_seed,
+            priority=server_priority(self.ctx.config, "search", version),
         )
         outcome = self.judge.judge(case)
         if outcome.verdict == "invalid":
@@ -408,6 +412,7 @@ class _TaskSearch:
                 (REFERENCE_LABEL, version_label(version)),
                 (reference, outcome),
                 (reference_bundle, self.bundle(outcome)),
+                version,
             )
 
         if len(todo) == 1:
@@ -425,6 +430,7 @@ class _TaskSearch:
             (version_label(champion), version_label(current)),
             (outcomes[champion], outcomes[current]),
             (self.bundle(outcomes[champion]), self.bundle(outcomes[current])),
+            current,
         )
 
     # -- proposal --------------------------------------------------------------------------------------------------
@@ -542,7 +548,11 @@ class _TaskSearch:
                         system,
                         user,
                         purpose="optimizer",
-                        sampling=in_loop_sampling(self.ctx.config, self.call_seed),
+                        sampling=in_loop_sampling(
+                            self.ctx.config,
+                            self.call_seed,
+                            priority=server_priority(self.ctx.config, "search", current),
+                        ),
                         json_mode="json_object",
                     )
                     try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.critical_path import server_priority
 from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
 from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget
@@ -138,6 +139,8 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
     def bundle(candidate: Candidate) -> EvidenceBundle:
         return bundles.get(candidate.name, StoredWorkspace(ctx.artifacts, candidate.workspace_uri, candidate.name))
 
+    priority = server_priority(config, "ranking")
+
     def play(index: int, a: str, b: str) -> Comparison:
         key = match_key(a, b)
         seed = match_seed(config.ranking.seed, task_id, index)
@@ -150,6 +153,7 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
             bundle_a=bundle(by_name[a]),
             bundle_b=bundle(by_name[b]),
             seed=seed,
+            priority=priority,
         )
         outcome = judge.judge(case)
         if outcome.verdict == "invalid":

@@ -230,6 +230,26 @@ def test_episode_sandbox_holds_no_secret_the_proxy_the_key_and_the_publisher_the
     assert publisher["envFrom"] == [{"configMapRef": {"name": "mass-ops-env"}}]
 
 
+def test_a_priority_scheduling_server_and_each_episode_s_proxy_get_the_critical_path_order(chart_dir, settings, paper):
+    """ISSUE #17.2: the vLLM server schedules by priority, and each episode pod's proxy (not its sandbox) stamps the
+    episode's place on the chain on every request: search versions first, collection next, rollouts last."""
+    config = cluster_config(chart_dir, "paper", "inference.server.scheduling_policy=priority")
+    target = specs.current_serving_target(config)
+    [server] = specs.inference_deployment(config, settings, target, scope="c")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "MASS_SERVE_SCHEDULING_POLICY", "value": "priority"} in server["env"]
+    stamped = []
+    for episode in EPISODES:
+        spec = specs.episode_pod(config, settings, episode)["spec"]
+        [proxy] = spec["initContainers"]
+        assert proxy["command"][-2] == "--request-priority"
+        assert "--request-priority" not in json.dumps(spec["containers"]), "the sandbox must not choose its priority"
+        stamped.append(int(proxy["command"][-1]))
+    assert stamped == [0, 3, 12, 13]  # reference, search v3, collection, rollout (paper: 11 iterations)
+    # First come, first served (the reference's server): no priority anywhere.
+    [proxy] = specs.episode_pod(paper, settings, EPISODES[1])["spec"]["initContainers"]
+    assert "--request-priority" not in proxy["command"]
+
+
 def test_pods_receive_the_config_without_storage(chart_dir, settings):
     config = cluster_config(chart_dir, "paper", "storage.metadata_url=postgresql://mass:hunter2@db.internal/mass")
     pod = specs.episode_pod(config, settings, EPISODES[0])

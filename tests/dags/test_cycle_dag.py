@@ -8,6 +8,7 @@ from airflow.sdk import TriggerRule
 from mass_ops_airflow.params import KNOBS, MAX_SEARCH_ITERATIONS
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
+from mass_ops.critical_path import chain_priority
 from tests.dags.dag_files import dag_module
 
 
@@ -106,6 +107,17 @@ def test_the_critical_path_goes_first_in_the_pools(dag):
     for task_id in [*chain, "inner_loop.episode_v0"]:
         assert str(dag.get_task(task_id).weight_rule) in ("absolute", "WeightRule.ABSOLUTE"), task_id
     assert dag.get_task("inner_loop.collect_task").pool_slots == 1
+
+
+def test_the_pools_weights_are_the_chain_order_the_episode_pool_and_the_server_use(dag):
+    """One order of the critical path (`mass_ops.critical_path`): the DAG's weights are its chain priorities + 1 (so
+    that ranking, with no chain after it, still has Airflow's minimum weight of 1)."""
+    iterations = MAX_SEARCH_ITERATIONS
+    assert [dag.get_task(f"inner_loop.step_v{k}").priority_weight for k in range(iterations + 1)] == [
+        chain_priority("search", k, iterations) + 1 for k in range(iterations + 1)
+    ]
+    assert dag.get_task("inner_loop.collect_task").priority_weight == chain_priority("collection", None, iterations) + 1
+    assert dag.get_task("inner_loop.rank_task").priority_weight == chain_priority("ranking", None, iterations) + 1
 
 
 def test_units_have_readable_names(dag):

@@ -275,6 +275,7 @@ EXPECTED_DEFAULT_ARGV = [
     "--reasoning-parser", "qwen3",
     "--max-num-seqs", "4",
     "--gpu-memory-utilization", "0.90",
+    "--scheduling-policy", "fcfs",
 ]  # fmt: skip
 
 
@@ -325,6 +326,7 @@ def test_serve_takes_every_parameter_from_the_environment_and_passes_extra_args(
         "MASS_SERVE_MAX_NUM_SEQS": "2",
         "MASS_SERVE_GPU_MEMORY_UTILIZATION": "0.85",
         "MASS_SERVE_TENSOR_PARALLEL_SIZE": "2",
+        "MASS_SERVE_SCHEDULING_POLICY": "priority",
     }
     result, recorded = fake_vllm(env, "--enforce-eager")
     assert result.returncode == 0, result.stderr
@@ -336,6 +338,7 @@ def test_serve_takes_every_parameter_from_the_environment_and_passes_extra_args(
         ("--max-model-len", "65536"),
         ("--max-num-seqs", "2"),
         ("--gpu-memory-utilization", "0.85"),
+        ("--scheduling-policy", "priority"),
     ]:
         assert argv[argv.index(flag) + 1] == value
     assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
@@ -364,6 +367,7 @@ def test_serve_hands_the_api_key_to_vllm_by_environment_only(fake_vllm):
         ({**MODEL_ENV, "MASS_SERVE_PORT": "70000"}, (), "MASS_SERVE_PORT=70000"),
         ({**MODEL_ENV, "MASS_SERVE_GPU_MEMORY_UTILIZATION": "1.5"}, (), "MASS_SERVE_GPU_MEMORY_UTILIZATION"),
         ({**MODEL_ENV, "MASS_SERVE_MAX_NUM_SEQS": "0"}, (), "MASS_SERVE_MAX_NUM_SEQS"),
+        ({**MODEL_ENV, "MASS_SERVE_SCHEDULING_POLICY": "lifo"}, (), "MASS_SERVE_SCHEDULING_POLICY=lifo"),
         ({**MODEL_ENV, "VLLM_API_KEY": "two words"}, (), "VLLM_API_KEY contains whitespace"),
         (MODEL_ENV, ("--api-key", "abc"), "never as --api-key"),
         (MODEL_ENV, ("--api-key=abc",), "never as --api-key"),

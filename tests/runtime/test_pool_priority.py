@@ -11,27 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
-from mass_ops.runtime.pool import EpisodePool, FairScheduler, PoolEvent, chain_priority
+from mass_ops.runtime.pool import EpisodePool, FairScheduler, PoolEvent
 from tests.runtime.conftest import open_episode_cycle, request
-
-
-def unit(kind: str, *, version: int | None = None, candidate: int | None = None) -> EpisodeUnit:
-    return EpisodeUnit("c", 51, kind, 7, version=version, candidate=candidate)  # type: ignore[arg-type]
-
-
-def test_chain_priority_orders_search_versions_before_collection_before_the_rest() -> None:
-    iterations = 11
-    ranks = [
-        chain_priority(unit("reference"), iterations),
-        chain_priority(unit("search", version=0), iterations),
-        chain_priority(unit("search", version=5), iterations),
-        chain_priority(unit("search", version=11), iterations),
-        chain_priority(unit("collection", candidate=3), iterations),
-        chain_priority(unit("rollout"), iterations),
-    ]
-    assert ranks == [13, 13, 8, 2, 1, 0]
 
 
 def test_a_waiting_search_episode_overtakes_another_task_s_queued_collection() -> None:

@@ -753,3 +753,94 @@ def test_the_proxy_process_runs_on_uvloop_where_it_is_installed() -> None:
 
     _run(main())
     assert loops and loops[0].startswith("uvloop")
+
+
+# --- server priority (ISSUE #17.2) -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}]}',
+        b"{}",
+        b' \n{ "model" : "m" }\n',
+        # "priority" only inside a string: escaped quotes, so the body needs no parse and the text is kept as it is
+        json.dumps({"messages": [{"role": "user", "content": 'set "priority" to high'}]}).encode(),
+    ],
+)
+def test_a_priority_is_added_to_a_json_object_body_and_nothing_else_changes(body: bytes) -> None:
+    stamped = proxy_module.with_priority(body, 7)
+    document = json.loads(stamped)
+    assert document.pop("priority") == 7
+    assert document == json.loads(body)
+
+
+def test_the_agent_s_own_priority_is_replaced_and_nested_keys_are_kept() -> None:
+    # qwen-code's tools can have a property named priority (a todo list's): only the top-level field is the server's.
+    body = {
+        "priority": -100,
+        "model": "m",
+        "tools": [{"function": {"parameters": {"properties": {"priority": {"type": "string"}}}}}],
+        "messages": [{"role": "user", "content": "ünïcode stays"}],
+    }
+    stamped = json.loads(proxy_module.with_priority(json.dumps(body).encode(), 7))
+    assert stamped == {**body, "priority": 7}
+
+
+@pytest.mark.parametrize("body", [b"", b"[1, 2]", b'{"model": ', b"not json", b'"text"', b'{"a": 1} trailing'])
+def test_a_body_that_is_no_json_object_is_forwarded_as_it_is(body: bytes) -> None:
+    assert proxy_module.with_priority(body, 7) == body
+
+
+def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Path) -> None:
+    log = tmp_path / "api.jsonl"
+    chat = {"model": "policy-stand-in", "priority": -5, "messages": [{"role": "user", "content": "Do the task."}]}
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        upstream = EchoUpstream()
+        async with (
+            PolicyServer() as server,
+            _serve(upstream.app()) as echo_url,
+            aiohttp.ClientSession() as client,
+        ):
+            async with LoggingProxy(server.base_url, log, request_priority=4) as proxy:
+                async with client.post(f"{proxy.url}/v1/chat/completions", json=chat) as response:
+                    assert response.status == 200
+                async with client.get(f"{proxy.url}/v1/models") as response:
+                    assert response.status == 200
+            seen["received"] = [request.get("priority") for request in server.requests]
+            async with (
+                LoggingProxy(echo_url, tmp_path / "echo.jsonl", request_priority=4) as proxy,
+                client.post(f"{proxy.url}/echo", json={"priority": -5}) as response,
+            ):
+                seen["echoed"] = (await response.json())["body_head"]
+
+    asyncio.run(scenario())
+    assert seen["received"] == [4], "the server sees the episode's priority, never the agent's"
+    chat_record, models_record = _records(log)
+    assert chat_record["request"] == {**chat, "priority": 4}, "the record holds the body as forwarded"
+    assert chat_record["request_bytes"] == len(json.dumps({**chat, "priority": 4}, separators=(",", ":")))
+    assert models_record["method"] == "GET" and models_record["request_bytes"] == 0
+    assert json.loads(seen["echoed"]) == {"priority": -5}, "a request to any other path is forwarded unchanged"
+
+
+def test_a_pod_s_session_proxy_stamps_the_pod_s_priority_on_every_session(tmp_path: Path) -> None:
+    from mass_ops.runtime.proxy import SessionProxy, close_proxy_session, open_proxy_session
+
+    sessions = tmp_path / "sessions"
+    chat = {"model": "policy-stand-in", "messages": [{"role": "user", "content": "Do the task."}]}
+
+    async def scenario() -> list[Any]:
+        async with PolicyServer() as server:
+            proxy = SessionProxy(sessions, upstreams=[server.base_url], upstream_api_key=SECRET, request_priority=12)
+            async with proxy, aiohttp.ClientSession() as client:
+                for _ in range(2):
+                    session = await open_proxy_session(proxy.url, sessions)
+                    headers = {"Authorization": f"Bearer {session.token}"}
+                    async with client.post(f"{proxy.url}/v1/chat/completions", json=chat, headers=headers) as r:
+                        assert r.status == 200
+                    await close_proxy_session(session)
+            return [request.get("priority") for request in server.requests]
+
+    assert asyncio.run(scenario()) == [12, 12]

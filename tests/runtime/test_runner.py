@@ -254,6 +254,26 @@ def test_the_agent_gets_a_token_not_the_key_and_the_proxy_adds_the_key(
     assert (dest / "leak.txt").read_text() == f"the key is {env['MASS_EPISODE_TOKEN']}\n"
 
 
+def test_with_priority_scheduling_the_episode_s_proxy_stamps_its_place_on_the_chain(
+    policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
+) -> None:
+    """ISSUE #17.2: every model request of a search episode at version 1 reaches the server with priority 1 (the demo
+    preset searches one version: 0 is the most urgent, ranking the least); a collection episode's with 2."""
+    with policy_host.serve() as server:
+        inference = {"backend": "vllm", "server": {"scheduling_policy": "priority"}}
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", inference=inference)
+        runner = _runner(ctx, stand_in_install, tmp_path)
+        search = request(ctx, "Report.\n@agent requests=2", seed=5, kind="search", version=1)
+        collection = request(ctx, "Report.\n@agent requests=1", seed=6, kind="collection", candidate=0)
+        outcomes = [asyncio.run(runner.run_attempt(episode, 1)) for episode in (search, collection)]
+        received = [body.get("priority") for body in server.requests]
+
+    assert [outcome.status for outcome in outcomes] == ["succeeded", "succeeded"]
+    assert ctx.config.search.iterations == 1
+    assert received == [1, 1, 2]
+    assert [record["request"]["priority"] for record in _records(outcomes[0], ctx)] == [1, 1]
+
+
 def test_in_a_pod_the_runner_holds_no_key_and_uses_the_proxy_container(
     policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
 ) -> None:

@@ -3,12 +3,14 @@ done and its ranking when its own collection is, not when every task's is; a rep
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
 
 import pytest
 
+from mass_ops.llm.calls import CallLedger
 from mass_ops.runtime.episode import EpisodeRequest
 from mass_ops.seeds import collection_seed
 from mass_ops.stages.inner_loop import InnerLoopFailedError, run_inner_loop
@@ -107,3 +109,42 @@ def test_a_failing_chain_does_not_stop_the_others(inner_loop: InnerLoopEnv, monk
         run_inner_loop(opened.ctx, opened.executor, client=opened.client)
     fast = next(r for r in caught.value.results if r.task_id == FAST)
     assert (fast.collected, fast.ranked, fast.error) == (3, 3, None)
+
+
+def expected_server_priority(unit_key: str, iterations: int) -> int:
+    """What `critical_path.server_priority` gives a call, read back from its unit key: a search call at version k
+    gets k (the baseline verdict of v_k, the arbitration of challenger v_k, the proposal v_k -> v_k+1); ranking comes
+    after the last version, with collection."""
+    ledger, key = unit_key.split("/")[1:3]
+    if ledger == "ranking":
+        return iterations + 1
+    pattern = {"rhi": r"v(\d+)_vs_no_harness", "champion": r"champion_v\d+_vs_v(\d+)", "optimizer": r"v(\d+)_to_v"}
+    found = re.fullmatch(pattern[ledger] + ".*", key)
+    assert found, unit_key
+    return int(found.group(1))
+
+
+def test_with_priority_scheduling_every_in_loop_call_carries_its_place_on_the_chain(inner_loop: InnerLoopEnv) -> None:
+    """ISSUE #17.2: a vLLM server that schedules by priority serves the longest remaining chain first, so each judge
+    and optimizer request says how early in its task's chain it stands."""
+    iterations = 2
+    inner_loop.policy.judge_winner = lambda request: "B"  # each version beats the reference: every step arbitrates
+    opened = inner_loop.open(
+        tasks=(FAST,),
+        iterations=iterations,
+        candidates=3,
+        train_ranks=1,
+        require_beats_reference=False,
+        scheduling_policy="priority",
+    )
+    run_inner_loop(opened.ctx, opened.executor, client=opened.client)
+
+    ledger = CallLedger(opened.ctx.repo, opened.ctx.artifacts, opened.ctx.cycle_id, opened.ctx.cycle_name)
+    sent = {}
+    for row in opened.ctx.repo.llm_calls(opened.ctx.cycle_id):
+        request = opened.ctx.artifacts.get_json(ledger.prompt_key(row.unit_key))["request"]
+        sent[row.unit_key] = request["extra_body"]["priority"]
+    assert {key.split("/")[1] for key in sent} == {"rhi", "champion", "optimizer", "ranking"}, sorted(sent)
+    assert sent == {key: expected_server_priority(key, iterations) for key in sent}
+    received = sorted({body["priority"] for body in inner_loop.server.requests})
+    assert received == [0, 1, 2, iterations + 1], "the server received what the ledger recorded"
