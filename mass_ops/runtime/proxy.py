@@ -277,6 +277,7 @@ class EpisodeBudget:
 
 
 PRIORITY_KEY = b'"priority"'
+JSON_WHITESPACE = b" \t\r\n"
 
 
 def with_priority(body: bytes, priority: int) -> bytes:
@@ -287,9 +288,13 @@ def with_priority(body: bytes, priority: int) -> bytes:
         return body
     field = PRIORITY_KEY + b":" + str(int(priority)).encode()
     if PRIORITY_KEY not in text:
-        # No key of that name anywhere: append it before the closing brace, a copy instead of a parse.
-        inner = text[:-1].rstrip()
-        return inner + (b"" if inner == b"{" else b",") + field + b"}"
+        # No key of that name anywhere: insert it before the closing brace, one copy instead of a parse (a request
+        # late in an episode can be a megabyte).
+        end = len(text) - 1
+        while text[end - 1] in JSON_WHITESPACE:
+            end -= 1
+        separator = b"" if end == 1 else b","
+        return b"".join((memoryview(text)[:end], separator, field, b"}"))
     try:
         document = json.loads(body)
     except ValueError:

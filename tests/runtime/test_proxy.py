@@ -763,6 +763,7 @@ def test_the_proxy_process_runs_on_uvloop_where_it_is_installed() -> None:
     [
         b'{"model":"m","messages":[{"role":"user","content":"hi"}]}',
         b"{}",
+        b"{ \n}",
         b' \n{ "model" : "m" }\n',
         # "priority" only inside a string: escaped quotes, so the body needs no parse and the text is kept as it is
         json.dumps({"messages": [{"role": "user", "content": 'set "priority" to high'}]}).encode(),
