@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -212,12 +213,13 @@ def throughput_summary(rows: list[dict[str, Any]], *, peak_tflops: float, warmup
     }
 
 
-def train_args(args: argparse.Namespace, model_dir: Path, data: Path, out_dir: Path) -> Any:
+def train_args(args: argparse.Namespace, model_dir: Path, data: Path, out_dir: Path, val: Path | None = None) -> Any:
     from mass_ops.train.args import TrainArgs
 
     return TrainArgs(
         model_dir=str(model_dir),
         train_data=str(data),
+        val_data=None if val is None else str(val),
         out_dir=str(out_dir),
         steps=args.steps,
         warmup_steps=1,
@@ -241,8 +243,10 @@ def check_train(args: argparse.Namespace, devices: int) -> PartResult:
     work = args.workdir / f"train-{args.size}"
     model = build_tiny_qwen3(work / "model", **SIZES[args.size], head_dim=128, max_position_embeddings=args.window)
     data = synthetic_windows(work / "windows.jsonl", count=4 * gpus, window=args.window, vocab=QWEN3_VOCAB_SIZE)
+    # Validation runs once, after the last step: its forward passes and gathers run on the accelerator too.
+    val = synthetic_windows(work / "val.jsonl", count=gpus, window=args.window, vocab=QWEN3_VOCAB_SIZE, seed=1)
     out_dir = work / f"run-{int(time.time())}"
-    args_path = train_args(args, model, data, out_dir).write(work / f"{out_dir.name}.args.json")
+    args_path = train_args(args, model, data, out_dir, val).write(work / f"{out_dir.name}.args.json")
     argv = build_launch_command(args_path, nproc_per_node=gpus, python=sys.executable)
     with (work / f"{out_dir.name}.log").open("w") as log:
         done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=args.deadline_s, check=False)
@@ -253,13 +257,16 @@ def check_train(args: argparse.Namespace, devices: int) -> PartResult:
     if summary["tokens_per_s"] is None:
         return PartResult("train", FAILED, f"no timed steps in {out_dir / 'train_log.jsonl'}")
     mfu = summary["mfu"]
+    val_loss = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
+    if val_loss is None or not math.isfinite(val_loss):
+        return PartResult("train", FAILED, f"no finite validation loss in {out_dir / 'train_log.jsonl'}")
     return PartResult(
         "train",
         PASSED,
         f"random Qwen3-{args.size} ZeRO-3 LoRA on {gpus} GPU(s), window {args.window}: "
         f"{summary['tokens_per_s']:.0f} tokens/s ({summary['supervised_tokens_per_s']:.0f} supervised), "
         f"{summary['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {'n/a' if mfu is None else f'{mfu:.1%}'} "
-        f"of {args.peak_tflops:g}, peak memory {summary['peak_mem_gib']:.1f} GiB",
+        f"of {args.peak_tflops:g}, peak memory {summary['peak_mem_gib']:.1f} GiB, validation loss {val_loss:.3f}",
     )
 
 

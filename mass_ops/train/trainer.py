@@ -748,7 +748,9 @@ class LoraSftRun:
             step_started = time.perf_counter()
             draws = self.sampler.draws_for_step(step=step, rank=ranks.rank, grad_accum=args.grad_accum)
             lr = float(self.optimizer.param_groups[0]["lr"])
-            local = torch.zeros(3, dtype=torch.float64)  # loss sum, loss tokens, input tokens
+            # Loss sum, loss tokens, input tokens; on the engine's device, where the backend's collectives run
+            # (NCCL has no CPU tensors).
+            local = torch.zeros(3, dtype=torch.float64, device=self.engine.device)
             for d in draws:
                 # Dropout masks depend only on (seed, rank, draw): a resumed run reproduces them.
                 torch.manual_seed(derived_seed("dropout", args.seed, ranks.rank, d.draw))
@@ -756,7 +758,9 @@ class LoraSftRun:
                 self.engine.backward(loss_sum / count)  # per-window token mean; DeepSpeed divides by grad_accum
                 self.engine.step()
                 local += torch.tensor(
-                    [loss_sum.item(), count, self.train_set.windows[d.window].n_tokens], dtype=torch.float64
+                    [loss_sum.item(), count, self.train_set.windows[d.window].n_tokens],
+                    dtype=torch.float64,
+                    device=local.device,
                 )
             dist.all_reduce(local)
             gathered: list[list[dict]] = [[] for _ in range(ranks.world_size)]
