@@ -46,7 +46,7 @@ import yaml
 from mass_ops.config import CycleConfig
 from mass_ops.critical_path import episode_phase, server_priority
 from mass_ops.errors import InputError
-from mass_ops.layout import BENCHMARK_TASK_NAME, HANDOFF_PROMPT_FILE, EpisodeUnit
+from mass_ops.layout import BENCHMARK_TASK_NAME, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
 
 CONFIG_ANNOTATION = "mass-ops/cycle-config"
 CONFIG_MOUNT = "/etc/mass-ops/cycle"
@@ -91,7 +91,6 @@ DEFAULT_LABELS: dict[str, dict[str, str]] = {
 # `proxy` receives the inference key (in the episode pod's proxy container); `episode` is that consumer's name in
 # charts before the key left the sandbox, and is read the same way.
 Consumer = Literal["episode", "proxy", "publisher", "inference", "training", "airflow"]
-EpisodeKind = Literal["reference", "search", "collection", "rollout", "benchmark"]
 
 _NAME_CHARS = re.compile(r"[^a-z0-9-]+")
 _LABEL_CHARS = re.compile(r"[^A-Za-z0-9._-]+")

@@ -842,6 +842,12 @@ def test_a_pod_s_session_proxy_stamps_the_pod_s_priority_on_every_session(tmp_pa
                     async with client.post(f"{proxy.url}/v1/chat/completions", json=chat, headers=headers) as r:
                         assert r.status == 200
                     await close_proxy_session(session)
+                # The sandbox can reach session control, but a session it opens has the pod's priority too.
+                async with client.post(f"{proxy.url}/_mass_proxy/sessions", json={"priority": -100}) as r:
+                    token = (await r.json())["token"]
+                headers = {"Authorization": f"Bearer {token}"}
+                async with client.post(f"{proxy.url}/v1/chat/completions", json=chat, headers=headers) as r:
+                    assert r.status == 200
             return [request.get("priority") for request in server.requests]
 
-    assert asyncio.run(scenario()) == [12, 12]
+    assert asyncio.run(scenario()) == [12, 12, 12]
