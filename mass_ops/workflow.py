@@ -140,6 +140,8 @@ def parse_agents(design_block: str, source: str = "<design>") -> list[Agent]:
         raise WorkflowError(
             f"{source}: agent array is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from exc
+    except RecursionError:
+        raise WorkflowError(f"{source}: agent array is nested too deeply to be a list of agents") from None
     if not isinstance(payload, list):
         raise WorkflowError(f"{source}: agents must be a JSON array, got {type(payload).__name__}")
     if not payload:

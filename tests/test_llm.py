@@ -551,6 +551,8 @@ def test_extract_json_object_accepts(text: str, expected: dict[str, Any]) -> Non
         ('"just a string"', "must be a JSON object, got str"),
         ("no json here", "contains no JSON object"),
         ("{broken: json}", "contains no JSON object"),
+        # a degenerate answer nested past the parser's stack: an unusable answer, not a crash
+        ('{"winner": ' + "[" * 100_000 + "]" * 100_000 + "}", "contains no JSON object"),
     ],
 )
 def test_extract_json_object_rejects(text: str | None, message: str) -> None:

@@ -148,6 +148,7 @@ def test_orchestrator_may_be_named_by_role() -> None:
         (_design([_agent("agent_orchestrator"), _agent("agent_x"), _agent("agent_x")]), "duplicate agent_id"),
         (_design([_agent("agent_coder"), _agent("agent_tester")]), "found 0"),
         (_design([_agent("agent_orchestrator"), _agent("agent_sub", "sub-orchestrator")]), "found 2"),
+        (START_MARKER + "\n" + "[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ],
 )
 def test_parse_agents_rejects_malformed_designs(design: str, problem: str) -> None:

@@ -355,7 +355,7 @@ def extract_json_object(text: str | None) -> dict[str, Any]:
     for candidate in candidates:
         try:
             value = json.loads(candidate)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a degenerate "[[[[…" answer nests past the parser's stack
             continue
         if not isinstance(value, dict):
             raise LLMOutputError(f"model output must be a JSON object, got {type(value).__name__}")
@@ -382,7 +382,7 @@ def _response_document(response: Any) -> dict[str, Any]:
     """The JSON object of a completion response; LLMOutputError when the body is not one."""
     try:
         document = json.loads(response.content)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise LLMOutputError(f"response body is not JSON: {response.content[:200]!r}") from None
     if not isinstance(document, dict):
         raise LLMOutputError(f"response body must be a JSON object, got {type(document).__name__}")

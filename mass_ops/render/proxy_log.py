@@ -72,7 +72,7 @@ def _iter_lines(handle: BinaryIO, where: str) -> Iterator[Mapping[str, Any]]:
 def _parse_line(line: str | bytes, where: str, number: int) -> Mapping[str, Any]:
     try:
         record = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise RenderError(f"{where}: line {number} is not valid JSON ({exc.__class__.__name__})") from exc
     if not isinstance(record, dict):
         raise RenderError(f"{where}: line {number} is a JSON {type(record).__name__}, not an object")

@@ -385,7 +385,7 @@ def api_log_cost(path: Path) -> float:
         for line in lines:
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a record cut short is not spend anyone can prove
             response = record.get("response") if isinstance(record, dict) else None
             total += usage_cost(response.get("usage") if isinstance(response, dict) else None)

@@ -232,7 +232,7 @@ class EpisodeBudget:
         max_tokens = None
         try:
             document = json.loads(body) if body else None
-        except ValueError:
+        except (ValueError, RecursionError):  # nesting deeper than the parser's stack is not JSON we can read
             document = None
         if isinstance(document, dict):
             for name in ("max_completion_tokens", "max_tokens"):
@@ -297,7 +297,7 @@ def with_priority(body: bytes, priority: int) -> bytes:
         return b"".join((memoryview(text)[:end], separator, field, b"}"))
     try:
         document = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body
     if not isinstance(document, dict):
         return body
@@ -917,7 +917,7 @@ def _put_body(record: dict[str, Any], key: str, body: bytes) -> None:
         return
     try:
         record[key] = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         record[f"{key}_raw"] = body.decode("utf-8", errors="replace")
 
 
@@ -1067,7 +1067,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         return {}
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return body if isinstance(body, dict) else {}
 

@@ -1200,7 +1200,7 @@ def _read_proxy_log(path: Path) -> list[dict[str, Any]]:
         for line in handle:
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if not isinstance(record, dict):
                 continue

@@ -230,7 +230,7 @@ class SSEAssembler:
             return
         try:
             chunk = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             self.n_bad_chunks += 1
             return
         if not isinstance(chunk, dict):

@@ -48,6 +48,9 @@ def test_bad_lines_name_the_log_and_the_line():
         list(iter_proxy_records(lines, where="episode e7"))
     with pytest.raises(RenderError, match=r"line 1 is a JSON list"):
         list(iter_proxy_records(b"[1, 2]\n", where="episode e7"))
+    deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"  # past the parser's stack: one clear line, not a RecursionError
+    with pytest.raises(RenderError, match=r"episode e7: line 1 is not valid JSON \(RecursionError\)"):
+        list(iter_proxy_records(deep, where="episode e7"))
     with pytest.raises(RenderError, match="unreadable compressed log"):
         list(iter_proxy_records(gzip.compress(b'{"a": 1}\n')[:-12], where="episode e7"))
 

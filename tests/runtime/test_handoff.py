@@ -1021,3 +1021,15 @@ def test_a_request_announcing_another_seed_than_the_delivered_one_is_refused(tmp
     assert isinstance(error, hand.IncompleteHandoffError), result
     assert "announces reference-t51-s450051 with workspace seed none" in str(error)
     assert not (tmp_path / "handoff" / hand.LEDGER_FILE).exists()
+
+
+def test_the_cost_of_a_log_skips_a_line_nested_past_the_parser_s_stack(tmp_path: Path) -> None:
+    """A record the proxy wrote around an agent's deeply nested request cannot break the spend account."""
+    path = tmp_path / "api.jsonl.gz"
+    lines = [
+        json.dumps({"seq": 1, "response": {"usage": {"cost": 0.25}}}),
+        "[" * 100_000 + "]" * 100_000,
+        json.dumps({"seq": 3, "response": {"usage": {"cost": 0.5}}}),
+    ]
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    assert hand.api_log_cost(path) == 0.75

@@ -164,9 +164,10 @@ def test_no_result_event_is_a_model_failure_naming_why() -> None:
 
 
 def test_transcript_tolerates_broken_lines_and_string_content() -> None:
-    text = '{"type": "assistant", "message": {"content": "plain text"}}\nnot json\n[1, 2]\n{"type": "res'
+    deep = "[" * 100_000 + "]" * 100_000  # nested past the parser's stack
+    text = f'{{"type": "assistant", "message": {{"content": "plain text"}}}}\nnot json\n[1, 2]\n{deep}\n{{"type": "res'
     transcript = Transcript.parse(text)
-    assert transcript.bad_lines == 3
+    assert transcript.bad_lines == 4
     assert transcript.last_assistant_text() == "plain text"
 
 

@@ -46,6 +46,7 @@ class EchoUpstream:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
         app.router.add_route("*", "/echo", self._echo)
+        app.router.add_post("/v1/chat/completions", self._echo)
         app.router.add_get("/redirect", self._redirect)
         app.router.add_get("/elsewhere", self._echo)
         app.router.add_get("/gated-stream", self._gated_stream)
@@ -851,3 +852,32 @@ def test_a_pod_s_session_proxy_stamps_the_pod_s_priority_on_every_session(tmp_pa
             return [request.get("priority") for request in server.requests]
 
     assert asyncio.run(scenario()) == [12, 12, 12]
+
+
+def test_a_body_nested_past_the_parser_s_depth_is_forwarded_and_recorded_not_dropped(tmp_path: Path) -> None:
+    """An agent's request nested deeper than Python's JSON parser can follow (RecursionError, not ValueError) must
+    not break the proxy: the budget estimates it without parsing, the priority cannot be set in it (the upstream
+    cannot parse it either), and its record is kept, raw."""
+    log = tmp_path / "api.jsonl"
+    depth = 100_000
+    body = b'{"priority": -5, "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        upstream = EchoUpstream()
+        budget = EpisodeBudget(episode_tokens=10**9, default_max_tokens=16)
+        async with (
+            _serve(upstream.app()) as upstream_url,
+            LoggingProxy(upstream_url, log, budget=budget, request_priority=4) as proxy,
+            aiohttp.ClientSession() as client,
+            client.post(f"{proxy.url}/v1/chat/completions", data=body) as response,
+        ):
+            seen["status"] = response.status
+            seen["echo"] = await response.json()
+        seen["spent_need"] = budget.in_flight
+
+    asyncio.run(scenario())
+    assert seen["status"] == 200 and seen["echo"]["body_bytes"] == len(body)
+    assert seen["spent_need"] == 0, "the request's hold on the budget was settled"
+    (record,) = _records(log)
+    assert record["request_raw"] == body.decode() and record["request_bytes"] == len(body)

@@ -803,3 +803,15 @@ def test_a_running_attempt_renews_its_lease(
         outcome = asyncio.run(runner.run_attempt(request(ctx, "hi\n@agent requests=1"), 1))
     assert outcome.status == "succeeded" and policy.renewed == [True]
     assert ctx.repo.episode_leases(ctx.cycle_id) == [], "ended with its row, renewals stopped"
+
+
+def test_the_runner_s_log_reader_skips_a_line_nested_past_the_parser_s_stack(tmp_path: Path) -> None:
+    """Classification reads the attempt's proxy log; one unreadable line (here nested past the JSON parser's stack)
+    is skipped, not fatal."""
+    from mass_ops.runtime.runner import _read_proxy_log
+
+    log = tmp_path / "api.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    lines = [json.dumps({"seq": 1, "status": 200}), deep, json.dumps({"seq": 3, "status": 503})]
+    log.write_text("\n".join(lines) + "\n")
+    assert [(r["seq"], r["status"]) for r in _read_proxy_log(log)] == [(1, 200), (3, 503)]

@@ -104,6 +104,14 @@ def test_error_chunk_bad_chunk_comments_and_missing_done() -> None:
     assert result["choices"][0]["message"]["content"] == "partial"
 
 
+def test_a_chunk_nested_past_the_parser_s_depth_is_a_bad_chunk_not_a_crash() -> None:
+    depth = 100_000
+    stream = _event(_chunk({"content": "kept"})) + "data: " + "[" * depth + "]" * depth + "\n\ndata: [DONE]\n\n"
+    result = assemble_sse(stream)
+    assert result["n_bad_chunks"] == 1 and result["n_chunks"] == 1 and result["done"] is True
+    assert result["choices"][0]["message"]["content"] == "kept"
+
+
 def test_stop_reason_and_several_choices() -> None:
     stream = (
         _event(_chunk({"content": "first"}, index=0))
