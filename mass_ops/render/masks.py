@@ -177,8 +177,8 @@ def _parsed_call(call: Any) -> Any:
         if not arguments.strip():
             function["arguments"] = {}
         else:
-            # Text that is not JSON stays verbatim: it is what the model generated.
-            with contextlib.suppress(ValueError):
+            # Text that is not JSON (or nests past the parser's stack) stays verbatim: it is what the model generated.
+            with contextlib.suppress(ValueError, RecursionError):
                 function["arguments"] = json.loads(arguments)
     return {**call, "function": function}
 

@@ -65,9 +65,11 @@ def test_vllm_normalisation_joins_parts_and_parses_arguments():
     odd = [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": ""}},
         {"type": "function", "function": {"name": "g", "arguments": "{not json"}},
+        {"type": "function", "function": {"name": "h", "arguments": "[" * 100_000 + "]" * 100_000}},
     ]}]  # fmt: skip
     calls = vllm_messages(odd)[0]["tool_calls"]
     assert calls[0]["function"]["arguments"] == {} and calls[1]["function"]["arguments"] == "{not json"
+    assert calls[2]["function"]["arguments"] == "[" * 100_000 + "]" * 100_000  # past the parser's stack: verbatim
 
 
 def test_non_text_content_is_refused():
