@@ -274,6 +274,8 @@ def _read_provenance(reader: _Reader) -> CatalogueProvenance:
         raw = json.loads(reader.text(PROVENANCE_FILE))
     except json.JSONDecodeError as exc:
         raise TaskFormatError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    except RecursionError:
+        raise TaskFormatError(f"{path}: invalid JSON (nested too deeply)") from None
     files = raw.get("files") if isinstance(raw, dict) else None
     fields = ("source", "imported_at", "mass_ops_version")
     if (

@@ -241,3 +241,6 @@ def test_an_imported_catalogue_edited_afterwards_is_refused(tmp_path: Path) -> N
     (dest / "provenance.json").write_text("{}", encoding="utf-8")
     with pytest.raises(TaskFormatError, match="must hold source, files"):
         load_catalogue(dest)
+    (dest / "provenance.json").write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(TaskFormatError, match=r"provenance\.json: invalid JSON \(nested too deeply\)"):
+        load_catalogue(dest)
