@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
@@ -159,8 +160,15 @@ def generation_server(ctx: CycleContext, name: str, scope: str) -> GenerationSer
 
 
 def serving_config(config: CycleConfig, server: GenerationServer) -> CycleConfig:
-    """`config` with its endpoint and served model pointed at `server` (nothing else changes)."""
-    inference = config.inference.model_copy(update={"endpoint": server.endpoint})
+    """`config` with its endpoint and served model pointed at `server`. On the local backend that server is
+    `transformers serve` whatever the in-loop endpoint is, so the config also says so: an OpenAI-compatible
+    backend (no vLLM sampling extensions, which it refuses with HTTP 422) scheduling first come, first served (no
+    `priority` field). Nothing else changes."""
+    update: dict[str, Any] = {"endpoint": server.endpoint}
+    if config.compute.backend == "local":
+        update["backend"] = "openai-compatible"
+        update["server"] = config.inference.server.model_copy(update={"scheduling_policy": "fcfs"})
+    inference = config.inference.model_copy(update=update)
     models = config.models.model_copy(update={"served_name": server.served_name})
     return config.model_copy(update={"inference": inference, "models": models})
 

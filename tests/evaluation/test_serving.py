@@ -17,6 +17,7 @@ from mass_ops.compute.kubernetes import inference_url
 from mass_ops.compute.local import LocalServerError, ServerState, is_alive, read_state
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.context import CycleContext, attach_cycle
+from mass_ops.critical_path import server_priority
 from mass_ops.evaluation.rollouts import rollout_requests
 from mass_ops.serving import (
     GenerationServer,
@@ -116,6 +117,26 @@ def test_serving_config_changes_exactly_the_endpoint_and_the_served_name(eval_en
     assert served.cycle_name == eval_env.config.cycle_name
     # models.served_name is part of the cycle's identity, so the hash moves: the served config is never re-attached.
     assert served.config_hash() != eval_env.config.config_hash()
+
+
+def test_a_local_generation_server_is_served_as_the_openai_compatible_server_it_is(eval_env):
+    """Locally every generation runs on `transformers serve`, even when the in-loop endpoint is a vLLM server that
+    schedules by priority: rollouts and judges on it must send neither vLLM's sampling extensions nor `priority`
+    (it answers them with HTTP 422). A Kubernetes generation server is a vLLM Deployment of the cycle's config."""
+    inference = eval_env.config.inference.model_copy(
+        update={
+            "backend": "vllm",
+            "server": eval_env.config.inference.server.model_copy(update={"scheduling_policy": "priority"}),
+        }
+    )
+    vllm_loop = eval_env.config.model_copy(update={"inference": inference})
+    server = GenerationServer("L1", "http://127.0.0.1:8012/v1", "served-L1")
+    local = serving_config(vllm_loop, server).inference
+    assert (local.backend, local.server.scheduling_policy) == ("openai-compatible", "fcfs")
+    assert server_priority(serving_config(vllm_loop, server), "other") is None
+    cluster = vllm_loop.model_copy(update={"compute": vllm_loop.compute.model_copy(update={"backend": "kubernetes"})})
+    remote = serving_config(cluster, server).inference
+    assert (remote.backend, remote.server.scheduling_policy) == ("vllm", "priority")
 
 
 def test_serving_context_stays_in_the_cycle_and_records_there(eval_env):
