@@ -96,7 +96,7 @@ from benchmarks.schedule_model import Calls, IdealFigures, ModelRun, ideal  # no
 from benchmarks.schedule_model import schedule as ideal_schedule  # noqa: E402
 from mass_ops.config import CycleConfig, read_config_source, validate_config  # noqa: E402
 from mass_ops.context import CycleContext, open_cycle  # noqa: E402
-from mass_ops.critical_path import episode_phase, server_priority  # noqa: E402
+from mass_ops.critical_path import episode_server_priority  # noqa: E402
 from mass_ops.llm import RetryPolicy  # noqa: E402
 from mass_ops.llm.calls import open_client  # noqa: E402
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest  # noqa: E402
@@ -317,7 +317,7 @@ class SimRunner:
             self.candidate_order.append((request.unit.task_id, request.unit.candidate))
         unit = request.unit
         # What the episode's proxy stamps on each of the agent's requests when the server schedules by priority.
-        priority = server_priority(self.config, episode_phase(unit.kind), unit.version)
+        priority = episode_server_priority(self.config, unit.kind, unit.version)
         await asyncio.to_thread(self._hold, self.lengths.episode(unit.slug), priority)
         if on_agent_exit is not None:
             on_agent_exit()  # publishing does not load the server

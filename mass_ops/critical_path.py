@@ -55,3 +55,8 @@ def server_priority(config: CycleConfig, phase: Phase, version: int | None = Non
     if phase == "ranking":
         phase = "collection"
     return chain_priority("search", 0, iterations) - chain_priority(phase, version, iterations)
+
+
+def episode_server_priority(config: CycleConfig, kind: str, version: int | None) -> int | None:
+    """`server_priority` of an episode of `kind` (a `layout.EpisodeKind`) at `version`: what its proxy stamps."""
+    return server_priority(config, episode_phase(kind), version)

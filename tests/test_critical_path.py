@@ -4,7 +4,7 @@ first)."""
 from __future__ import annotations
 
 from mass_ops.config import CycleConfig, read_config_source, validate_config
-from mass_ops.critical_path import chain_priority, episode_phase, server_priority
+from mass_ops.critical_path import chain_priority, episode_phase, episode_server_priority, server_priority
 
 
 def paper(policy: str) -> CycleConfig:
@@ -50,3 +50,10 @@ def test_server_priority_is_the_chain_order_turned_the_way_vllm_sorts() -> None:
         server_priority(config, "other"),
     ]
     assert values == [0, 5, 11, 12, 12, 13]  # ranking shares collection's level (see `server_priority`)
+
+
+def test_an_episode_s_server_priority_is_its_phase_s() -> None:
+    config = paper("priority")
+    kinds = [("reference", None), ("search", 4), ("collection", None), ("rollout", None), ("benchmark", None)]
+    assert [episode_server_priority(config, kind, version) for kind, version in kinds] == [0, 4, 12, 13, 13]
+    assert episode_server_priority(paper("fcfs"), "search", 4) is None

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from mass_ops.config import CycleConfig
-from mass_ops.critical_path import episode_phase, server_priority
+from mass_ops.critical_path import episode_server_priority
 from mass_ops.errors import InputError
 from mass_ops.layout import BENCHMARK_TASK_NAME, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
 
@@ -809,7 +809,7 @@ def _unique_env(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _priority_arguments(config: CycleConfig, episode: EpisodeSpec) -> list[str]:
     """The proxy's `--request-priority` for this episode, when the server schedules by priority: set in the pod spec,
     out of the sandbox's reach (`mass_ops.critical_path`)."""
-    priority = server_priority(config, episode_phase(episode.kind), episode.version)
+    priority = episode_server_priority(config, episode.kind, episode.version)
     return [] if priority is None else ["--request-priority", str(priority)]
 
 

@@ -485,9 +485,9 @@ class EpisodePool:
         (nothing was created, so no attempt number is used up). A unit whose task or cycle budget is exhausted is
         not started (`BudgetExhaustedError`)."""
         assert self._scheduler is not None
-        task_id = request.unit.task_id
-        scheduler = self._scheduler
         unit = request.unit
+        task_id = unit.task_id
+        scheduler = self._scheduler
         priority = chain_priority(episode_phase(unit.kind), unit.version, self.ctx.config.search.iterations)
         for wait in range(self.preflight_waits + 1):
             await scheduler.acquire(task_id, priority)

@@ -75,7 +75,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from mass_ops.compute.kubernetes import PROXY_LOG_DIR_ENV, PROXY_URL_ENV
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
-from mass_ops.critical_path import episode_phase, server_priority
+from mass_ops.critical_path import episode_server_priority
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
 from mass_ops.runtime.episode import (
@@ -681,7 +681,7 @@ class EpisodeRunner:
                 agent_token=token,
                 upstream_api_key=api_key,
                 budget=self._episode_budget(unit),
-                request_priority=server_priority(self.config, episode_phase(unit.kind), unit.version),
+                request_priority=episode_server_priority(self.config, unit.kind, unit.version),
             )
             await proxy.start()
             try:

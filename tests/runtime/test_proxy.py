@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from mass_ops.runtime import proxy as proxy_module
-from mass_ops.runtime.proxy import EpisodeBudget, LoggingProxy
+from mass_ops.runtime.proxy import EpisodeBudget, LoggingProxy, close_proxy_session, open_proxy_session
 from tests.policy_server import Fault, FaultRule, PolicyServer, PolicyServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -548,6 +548,8 @@ def test_session_proxy_command_line_reads_the_key_from_its_own_environment(tmp_p
                 "MASS_PROXY_TEST_KEY",
                 "--port-file",
                 str(port_file),
+                "--request-priority",  # as the episode pod's proxy container gets it (compute.kubernetes)
+                "7",
                 cwd=REPO_ROOT,
                 env={**os.environ, "MASS_PROXY_TEST_KEY": SECRET},
                 stdout=subprocess.DEVNULL,
@@ -563,12 +565,21 @@ def test_session_proxy_command_line_reads_the_key_from_its_own_environment(tmp_p
                         assert r.status == 401
                     async with client.get(f"{url}/_mass_proxy/health") as r:
                         assert r.status == 200
+                    session = await open_proxy_session(url, sessions)
+                    chat = {"model": "tiny", "priority": -1, "messages": [{"role": "user", "content": "Do the task."}]}
+                    headers = {"Authorization": f"Bearer {session.token}"}
+                    async with client.post(f"{url}/v1/chat/completions", json=chat, headers=headers) as r:
+                        assert r.status == 200
+                    await close_proxy_session(session)
+                received.extend(request.get("priority") for request in server.requests)
             finally:
                 process.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(process.wait(), timeout=10) == 0
 
+    received: list[Any] = []
     asyncio.run(scenario())
     assert _records(sessions / "rejected.jsonl")[0]["rejected"] == "missing_token"
+    assert received == [7], "the command line's priority replaced the agent's"
 
 
 # --- records off the event loop: order, the record writer process, its failure ------------------------------------
