@@ -2,8 +2,10 @@
 
 Upstream (a fast SSE/JSON server started by this script), proxy (`python -m mass_ops.runtime.proxy`, logging to a
 temp file with raw SSE kept, as in episodes) and client each run in their own process, so the proxy's parsing and
-logging compete with nothing but the machine. The small requests run right after the large streams, while the
-proxy is still building their records (seconds of work each): the case where logging used to add its tail.
+logging compete with nothing but the machine. Streams are chat completions as qwen-code sends them (POST, stream,
+`include_usage`): the proxy reads and forwards each request body as it does an agent's. The small requests run
+right after the large streams, while the proxy is still building their records (seconds of work each): the case
+where logging used to add its tail.
 Targets (ISSUE #17.3): relay ratio >= 0.9 of direct, p95 added latency < 2 ms. After the proxy stops, every
 record is checked: one per request, each line whole JSON, each large stream's `sse_raw` as long as what was sent.
 Beside the ratio it prints each process's CPU seconds per GB streamed and the relay ratio those imply when the CPUs
@@ -30,6 +32,13 @@ import aiohttp
 from aiohttp import web
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+STREAM_REQUEST = {
+    "model": "bench-model",
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_tokens": 1024,
+    "messages": [{"role": "user", "content": "Stream the benchmark."}],
+}
 
 
 def _event(i: int) -> bytes:
@@ -64,7 +73,7 @@ async def _serve_upstream(port_file: Path) -> None:
         return web.json_response({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
 
     app = web.Application()
-    app.router.add_get("/v1/stream", stream)
+    app.router.add_post("/v1/chat/completions", stream)
     app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -95,7 +104,8 @@ async def _throughput(bases: list[str], events: int, repeats: int) -> tuple[list
         for _ in range(repeats):
             for i, base in enumerate(bases):
                 started, received = time.perf_counter(), 0
-                async with client.get(f"{base}/v1/stream", params={"events": str(events)}) as response:
+                params = {"events": str(events)}
+                async with client.post(f"{base}/v1/chat/completions", params=params, json=STREAM_REQUEST) as response:
                     async for chunk in response.content.iter_any():
                         received += len(chunk)
                 rates[i].append(received / (time.perf_counter() - started))

@@ -312,7 +312,8 @@ def store_gc(
     cfg = resolve_config(config, set_)
     try:
         report = gc(
-            open_artifact_store(cfg.storage.artifact_url),
+            # Opened without creating anything: the location is checked for the store marker before it is trusted.
+            open_artifact_store(cfg.storage.artifact_url, create=False),
             MetadataRepository.from_url(cfg.storage.metadata_url),
             dry_run=not apply,
             delete_unreferenced=delete_unreferenced,
@@ -323,6 +324,23 @@ def store_gc(
     sys.stdout.write("".join(f"{line}\n" for line in report.lines()))  # plain: tab-separated for scripts
     if report.failures:
         raise typer.Exit(1)
+
+
+@store_app.command("init")
+def store_init(config: ConfigOption = "demo", set_: SetOption = None) -> None:
+    """Mark the configured artifact store as a mass-ops store (what `store gc` requires). A run's first probe marks
+    a store by itself; this is for a store an older mass-ops wrote, before stores carried the marker."""
+    from mass_ops.store.artifacts import STORE_MARKER, open_artifact_store
+
+    cfg = resolve_config(config, set_)
+    try:
+        store = open_artifact_store(cfg.storage.artifact_url)
+        written = store.mark()
+        held = len(store.list())
+    except HANDLED as exc:
+        raise failure("store init", exc, resume_hint="run it again") from None
+    state = "marked" if written else "already marked"
+    sys.stdout.write(f"{store.url}: {state} as a mass-ops artifact store ({STORE_MARKER}); {held} artifacts\n")
 
 
 @tasks_app.command("list")

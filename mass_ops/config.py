@@ -1026,6 +1026,46 @@ class RuntimeConfig(_Section):
             "recommend)."
         ),
     )
+    proxy_max_request_bytes: PositiveInt = Field(
+        default=32 * 1024**2,
+        description=(
+            "Largest request body (bytes) the episode proxy reads from the agent; a larger one gets HTTP 413, is "
+            "recorded and never forwarded. A full 256K-token context is about 1 MB of JSON."
+        ),
+    )
+    sandbox: Literal["bwrap", "none"] = Field(
+        default="bwrap",
+        description=(
+            "How the local backend contains the agent: `bwrap` = a bubblewrap sandbox (own PID, IPC, mount and "
+            "network namespaces; it sees its workspace, home and a read-only system, and reaches only its episode "
+            "proxy; see mass_ops.compute.sandbox), `none` = a plain process of the runner's user. Where bwrap is "
+            "chosen but unavailable, or none is chosen, an episode with a real API key is refused unless "
+            "`allow_unsandboxed_agent` is true. Kubernetes episodes run in their sandbox pod either way."
+        ),
+    )
+    allow_unsandboxed_agent: bool = Field(
+        default=False,
+        description=(
+            "Run local episodes that hold a real API key (anything but the placeholder EMPTY) without a sandbox: "
+            "the agent can then read the runner's environment and reach every local service. Off by default."
+        ),
+    )
+    sandbox_egress: Literal["none", "public"] = Field(
+        default="none",
+        description=(
+            "Internet for the bwrap-sandboxed agent's downloads (pip, uv, npm, git, curl): `public` = an egress proxy "
+            "per attempt, named in the agent's HTTPS_PROXY/HTTP_PROXY/ALL_PROXY, that forwards CONNECT tunnels and "
+            "plain http:// requests to globally routable addresses only (never loopback, private, link-local or "
+            "cloud metadata, CGNAT or this host's own addresses; see mass_ops.compute.egress), counted in each "
+            "attempt's status document; `none` = no network but the episode proxy. The paper and cycle2 presets "
+            "choose public (the reference's agents download packages)."
+        ),
+    )
+    sandbox_egress_ports: list[Annotated[StrictInt, Field(ge=1, le=65535)]] = Field(
+        default_factory=lambda: [443, 80],
+        min_length=1,
+        description="Destination ports the egress proxy forwards to (`sandbox_egress: public`); others get HTTP 403.",
+    )
 
 
 UsdAmount = Annotated[StrictFloat, Field(gt=0.0, le=1e9)]

@@ -4,6 +4,14 @@
 # DeepSpeed is built against it without build isolation (its sdist imports torch at build time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The local agent's sandbox is bubblewrap (mass_ops/compute/sandbox.py). Install it once where it is missing and we
+# can (root with apt-get, as on a fresh CI machine); elsewhere the sandbox tests skip and say why.
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+    || echo "setup: could not install bubblewrap; local episodes with a real API key will be refused" >&2
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

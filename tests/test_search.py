@@ -480,7 +480,7 @@ def test_keep_design_carries_the_current_design_forward_visibly(inner_loop: Inne
     (attempt,) = ledger.attempts(CallUnit("task51/optimizer/v0_to_v1", "optimizer", 51))
     assert attempt.status == CallStatus.INVALID
     assert versions[1].proposal_call_id == attempt.id
-    from mass_ops.evaluation.report import _carried_design_notes
+    from mass_ops.evaluation.report.data import _carried_design_notes
 
     (note,) = _carried_design_notes(opened.ctx)
     assert "Task 51: v1 repeat" in note and "keep_design" in note

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mass_ops.errors import InputError
+from mass_ops.store.untrusted import read_capped
 
 logger = logging.getLogger(__name__)
 
@@ -281,11 +282,28 @@ def _excerpt_targets(root: Path) -> list[tuple[str, str]]:
     return targets
 
 
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_bytes().decode("utf-8", errors="replace")
-    except OSError:
+def _read_text(path: Path, max_chars: int) -> str | None:
+    """The text of `path` as far as an excerpt of `max_chars` characters can show it, read within a bounded number
+    of bytes whatever the file's size (None when it cannot be opened as a regular file).
+
+    A file of at most `excerpt_read_bytes(max_chars)` bytes is read whole; a larger one only its head and its tail,
+    each as many bytes as half the excerpt can hold in UTF-8 (4 bytes a character), joined by a marker naming the
+    bytes not read — so the head-and-tail excerpt cut from it is the one the whole file would give."""
+    side = excerpt_read_bytes(max_chars) // 2
+    read = read_capped(path, head=side, tail=side)
+    if read is None:
         return None
+    head = read.head.decode("utf-8", errors="replace")
+    if not read.omitted:
+        return head + read.tail.decode("utf-8", errors="replace")
+    tail = read.tail.decode("utf-8", errors="replace")
+    return f"{head}\n\n[... {read.omitted} bytes not read ...]\n\n{tail}"
+
+
+def excerpt_read_bytes(max_chars: int) -> int:
+    """The most bytes read of one file for an excerpt of `max_chars` characters: 4 bytes per character (UTF-8's
+    widest) on each of the head and the tail, so the excerpt never lacks text it would have shown."""
+    return 8 * max(max_chars, 1)
 
 
 def file_excerpts(root: Path, caps: EvidenceCaps) -> list[Excerpt]:
@@ -294,9 +312,6 @@ def file_excerpts(root: Path, caps: EvidenceCaps) -> list[Excerpt]:
     for relative, category in _excerpt_targets(root):
         path = root / relative
         if not path.is_file():
-            continue
-        text = _read_text(path)
-        if text is None:
             continue
         if category == "report":
             limits = (caps.report_chars, caps.report_tokens, "markdown")
@@ -309,6 +324,9 @@ def file_excerpts(root: Path, caps: EvidenceCaps) -> list[Excerpt]:
         else:
             limits = (caps.code_chars, caps.code_tokens, "python" if relative.endswith(".py") else "text")
         max_chars, max_tokens, language = limits
+        text = _read_text(path, max_chars)  # read within a bound, whatever the file's size
+        if text is None:
+            continue
         capped, cut = cap_excerpt(text, max_chars, max_tokens, caps.token_model)
         excerpts.append(Excerpt(path=relative, text=capped, truncated=cut, language=language))
     return excerpts
@@ -326,12 +344,16 @@ def _fence(text: str, language: str = "") -> str:
 
 @dataclass(frozen=True)
 class EvidenceBundle:
-    """The evidence of one workspace for one task; `body` is rendered under a heading chosen by the prompt."""
+    """The evidence of one workspace for one task; `body` is rendered under a heading chosen by the prompt.
+
+    `refused` says why the workspace could not be unpacked within the platform's archive limits (None: it was); a
+    judge never sees such a bundle, the pair's outcome follows from the refusal (`PairwiseJudge.judge`)."""
 
     task_id: int
     query_id: str
     location: str
     body: str
+    refused: str | None = None
 
     def render(self, heading: str) -> str:
         return f"# {heading} (evidence only)\nPath: `{self.location}`\n\n{self.body}"
@@ -367,6 +389,12 @@ def build_bundle(
     return EvidenceBundle(task_id=task_id, query_id=f"query_{task_id}", location=location, body="\n".join(parts))
 
 
+def refused_bundle(bundle: EvidenceBundle, reason: str) -> EvidenceBundle:
+    """`bundle` (built from an empty folder, so it names the task and location) marked as refused for `reason`."""
+    body = f"The workspace was not unpacked: {reason}"
+    return EvidenceBundle(bundle.task_id, bundle.query_id, bundle.location, body, refused=reason)
+
+
 # -- the optimizer's results/ appendix ------------------------------------------------------------------------------
 
 
@@ -395,7 +423,7 @@ def results_json_appendix(root: Path, task_id: int, *, per_file_chars: int = 240
     used = 0
     omitted: list[str] = []
     for relative in files:
-        text = _read_text(root / relative) or ""
+        text = _read_text(root / relative, per_file_chars) or ""
         if len(text) > per_file_chars:
             half = per_file_chars // 2
             text = f"{text[:half]}\n{APPENDIX_TRUNCATION_MARKER}\n{text[len(text) - half :]}"

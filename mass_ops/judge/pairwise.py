@@ -13,6 +13,10 @@ outcome is ``invalid``: the stage decides (`judge.invalid_verdicts`) whether to 
 as a tie — or to fail, in which case a rerun's `judge()` makes a fresh round of attempts (fresh seeds: the count of
 unusable answers keeps growing across runs). Infrastructure failures are not retried here: they raise, and a rerun
 makes a new attempt with the same seed.
+
+A side whose workspace the platform refused to unpack (`EvidenceBundle.refused`: over the archive limits, unsafe)
+is not shown to any judge: it loses the pair, both refused is a tie, with no call and the refusal as rationale.
+The stage records that outcome like any verdict, so a rerun reuses it and never fetches the workspace again.
 """
 
 from __future__ import annotations
@@ -126,6 +130,9 @@ class PairwiseJudge:
 
     def judge(self, case: PairwiseCase) -> JudgeOutcome:
         """The verdict of `case`, reusing any finished attempt already in the ledger."""
+        refused = refused_outcome(case)
+        if refused is not None:
+            return refused
         system = judge_system_prompt(case.task_id, prompts=self.prompts)
         forward = self._judge_order(
             case.unit,
@@ -223,6 +230,16 @@ class PairwiseJudge:
             if invalid_now > self.invalid_retries:
                 reason = f"judge output invalid after {invalid_now} attempts (last: {attempt.row.error})"
                 return _OrderResult(None, reason, attempt.row.id, usage, calls)
+
+
+def refused_outcome(case: PairwiseCase) -> JudgeOutcome | None:
+    """The outcome of a pair with a refused workspace (see the module docstring); None when both were unpacked."""
+    a, b = case.bundle_a.refused, case.bundle_b.refused
+    if a is None and b is None:
+        return None
+    verdict: Verdict = "tie" if a is not None and b is not None else ("B" if a is not None else "A")
+    reasons = [f"workspace {label} was not judged: {why}" for label, why in (("A", a), ("B", b)) if why is not None]
+    return JudgeOutcome(verdict, "; ".join(reasons), None, None, 0)
 
 
 def _usage(value: dict[str, Any] | None) -> dict[str, Any]:

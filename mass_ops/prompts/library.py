@@ -9,6 +9,10 @@ Rendering is strict (an undefined variable is an error), never HTML-escaped, and
 newline, so a template renders exactly the text the model receives. Block tags on their own line leave no trace
 (``trim_blocks``/``lstrip_blocks``).
 
+A template is untrusted code (anyone who can write into ``prompts.dir``): it renders in Jinja2's immutable sandbox,
+so ``''.__class__.__mro__`` and friends raise instead of reaching Python's internals, and `check_templates` also
+refuses such an access statically, on every branch, since sample variables cannot take every path of a template.
+
 Which templates the prompt builders use: the `PromptSet` passed to them (a stage passes its cycle's,
 `CycleContext.prompts`, which `open_cycle`/`attach_cycle` load and check against the recorded hashes), else the
 shipped one. Nothing is process-wide: two cycles with different templates can run in one process.
@@ -24,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
+from jinja2.sandbox import (
+    UNSAFE_ASYNC_GENERATOR_ATTRIBUTES,
+    UNSAFE_COROUTINE_ATTRIBUTES,
+    UNSAFE_FUNCTION_ATTRIBUTES,
+    UNSAFE_GENERATOR_ATTRIBUTES,
+    UNSAFE_METHOD_ATTRIBUTES,
+    ImmutableSandboxedEnvironment,
+)
 
 from mass_ops.config import ConfigError, CycleConfig
 from mass_ops.errors import InputError
@@ -33,6 +45,16 @@ from mass_ops.prompts.specs import TEMPLATES
 TEMPLATE_DIR = Path(__file__).with_name("templates")
 # Far above any real prompt template; stops a mistyped folder (a dataset, a model) from being read into memory.
 MAX_TEMPLATE_BYTES = 256 * 1024
+# Attribute names the sandbox refuses on some object besides every name starting with "_" (`mro` on a type); a
+# template naming one is refused at check time even on a branch no sample takes.
+UNSAFE_ATTRIBUTES = frozenset(
+    {"mro"}
+    | UNSAFE_FUNCTION_ATTRIBUTES
+    | UNSAFE_METHOD_ATTRIBUTES
+    | UNSAFE_GENERATOR_ATTRIBUTES
+    | UNSAFE_COROUTINE_ATTRIBUTES
+    | UNSAFE_ASYNC_GENERATOR_ATTRIBUTES
+)
 
 
 class PromptError(InputError):
@@ -66,7 +88,9 @@ class PromptSet:
         if missing:
             raise ValueError(f"prompt set lacks templates {missing}")
         self.templates = dict(templates)
-        self._env = jinja2.Environment(
+        # The sandbox, immutable: a template may read its variables but neither reach Python internals nor mutate
+        # the values it was given (the same objects go on to the next call).
+        self._env = ImmutableSandboxedEnvironment(
             loader=jinja2.FunctionLoader(self._source),
             undefined=jinja2.StrictUndefined,
             autoescape=False,  # plain text for a model, never HTML
@@ -141,6 +165,9 @@ class PromptSet:
         if unknown:
             allowed = ", ".join(sorted(known)) or "none"
             return f"uses unknown variable(s) {', '.join(unknown)} (this template gets: {allowed})"
+        unsafe = unsafe_access(tree)
+        if unsafe is not None:
+            return unsafe
         try:
             if macros:  # a macro library renders with no variables, so its module can be built
                 module = self._env.get_template(name).module
@@ -154,6 +181,26 @@ class PromptSet:
         except Exception as exc:  # a template is user code: any error of its expressions is a broken template
             return f"does not render: {type(exc).__name__}: {_one_line(exc)}"
         return None
+
+
+def unsafe_access(tree: nodes.Template) -> str | None:
+    """The first attribute access of a parsed template that the sandbox would refuse (`x.__class__`,
+    `x['__globals__']`, `x|attr('__mro__')`), as a problem line naming it and its line; None when there is none.
+
+    Static, so it covers branches that no sample renders; a name built at run time ('__cla' ~ 'ss__') is not seen
+    here but still raises in the sandbox."""
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter)):
+        if isinstance(node, nodes.Getattr):
+            name: object = node.attr
+        elif isinstance(node, nodes.Getitem):
+            name = node.arg.value if isinstance(node.arg, nodes.Const) else None
+        elif node.name == "attr" and node.args and isinstance(node.args[0], nodes.Const):
+            name = node.args[0].value
+        else:
+            continue
+        if isinstance(name, str) and (name.startswith("_") or name in UNSAFE_ATTRIBUTES):
+            return f"line {node.lineno}: accesses the unsafe attribute {name!r} (templates render in a sandbox)"
+    return None
 
 
 def _one_line(exc: BaseException) -> str:

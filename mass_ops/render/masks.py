@@ -22,12 +22,12 @@ an intermediate turn without reasoning) is a `RenderError`, as in the reference:
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mass_ops.render.errors import RenderError
+from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -177,9 +177,9 @@ def _parsed_call(call: Any) -> Any:
         if not arguments.strip():
             function["arguments"] = {}
         else:
-            # Text that is not JSON (or nests past the parser's stack) stays verbatim: it is what the model generated.
-            with contextlib.suppress(ValueError, RecursionError):
-                function["arguments"] = json.loads(arguments)
+            # Text that is not JSON (or nests past the depth limit) stays verbatim: it is what the model generated.
+            with contextlib.suppress(UntrustedInputError):
+                function["arguments"] = loads_untrusted(arguments, what="tool-call arguments")
     return {**call, "function": function}
 
 

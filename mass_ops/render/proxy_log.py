@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from mass_ops.render.errors import RenderError
+from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 _GZIP_MAGIC = b"\x1f\x8b"
+# One record holds a request the agent sent and the reply; far above the proxy's own request limit, and what
+# one line may cost the renderer's memory however the (gzipped) log was made.
+LOG_LINE_MAX_BYTES = 256 << 20
 
 ProxyLogSource = bytes | bytearray | str | os.PathLike[str] | Iterable[Mapping[str, Any] | str | bytes]
 
@@ -62,18 +66,29 @@ def _iter_lines(handle: BinaryIO, where: str) -> Iterator[Mapping[str, Any]]:
     handle.seek(0)
     stream: BinaryIO = gzip.GzipFile(fileobj=handle) if head == _GZIP_MAGIC else handle  # type: ignore[assignment]
     try:
-        for number, line in enumerate(stream, start=1):
+        for number, line in enumerate(capped_lines(stream, where), start=1):
             if line.strip():
                 yield _parse_line(line, where, number)
     except (OSError, EOFError) as exc:  # corrupt or truncated gzip member
         raise RenderError(f"{where}: unreadable compressed log ({type(exc).__name__}: {exc})") from exc
 
 
+def capped_lines(stream: BinaryIO, where: str) -> Iterator[bytes]:
+    """The lines of a proxy log, each read only up to `LOG_LINE_MAX_BYTES` (RenderError naming `where` and the line
+    beyond it): never more than one capped line in memory, however long a line the log holds."""
+    number = 0
+    while line := stream.readline(LOG_LINE_MAX_BYTES + 1):
+        number += 1
+        if len(line) > LOG_LINE_MAX_BYTES:
+            raise RenderError(f"{where}: line {number} is over the {LOG_LINE_MAX_BYTES:,}-byte limit")
+        yield line
+
+
 def _parse_line(line: str | bytes, where: str, number: int) -> Mapping[str, Any]:
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise RenderError(f"{where}: line {number} is not valid JSON ({exc.__class__.__name__})") from exc
+        record = loads_untrusted(line, what=f"{where}: line {number}", max_bytes=LOG_LINE_MAX_BYTES)
+    except UntrustedInputError as exc:
+        raise RenderError(str(exc)) from None
     if not isinstance(record, dict):
         raise RenderError(f"{where}: line {number} is a JSON {type(record).__name__}, not an object")
     return record

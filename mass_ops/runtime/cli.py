@@ -12,8 +12,9 @@ agents and proxies are stopped and nothing is recorded for the interrupted attem
 
 `--handoff DIR` (the sandbox container of a Kubernetes episode pod): the run reaches neither the artifact store nor
 the metadata DB; it hands every attempt to `mass-ops episode publish --handoff DIR` running beside it, which holds
-the credentials (`mass_ops.runtime.handoff`). The prompt then comes from `--prompt-file`; a prompt file in the
-hand-off folder (`DIR/prompt.txt`) is the one the publisher delivers (`episode publish --prompt-uri URI
+the credentials (`mass_ops.runtime.handoff`) and, given `--proxy-control SOCKET --proxy-sessions DIR`, alone opens
+and closes the attempts' sessions on the pod's episode proxy. The prompt then comes from `--prompt-file`; a prompt
+file in the hand-off folder (`DIR/prompt.txt`) is the one the publisher delivers (`episode publish --prompt-uri URI
 --prompt-sha256 H`: fetched from the store and checked against the hash), and the run waits for it. `episode publish`
 exits 0 when everything handed over was published, 1 when something could not be, 2 for a prompt it cannot deliver
 or a hand-off that ended without its marker or holds something it must not (nothing of that is published).
@@ -306,6 +307,7 @@ def _run(
         except HandoffError as exc:
             raise _fail(str(exc), 1) from None
         pool_options["sink"] = handoff.sink
+        pool_options["proxy_sessions"] = handoff.proxy_sessions  # None unless the publisher opens them
     ctx = options.applied(ctx, generation)
     display = _Display(len(requests), enabled=progress if progress is not None else _err.is_terminal)
     previous_handler = _install_sigterm()
@@ -354,19 +356,50 @@ def publish_command(
     ] = None,
     workspace_seed_uri: SeedUriOption = None,
     workspace_seed_sha256: SeedSha256Option = None,
+    proxy_control: Annotated[
+        Path | None,
+        typer.Option("--proxy-control", help="The pod proxy's control socket: open each attempt's proxy session."),
+    ] = None,
+    proxy_sessions: Annotated[
+        Path | None,
+        typer.Option("--proxy-sessions", help="The pod proxy's session-log folder (with --proxy-control)."),
+    ] = None,
+    endpoint: Annotated[
+        str | None, typer.Option("--endpoint", help="Benchmark episodes: the evaluated generation's server.")
+    ] = None,
+    served_name: Annotated[
+        str | None, typer.Option("--served-name", help="Benchmark episodes: the model name that server serves.")
+    ] = None,
 ) -> None:
-    """Publish what `episode run --handoff` hands over: each attempt's artifacts, then its row (one JSON line each)."""
+    """Publish what `episode run --handoff` hands over: each attempt's artifacts, then its row (one JSON line each).
+    With `--proxy-control` it also opens and closes each attempt's session on the pod's proxy, and publishes that
+    session's own log and counts."""
     with _episode_logging(log_format):
         try:
             cfg = load_config(config, set_ or ())
         except ConfigError as exc:
             raise _fail("\n".join(exc.problems)) from None
-        from mass_ops.runtime.handoff import HandoffError, HandoffPublisher, IncompleteHandoffError, PromptDelivery
+        from mass_ops.compute.kubernetes import EpisodeServer, SpecError
+        from mass_ops.runtime.handoff import (
+            HandoffError,
+            HandoffPublisher,
+            IncompleteHandoffError,
+            PodProxy,
+            PromptDelivery,
+        )
 
         if (prompt_uri is None) != (prompt_sha256 is None):
             raise _fail("episode publish: give --prompt-uri and --prompt-sha256 together")
         if (workspace_seed_uri is None) != (workspace_seed_sha256 is None):
             raise _fail("episode publish: give --workspace-seed-uri and --workspace-seed-sha256 together")
+        if (proxy_control is None) != (proxy_sessions is None):
+            raise _fail("episode publish: give --proxy-control and --proxy-sessions together")
+        if (endpoint is None) != (served_name is None):
+            raise _fail("episode publish: give --endpoint and --served-name together")
+        try:
+            server = None if endpoint is None else EpisodeServer(endpoint, str(served_name))
+        except SpecError as exc:
+            raise _fail(f"episode publish: --endpoint: {exc}") from None
         try:
             seed = _workspace_seed(workspace_seed_uri, workspace_seed_sha256, "--workspace-seed-sha256")
         except EpisodeInputError as exc:
@@ -382,6 +415,8 @@ def publish_command(
             on_outcome=lambda outcome: print(json.dumps(outcome_line(outcome)), flush=True),
             prompt=PromptDelivery(prompt_uri, prompt_sha256) if prompt_uri and prompt_sha256 else None,
             workspace_seed=seed,
+            proxy=None if proxy_control is None else PodProxy(proxy_control, Path(str(proxy_sessions))),
+            server=server,
         )
         try:
             code = publisher.run()

@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from mass_ops.layout import EpisodeKind, EpisodeUnit, cycle_prefix
+from mass_ops.store.untrusted import ARCHIVE_LIMITS
 
 EpisodeStatus = Literal["succeeded", "model_failure", "infra_failure", "budget_exhausted"]
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # A workspace seed is a benchmark task's inputs: a repository checkout with its commit's pack, a task's files. The
-# limits keep a wrong or hostile archive from filling the sandbox's disk (its emptyDir has a size limit too).
-SEED_MAX_ENTRIES = 200_000
-SEED_MAX_BYTES = 4 << 30
+# limits keep a wrong or hostile archive from filling the sandbox's disk (its emptyDir has a size limit too); they
+# are the platform's one set of archive limits, shared with every workspace the judge or evaluation unpacks.
+SEED_MAX_ENTRIES = ARCHIVE_LIMITS.max_entries
+SEED_MAX_BYTES = ARCHIVE_LIMITS.max_bytes
 
 
 @dataclass(frozen=True)
@@ -120,5 +122,7 @@ class EpisodeExecutor(Protocol):
         ...
 
     def workspace(self, outcome: EpisodeOutcome, dest: Path) -> Path:
-        """Materialise the episode's workspace (for evidence bundles) under `dest`; returns its root."""
+        """Materialise the episode's workspace (for evidence bundles) under `dest`; returns its root. A workspace
+        the platform will not unpack (over `store.untrusted.ARCHIVE_LIMITS`, or unsafe) raises
+        `store.artifacts.UnsafeArchiveError` with nothing left under `dest`."""
         ...

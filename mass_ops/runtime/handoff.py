@@ -25,6 +25,11 @@ The folder, each file written atomically (temporary name, then rename) and by on
                                           under a temporary name with `publication.json` (status document and row
                                           fields) written last, then renamed: a folder under its final name is whole
     acks/<slug>-a<N>.json      publisher  that attempt's recorded outcome (episode id, artifact URIs), or its error
+    sessions/<id>.open         sandbox    the runner asks for the proxy session of attempt N (id: <slug>-a<N>-t<try>)
+    sessions/<id>.session.json publisher  the answer: the agent's proxy URL and token, or why not (and if transient)
+    sessions/<id>.close        sandbox    the agent has ended: close the session
+    sessions/<id>.log          publisher  a copy of the closed session's log, for the runner's classification
+    sessions/<id>.closed.json  publisher  the proxy's own record count and usage counters of the closed session
     complete.json              sandbox    the marker, written last: `episode run` has ended, with its exit status
     publisher-failed.json      publisher  the publisher gave up (one line): the sandbox stops waiting
 
@@ -36,20 +41,34 @@ unit starts, and the retry links to the real row. The publisher (`HandoffPublish
 runner's own `publish_episode` — artifacts first, the row last, idempotent — and stops once complete.json is there and
 every handed-over attempt is acknowledged.
 
-Trust: the publisher takes every attempt's identity from request.json as read before any agent ran, derives every
-artifact key itself (the delivered prompt's too: a URI other than the cycle's prompt artifact of that hash is
-refused), reads only regular files of the expected names, refuses a request announcing another prompt than the one
-it delivered, and checks each attempt's prompt against the announced hash. What an attempt measured (status, tokens,
-files) is the sandbox's word — as much as under local publishing, where the agent shares the runner's user too. A
-hand-off that ends without its marker (the sandbox container died) is refused with one line, and nothing of an
-unfinished attempt is published.
+Trust: the runner shares the sandbox container with the agent, so everything in this folder is the agent's to write,
+swap or delete. The publisher takes every attempt's identity from request.json as read before any agent ran, derives
+every artifact key itself (the delivered prompt's too: a URI other than the cycle's prompt artifact of that hash is
+refused), refuses a request announcing another prompt than the one it delivered, and checks each attempt's prompt
+against the announced hash. It opens every file it reads or uploads once, below the folder, without following a link
+(`mass_ops.store.untrusted.open_beneath`): a regular file with one link, checked on the descriptor and read or
+uploaded from that descriptor, so a name swapped for a link after a check, or a hard link to a file elsewhere,
+publishes nothing but the agent's own bytes. A hand-off that ends without its marker (the sandbox container died) is
+refused with one line, and nothing of an unfinished attempt is published.
 
-Budgets: the sandbox's proxy holds only the episode's token budget (it reaches no store). The ledger carries the
-announced units' task and cycle spend as the publisher read it, which the sandbox's pool checks before each attempt
-as it would the store; and the publisher charges each attempt's tokens and server-reported cost to its task and the
-cycle on every ingest of the attempt, keyed by the attempt's row: the charge's marker commits with the increments
-(`budget_charges`), so a retried ingest — even one after a publisher killed between the row and the charge — adds
-the spend exactly once.
+Proxy sessions (`--proxy-control`, the pod's `SessionProxy`): the proxy's control socket and session logs lie in a
+volume the sandbox does not mount, and only the publisher opens sessions: for an announced unit, at its next
+attempt, one per attempt (so at most one open per unit), towards the upstream the publisher derives itself (the
+ledger's rollout server, the benchmark's `--endpoint`, else the configured endpoint) after checking that endpoint
+through the proxy (the preflight), with the episode's token budget. The ledger says so (`proxy_sessions`), and the
+runner then asks for its session in sessions/. The publisher closes a session when the runner asks or, at the
+latest, when its attempt is handed over, and publishes that session's log as the proxy wrote it, with the row's
+`requests` and token counts (and the status document's `usage` and `api_requests`) from the proxy's own counters.
+What the agent writes here can change neither. The rest of what an attempt measured (status, files) is the
+sandbox's word — as much as under local publishing, where the agent shares the runner's user too.
+
+Budgets: the pod's proxy holds only the episode's token budget (it reaches no store; the publisher sets it on each
+session it opens). The ledger carries the announced units' task and cycle spend as the publisher read it, which the
+sandbox's pool checks before each attempt as it would the store; and the publisher charges each attempt's tokens
+and server-reported cost to its task and the cycle on every ingest of the attempt, keyed by the attempt's row: the
+charge's marker commits with the increments (`budget_charges`), so a retried ingest — even one after a publisher
+killed between the row and the charge — adds the spend exactly once. A proxy session whose attempt has no row when
+the sandbox ends (the agent stopped its runner before the hand-over) is charged too, keyed by the session.
 
 Leases (`mass-ops status`): the operator that created the pod leased its unit's next attempt; the publisher ends the
 lease when it ingests an attempt (recorded or not), and every announced unit's once the sandbox has ended.
@@ -57,17 +76,20 @@ lease when it ingests an attempt (recorded or not), and every announced unit's o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gzip
 import hashlib
-import json
+import itertools
 import logging
 import os
+import re
 import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
@@ -83,17 +105,31 @@ from pydantic import (
     ValidationError,
 )
 
+from mass_ops.compute.kubernetes import EpisodeServer, proxy_upstream
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, load_task_catalogue
 from mass_ops.errors import InfrastructureError
 from mass_ops.layout import BENCHMARK_TASK_NAME, EPISODE_FILES, HANDOFF_PROMPT_FILE, EpisodeKind, EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, EpisodeStatus, WorkspaceSeed, workspace_seed_key
+from mass_ops.runtime.outcome import UsageTotals
+from mass_ops.runtime.proxy import ProxySessionError, usage_cost
 from mass_ops.runtime.runner import (
     AttemptFiles,
+    AttemptSession,
+    EndpointUnreachableError,
+    EpisodePreflightError,
     EpisodePublication,
     EpisodeRecord,
     PublishAborted,
+    check_endpoint,
     publish_episode,
+)
+from mass_ops.runtime.runner import _read_proxy_log as read_proxy_log  # the one reader of a proxy log's records
+from mass_ops.runtime.session_proxy import (
+    ClosedSession,
+    ProxySession,
+    close_proxy_session,
+    open_proxy_session,
 )
 from mass_ops.store.artifacts import (
     ArtifactIntegrityError,
@@ -104,6 +140,7 @@ from mass_ops.store.artifacts import (
     write_tarball,
 )
 from mass_ops.store.budgets import charge_episode, episode_scopes
+from mass_ops.store.untrusted import JSON_MAX_BYTES, UntrustedInputError, loads_untrusted, open_beneath, read_beneath
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +153,12 @@ COMPLETE_FILE = "complete.json"
 PUBLISHER_FAILED_FILE = "publisher-failed.json"
 PUBLICATION_FILE = "publication.json"
 SANDBOX_ALIVE = "sandbox.alive"
+SESSIONS_DIR = "sessions"
+# What the runner may ask of the publisher in sessions/ (id: <unit slug>-a<attempt>-t<try of that attempt>).
+_SESSION_ASK = re.compile(
+    r"(?P<id>(?P<slug>[A-Za-z0-9._-]+)-a(?P<attempt>[1-9][0-9]{0,8})-t[0-9]{1,9})\.(?P<ask>open|close)"
+)
+PROMPT_MAX_BYTES = 64 << 20
 PUBLISHER_ALIVE = "publisher.alive"
 HEARTBEAT_INTERVAL_S = 2.0
 POLL_S = 0.2
@@ -129,6 +172,7 @@ ATTEMPT_FILES = ("workspace", "prompt", "stream", "stderr", "api_log", "settings
 # The publisher's credentials: never in what it writes to the folder, which the agent's container can read.
 CREDENTIAL_ENV = ("MASS_METADATA_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 MIN_SCRUBBED = 4  # shorter values would also hit ordinary words
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _HEX64 = r"^[0-9a-f]{64}$"
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -159,6 +203,15 @@ class PromptDelivery:
 
     uri: str
     sha256: str
+
+
+@dataclass(frozen=True)
+class PodProxy:
+    """The pod's `SessionProxy` as the publisher reaches it: its control socket and its session-log folder (both in
+    a volume the sandbox does not mount)."""
+
+    control_socket: Path
+    sessions_dir: Path
 
 
 # --- documents --------------------------------------------------------------------------------------------------
@@ -247,6 +300,8 @@ class Ledger(_Document):
     # the announced units' task and cycle budget scopes at the pod's start: the sandbox's pool checks them before
     # each attempt as it would the store (the operator admitted the pod on the same rule)
     budget_spend: dict[str, ScopeSpend] = {}
+    # the publisher opens each attempt's proxy session (the runner asks in sessions/; module docstring)
+    proxy_sessions: bool = False
 
 
 class AttemptHandoff(_Document):
@@ -278,6 +333,23 @@ class PublisherFailure(_Document):
     error: str
 
 
+class SessionGrant(_Document):
+    """sessions/<id>.session.json: the attempt's proxy session (URL and token for the agent), or why not."""
+
+    proxy_url: str | None = None
+    token: str | None = None
+    error: str | None = None
+    transient: bool = False  # the endpoint or the proxy did not answer: the runner waits and asks again
+
+
+class SessionClosed(_Document):
+    """sessions/<id>.closed.json: the closed session's record count and usage as the proxy counted them."""
+
+    records: NonNegativeInt = 0
+    usage: dict[str, NonNegativeInt] = {}
+    error: str | None = None
+
+
 # --- the folder -------------------------------------------------------------------------------------------------
 
 
@@ -302,17 +374,47 @@ class Handoff:
 
     def write_bytes(self, path: Path, data: bytes) -> None:
         """Write `data` at `path` atomically."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.partial")
-        temp.write_bytes(data)
-        os.replace(temp, path)
+        self.write_chunks(path, [data])
+
+    def write_chunks(self, path: Path, chunks: Iterable[bytes]) -> None:
+        """Write `chunks` at `path` (below the folder) atomically, following no link: the other side may have put
+        one at the path, its temporary name or any folder on the way, and a write must not land elsewhere.
+        `IncompleteHandoffError` when a folder on the way is a link."""
+        relative = path.relative_to(self.root)
+        name, temp = relative.name, f".{relative.name}.partial"
+        self.root.mkdir(parents=True, exist_ok=True)  # the shared volume itself: no other side chose it
+        folder = os.open(self.root, _FOLDER_FLAGS)
+        try:
+            for part in relative.parts[:-1]:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=folder)
+                try:
+                    inner = os.open(part, _FOLDER_FLAGS | os.O_NOFOLLOW, dir_fd=folder)
+                except OSError:
+                    raise IncompleteHandoffError(f"hand-off {self.root}: {part}/ is a link or not a folder") from None
+                os.close(folder)
+                folder = inner
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp, dir_fd=folder)
+            fd = os.open(
+                temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder
+            )
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    out.write(chunk)
+            os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)  # a link at `name` is replaced, not followed
+        finally:
+            os.close(folder)
 
     def read(self, path: Path, model: type[_Model]) -> _Model:
-        """The document at `path`; `IncompleteHandoffError` naming it when it is not a valid `model`."""
-        if path.is_symlink() or not path.is_file():
-            raise IncompleteHandoffError(f"hand-off {self.root}: {self._name(path)} is not a regular file")
+        """The document at `path` (below the folder: opened once, no link followed, a regular file with one link, at
+        most `JSON_MAX_BYTES`); `IncompleteHandoffError` naming it when it is not a valid `model`."""
         try:
-            return model.model_validate_json(path.read_bytes())
+            data = read_beneath(self.root, path.relative_to(self.root), max_bytes=JSON_MAX_BYTES)
+        except (FileNotFoundError, UntrustedInputError, ValueError):
+            raise IncompleteHandoffError(f"hand-off {self.root}: {self._name(path)} is not a regular file") from None
+        try:
+            return model.model_validate_json(data)
         except (OSError, ValidationError) as exc:
             problem = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
             where = ".".join(str(part) for part in problem["loc"]) or "document"
@@ -378,14 +480,12 @@ def _wait(found: Callable[[], _T | None], problem: Callable[[], str | None], *, 
 def api_log_cost(path: Path) -> float:
     """The server-reported cost in USD summed over an attempt's proxy records (gzip JSON lines; 0 without costs):
     what the local proxy would have charged, response by response."""
-    from mass_ops.runtime.proxy import usage_cost
-
     total = 0.0
     with gzip.open(path, "rt", encoding="utf-8", errors="replace") as lines:
         for line in lines:
             try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
+                record = loads_untrusted(line, what=str(path), max_bytes=len(line), max_depth=None)
+            except UntrustedInputError:
                 continue  # a record cut short is not spend anyone can prove
             response = record.get("response") if isinstance(record, dict) else None
             total += usage_cost(response.get("usage") if isinstance(response, dict) else None)
@@ -508,6 +608,7 @@ class SandboxHandoff:
         self.start_timeout_s = start_timeout_s
         self.stale_after_s = stale_after_s
         self.ack_timeout_s = ack_timeout_s
+        self.ledger: Ledger | None = None  # the publisher's answer to the announcement (`open`)
         self._heartbeat: Heartbeat | None = None
 
     def __enter__(self) -> SandboxHandoff:
@@ -568,6 +669,7 @@ class SandboxHandoff:
             timeout_s=self.start_timeout_s,
             what=f"hand-off {handoff.root}: waiting for the publisher's ledger",
         )
+        self.ledger = ledger
         if ledger.serving is not None:
             # A rollout runs on the server of the generation it evaluates; only the publisher can look it up.
             from mass_ops.serving import GenerationServer, serving_config
@@ -595,6 +697,69 @@ class SandboxHandoff:
     @property
     def sink(self) -> HandoffSink:
         return HandoffSink(self)
+
+    @property
+    def proxy_sessions(self) -> HandoffProxySessions | None:
+        """Where the runner gets each attempt's proxy session when the publisher opens them (its ledger says so)."""
+        if self.ledger is None or not self.ledger.proxy_sessions:
+            return None
+        return HandoffProxySessions(self)
+
+
+class HandoffProxySessions:
+    """The runner's proxy sessions in a pod (`runner.ProxySessions`): asked of the publisher in sessions/, never of
+    the proxy, whose control socket this container cannot reach."""
+
+    def __init__(self, session: SandboxHandoff, *, answer_timeout_s: float | None = None) -> None:
+        self.session = session
+        self.answer_timeout_s = answer_timeout_s
+        self._tries = itertools.count(1)
+
+    async def open(self, unit: EpisodeUnit) -> AttemptSession:
+        """The session of attempt `unit.attempt`: `EndpointUnreachableError` when the publisher's preflight found the
+        endpoint (or the proxy) not answering, `EpisodePreflightError` when it refused for good."""
+        name = f"{unit.slug}-a{unit.attempt}-t{next(self._tries)}"
+        grant = await self._ask(name, "open", f"{name}.session.json", SessionGrant)
+        if grant.error is not None or not grant.proxy_url or not grant.token:
+            error = grant.error or "the session answer is empty"
+            raise (EndpointUnreachableError if grant.transient else EpisodePreflightError)(error)
+        return AttemptSession(name=name, proxy_url=grant.proxy_url, token=grant.token)
+
+    async def close(self, session: AttemptSession, api_log: Path) -> UsageTotals:
+        """Have the publisher close `session`; its log (as the proxy wrote it) lands at `api_log`; returns the
+        proxy's counts."""
+        handoff = self.session.handoff
+        closed = await self._ask(session.name, "close", f"{session.name}.closed.json", SessionClosed)
+        if closed.error is not None:
+            raise HandoffError(f"proxy session {session.name}: {closed.error}")
+        copy = handoff.path(SESSIONS_DIR) / f"{session.name}.log"
+        await asyncio.to_thread(_move_file, copy, api_log)
+        return UsageTotals.from_mapping(closed.usage)
+
+    async def _ask(self, name: str, ask: str, answer_name: str, model: type[_Model]) -> _Model:
+        handoff = self.session.handoff
+        answer = handoff.path(SESSIONS_DIR) / answer_name
+        answer.unlink(missing_ok=True)  # an answer planted before the question is not the publisher's
+        handoff.write_bytes(handoff.path(SESSIONS_DIR) / f"{name}.{ask}", b"")
+        # As for an ack: the publisher may be busy publishing another unit's attempt; its heartbeat says it lives.
+        limit = self.answer_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        while not answer.exists():
+            problem = self.session.publisher_problem()
+            if problem is not None:
+                raise HandoffError(f"proxy session {name}: {problem}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise HandoffError(f"proxy session {name}: no answer from the publisher after {limit:g} s")
+            await asyncio.sleep(POLL_S)
+        return handoff.read(answer, model)
+
+
+def _move_file(source: Path, target: Path) -> None:
+    """Copy `source` to `target` and remove `source` (they lie on different volumes)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as inp, target.open("wb") as out:
+        shutil.copyfileobj(inp, out, 1 << 20)
+    source.unlink(missing_ok=True)
 
 
 class HandoffSink:
@@ -668,7 +833,8 @@ class HandoffSink:
 
 
 class HandoffPublisher:
-    """The publisher's end: capture the request, answer with the ledger, publish each attempt, acknowledge it.
+    """The publisher's end: capture the request, answer with the ledger, open and close each attempt's session on the
+    pod's proxy (given `proxy`), publish each attempt, acknowledge it.
 
     `run()` returns 0 when every handed-over attempt was published, 1 when any could not be (each error is in its
     ack and the log); it raises `IncompleteHandoffError` for a hand-off that ended without its marker or holds
@@ -688,11 +854,18 @@ class HandoffPublisher:
         environ: Mapping[str, str] | None = None,
         prompt: PromptDelivery | None = None,
         workspace_seed: WorkspaceSeed | None = None,
+        proxy: PodProxy | None = None,
+        server: EpisodeServer | None = None,
     ) -> None:
         self.config = config
         self.handoff = Handoff(Path(root))
         self.prompt = prompt
         self.workspace_seed = workspace_seed
+        self.proxy = proxy
+        self.server = server  # a benchmark episode's server (`--endpoint --served-name`), as the pod spec names it
+        self._sessions: dict[tuple[str, int], _AttemptProxySession] = {}
+        self._handled_asks: set[str] = set()
+        self._private: Path | None = None  # the publisher's own scratch (not in the hand-off): logs it publishes
         self.attach = attach
         self.start_timeout_s = start_timeout_s
         self.stale_after_s = stale_after_s
@@ -714,7 +887,7 @@ class HandoffPublisher:
         handoff = self.handoff
         handoff.root.mkdir(parents=True, exist_ok=True)
         try:
-            with Heartbeat(handoff.path(PUBLISHER_ALIVE)):
+            with Heartbeat(handoff.path(PUBLISHER_ALIVE)), self._scratch():
                 ctx = None
                 if self.workspace_seed is not None:
                     # Before the prompt: the sandbox starts once prompt.txt is there, and finds its seed beside it.
@@ -741,6 +914,16 @@ class HandoffPublisher:
             )
             raise
         return 1 if self.failures else 0
+
+    @contextlib.contextmanager
+    def _scratch(self) -> Any:
+        """The publisher's private folder for the run (under its own TMPDIR), removed at the end."""
+        self._private = Path(tempfile.mkdtemp(prefix="mass-publisher-"))
+        try:
+            yield
+        finally:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
 
     # -- steps --
 
@@ -867,6 +1050,7 @@ class HandoffPublisher:
             cycle_id=ctx.cycle_id,
             artifact_url=ctx.artifacts.url,
             serving=self._serving(ctx, request),
+            proxy_sessions=self.proxy is not None,
             attempts=attempts,
             budget_spend={
                 scope: ScopeSpend(
@@ -893,18 +1077,25 @@ class HandoffPublisher:
         units = {announced.unit(request.cycle).slug: announced for announced in request.units}
         expected = {slug: (ledger.attempts[slug][-1].attempt + 1 if ledger.attempts[slug] else 1) for slug in units}
         try:
-            self._serve_until_complete(ctx, request, units, expected)
+            self._serve_until_complete(ctx, request, ledger, units, expected)
         finally:
             # The sandbox has ended: no attempt of its units runs any more, whether it was handed over or not.
+            self._close_unrecorded_sessions(ctx, request.cycle, units)
             for slug, announced in units.items():
                 self._end_lease(ctx, announced.unit(request.cycle, expected[slug]))
 
     def _serve_until_complete(
-        self, ctx: CycleContext, request: HandoffRequest, units: dict[str, HandoffUnit], expected: dict[str, int]
+        self,
+        ctx: CycleContext,
+        request: HandoffRequest,
+        ledger: Ledger,
+        units: dict[str, HandoffUnit],
+        expected: dict[str, int],
     ) -> None:
         complete = self.handoff.path(COMPLETE_FILE)
         while True:
             finished = complete.exists()  # read before the scan: what came before the marker is on disk now
+            self._answer_session_asks(ledger, units, expected)
             for slug, announced in units.items():
                 while self.handoff.attempt_dir(slug, expected[slug]).exists():
                     self._publish(ctx, request.cycle, announced, expected[slug])
@@ -945,32 +1136,34 @@ class HandoffPublisher:
     def _publish(self, ctx: CycleContext, cycle: str, announced: HandoffUnit, attempt: int) -> None:
         unit = announced.unit(cycle, attempt)
         ack_path = self.handoff.ack_path(unit.slug, attempt)
-        try:
-            publication = self._publication(ctx, announced, unit)
-            outcome = publish_episode(ctx, publication)
-        except IncompleteHandoffError:
-            raise
-        except Exception as exc:
-            self._end_lease(ctx, unit)  # the attempt has ended, recorded or not
-            self.failures += 1
-            message = self.scrubbed((str(exc).splitlines() or [""])[0])
-            error = f"{type(exc).__name__}: {message}"
-            logger.error("episode %s: publishing failed: %s", unit.key, error)
-            self.handoff.write(ack_path, Ack(unit=unit.slug, attempt=attempt, error=error))
-            return
-        self.handoff.write(
-            ack_path,
-            Ack(
-                unit=unit.slug,
-                attempt=attempt,
-                episode_id=outcome.episode_id,
-                status=outcome.status,
-                artifacts=outcome.artifacts,
-                status_record=outcome.status_record,
-            ),
-        )
-        self._end_lease(ctx, unit)  # its row is recorded: the operator's lease of the pod's attempt ends
-        self._charge(ctx, publication, outcome)  # once per attempt, whichever ingest gets here first
+        # Every file of the attempt stays open from its check until it is uploaded and charged (no check-then-use).
+        with contextlib.ExitStack() as held:
+            try:
+                publication = self._publication(ctx, announced, unit, held)
+                outcome = publish_episode(ctx, publication)
+            except IncompleteHandoffError:
+                raise
+            except Exception as exc:
+                self._end_lease(ctx, unit)  # the attempt has ended, recorded or not
+                self.failures += 1
+                message = self.scrubbed((str(exc).splitlines() or [""])[0])
+                error = f"{type(exc).__name__}: {message}"
+                logger.error("episode %s: publishing failed: %s", unit.key, error)
+                self.handoff.write(ack_path, Ack(unit=unit.slug, attempt=attempt, error=error))
+                return
+            self.handoff.write(
+                ack_path,
+                Ack(
+                    unit=unit.slug,
+                    attempt=attempt,
+                    episode_id=outcome.episode_id,
+                    status=outcome.status,
+                    artifacts=outcome.artifacts,
+                    status_record=outcome.status_record,
+                ),
+            )
+            self._end_lease(ctx, unit)  # its row is recorded: the operator's lease of the pod's attempt ends
+            self._charge(ctx, publication, outcome)  # once per attempt, whichever ingest gets here first
         if self.on_outcome is not None:
             self.on_outcome(outcome)
 
@@ -1012,8 +1205,11 @@ class HandoffPublisher:
                 message,
             )
 
-    def _publication(self, ctx: CycleContext, announced: HandoffUnit, unit: EpisodeUnit) -> EpisodePublication:
-        """The attempt as the runner built it, with identity and keys from the request, files from the folder."""
+    def _publication(
+        self, ctx: CycleContext, announced: HandoffUnit, unit: EpisodeUnit, held: contextlib.ExitStack
+    ) -> EpisodePublication:
+        """The attempt as the runner built it, with identity and keys from the request, files from the folder (each
+        opened once and held in `held`), and — with a pod proxy — the proxy's own log and counts."""
         folder = self.handoff.attempt_dir(unit.slug, unit.attempt)
         document = self.handoff.read(folder / PUBLICATION_FILE, AttemptHandoff)
         if (document.unit, document.attempt) != (unit.slug, unit.attempt):
@@ -1021,21 +1217,31 @@ class HandoffPublisher:
                 f"hand-off {self.handoff.root}: {folder.name} of {unit.slug} describes {document.unit} attempt "
                 f"{document.attempt}"
             )
-        paths = {}
+        paths: dict[str, Path] = {}
+        descriptors: dict[str, int] = {}
         for name in ATTEMPT_FILES:
-            path = folder / EPISODE_FILES[name]
-            if path.is_symlink() or not path.is_file():
+            relative = folder.relative_to(self.handoff.root) / EPISODE_FILES[name]
+            try:
+                descriptors[name] = held.enter_context(open_beneath(self.handoff.root, relative))
+            except (FileNotFoundError, UntrustedInputError):
                 raise IncompleteHandoffError(
-                    f"hand-off {self.handoff.root}: {unit.slug}/a{unit.attempt}/{path.name} is missing or not a "
-                    "regular file"
-                )
-            paths[name] = path
-        prompt = paths["prompt"].read_bytes()
-        if hashlib.sha256(prompt).hexdigest() != announced.prompt_sha256:
+                    f"hand-off {self.handoff.root}: {unit.slug}/a{unit.attempt}/{relative.name} is missing or not a "
+                    "regular file of its own (a link, or a file with other hard links)"
+                ) from None
+            # The store reads the checked descriptor's file through its /proc name: that opens the very file held
+            # here, whatever the folder's name points at by then.
+            paths[name] = Path(f"/proc/self/fd/{descriptors[name]}")
+        prompt = _read_descriptor(descriptors["prompt"], PROMPT_MAX_BYTES)
+        if prompt is None or hashlib.sha256(prompt).hexdigest() != announced.prompt_sha256:
             raise IncompleteHandoffError(
                 f"hand-off {self.handoff.root}: the prompt of {unit.slug}/a{unit.attempt} differs from the one "
                 "announced before the episode started"
             )
+        record, status = document.record, document.status
+        if self.proxy is not None:
+            closed, log = self._attempt_log(unit)
+            paths["api_log"] = log
+            record, status = _with_proxy_counts(record, status, closed)
         request = EpisodeRequest(unit=announced.unit(unit.cycle), condition=announced.condition, prompt=prompt.decode())
         previous = [
             row for row in ctx.repo.episode_attempts(ctx.cycle_id, **unit.identity()) if row.attempt == unit.attempt - 1
@@ -1044,7 +1250,203 @@ class HandoffPublisher:
             request=request,
             unit=unit,
             files=AttemptFiles(workspace_archived=True, **paths),
-            status=document.status,
-            record=document.record,
+            status=status,
+            record=record,
             retry_of_id=previous[0].id if previous else None,
         )
+
+    # -- proxy sessions (with a pod proxy: the module docstring) --
+
+    def _answer_session_asks(self, ledger: Ledger, units: dict[str, HandoffUnit], expected: dict[str, int]) -> None:
+        """Answer what the runner asked in sessions/ since the last look: opens first, then closes."""
+        folder = self.handoff.path(SESSIONS_DIR)
+        if self.proxy is None or not folder.is_dir() or folder.is_symlink():
+            return
+        asks = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name in self._handled_asks:
+                    continue
+                self._handled_asks.add(entry.name)  # answers and strays too: each name is looked at once
+                match = _SESSION_ASK.fullmatch(entry.name)
+                if match is not None:
+                    asks.append(match)
+        for match in sorted(asks, key=lambda m: (m["ask"] != "open", m["id"])):
+            slug, attempt, name = match["slug"], int(match["attempt"]), match["id"]
+            if match["ask"] == "open":
+                grant = self._grant(ledger, units, expected, slug, attempt)
+                self.handoff.write(folder / f"{name}.session.json", grant)
+            else:
+                self.handoff.write(folder / f"{name}.closed.json", self._close_for_runner(slug, attempt, name))
+
+    def _grant(
+        self, ledger: Ledger, units: dict[str, HandoffUnit], expected: dict[str, int], slug: str, attempt: int
+    ) -> SessionGrant:
+        """Open the proxy session of `slug`'s attempt `attempt` when it is an announced unit's next attempt and has
+        had none yet, towards the upstream derived here, after checking the endpoint through the proxy."""
+        if slug not in units:
+            return SessionGrant(error=f"proxy session: {slug} is not a unit this pod announced")
+        if attempt != expected[slug]:
+            return SessionGrant(error=f"proxy session: attempt {attempt} is not the next attempt of {slug}")
+        if (slug, attempt) in self._sessions:
+            return SessionGrant(error=f"proxy session: attempt {attempt} of {slug} already has its session")
+        assert self.proxy is not None
+        config = self._attempt_config(ledger, units[slug])
+        try:
+            session = asyncio.run(self._open_checked(config))
+        except (EndpointUnreachableError, ProxySessionError) as exc:
+            return SessionGrant(error=self.scrubbed(str(exc)), transient=True)
+        except EpisodePreflightError as exc:
+            return SessionGrant(error=self.scrubbed(str(exc)))
+        self._sessions[(slug, attempt)] = _AttemptProxySession(session)
+        logger.info("episode %s attempt %d: proxy session %s opened", slug, attempt, session.name)
+        return SessionGrant(proxy_url=session.proxy_url, token=session.token)
+
+    def _attempt_config(self, ledger: Ledger, announced: HandoffUnit) -> CycleConfig:
+        """The config an attempt of `announced` runs under: on the rollout's server from the ledger, the benchmark's
+        server this publisher was given, else the cycle's endpoint."""
+        from mass_ops.serving import GenerationServer, serving_config
+
+        if ledger.serving is not None:
+            return serving_config(self.config, GenerationServer(**ledger.serving.model_dump()))
+        if self.server is not None:
+            server = GenerationServer(str(announced.generation), self.server.endpoint, self.server.served_name)
+            return serving_config(self.config, server)
+        return self.config
+
+    async def _open_checked(self, config: CycleConfig) -> ProxySession:
+        """The preflight (GET /models through a throwaway session), then the attempt's budgeted session."""
+        assert self.proxy is not None
+        proxy, upstream = self.proxy, proxy_upstream(config)
+        check = await open_proxy_session(proxy.control_socket, proxy.sessions_dir, upstream=upstream)
+        try:
+            await check_endpoint(config, check.token, via=check.proxy_url)
+        finally:
+            with contextlib.suppress(ProxySessionError):
+                await close_proxy_session(proxy.control_socket, check, discard=True)
+        return await open_proxy_session(
+            proxy.control_socket,
+            proxy.sessions_dir,
+            upstream=upstream,
+            episode_tokens=config.budgets.episode_tokens,
+            default_max_tokens=config.inference.episode_max_output_tokens,
+        )
+
+    def _close_for_runner(self, slug: str, attempt: int, name: str) -> SessionClosed:
+        """Close the attempt's session and put a copy of its log beside the answer (the runner classifies from it)."""
+        entry = self._sessions.get((slug, attempt))
+        if entry is None:
+            return SessionClosed(error=f"attempt {attempt} of {slug} has no proxy session")
+        closed = self._closed(entry)
+        self.handoff.write_chunks(self.handoff.path(SESSIONS_DIR) / f"{name}.log", _file_chunks(entry.session.log_path))
+        return SessionClosed(records=closed.records, usage=closed.usage.as_dict())
+
+    def _closed(self, entry: _AttemptProxySession) -> ClosedSession:
+        """Close `entry`'s session once (its token stops working, its exchanges are settled) and return the proxy's
+        counts; a proxy that cannot answer any more leaves its log, which the proxy alone wrote: counted from it."""
+        if entry.closed is None:
+            assert self.proxy is not None
+            try:
+                entry.closed = asyncio.run(close_proxy_session(self.proxy.control_socket, entry.session))
+            except ProxySessionError as exc:
+                logger.warning("proxy session %s: %s; counting its log instead", entry.session.name, exc)
+                records = read_proxy_log(entry.session.log_path)
+                entry.closed = ClosedSession(len(records), UsageTotals.from_records(records))
+        return entry.closed
+
+    def _attempt_log(self, unit: EpisodeUnit) -> tuple[ClosedSession, Path]:
+        """The attempt's session, closed, and its log gzipped into the publisher's own folder (what is published)."""
+        entry = self._sessions.get((unit.slug, unit.attempt))
+        if entry is None:
+            raise HandoffError(f"attempt {unit.attempt} of {unit.slug} had no proxy session: no record vouches for it")
+        closed = self._closed(entry)
+        assert self._private is not None
+        target = self._private / f"{unit.slug}-a{unit.attempt}.api_requests.jsonl.gz"
+        # A session that logged nothing has no file: an empty log, as the runner's own gzip makes of it.
+        with (
+            gzip.open(target, "wb", compresslevel=6) as out,
+            contextlib.suppress(FileNotFoundError),
+            entry.session.log_path.open("rb") as source,
+        ):
+            shutil.copyfileobj(source, out, 1 << 20)
+        return closed, target
+
+    def _close_unrecorded_sessions(self, ctx: CycleContext, cycle: str, units: dict[str, HandoffUnit]) -> None:
+        """Close every session whose attempt has no row (never handed over, or its publishing failed) and charge what
+        it spent to its task and the cycle, keyed by the session: an agent that stops its runner before the hand-over
+        must not spend off the ledger. Charging is logged, never fatal (as `_charge`)."""
+        for (slug, attempt), entry in self._sessions.items():
+            closed = self._closed(entry)
+            unit = units[slug].unit(cycle, attempt)
+            usage, tokens = closed.usage, closed.usage.prompt_tokens + closed.usage.completion_tokens
+            try:
+                rows = ctx.repo.episode_attempts(ctx.cycle_id, **unit.identity())
+                if any(row.attempt == attempt for row in rows):
+                    continue  # recorded: charged by its row (`_charge`), on this ingest or a retried one
+                logger.warning(
+                    "episode %s attempt %d: its proxy session %s ended unrecorded (%d requests, %d tokens): charged",
+                    slug,
+                    attempt,
+                    entry.session.name,
+                    usage.requests,
+                    tokens,
+                )
+                records = read_proxy_log(entry.session.log_path)
+                cost = sum(usage_cost((record["response"] or {}).get("usage")) for record in records)
+                charge_episode(
+                    ctx.repo,
+                    ctx.cycle_id,
+                    unit.task_id,
+                    charge_key=f"proxy-session:{entry.session.name}",
+                    tokens=tokens,
+                    cost_usd=cost,
+                    requests=usage.requests,
+                )
+            except Exception as exc:
+                message = self.scrubbed((str(exc).splitlines() or [""])[0])
+                logger.error("episode %s attempt %d: could not charge its session: %s", slug, attempt, message)
+
+
+@dataclass
+class _AttemptProxySession:
+    """A session the publisher opened for one attempt, and what the proxy answered when it was closed."""
+
+    session: ProxySession
+    closed: ClosedSession | None = None
+
+
+def _with_proxy_counts(
+    record: EpisodeRecord, status: dict[str, Any], closed: ClosedSession
+) -> tuple[EpisodeRecord, dict[str, Any]]:
+    """The row's fields and the status document with the proxy's counts in place of what the sandbox said."""
+    usage = closed.usage
+    counts = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "requests": usage.requests,
+        "max_prompt_tokens": usage.max_prompt_tokens,
+        "cached_prompt_tokens": usage.cached_prompt_tokens,
+    }
+    status = {**status, "usage": usage.as_dict()}
+    if isinstance(status.get("hiw"), dict):
+        status["hiw"] = {**status["hiw"], "api_requests": closed.records}
+    return record.model_copy(update=counts), status
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    """The bytes of `path` (a file of the publisher's side) in pieces; nothing when it does not exist."""
+    with contextlib.suppress(FileNotFoundError), path.open("rb") as source:
+        while chunk := source.read(1 << 20):
+            yield chunk
+
+
+def _read_descriptor(fd: int, max_bytes: int) -> bytes | None:
+    """The whole file behind `fd` from its start (None when over `max_bytes`), leaving its offset alone."""
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := os.pread(fd, 1 << 20, total):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > max_bytes:
+            return None
+    return b"".join(chunks)

@@ -27,12 +27,14 @@ The status record (`status.json`) carries every field of the reference `run_stat
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
 from mass_ops.runtime.episode import EpisodeStatus
+from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 
 API_ERROR_PREFIX = "[API Error"
 INFRA_ERROR_MARKERS = (
@@ -59,7 +61,8 @@ LAST_TOOL_CALLS = 5
 TOOL_ARGS_CHARS = 200
 MAX_PROXY_FAILURES = 5  # listed in the failure document; the status record lists them all
 EXECUTION_MODE = "headless_host_visible_yolo"
-CHAT_COMPLETIONS_SUFFIX = "/chat/completions"
+# Every route on which the server generates (chat and text completions, Responses): each request counts.
+GENERATION_SUFFIXES = ("/completions", "/responses")
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,8 @@ class Transcript:
             if not line.strip():
                 continue
             try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):
+                event = loads_untrusted(line, what="agent stream", max_bytes=len(line))
+            except UntrustedInputError:
                 bad += 1
                 continue
             if isinstance(event, dict):
@@ -128,7 +131,8 @@ class Transcript:
 
 @dataclass(frozen=True)
 class UsageTotals:
-    """Token accounting of one episode from its proxy log (every chat-completion request, subagents included)."""
+    """Token accounting of one episode's generation requests (chat and text completions, Responses; subagents
+    included)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -139,33 +143,64 @@ class UsageTotals:
 
     @classmethod
     def from_records(cls, records: Iterable[Mapping[str, Any]]) -> UsageTotals:
-        prompt = completion = requests = largest = cached = 0
+        counter = UsageCounter()
         for record in records:
-            if not str(record.get("path", "")).endswith(CHAT_COMPLETIONS_SUFFIX):
-                continue
-            requests += 1
             response = record.get("response")
-            usage = response.get("usage") if isinstance(response, dict) else None
-            if not isinstance(usage, dict):
-                continue
-            p, c = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-            prompt += p
-            completion += c
-            largest = max(largest, p)
-            details = usage.get("prompt_tokens_details")
-            cached += _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-        return cls(prompt, completion, requests, largest, cached)
+            counter.count(record.get("path"), response.get("usage") if isinstance(response, dict) else None)
+        return counter.totals()
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> UsageTotals:
+        """The totals `as_dict()` wrote (e.g. in a proxy's answer); a missing or malformed field counts 0."""
+        fields = data if isinstance(data, Mapping) else {}
+        return cls(**{name: _count(fields.get(name)) for name in cls.__dataclass_fields__})
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class UsageCounter:
+    """Running `UsageTotals` of one proxy session, fed where the proxy settles each exchange's usage: the row's
+    counts come from here (the proxy's own memory), not from a log file the agent could have touched. Thread-safe."""
+
+    def __init__(self, totals: UsageTotals | None = None) -> None:
+        self._lock = threading.Lock()
+        self._totals = totals or UsageTotals()
+
+    def count(self, path: Any, usage: Any) -> None:
+        """Add one exchange on `path` whose response reported `usage` (None when it reported none)."""
+        if not str(path or "").endswith(GENERATION_SUFFIXES):
+            return
+        prompt = completion = cached = 0
+        if isinstance(usage, dict):
+            # The Responses API names them input and output tokens.
+            prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            completion = _count(usage.get("completion_tokens", usage.get("output_tokens")))
+            details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+            cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+        with self._lock:
+            now = self._totals
+            self._totals = UsageTotals(
+                now.prompt_tokens + prompt,
+                now.completion_tokens + completion,
+                now.requests + 1,
+                max(now.max_prompt_tokens, prompt),
+                now.cached_prompt_tokens + cached,
+            )
+
+    def totals(self) -> UsageTotals:
+        with self._lock:
+            return self._totals
 
 
 def proxy_failures(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Proxy records that show an API failure (rule 4): proxy error, HTTP status ≥ 400, or an error body."""
     found = []
     for record in records:
-        if record.get("budget_exhausted"):
-            continue  # refused by a budget on purpose, not a failure of the API (see `budget_refusals`)
+        if record.get("budget_exhausted") or record.get("rejected"):
+            # Refused by the proxy on purpose (a budget, a route, a body, a token): what the agent did, not a failure
+            # of the API — counting it would let an agent turn its own episode into infrastructure retries.
+            continue
         status = record.get("status")
         response = record.get("response")
         error = response.get("error") if isinstance(response, dict) else None

@@ -364,7 +364,9 @@ class EpisodePool:
             done.wait(timeout=CANCEL_WAIT_S)
 
     def workspace(self, outcome: EpisodeOutcome, dest: Path) -> Path:
-        """Extract the outcome's workspace tarball into `dest` (absent or empty); returns `dest`."""
+        """Extract the outcome's workspace tarball into `dest` (absent or empty) within the platform's archive
+        limits (`store.untrusted.ARCHIVE_LIMITS`: `UnsafeArchiveError` beyond them, nothing extracted); returns
+        `dest`."""
         unit = dataclasses.replace(outcome.request.unit, attempt=outcome.attempt)
         key = unit.artifact_key("workspace")
         recorded = outcome.artifacts.get("workspace")

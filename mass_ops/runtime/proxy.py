@@ -1,12 +1,13 @@
 """Logging reverse proxy between the agent (qwen-code) and the model server; its log is the episode's trajectory.
 
-Every request is forwarded unchanged (but see "Server priority") to the upstream (method, path + query, body,
-end-to-end headers) and answered with the upstream's status, headers and body; SSE streams are relayed chunk by chunk
-as they arrive, never buffered.
+Every request the agent may make (see "Routes") is forwarded (generation requests as "Budgets" and "Server priority"
+say) to the upstream (method, path + query, body, end-to-end headers) and answered with the upstream's status,
+headers and body; SSE streams are relayed chunk by chunk as they arrive, never buffered.
 One JSONL record per request is appended to the log when the exchange ends (MASS_SPEC §4):
 
     ts_start, ts_start_iso, method, path, seq, request_bytes, request | request_raw, status, response_headers,
-    stream, response_bytes, response | response_raw, sse_raw, duration_s, [client_disconnected], [proxy_error]
+    stream, response_bytes, response | response_raw, sse_raw, duration_s, [client_disconnected], [proxy_error],
+    [rejected], [proxy_added_usage], [budget_exhausted], [cached_prompt_tokens]
 
 `response` is the parsed JSON body, or for a stream the `chat.completion.reassembled` object of `sse.py`. `path` is
 logged without its query string and only the response headers `content-type` and `x-request-id` are logged: keys can
@@ -35,23 +36,41 @@ lose the agent's `Authorization` header and get `Authorization: Bearer <upstream
 random value per episode (`new_agent_token`), worthless once the episode's proxy session ends. As a second line of
 defence every record is written with the upstream key's bytes replaced by `[REDACTED]` (an upstream could echo it).
 
-Budgets (ISSUE #15.2): given an `EpisodeBudget`, every chat completion is checked before it is forwarded. Its need
-is the request's prompt estimate (body bytes / 4: the JSON around the messages makes it an over-estimate) plus its
-`max_tokens` / `max_completion_tokens` (else the configured episode max output). When the need does not fit what is
-left of the episode's token budget (this proxy's spend plus its requests in flight), or of the cycle's shared ledger
-scopes (`mass_ops.store.budgets`: the task's and the cycle's), the request gets HTTP 402 with an OpenAI-shaped error
-whose `code` is `budget_exhausted` — never forwarded — and its record carries `budget_exhausted` (scope, setting,
-limit, spent, need). Each response's reported usage is added to the episode's spend and to the ledger when its
-record is written. Where the server reports cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`), the
-record carries them as `cached_prompt_tokens` too.
+Routes (ISSUE #25.2): the agent needs generation and the model list, nothing else, so only these are forwarded,
+under the endpoint's client path (`client_path`, e.g. `/v1`): POST `chat/completions`, `completions`, `responses`;
+GET `models` and `models/<id>` (`allowed_route`, matched on the raw request target). Any other method or path gets
+HTTP 403 with one line and a record (`rejected`: `route_not_allowed`) and never reaches the upstream with the key;
+a request target that is not a path (`GET http://host/ HTTP/1.1`) gets 400 (`bad_request_target`). A body is read
+in the pieces it arrives in, up to `max_request_bytes` (`runtime.proxy_max_request_bytes`): a larger one, or one
+whose Content-Length says so, gets 413 (`body_too_large`) and is not kept. A generation request is read and written
+again as compact JSON (`prepare_generation`), so the server reads exactly the fields the proxy read; one that cannot
+be read that way gets 400 (`bad_generation_request`, see below). A body of `PARSE_PROCESS_BYTES` or more is read in
+a body parser process (`_BodyParsers`): a 30 MB parse holds the GIL, so on the loop or a thread it would stall
+every other request of the proxy.
 
-Server priority (ISSUE #17.2): given `request_priority`, every completion request that is a JSON object is forwarded
-with its top-level `priority` set to that value — the episode's place on the cycle's critical path, for a vLLM server
-that schedules by priority (`mass_ops.critical_path`). It replaces any priority the agent sent: the agent is
-untrusted and must not move its own work up the server's queue. This is the one change the proxy makes to a
-request's body, and the record holds the body as forwarded. When the body holds no `"priority"` key anywhere, the
-field is appended without parsing the body (a copy, no JSON round trip); otherwise the body is parsed and written
-again with the field set.
+Budgets (ISSUE #15.2, #25.1): given an `EpisodeBudget`, every generation request is checked before it is forwarded.
+Its need is the request's prompt estimate (forwarded bytes / 4) plus prompts (a completions batch) x sequences
+(`n`, `best_of`) x its output cap (the largest of `max_tokens` / `max_completion_tokens`, or `max_output_tokens`;
+ints, floats and numeric strings are read and rounded up; anything else is a 400). A request without a cap is
+forwarded with the episode's default output (`default_max_tokens`) as its cap, so the server cannot generate past
+what the budget holds for it. Responses-API requests that make the server generate from state the proxy cannot see
+(background, previous_response_id, conversation, stored prompts, built-in tools) are refused with 400. When the need
+does not fit what is left of the episode's token budget (this proxy's spend plus its requests in flight), or of the
+cycle's shared ledger scopes (`mass_ops.store.budgets`: the task's and the cycle's), the request gets HTTP 402 with
+an OpenAI-shaped error whose `code` is `budget_exhausted` — never forwarded — and its record carries
+`budget_exhausted` (scope, setting, limit, spent, need). Each response's reported usage (prompt + completion, or
+input + output tokens) is added to the episode's spend and to the ledger when its record is written. Every stream
+is asked for its usage: a chat or completions stream without `stream_options.include_usage` is forwarded with it on,
+and the usage-only chunk this adds is dropped from what the agent is relayed (`sse.UsageChunkFilter`; the record
+keeps the stream as the server sent it and says `proxy_added_usage`). An exchange that reports no usage although the
+server may have generated (a 2xx or 5xx without usage, a stream cut short) is charged its whole need: spend is never
+counted as 0 for work the server did. Where the server reports cached prompt tokens
+(`usage.prompt_tokens_details.cached_tokens`), the record carries them as `cached_prompt_tokens` too.
+
+Server priority (ISSUE #17.2): given `request_priority`, every generation request is forwarded with its top-level
+`priority` set to that value — the episode's place on the cycle's critical path, for a vLLM server that schedules by
+priority (`mass_ops.critical_path`). It replaces any priority the agent sent: the agent is untrusted and must not
+move its own work up the server's queue. The record holds the body as forwarded.
 
 Deployment decision: **one proxy per episode, on an ephemeral port** (`port=0`), not one shared proxy.
 - Isolation: the log *is* the episode's trajectory; a per-episode proxy needs no request-to-episode attribution
@@ -64,11 +83,11 @@ The cost is one aiohttp server per episode (a few MB, milliseconds to start), ne
 In a Kubernetes episode pod the key must not be in the agent's container at all (the agent's shell commands could
 read any process's environment there), so the proxy runs in a container of its own beside the sandbox and the
 publisher — containers of one pod share the network — as a `SessionProxy` (`serve_episode_proxy`, started as
-`python -m mass_ops.runtime.proxy --sessions-dir DIR ...`). The sandbox's runner opens one session per attempt
-(`open_proxy_session`: a fresh token and a log file of its own under DIR, which the sandbox mounts read-only) and
-closes it when the agent has ended (`close_proxy_session`), so each attempt still gets exactly its own log. Session
-control (`/_mass_proxy/...`) is reachable from the sandbox: the agent could open sessions of its own, but every
-request it makes with the key still passes through this proxy and is logged; the key is added only for the
+`python -m mass_ops.runtime.session_proxy --sessions-dir DIR --control-socket SOCKET ...`). Session control is
+served on that Unix socket only, in a volume the sandbox does not mount: the publisher opens one session per attempt
+(`open_proxy_session`: a fresh token, a budget and a log file of its own under DIR) and closes it when the agent has
+ended (`close_proxy_session`, which answers with the session's own usage counters), so each attempt gets exactly
+its own log and counts, and the agent can neither open, end nor read a session. The key is added only for the
 configured upstreams and hosts under the allowed suffixes (the pod's egress policy reaches nothing else).
 """
 
@@ -78,14 +97,16 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import functools
 import hmac
 import io
 import itertools
 import json
 import logging
+import math
 import os
+import re
 import secrets
-import shutil
 import signal
 import struct
 import subprocess
@@ -94,19 +115,22 @@ import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
 from mass_ops.errors import InfrastructureError, InputError
-from mass_ops.runtime.sse import SSEAssembler
+from mass_ops.runtime.outcome import UsageCounter
+from mass_ops.runtime.sse import SSEAssembler, UsageChunkFilter
 from mass_ops.store.budgets import EPISODE_SCOPE, BudgetLedger, Refusal
+from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +149,8 @@ HOP_BY_HOP_HEADERS = frozenset(
     }
 )
 LOGGED_RESPONSE_HEADERS = ("content-type", "x-request-id")
-MAX_REQUEST_BYTES = 4 * 1024**3
+# The largest request body the proxy reads (`runtime.proxy_max_request_bytes`); a full 256K-token context is ~1 MB.
+MAX_REQUEST_BYTES = 32 * 1024**2
 CONNECT_TIMEOUT_S = 30.0
 HANDLER_DRAIN_S = 5.0  # how long stop() waits for in-flight handlers to write their records
 # Records whose request + response bodies reach this size are built by the record writer process, not on a thread
@@ -142,16 +167,15 @@ DEFAULT_KEY_VALUE = "EMPTY"  # what a local vLLM accepts when it was started wit
 MIN_REDACTED_SECRET = 8  # shorter "keys" (e.g. EMPTY) are placeholders; replacing them would corrupt ordinary text
 REDACTION = b"[REDACTED]"
 # Session control of a pod's `SessionProxy` (a prefix no OpenAI-compatible route uses).
-CONTROL_PREFIX = "/_mass_proxy"
-CONTROL_TIMEOUT_S = 30.0
-MAX_SESSIONS = 64
-REJECTED_LOG = "rejected.jsonl"
 # A request refused by a budget: 402 (payment required), which OpenAI clients and qwen-code do not retry as they do a
 # 429, and an error code no server uses, so neither the agent nor the classifier can take it for anything else.
 BUDGET_STATUS = 402
 BUDGET_ERROR_CODE = "budget_exhausted"
-COMPLETION_PATH_SUFFIXES = ("/chat/completions", "/completions")
 PROMPT_BYTES_PER_TOKEN = 4
+DEFAULT_CLIENT_PATH = "/v1"
+# Bodies from this size on are parsed by a worker process: a JSON parse holds the GIL, on a thread as on the loop.
+PARSE_PROCESS_BYTES = 256 * 1024
+PARSE_PROCESSES = 2
 
 
 class ProxyConfigError(InputError):
@@ -179,15 +203,20 @@ def upstream_key_from_env(name: str, environ: Mapping[str, str] | None = None) -
 
 
 def usage_tokens(usage: Any) -> tuple[int, int | None]:
-    """(prompt + completion tokens, cached prompt tokens or None) of an OpenAI `usage` object (zeros if absent)."""
+    """(tokens, cached prompt tokens or None) of an OpenAI `usage` object (zeros if absent). Tokens are prompt +
+    completion (Chat/Completions) or input + output (Responses), or `total_tokens` where that is larger."""
+
+    def count(value: Any) -> int:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
     if not isinstance(usage, dict):
         return 0, None
-    total = sum(
-        value
-        for value in (usage.get("prompt_tokens"), usage.get("completion_tokens"))
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0
+    total = max(
+        count(usage.get("prompt_tokens")) + count(usage.get("completion_tokens")),
+        count(usage.get("input_tokens")) + count(usage.get("output_tokens")),
+        count(usage.get("total_tokens")),
     )
-    details = usage.get("prompt_tokens_details")
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return total, cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
@@ -227,22 +256,6 @@ class EpisodeBudget:
         """Whether admitting a request reads the metadata store (then call `admit` off the event loop)."""
         return self.ledger is not None
 
-    def need(self, body: bytes) -> int:
-        """Tokens a request may use at most: its prompt estimate plus its max output tokens."""
-        max_tokens = None
-        try:
-            document = json.loads(body) if body else None
-        except (ValueError, RecursionError):  # nesting deeper than the parser's stack is not JSON we can read
-            document = None
-        if isinstance(document, dict):
-            for name in ("max_completion_tokens", "max_tokens"):
-                value = document.get(name)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    max_tokens = value
-                    break
-        prompt = -(-len(body) // PROMPT_BYTES_PER_TOKEN)
-        return prompt + (max_tokens if max_tokens is not None else self.default_max_tokens)
-
     def admit(self, need: int) -> Refusal | None:
         """Hold `need` in flight and return None, or return why the request may not be sent."""
         with self._lock:
@@ -260,9 +273,14 @@ class EpisodeBudget:
                 return refused
         return None
 
-    def settle(self, need: int, usage: Any) -> None:
-        """The admitted request of `need` ended with `usage` (None when it failed): add its spend, end its hold."""
+    def settle(self, need: int, usage: Any, *, server_may_have_generated: bool = True) -> None:
+        """The admitted request of `need` ended with `usage` (None when it failed): add its spend, end its hold.
+
+        Without reported tokens the request is charged its whole `need` unless the server surely generated nothing
+        (it was never reached, or refused the request): unreported spend is never counted as 0."""
         tokens, _cached = usage_tokens(usage)
+        if tokens == 0 and server_may_have_generated:
+            tokens = need
         try:
             if self.ledger is not None:
                 self.ledger.record(self.ledger_scopes, tokens=tokens, cost_usd=usage_cost(usage))
@@ -276,33 +294,209 @@ class EpisodeBudget:
                 self.ledger.release(self.ledger_scopes, need)
 
 
-PRIORITY_KEY = b'"priority"'
-JSON_WHITESPACE = b" \t\r\n"
+# -- What the agent may send (module docstring, "Routes" and "Budgets") ---------------------------------------------
+
+CHAT_ROUTE = "/chat/completions"
+COMPLETIONS_ROUTE = "/completions"
+RESPONSES_ROUTE = "/responses"
+MODELS_ROUTE = "/models"
+GENERATION_ROUTES = (CHAT_ROUTE, COMPLETIONS_ROUTE, RESPONSES_ROUTE)
+# A model id in `GET <client path>/models/<id>` ("Qwen/Qwen3-4B", "vendor/model:free"): no segment starting with a
+# dot and no percent-escape, so no upstream can read it as another path.
+MODEL_ID = re.compile(r"[A-Za-z0-9_~:@+-][A-Za-z0-9._~:@+-]*(?:/[A-Za-z0-9_~:@+-][A-Za-z0-9._~:@+-]*)*")
 
 
-def with_priority(body: bytes, priority: int) -> bytes:
-    """`body` with its top-level `priority` set to `priority` when it is a JSON object; any other body as it is (the
-    upstream answers it as it would have)."""
-    text = body.strip()
-    if not (text.startswith(b"{") and text.endswith(b"}")):
-        return body
-    field = PRIORITY_KEY + b":" + str(int(priority)).encode()
-    if PRIORITY_KEY not in text:
-        # No key of that name anywhere: insert it before the closing brace, one copy instead of a parse (a request
-        # late in an episode can be a megabyte).
-        end = len(text) - 1
-        while text[end - 1] in JSON_WHITESPACE:
-            end -= 1
-        separator = b"" if end == 1 else b","
-        return b"".join((memoryview(text)[:end], separator, field, b"}"))
+def allowed_route(method: str, raw_path: str, client_path: str) -> str | None:
+    """The route `method raw_path` asks for (one of GENERATION_ROUTES or MODELS_ROUTE), or None when the agent may
+    not use it. `raw_path` is the request target as sent (not percent-decoded); its query string is ignored."""
+    path = raw_path.partition("?")[0]
+    if not path.startswith(client_path + "/"):
+        return None
+    route = path[len(client_path) :]
+    if method == "POST" and route in GENERATION_ROUTES:
+        return route
+    if method == "GET" and (
+        route == MODELS_ROUTE
+        or (route.startswith(MODELS_ROUTE + "/") and MODEL_ID.fullmatch(route[len(MODELS_ROUTE) + 1 :]))
+    ):
+        return MODELS_ROUTE
+    return None
+
+
+@dataclass(frozen=True)
+class _RouteFields:
+    """The request fields of one generation route that bound what the server may generate."""
+
+    max_tokens: tuple[str, ...]  # caps on one sequence's output (the server obeys the largest it reads)
+    added_max_tokens: str  # set to the episode's default output when the request sets none
+    sequences: tuple[str, ...]  # multiply the sequences generated per prompt (n, best_of)
+    stream_usage: bool  # a stream reports usage only when asked (`stream_options.include_usage`)
+    refused: tuple[str, ...]  # make the server generate from state the proxy cannot see
+
+
+_ROUTE_FIELDS = {
+    CHAT_ROUTE: _RouteFields(("max_completion_tokens", "max_tokens"), "max_tokens", ("n", "best_of"), True, ()),
+    COMPLETIONS_ROUTE: _RouteFields(("max_tokens",), "max_tokens", ("n", "best_of"), True, ()),
+    RESPONSES_ROUTE: _RouteFields(
+        ("max_output_tokens",),
+        "max_output_tokens",
+        (),
+        False,
+        ("background", "previous_response_id", "conversation", "prompt"),
+    ),
+}
+
+
+class GenerationRequestError(ValueError):
+    """A generation request the proxy does not forward (HTTP 400): the one-line reason."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A generation request as the proxy forwards it."""
+
+    body: bytes  # the body as forwarded: canonical JSON, so the server reads exactly the fields the proxy read
+    need: int | None  # the most tokens it may use (prompt estimate + its output allowance); None without a budget
+    usage_added: bool  # the proxy asked the stream for a usage chunk the agent did not ask for (the relay drops it)
+
+
+def prepare_generation(
+    route: str, body: bytes, *, default_max_tokens: int | None, priority: int | None
+) -> GenerationRequest:
+    """Read a generation request's body and return it as forwarded, with what it may spend.
+
+    Refused (GenerationRequestError) when the body is no JSON object, an output cap is not a number of at least 1 or
+    `n` / `best_of` not one of at least 0 (ints, floats and numeric strings are read, rounded up), `stream` is not a
+    boolean, or the request would have the server generate from server-side state (Responses: background,
+    previous_response_id, conversation, stored prompts, built-in tools). Forwarded with: a stream's
+    `stream_options.include_usage` on; with a budget (`default_max_tokens`), an output cap of that size when the
+    request sets none; `priority` when given. The body is written again as compact JSON, so duplicate keys or escapes
+    cannot make the server read other values than the proxy. The need is the prompt estimate (forwarded bytes / 4)
+    plus prompts x sequences (n, best_of) x the largest output cap.
+    """
     try:
-        document = json.loads(body)
-    except (ValueError, RecursionError):
-        return body
+        # The body is already bounded by the proxy's request limit; the nesting is left to the parser's stack.
+        document = loads_untrusted(body, what="request body", max_bytes=len(body), max_depth=None)
+    except UntrustedInputError:
+        raise GenerationRequestError("the body is not JSON the proxy can read") from None
     if not isinstance(document, dict):
-        return body
-    document["priority"] = int(priority)
-    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        raise GenerationRequestError("the body is not a JSON object")
+    fields = _ROUTE_FIELDS[route]
+    for name in fields.refused:
+        if document.get(name) not in (None, False):
+            raise GenerationRequestError(
+                f"`{name}` is not accepted by the episode proxy (the server would generate from state its budget "
+                "cannot see)"
+            )
+    tools = document.get("tools") if route == RESPONSES_ROUTE else None
+    if isinstance(tools, list) and any(not isinstance(tool, dict) or tool.get("type") != "function" for tool in tools):
+        raise GenerationRequestError("only `function` tools are accepted by the episode proxy (built-in tools loop)")
+    stream = document.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise GenerationRequestError("`stream` must be true or false")
+    usage_added = False
+    if stream and fields.stream_usage:
+        options = document.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise GenerationRequestError("`stream_options` must be an object")
+        if (options or {}).get("include_usage") is not True:
+            document["stream_options"] = {**(options or {}), "include_usage": True}
+            usage_added = True
+    # A cap of 0 is refused: some servers read it as "no cap".
+    caps = [_token_count(document, name, least=1) for name in fields.max_tokens if document.get(name) is not None]
+    sequences = max([1, *(_token_count(document, name) for name in fields.sequences if document.get(name) is not None)])
+    if default_max_tokens is not None and not caps:
+        document[fields.added_max_tokens] = default_max_tokens
+    if priority is not None:
+        document["priority"] = int(priority)
+    forwarded = _json_bytes(document)
+    if default_max_tokens is None:
+        return GenerationRequest(forwarded, None, usage_added)
+    prompts = _prompt_count(document.get("prompt")) if route == COMPLETIONS_ROUTE else 1
+    output = max(caps, default=default_max_tokens)
+    need = -(-len(forwarded) // PROMPT_BYTES_PER_TOKEN) + prompts * sequences * output
+    return GenerationRequest(forwarded, need, usage_added)
+
+
+def _token_count(document: dict[str, Any], name: str, *, least: int = 0) -> int:
+    """The request's `name` as a count of at least `least` (a float or numeric string rounded up);
+    GenerationRequestError otherwise."""
+    value = document[name]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+        return value
+    number = math.nan
+    if isinstance(value, float):
+        number = value
+    elif isinstance(value, str) and len(value) <= 64:
+        with contextlib.suppress(ValueError):
+            number = float(value.strip())
+    if not math.isfinite(number) or math.ceil(number) < least or number < 0:
+        shown = json.dumps(value)[:40] if isinstance(value, str | int | float | bool) else type(value).__name__
+        raise GenerationRequestError(f"`{name}` must be a number of at least {least}, not {shown}")
+    return math.ceil(number)
+
+
+def _prompt_count(prompt: Any) -> int:
+    """Prompts in a completions request: a list of strings or of token lists is a batch; anything else one prompt."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(item, int) for item in prompt):
+        return len(prompt)
+    return 1
+
+
+def _json_bytes(document: dict[str, Any]) -> bytes:
+    """`document` as compact JSON; non-ASCII text stays as it is unless it holds a lone surrogate (kept escaped)."""
+    try:
+        return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(document, separators=(",", ":")).encode("ascii")
+    except RecursionError:
+        raise GenerationRequestError("the body is nested too deeply") from None
+
+
+class _BodyParsers:
+    """Worker processes that prepare large generation requests (`PARSE_PROCESS_BYTES`), shared by every proxy of
+    this process and started on first use. JSON parsing holds the GIL: on the loop or a thread of this process a
+    30 MB body would stall every other stream the proxy relays."""
+
+    _pool: ProcessPoolExecutor | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def submit(cls, call: functools.partial[GenerationRequest]) -> Future[GenerationRequest]:
+        """Start `call` in a worker (may block while the first workers start: call it off the loop)."""
+        import multiprocessing
+
+        with cls._lock:
+            if cls._pool is None:
+                # forkserver: forking this process (threads, an event loop) could copy a held lock into the child.
+                context = multiprocessing.get_context("forkserver")
+                cls._pool = ProcessPoolExecutor(max_workers=PARSE_PROCESSES, mp_context=context)
+            return cls._pool.submit(call)
+
+    @classmethod
+    def discard(cls) -> None:
+        """Drop a broken pool (the next large body starts a new one)."""
+        with cls._lock:
+            pool, cls._pool = cls._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def prepare_generation_off_loop(
+    route: str, body: bytes, *, default_max_tokens: int | None, priority: int | None
+) -> GenerationRequest:
+    """`prepare_generation`, run in a worker process for a large body (inline for a small one, where the parse
+    costs the loop less than the hand-off); on a thread if no worker can run."""
+    call = functools.partial(prepare_generation, route, body, default_max_tokens=default_max_tokens, priority=priority)
+    if len(body) < PARSE_PROCESS_BYTES:
+        return call()
+    try:
+        future = await asyncio.to_thread(_BodyParsers.submit, call)
+        return await asyncio.wrap_future(future)
+    except (BrokenProcessPool, OSError, RuntimeError) as exc:
+        logger.warning("episode proxy: no body parser process (%s); parsing on a thread", type(exc).__name__)
+        _BodyParsers.discard()
+        return await asyncio.to_thread(call)
 
 
 def _end_to_end_headers(headers: Any) -> list[tuple[str, str]]:
@@ -504,6 +698,8 @@ class _Session:
     records: int = 0
     budget: EpisodeBudget | None = None
     priority: int | None = None  # stamped on every completion request (module docstring, "Server priority")
+    # what this session's exchanges used, counted as each is settled: the row's counts (the log is evidence only)
+    usage: UsageCounter = field(default_factory=UsageCounter)
 
 
 class LoggingProxy:
@@ -511,7 +707,9 @@ class LoggingProxy:
 
     With `agent_token`, only requests bearing that token pass (401 otherwise), and their credentials are replaced
     by `upstream_api_key` (if given); without it the proxy is open and forwards the client's headers as they are.
-    Use `await start()` / `await stop()` or `async with`. `port` and `url` are valid after start.
+    Either way only the routes under `client_path` that `allowed_route` names are forwarded (403 otherwise), and no
+    body over `max_request_bytes` is read (413). Use `await start()` / `await stop()` or `async with`. `port` and
+    `url` are valid after start.
     """
 
     def __init__(
@@ -526,10 +724,19 @@ class LoggingProxy:
         upstream_api_key: str | None = None,
         budget: EpisodeBudget | None = None,
         request_priority: int | None = None,
+        client_path: str = DEFAULT_CLIENT_PATH,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
         if upstream_api_key is not None and agent_token is None:
             # An open proxy that adds the key would hand the key's power to anything that can reach the port.
             raise ProxyConfigError("episode proxy: an upstream key needs an agent token (the proxy would be open)")
+        client_path = client_path.rstrip("/")
+        if client_path and (not client_path.startswith("/") or "?" in client_path or "%" in client_path):
+            raise ProxyConfigError(f"episode proxy: client path {client_path!r} must be a plain path such as /v1")
+        if max_request_bytes < 1:
+            raise ProxyConfigError("episode proxy: the request body limit must be at least 1 byte")
+        self.client_path = client_path
+        self.max_request_bytes = max_request_bytes
         self.upstream_base_url = upstream_base_url.rstrip("/")
         self.log_path = Path(log_path)
         self.host = host
@@ -545,6 +752,8 @@ class LoggingProxy:
         self._sessions: dict[str, _Session] = {}
         self._rejections: _Session | None = None  # where refused requests are logged
         self._handlers: set[asyncio.Task[object]] = set()
+        # The episode session's counts (the row's); read its totals after stop(), when every exchange is settled.
+        self.usage = UsageCounter()
 
     @property
     def port(self) -> int:
@@ -570,6 +779,7 @@ class LoggingProxy:
             _RecordLog(self.log_path, redact=self._upstream_api_key),
             budget=self.budget,
             priority=self.request_priority,
+            usage=self.usage,
         )
         self._sessions[episode.name] = episode
         self._rejections = episode  # one log per episode: its refused requests belong to its trajectory's evidence
@@ -577,7 +787,9 @@ class LoggingProxy:
     def _add_routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/{tail:.*}", self._handle)
 
-    async def start(self) -> None:
+    async def start(self, unix_socket: Path | str | None = None) -> None:
+        """Listen on `host:port`, or with `unix_socket` on that Unix socket only (a sandboxed agent reaches it
+        through a bind mount and its bridge: `mass_ops.compute.sandbox`; `port` and `url` are then unset)."""
         self._open_logs()
         # No total/read timeout: a reasoning model may think for many minutes before its first byte; limit=0 because
         # the per-episode proxy must never queue the agent's parallel subagent requests behind a pool limit.
@@ -590,10 +802,13 @@ class LoggingProxy:
             # arrives (a read returns whatever is buffered, never waiting to fill the buffer).
             read_bufsize=RELAY_READ_BUFFER,
         )
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        app = web.Application(client_max_size=self.max_request_bytes)
         self._add_routes(app)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
+        if unix_socket is not None:
+            await web.UnixSite(self._runner, str(unix_socket)).start()
+            return
         site = web.TCPSite(self._runner, self.host, self._requested_port)
         await site.start()
         self._port = self._runner.addresses[0][1]
@@ -641,8 +856,8 @@ class LoggingProxy:
         return (match, None) if match is not None else (None, "wrong_token")
 
     def _upstream_headers(self, request: web.Request) -> list[tuple[str, str]]:
-        # `Expect: 100-continue` was already answered by this server, which holds the whole body.
-        dropped = {"accept-encoding", "expect"}
+        # `Expect: 100-continue` was already answered by this server, which holds the whole body, decompressed.
+        dropped = {"accept-encoding", "expect", "content-encoding"}
         if self._token_auth:
             dropped |= CREDENTIAL_HEADERS
         headers = [(k, v) for k, v in _end_to_end_headers(request.headers) if k.lower() not in dropped]
@@ -653,42 +868,102 @@ class LoggingProxy:
 
     def _reject(self, request: web.Request, reason: str) -> web.Response:
         """401 without reading the body or contacting the upstream; recorded without headers or body."""
-        log = self._rejections
-        assert log is not None
-        exchange = _Exchange(seq=next(log.seq), method=request.method, path=request.path, status=401, rejected=reason)
-        exchange.request_bytes = request.content_length or 0
-        self._record_later(log, exchange)
         message = "missing episode token" if reason == "missing_token" else "wrong episode token"
-        return web.json_response(
-            {"error": {"message": f"episode proxy: {message}", "type": "authentication_error"}}, status=401
-        )
+        return self._refuse(self._rejections, request, 401, reason, message, error_type="authentication_error")
+
+    def _refuse(
+        self,
+        log: _Session | None,
+        request: web.Request,
+        status: int,
+        reason: str,
+        message: str,
+        *,
+        exchange: _Exchange | None = None,
+        error_type: str | None = None,
+    ) -> web.Response:
+        """`status` with a one-line OpenAI-shaped error; never forwarded. Recorded in `log` with `rejected` = `reason`
+        (with the request body only when `exchange` holds it)."""
+        assert log is not None
+        if exchange is None:
+            exchange = _Exchange(seq=next(log.seq), method=request.method, path=request.path)
+            exchange.request_bytes = request.content_length or 0
+        exchange.status, exchange.rejected = status, reason
+        error = {"message": f"episode proxy: {message}", "type": error_type or reason, "code": reason}
+        exchange.response_body += json.dumps({"error": error}).encode()
+        exchange.response_bytes = len(exchange.response_body)
+        self._record_later(log, exchange)
+        return web.json_response({"error": error}, status=status)
+
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The request body, read piece by piece as it arrives; None (nothing kept) once it is larger than
+        `max_request_bytes`, which a Content-Length says before any byte is read."""
+        if request.content_length is not None and request.content_length > self.max_request_bytes:
+            return None
+        pieces, size = [], 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                return None
+            pieces.append(chunk)
+        return b"".join(pieces)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if not request.raw_path.startswith("/"):
+            # Absolute-form (`GET http://host/ HTTP/1.1`) or asterisk-form: this proxy forwards to its upstream only.
+            message = "the request target must be a path on this proxy, not a URL"
+            return self._refuse(self._rejections, request, 400, "bad_request_target", message)
         handler = asyncio.current_task()
         session, reason = self._authenticate(request)
         if session is None:
             return self._reject(request, reason or "wrong_token")
+        route = allowed_route(request.method, request.raw_path, self.client_path)
+        if route is None:
+            allowed = ", ".join(f"POST {self.client_path}{name}" for name in GENERATION_ROUTES)
+            message = (
+                f"{request.method} {request.path[:200]} is not a route the agent may use (allowed: {allowed}, "
+                f"GET {self.client_path}{MODELS_ROUTE}[/<model>])"
+            )
+            return self._refuse(session, request, 403, "route_not_allowed", message)
         if handler is not None:
             for tracked in (self._handlers, session.handlers):
                 tracked.add(handler)
                 handler.add_done_callback(tracked.discard)
-        assert self._session is not None
         exchange = _Exchange(seq=next(session.seq), method=request.method, path=request.path)
-        exchange.request_body = await request.read()
-        completion = request.method == "POST" and request.path.endswith(COMPLETION_PATH_SUFFIXES)
-        if completion and session.priority is not None:
-            exchange.request_body = with_priority(exchange.request_body, session.priority)
-        exchange.request_bytes = len(exchange.request_body)
+        body = await self._read_body(request)
+        if body is None:
+            exchange.request_bytes = request.content_length or self.max_request_bytes + 1
+            message = (
+                f"the request body is larger than {self.max_request_bytes} bytes (runtime.proxy_max_request_bytes)"
+            )
+            return self._refuse(session, request, 413, "body_too_large", message, exchange=exchange)
+        exchange.request_body = body
+        exchange.request_bytes = len(body)
         budget = session.budget
-        if budget is not None and completion:
-            need = budget.need(exchange.request_body)
-            # The shared ledger is a database read: off the loop that relays every other stream.
-            refused = await asyncio.to_thread(budget.admit, need) if budget.uses_store else budget.admit(need)
-            if refused is not None:
-                return self._refuse_over_budget(session, exchange, refused)
-            exchange.budget_need = need
+        if route in GENERATION_ROUTES:
+            try:
+                prepared = await prepare_generation_off_loop(
+                    route,
+                    body,
+                    default_max_tokens=budget.default_max_tokens if budget is not None else None,
+                    priority=session.priority,
+                )
+            except GenerationRequestError as exc:
+                return self._refuse(session, request, 400, "bad_generation_request", str(exc), exchange=exchange)
+            exchange.request_body, exchange.usage_added = prepared.body, prepared.usage_added
+            exchange.request_bytes = len(prepared.body)
+            if budget is not None and prepared.need is not None:
+                # The shared ledger is a database read: off the loop that relays every other stream.
+                admit = budget.admit
+                refused = await asyncio.to_thread(admit, prepared.need) if budget.uses_store else admit(prepared.need)
+                if refused is not None:
+                    return self._refuse_over_budget(session, exchange, refused)
+                exchange.budget_need = prepared.need
         target = URL(session.upstream + request.raw_path, encoded=True)
         try:
+            if self._session is None:  # stop() began while this request was read: nothing goes out any more
+                exchange.upstream_unreached = True
+                raise aiohttp.ClientConnectionError("the proxy is stopping")
             async with self._session.request(
                 request.method,
                 target,
@@ -702,6 +977,7 @@ class LoggingProxy:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # Raised before any byte reached the client (failures mid-body are handled in _relay).
             exchange.proxy_error = type(exc).__name__
+            exchange.upstream_unreached |= isinstance(exc, aiohttp.ClientConnectorError)
             exchange.status = 502
             response = web.json_response(
                 {"error": {"message": f"upstream request failed: {type(exc).__name__}", "type": "proxy_error"}},
@@ -739,6 +1015,8 @@ class LoggingProxy:
         if not exchange.stream and length is not None:
             response.content_length = length
         sink = exchange.assembler.feed if exchange.stream else exchange.response_body.extend
+        # The usage chunk the proxy asked for is the record's (the assembler sees it), not the agent's.
+        usage_filter = UsageChunkFilter() if exchange.stream and exchange.usage_added else None
         try:
             await response.prepare(request)
             while True:
@@ -750,11 +1028,16 @@ class LoggingProxy:
                     _close_client(request)
                     break
                 if not chunk:
+                    if usage_filter is not None and (rest := usage_filter.close()):
+                        await response.write(rest)
                     await response.write_eof()
                     break
                 sink(chunk)
                 exchange.response_bytes += len(chunk)
-                await response.write(chunk)
+                if usage_filter is None:
+                    await response.write(chunk)
+                elif relayed := usage_filter.feed(chunk):
+                    await response.write(relayed)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             exchange.client_disconnected = True
         return response
@@ -794,8 +1077,10 @@ class LoggingProxy:
             usage = self._append_record(log.log, exchange)
             log.records += 1
         finally:
+            log.usage.count(exchange.path, usage)
             if log.budget is not None and exchange.budget_need is not None:
-                log.budget.settle(exchange.budget_need, usage)
+                generated = exchange.server_may_have_generated()
+                log.budget.settle(exchange.budget_need, usage, server_may_have_generated=generated)
 
     def _append_record(self, log: _RecordLog, exchange: _Exchange) -> Any:
         """Append `exchange`'s record to `log` (large ones by the record writer); returns the response's usage."""
@@ -832,9 +1117,15 @@ class _Exchange:
     duration_s: float = 0.0
     client_disconnected: bool = False
     proxy_error: str | None = None
-    rejected: str | None = None  # why the proxy refused the request (no token, wrong token): never forwarded
+    rejected: str | None = None  # why the proxy refused the request (token, route, size, body): never forwarded
+    usage_added: bool = False  # the proxy asked the stream for usage; the agent was relayed the stream without it
+    upstream_unreached: bool = False  # no connection to the upstream was made: it cannot have generated anything
     budget_need: int | None = None  # tokens held for this request by the episode's budget until it is settled
     budget_exhausted: dict[str, Any] | None = None  # the budget that refused it (never forwarded)
+
+    def server_may_have_generated(self) -> bool:
+        """Whether the upstream may have generated for this exchange: it was reached and did not refuse it (4xx)."""
+        return not self.upstream_unreached and not (self.status is not None and 400 <= self.status < 500)
 
     def body_bytes(self) -> int:
         """Bytes of request and response body the record is built from."""
@@ -883,6 +1174,8 @@ class _Exchange:
             record["proxy_error"] = self.proxy_error
         if self.rejected is not None:
             record["rejected"] = self.rejected
+        if self.usage_added:
+            record["proxy_added_usage"] = True
         if self.budget_exhausted is not None:
             record["budget_exhausted"] = self.budget_exhausted
         response = record.get("response")
@@ -906,6 +1199,7 @@ _SMALL_FIELDS = (
     "client_disconnected",
     "proxy_error",
     "rejected",
+    "usage_added",
     "budget_exhausted",
 )
 
@@ -916,8 +1210,8 @@ def _put_body(record: dict[str, Any], key: str, body: bytes) -> None:
         record[key] = None
         return
     try:
-        record[key] = json.loads(body)
-    except (ValueError, RecursionError):
+        record[key] = loads_untrusted(body, what=key, max_bytes=len(body), max_depth=None)
+    except UntrustedInputError:
         record[f"{key}_raw"] = body.decode("utf-8", errors="replace")
 
 
@@ -933,258 +1227,6 @@ def _write_port_file(path: Path, port: int) -> None:
     os.replace(handle.name, path)
 
 
-# --- a pod's proxy: one session per attempt ------------------------------------------------------------------------
-
-
-def _base_url(url: str) -> str | None:
-    """`url` as scheme://host[:port][/path] without a trailing slash; None unless a plain http(s) URL."""
-    try:
-        parts = urlsplit(url.strip())
-    except ValueError:
-        return None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.query or parts.fragment:
-        return None
-    return f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
-
-
-class SessionProxy(LoggingProxy):
-    """The episode proxy of a Kubernetes pod: each attempt opens a session with its own token and log.
-
-    `upstreams` are the base URLs a session may name (the first is the default); a URL on a host ending in one of
-    `allowed_host_suffixes` (e.g. `.<namespace>.svc`: a rollout's server of another generation) is accepted too.
-    The key is sent to no other host. Control routes (JSON):
-
-        POST {CONTROL_PREFIX}/sessions              {"upstream"?, "episode_tokens"?, "default_max_tokens"?}
-                                                                       -> 201 {"session", "token", "log"}
-        POST {CONTROL_PREFIX}/sessions/ID/close     {"discard"?}       -> 200 {"records"}
-        GET  {CONTROL_PREFIX}/health                                   -> 200 {"status": "ok", "sessions"}
-
-    `log` is the session log's file name under `sessions_dir`; refused requests go to `rejected.jsonl` there.
-    `request_priority` is stamped on every session's completion requests (the pod runs one episode).
-    """
-
-    def __init__(
-        self,
-        sessions_dir: Path | str,
-        *,
-        upstreams: Sequence[str],
-        upstream_api_key: str,
-        allowed_host_suffixes: Sequence[str] = (),
-        host: str = "127.0.0.1",
-        port: int = 0,
-        keep_raw_sse: bool = True,
-        request_priority: int | None = None,
-    ) -> None:
-        bases = [_base_url(url) for url in upstreams]
-        if not bases or any(base is None for base in bases):
-            raise ProxyConfigError(f"episode proxy: --upstream {list(upstreams)} must be http(s) base URLs")
-        if any(not suffix.startswith(".") or len(suffix) < 2 for suffix in allowed_host_suffixes):
-            raise ProxyConfigError("episode proxy: an allowed host suffix starts with '.' (e.g. .mass-ops.svc)")
-        self.sessions_dir = Path(sessions_dir)
-        self.upstreams = tuple(base for base in bases if base is not None)
-        self.allowed_host_suffixes = tuple(suffix.lower() for suffix in allowed_host_suffixes)
-        super().__init__(
-            self.upstreams[0],
-            self.sessions_dir / REJECTED_LOG,
-            host,
-            port,
-            keep_raw_sse=keep_raw_sse,
-            agent_token="",  # token auth on; sessions bring the tokens
-            upstream_api_key=upstream_api_key,
-            # The pod's, for every session: fixed when the pod starts, so the sandbox cannot choose its own.
-            request_priority=request_priority,
-        )
-
-    def _open_logs(self) -> None:
-        self._rejections = _Session("rejected", None, self.upstream_base_url, _RecordLog(self.log_path))
-
-    def _add_routes(self, app: web.Application) -> None:
-        app.router.add_post(f"{CONTROL_PREFIX}/sessions", self._open_session)
-        app.router.add_post(f"{CONTROL_PREFIX}/sessions/{{session}}/close", self._close_session)
-        app.router.add_get(f"{CONTROL_PREFIX}/health", self._health)
-        super()._add_routes(app)
-
-    def allowed_upstream(self, url: str | None) -> str | None:
-        """The base URL a session may use for `url` (None: the default), or None when the key may not go there."""
-        if url is None:
-            return self.upstreams[0]
-        base = _base_url(url)
-        if base is None:
-            return None
-        host = (urlsplit(base).hostname or "").lower()
-        if base in self.upstreams or any(host.endswith(suffix) for suffix in self.allowed_host_suffixes):
-            return base
-        return None
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "sessions": len(self._sessions)})
-
-    async def _open_session(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        upstream = self.allowed_upstream(body.get("upstream") if isinstance(body.get("upstream"), str) else None)
-        if upstream is None or ("upstream" in body and not isinstance(body["upstream"], str)):
-            return _control_error(403, "upstream not allowed for this proxy")
-        if len(self._sessions) >= MAX_SESSIONS:
-            return _control_error(429, f"too many open sessions ({MAX_SESSIONS})")
-        limits = [body.get(key) for key in ("episode_tokens", "default_max_tokens")]
-        if any(value is not None and (not isinstance(value, int) or value < 1) for value in limits):
-            return _control_error(400, "episode_tokens and default_max_tokens must be positive integers")
-        budget = None
-        if limits[0] is not None:
-            # A pod's proxy holds the episode's own token budget; the cycle's shared ledger is checked by the runner
-            # before each attempt (this container has no metadata store).
-            budget = EpisodeBudget(episode_tokens=limits[0], default_max_tokens=limits[1] or 1)
-        name = secrets.token_hex(8)
-        token = new_agent_token()
-        log = _RecordLog(self.sessions_dir / f"{name}.jsonl", redact=self._upstream_api_key)
-        self._sessions[name] = _Session(
-            name, token.encode(), upstream, log, budget=budget, priority=self.request_priority
-        )
-        return web.json_response({"session": name, "token": token, "log": log.path.name}, status=201)
-
-    async def _close_session(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        session = self._sessions.pop(request.match_info["session"], None)
-        if session is None:
-            return _control_error(404, "no such session")
-        # The agent has ended: give in-flight exchanges a moment to finish, then cut them (their records are kept).
-        if session.handlers:
-            _done, stuck = await asyncio.wait(set(session.handlers), timeout=HANDLER_DRAIN_S)
-            for handler in stuck:
-                handler.cancel()
-            if stuck:
-                await asyncio.wait(stuck, timeout=HANDLER_DRAIN_S)
-        if session.pending:
-            await asyncio.gather(*session.pending)
-        session.log.close()
-        if body.get("discard") is True:
-            session.log.path.unlink(missing_ok=True)
-        return web.json_response({"records": session.records})
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _control_error(status: int, message: str) -> web.Response:
-    error = {"message": f"episode proxy: {message}", "type": "proxy_control"}
-    return web.json_response({"error": error}, status=status)
-
-
-@dataclass(frozen=True)
-class ProxySession:
-    """One attempt's session with a pod's `SessionProxy`: where the agent connects, with which token, and where
-    the session's log can be read (the proxy's log folder as mounted on the reader's side)."""
-
-    proxy_url: str
-    name: str
-    token: str
-    log_path: Path
-
-
-async def _control(proxy_url: str, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    url = f"{proxy_url.rstrip('/')}{CONTROL_PREFIX}{path}"
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as client,
-            client.post(url, json=payload) as response,
-        ):
-            status = response.status
-            data = await response.json(content_type=None)
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-        raise ProxySessionError(f"episode proxy {proxy_url}: POST {path} failed: {type(exc).__name__}") from None
-    if status >= 300 or not isinstance(data, dict):
-        detail = ((data or {}).get("error") or {}).get("message") if isinstance(data, dict) else None
-        raise ProxySessionError(f"episode proxy {proxy_url}: POST {path} answered HTTP {status} ({detail})")
-    return data
-
-
-async def open_proxy_session(
-    proxy_url: str,
-    log_dir: Path | str,
-    *,
-    upstream: str | None = None,
-    timeout_s: float = CONTROL_TIMEOUT_S,
-    episode_tokens: int | None = None,
-    default_max_tokens: int | None = None,
-) -> ProxySession:
-    """Open a session on the pod's proxy at `proxy_url` (its logs readable under `log_dir`); ProxySessionError.
-
-    `episode_tokens` (with the request default `default_max_tokens`) makes the session enforce that token budget."""
-    payload: dict[str, Any] = {} if upstream is None else {"upstream": upstream}
-    if episode_tokens is not None:
-        payload |= {"episode_tokens": episode_tokens, "default_max_tokens": default_max_tokens}
-    data = await _control(proxy_url, "/sessions", payload, timeout_s)
-    name, token, log = data.get("session"), data.get("token"), data.get("log")
-    if not all(isinstance(value, str) and value for value in (name, token, log)) or Path(str(log)).name != log:
-        raise ProxySessionError(f"episode proxy {proxy_url}: the session answer is malformed")
-    return ProxySession(proxy_url.rstrip("/"), str(name), str(token), Path(log_dir) / str(log))
-
-
-async def close_proxy_session(
-    session: ProxySession, *, discard: bool = False, timeout_s: float = CONTROL_TIMEOUT_S
-) -> int:
-    """Close `session` once its agent has ended; after this its log is complete. Returns the record count."""
-    data = await _control(session.proxy_url, f"/sessions/{session.name}/close", {"discard": discard}, timeout_s)
-    records = data.get("records")
-    return records if isinstance(records, int) else 0
-
-
-def copy_session_log(session: ProxySession, target: Path) -> None:
-    """Copy a closed session's log to `target` (an empty file when the proxy logged nothing)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with session.log_path.open("rb") as source, target.open("wb") as out:
-            shutil.copyfileobj(source, out, 1 << 20)
-    except FileNotFoundError:
-        target.write_bytes(b"")
-
-
-async def serve_episode_proxy(
-    *,
-    sessions_dir: Path | str,
-    upstreams: Sequence[str],
-    key_env: str,
-    allowed_host_suffixes: Sequence[str] = (),
-    listen: int = 0,
-    host: str = "127.0.0.1",
-    environ: Mapping[str, str] | None = None,
-    port_file: Path | str | None = None,
-    stop: asyncio.Event | None = None,
-    request_priority: int | None = None,
-) -> None:
-    """Run a pod's `SessionProxy` until SIGTERM/SIGINT (or `stop`): the key comes from variable `key_env` of this
-    process, which is the only one in the pod that holds it."""
-    proxy = SessionProxy(
-        sessions_dir,
-        upstreams=upstreams,
-        upstream_api_key=upstream_key_from_env(key_env, environ),
-        allowed_host_suffixes=allowed_host_suffixes,
-        host=host,
-        port=listen,
-        request_priority=request_priority,
-    )
-    await proxy.start()
-    stopped = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError, RuntimeError):  # signal handlers exist only in the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stopped.set)
-    if port_file:
-        _write_port_file(Path(port_file), proxy.port)
-    print(f"episode proxy on {proxy.url} -> {', '.join(proxy.upstreams)}, sessions in {sessions_dir}", flush=True)
-    try:
-        await stopped.wait()
-    finally:
-        await proxy.stop()
-
-
 async def _serve(args: argparse.Namespace) -> None:
     proxy = LoggingProxy(
         args.upstream[0],
@@ -1193,6 +1235,8 @@ async def _serve(args: argparse.Namespace) -> None:
         port=args.listen,
         keep_raw_sse=args.keep_raw_sse,
         request_priority=args.request_priority,
+        client_path=args.client_path,
+        max_request_bytes=args.max_request_bytes,
     )
     await proxy.start()
     stopped = asyncio.Event()
@@ -1208,7 +1252,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await proxy.stop()
 
 
-def _run(main: Coroutine[Any, Any, None]) -> None:
+def run_proxy_main(main: Coroutine[Any, Any, None]) -> None:
     """Run the proxy process's `main` on uvloop where it is installed (a relay's CPU per byte is mostly the event
     loop's), else on asyncio's own loop."""
     try:
@@ -1220,54 +1264,47 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
         runner.run(main)
 
 
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """The proxy's `--client-path` and `--max-request-bytes` (what the agent may send), for every proxy command."""
+    parser.add_argument(
+        "--client-path", default=DEFAULT_CLIENT_PATH, help="the path of the endpoint under which routes are allowed"
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="larger request bodies get HTTP 413"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL (--log PATH | --sessions-dir DIR --key-env
-    NAME [--upstream URL ...] [--allow-host-suffix .ns.svc ...]) [--port-file F] [--request-priority N]`."""
-    parser = argparse.ArgumentParser(prog="python -m mass_ops.runtime.proxy", description=__doc__.split("\n")[0])
+    """`python -m mass_ops.runtime.proxy --listen PORT --upstream URL --log PATH [--port-file F]
+    [--request-priority N] [--client-path /v1] [--max-request-bytes N]`: an open, keyless logging proxy (a pod's
+    keyed one: `mass_ops.runtime.session_proxy`)."""
     if (sys.argv[1:] if argv is None else argv) == [RECORD_WRITER_FLAG]:
         _record_writer_main()
         return
+    parser = argparse.ArgumentParser(prog="python -m mass_ops.runtime.proxy", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", type=int, required=True, help="port to bind (0 = ephemeral, see --port-file)")
-    parser.add_argument(
-        "--upstream", action="append", required=True, help="model server base URL without /v1 (sessions: repeatable)"
-    )
-    parser.add_argument("--log", help="JSONL file the request records are appended to (an open, keyless proxy)")
-    parser.add_argument("--sessions-dir", help="a pod's episode proxy: one session log per attempt in this folder")
-    parser.add_argument("--key-env", help="with --sessions-dir: the variable holding the upstream API key")
-    parser.add_argument("--allow-host-suffix", action="append", default=[], help="with --sessions-dir (repeatable)")
+    parser.add_argument("--upstream", action="append", required=True, help="model server base URL without /v1")
+    parser.add_argument("--log", required=True, help="JSONL file the request records are appended to")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port-file", help="write the bound port here (atomically) once listening")
     parser.add_argument("--keep-raw-sse", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--request-priority", type=int, help="stamp this vLLM priority on every completion request (lower first)"
     )
+    add_route_arguments(parser)
     args = parser.parse_args(argv)
-    if (args.log is None) == (args.sessions_dir is None):
-        parser.error("give exactly one of --log or --sessions-dir")
-    if args.sessions_dir is not None and not args.key_env:
-        parser.error("--sessions-dir needs --key-env")
-    if args.log is not None and (args.key_env or args.allow_host_suffix or len(args.upstream) > 1):
-        parser.error("--key-env, --allow-host-suffix and several --upstream go with --sessions-dir")
+    if len(args.upstream) > 1:
+        parser.error("one --upstream (several go with a pod's session proxy: python -m mass_ops.runtime.session_proxy)")
     with contextlib.suppress(KeyboardInterrupt):
-        if args.sessions_dir is None:
-            _run(_serve(args))
-            return
         try:
-            _run(
-                serve_episode_proxy(
-                    sessions_dir=args.sessions_dir,
-                    upstreams=args.upstream,
-                    key_env=args.key_env,
-                    allowed_host_suffixes=args.allow_host_suffix,
-                    listen=args.listen,
-                    host=args.host,
-                    port_file=args.port_file,
-                    request_priority=args.request_priority,
-                )
-            )
+            run_proxy_main(_serve(args))
         except ProxyConfigError as exc:
             parser.exit(2, f"{exc}\n")
 
 
 if __name__ == "__main__":
-    main()
+    # Run the module's own copy, not this `__main__` one: the body parser processes unpickle its functions and
+    # exceptions by the module's name, and `except` clauses must name the same classes.
+    from mass_ops.runtime.proxy import main as module_main
+
+    module_main()

@@ -6,8 +6,8 @@ of work"):
 1. Preflight, before anything is created: the key variable named by `inference.api_key_env` is usable, and
    `GET <endpoint>/models` lists the served model (OpenRouter: without `:nitro`). Failures raise an
    `EpisodePreflightError` with one clear line; `EndpointUnreachableError` marks the transient kind. In a
-   Kubernetes episode pod (`MASS_EPISODE_PROXY_URL` set) this process holds no key: the check goes through the pod's
-   episode proxy, which does.
+   Kubernetes episode pod this process holds no key and checks nothing itself: the publisher checks the endpoint
+   through the pod's episode proxy when it opens each attempt's session (step 3).
 2. A private attempt folder `<scratch>/<cycle>/<unit slug>-a<attempt>/` (deterministic, so the workspace path the
    agent sees is the same on every rerun) with an empty `workspace/`, `home/.qwen/settings.json` (HOME and
    QWEN_HOME) and `logs/`. A request with a workspace seed (a benchmark task's inputs) gets it extracted into
@@ -18,15 +18,21 @@ of work"):
    (`WorkspaceSeedError`) and no agent starts. The status document names the seed (`workspace_seed`).
 3. The episode's logging proxy in front of the endpoint; qwen-code talks only to it, with a random per-attempt
    token (`AGENT_TOKEN_ENV`), and the proxy puts the real key on the upstream request. Locally it is a `LoggingProxy`
-   on an ephemeral port in this process (the agent's environment has no key; it runs as the same user, so only the
-   pod layout keeps it from this process's memory); in a pod it is a session of the `SessionProxy` in the pod's
-   proxy container, whose log the sandbox reads back (`open_proxy_session`).
+   in this process: on a Unix socket that only the attempt's bubblewrap sandbox mounts (`runtime.sandbox: bwrap`,
+   `mass_ops.compute.sandbox`: the agent cannot see this process, its environment or any host service), or on an
+   ephemeral 127.0.0.1 port for an unsandboxed agent (refused with a real key unless `runtime.allow_unsandboxed_agent`:
+   `_refuse_unsandboxed`); in a pod it is a session of the `SessionProxy` in the pod's proxy container, which the
+   publisher opens for the attempt, after its own preflight of the endpoint, and closes when the agent has ended
+   (`ProxySessions`: this container reaches no proxy control). The row's request and token counts are the proxy's
+   own counters (`LoggingProxy.usage`, or the pod proxy's close answer), not a re-read of a log the agent could have
+   touched.
 4. `qwen --model M --approval-mode yolo --output-format stream-json` in the workspace, prompt on stdin, in its own
    session (process group), with an allow-listed environment (`agent_environment`: no key variable, no key bytes).
    Limits: per-response timeout and shell timeout in settings.json, stream-idle timeout in the environment, and the
    episode wall-clock limit (`runtime.episode_wall_clock_s`; none when null, as in the reference) enforced here by
    stopping the whole process group (TERM, grace, KILL). Leftovers — background jobs, and anything that left the
-   group but kept the environment's scope marker — are killed when the agent ends.
+   group but kept the environment's scope marker — are killed when the agent ends; in the sandbox every process of
+   the attempt lives in its PID namespace and ends with it (a `setsid` daemon included).
 5. Classification (`outcome.classify`), the API key redacted from every file the attempt produced (a second line
    of defence: the agent never had it, but an upstream could echo it), the proxy log gzipped: together with the
    status document and the row's fields this is the attempt's `EpisodePublication`. Its sink publishes it:
@@ -48,7 +54,6 @@ import contextlib
 import dataclasses
 import fcntl
 import gzip
-import json
 import logging
 import os
 import secrets
@@ -56,11 +61,9 @@ import shutil
 import signal
 import socket
 import stat
-import tarfile
 import tempfile
 import threading
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -72,7 +75,18 @@ import aiohttp
 from pydantic import AwareDatetime, BaseModel, ConfigDict, NonNegativeInt
 from sqlalchemy.exc import SQLAlchemyError
 
-from mass_ops.compute.kubernetes import PROXY_LOG_DIR_ENV, PROXY_URL_ENV
+from mass_ops.compute.egress import EGRESS_SOCKET_NAME, EgressProxy
+from mass_ops.compute.sandbox import (
+    BWRAP_DESCRIPTION,
+    bwrap_support,
+    create_socket_dir,
+    egress_url_in_sandbox,
+    proxy_socket_dir,
+    proxy_url_in_sandbox,
+    remove_socket_dir,
+    runtime_paths,
+    sandboxed_argv,
+)
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.critical_path import episode_server_priority
@@ -90,6 +104,7 @@ from mass_ops.runtime.outcome import (
     EXECUTION_MODE,
     StatusContext,
     Transcript,
+    UsageCounter,
     UsageTotals,
     classify,
     status_record,
@@ -100,11 +115,7 @@ from mass_ops.runtime.proxy import (
     REDACTION,
     EpisodeBudget,
     LoggingProxy,
-    ProxySessionError,
-    close_proxy_session,
-    copy_session_log,
     new_agent_token,
-    open_proxy_session,
 )
 from mass_ops.runtime.qwen_install import QwenInstall, ensure_qwen_code
 from mass_ops.runtime.settings import AGENT_TOKEN_ENV, SETTINGS_FILE, qwen_settings, write_settings
@@ -120,17 +131,23 @@ from mass_ops.store.artifacts import (
 )
 from mass_ops.store.budgets import CYCLE_SCOPE, BudgetLedger, BudgetLimits, task_scope
 from mass_ops.store.schema import LEASE_RENEW_S
+from mass_ops.store.untrusted import ARCHIVE_LIMITS, UntrustedInputError, loads_untrusted
 
 logger = logging.getLogger(__name__)
 
 PREFLIGHT_TIMEOUT_S = 30.0
 SCOPE_ENV = "MASS_EPISODE_SCOPE"
+# Tells the agent how it is contained ("bwrap", "pod" or "none"), as Codex CLI's CODEX_SANDBOX does.
+SANDBOX_ENV = "MASS_EPISODE_SANDBOX"
 THREAD_LIMIT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 OPENMM_THREADS_VAR = "OPENMM_CPU_THREADS"
 LOCAL_HOSTS = "127.0.0.1,localhost"
 SCRATCH_ENV = "MASS_EPISODE_SCRATCH_DIR"
 # Publishing order of an attempt's artifacts: the status document last, so a reader that finds it finds the rest.
 PUBLISH_ORDER = ("workspace", "prompt", "stream", "stderr", "api_log", "settings", "status")
+
+
+MODEL_LIST_MAX_BYTES = 8 << 20  # a served-model list is kilobytes; a larger answer is not one
 
 
 class EpisodePreflightError(InputError):
@@ -187,6 +204,12 @@ class AttemptPaths:
     @property
     def settings(self) -> Path:
         return self.qwen_home / SETTINGS_FILE
+
+    @property
+    def settings_record(self) -> Path:
+        """The runner's own copy of the settings it gave the agent, out of the agent's reach: what is published
+        (the agent's `settings` file is its own to rewrite while it runs)."""
+        return self.logs / SETTINGS_FILE
 
     @property
     def prompt(self) -> Path:
@@ -260,7 +283,7 @@ class AttemptFiles:
 
     @classmethod
     def of_attempt(cls, paths: AttemptPaths) -> AttemptFiles:
-        return cls(paths.workspace, paths.prompt, paths.stream, paths.stderr, paths.api_log_gz, paths.settings)
+        return cls(paths.workspace, paths.prompt, paths.stream, paths.stderr, paths.api_log_gz, paths.settings_record)
 
 
 @dataclass(frozen=True)
@@ -273,6 +296,30 @@ class EpisodePublication:
     status: dict[str, Any]
     record: EpisodeRecord
     retry_of_id: int | None = None
+
+
+@dataclass(frozen=True)
+class AttemptSession:
+    """An attempt's session with a pod's episode proxy, as the runner holds it: where the agent connects and with
+    which token (`name` is how the publisher knows it)."""
+
+    name: str
+    proxy_url: str
+    token: str
+
+
+class ProxySessions(Protocol):
+    """Where a pod's runner gets each attempt's proxy session: from the publisher, the one container that reaches
+    the proxy's control socket (`mass_ops.runtime.handoff.HandoffProxySessions`)."""
+
+    async def open(self, unit: EpisodeUnit) -> AttemptSession:
+        """The session of attempt `unit.attempt`, the endpoint checked; `EndpointUnreachableError` (wait and ask
+        again) or `EpisodePreflightError`."""
+        ...
+
+    async def close(self, session: AttemptSession, api_log: Path) -> UsageTotals:
+        """Close `session` once its agent has ended: its log lands at `api_log`; returns the proxy's counts."""
+        ...
 
 
 # --- preflight --------------------------------------------------------------------------------------------------
@@ -328,8 +375,9 @@ async def check_endpoint(
     if status >= 400:
         raise EpisodePreflightError(f"episode preflight: GET {url} answered HTTP {status} (check the key variable)")
     try:
-        listed = [str(item.get("id")) for item in json.loads(body).get("data") or [] if isinstance(item, dict)]
-    except (ValueError, AttributeError):
+        document = loads_untrusted(body, what=f"GET {url}", max_bytes=MODEL_LIST_MAX_BYTES)
+        listed = [str(item.get("id")) for item in document.get("data") or [] if isinstance(item, dict)]
+    except (UntrustedInputError, AttributeError):
         raise EpisodePreflightError(f"episode preflight: GET {url} did not return a model list") from None
     if wanted not in listed:
         shown = ", ".join(listed[:10]) or "none"
@@ -342,13 +390,22 @@ async def check_endpoint(
 
 
 def agent_environment(
-    config: CycleConfig, paths: AttemptPaths, *, agent_token: str, scope: str, path_value: str
+    config: CycleConfig,
+    paths: AttemptPaths,
+    *,
+    agent_token: str,
+    scope: str,
+    path_value: str,
+    sandbox: str = "none",
 ) -> dict[str, str]:
     """The complete environment of the agent process: an allow-list, nothing inherited but PATH.
 
     Thread limits and CUDA visibility follow the reference. The agent's only credential is its episode proxy token
     in `AGENT_TOKEN_ENV` (the variable settings.json's `envKey` names); the variable `inference.api_key_env` names
-    is never set, so neither the key nor its name's value reaches the agent (never argv, never a file).
+    is never set, so neither the key nor its name's value reaches the agent (never argv, never a file). `sandbox`
+    (`EpisodeRunner.agent_sandbox`) goes to `SANDBOX_ENV`; in the bwrap sandbox the attempt's tmp folder is `/tmp`,
+    and with `runtime.sandbox_egress: public` every proxy variable names the attempt's egress proxy (downloads), while
+    `NO_PROXY` keeps the episode proxy on 127.0.0.1 direct.
     """
     runtime = config.runtime
     threads = str(runtime.thread_limit)
@@ -356,7 +413,7 @@ def agent_environment(
         "PATH": path_value,
         "HOME": str(paths.home),
         "QWEN_HOME": str(paths.qwen_home),
-        "TMPDIR": str(paths.tmp),
+        "TMPDIR": "/tmp" if sandbox == "bwrap" else str(paths.tmp),
         "LANG": "C.UTF-8",
         **dict.fromkeys(THREAD_LIMIT_VARS, threads),
         OPENMM_THREADS_VAR: threads,
@@ -371,8 +428,12 @@ def agent_environment(
         "NO_PROXY": LOCAL_HOSTS,
         "no_proxy": LOCAL_HOSTS,
         SCOPE_ENV: scope,
+        SANDBOX_ENV: sandbox,
         AGENT_TOKEN_ENV: agent_token,
     }
+    if sandbox == "bwrap" and runtime.sandbox_egress == "public":
+        egress = egress_url_in_sandbox()
+        env |= dict.fromkeys(("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"), egress)
     key_name = config.inference.api_key_env
     if key_name in env:
         raise EpisodePreflightError(
@@ -385,9 +446,13 @@ def environment_policy(env: Mapping[str, str], key_name: str) -> str:
     """Human-readable record of the agent environment: variable names, limits, never a credential."""
     shown = {name: value for name, value in env.items() if name not in (AGENT_TOKEN_ENV, "PATH", SCOPE_ENV)}
     settings = ", ".join(f"{name}={value}" for name, value in sorted(shown.items()))
+    containment = {
+        "bwrap": BWRAP_DESCRIPTION,
+        "pod": "the episode pod's sandbox container",
+    }.get(env.get(SANDBOX_ENV, "none"), "no sandbox: a process of the runner's user on the host network")
     return (
-        f"allow-listed environment; PATH inherited; no API key ({key_name} is held by the logging proxy); "
-        f"per-episode proxy token in {AGENT_TOKEN_ENV} (value not recorded); {settings}"
+        f"{containment}; allow-listed environment; PATH inherited; no API key ({key_name} is held by the logging "
+        f"proxy); per-episode proxy token in {AGENT_TOKEN_ENV} (value not recorded); {settings}"
     )
 
 
@@ -520,32 +585,21 @@ def extract_workspace_seed(
 ) -> int:
     """Extract the seed archive (a tar.gz) into the empty folder `workspace`, all or nothing; returns its number of
     members. Refused with one line (`WorkspaceSeedError`), nothing extracted: bytes other than `seed.sha256`, more
-    than `max_entries` members or `max_bytes` bytes, or a member that could write or point outside (the store's
-    checks: `store.artifacts.extract_tarball`)."""
+    than `max_entries` members or `max_bytes` bytes or the platform's bytes-per-archive-byte limit, or a member that
+    could write or point outside (`store.untrusted.extract_tar_gz`, the one extractor of every archive)."""
     where = f"workspace seed {seed.uri}"
     sha256, _size = file_sha256(archive)
     if sha256 != seed.sha256:
         raise WorkspaceSeedError(f"{where}: its bytes have SHA-256 {sha256[:12]}…, not {seed.sha256[:12]}…")
-    entries = total = 0
-    try:
-        # Counted before anything is written: a member header costs a few hundred bytes, its data `size`.
-        with tarfile.open(archive, mode="r:gz") as tar:
-            for member in tar:
-                entries += 1
-                total += max(member.size, 0)
-                if entries > max_entries:
-                    raise WorkspaceSeedError(f"{where}: more than {max_entries} members; refusing to extract")
-                if total > max_bytes:
-                    raise WorkspaceSeedError(f"{where}: more than {max_bytes} bytes; refusing to extract")
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise WorkspaceSeedError(f"{where}: not a valid tar.gz archive ({_first_line(exc)})") from None
     if any(workspace.iterdir()):
         raise WorkspaceSeedError(f"{where}: the workspace {workspace} is not empty")
+    # The platform's one archive extractor and its limits (count, bytes, ratio), checked as each header is read.
+    limits = dataclasses.replace(ARCHIVE_LIMITS, max_entries=max_entries, max_bytes=max_bytes)
     scratch = workspace.with_name(f".{workspace.name}.seed")
     shutil.rmtree(scratch, ignore_errors=True)
     try:
         try:
-            extract_tarball(archive, scratch, uri=seed.uri)
+            entries = extract_tarball(archive, scratch, uri=where, limits=limits)
         except ArtifactFormatError as exc:  # UnsafeArchiveError too: a member that could leave the folder
             raise WorkspaceSeedError(_first_line(exc)) from None
         for entry in sorted(scratch.iterdir()):
@@ -590,6 +644,7 @@ class EpisodeRunner:
         execution_mode: str = EXECUTION_MODE,
         sink: PublicationSink | None = None,
         lease_renew_s: float = LEASE_RENEW_S,
+        proxy_sessions: ProxySessions | None = None,
     ) -> None:
         self.ctx = ctx
         self.lease_renew_s = lease_renew_s  # how often a running attempt renews its lease (`status`: alive)
@@ -603,11 +658,10 @@ class EpisodeRunner:
         self.kill_grace_s = kill_grace_s
         self.execution_mode = execution_mode
         self._install_lock = threading.Lock()
-        # In a Kubernetes episode pod the proxy (and the key) live in another container: `compute.kubernetes`.
-        proxy_url, proxy_logs = self.environ.get(PROXY_URL_ENV), self.environ.get(PROXY_LOG_DIR_ENV)
-        if bool(proxy_url) != bool(proxy_logs):
-            raise EpisodePreflightError(f"episode runtime: set both {PROXY_URL_ENV} and {PROXY_LOG_DIR_ENV}, or none")
-        self.pod_proxy: tuple[str, Path] | None = (proxy_url, Path(proxy_logs)) if proxy_url and proxy_logs else None
+        self._warned_unsandboxed = False
+        # In a Kubernetes episode pod the proxy (and the key) live in another container, and only the publisher
+        # reaches its control: it opens each attempt's session (`mass_ops.runtime.handoff`).
+        self.proxy_sessions = proxy_sessions
         # One ledger for every attempt of this runner: requests in flight in this process count against the budgets.
         self.budgets = BudgetLedger(ctx.repo, ctx.cycle_id, BudgetLimits.from_mapping(self.config.budgets.model_dump()))
 
@@ -635,45 +689,61 @@ class EpisodeRunner:
                 self._install = ensure_qwen_code()
             return self._install
 
+    @property
+    def agent_sandbox(self) -> str:
+        """How the agent is contained: "pod" (a Kubernetes episode pod: the pod is the sandbox), "bwrap" (the local
+        bubblewrap sandbox, `mass_ops.compute.sandbox`) or "none" (`runtime.sandbox` none, or bwrap unavailable)."""
+        if self.proxy_sessions is not None:
+            return "pod"
+        if self.config.runtime.sandbox == "bwrap" and bwrap_support().available:
+            return "bwrap"
+        return "none"
+
+    def _refuse_unsandboxed(self, api_key: str) -> None:
+        """A local agent without a sandbox can read this process's environment and reach every local service: with
+        a real key that needs `runtime.allow_unsandboxed_agent` (the placeholder key of a keyless local server, as in
+        the demo, does not). Raises `EpisodePreflightError` (one line)."""
+        runtime = self.config.runtime
+        if self.agent_sandbox != "none":
+            return
+        why = "runtime.sandbox is none" if runtime.sandbox == "none" else bwrap_support().reason
+        if api_key != DEFAULT_KEY_VALUE and not runtime.allow_unsandboxed_agent:
+            raise EpisodePreflightError(
+                f"episode preflight: the agent would run without a sandbox ({why}) while "
+                f"{self.config.inference.api_key_env} holds a real API key; install bubblewrap, or set "
+                "runtime.allow_unsandboxed_agent=true to run it unsandboxed"
+            )
+        if not self._warned_unsandboxed:
+            self._warned_unsandboxed = True
+            logger.warning("episode agents run without a sandbox (%s)", why)
+
     # -- preflight --
 
     async def preflight(self) -> str | None:
-        """Check key and endpoint; returns the key value, or None when the pod's proxy holds it (raises
-        `EpisodePreflightError`)."""
-        if self.pod_proxy is None:
+        """Check key and endpoint; returns the key value, or None in a pod, where the proxy holds the key and the
+        publisher checks the endpoint when it opens each attempt's session (raises `EpisodePreflightError`)."""
+        if self.proxy_sessions is None:
             api_key = resolve_api_key(self.config, self.environ)
+            await asyncio.to_thread(bwrap_support)  # probes once per process: off the loop
+            self._refuse_unsandboxed(api_key)
             await check_endpoint(self.config, api_key)
             return api_key
-        upstream, _client_path = _split_endpoint(self.config.inference.endpoint)
-        session = await self._open_pod_session(upstream)
-        try:
-            await check_endpoint(self.config, session.token, via=session.proxy_url)
-        finally:
-            with contextlib.suppress(ProxySessionError):
-                await close_proxy_session(session, discard=True)
         return None
-
-    async def _open_pod_session(self, upstream: str, *, episode_tokens: int | None = None) -> Any:
-        assert self.pod_proxy is not None
-        proxy_url, log_dir = self.pod_proxy
-        try:
-            return await open_proxy_session(
-                proxy_url,
-                log_dir,
-                upstream=upstream,
-                episode_tokens=episode_tokens,
-                default_max_tokens=self.config.inference.episode_max_output_tokens,
-            )
-        except ProxySessionError as exc:
-            # The proxy container may still be starting: transient, like an endpoint that does not answer yet.
-            raise EndpointUnreachableError(f"episode preflight: {exc}") from None
 
     @contextlib.asynccontextmanager
     async def _episode_proxy(
-        self, paths: AttemptPaths, upstream: str, api_key: str | None, unit: EpisodeUnit
+        self,
+        paths: AttemptPaths,
+        upstream: str,
+        api_key: str | None,
+        unit: EpisodeUnit,
+        counted: list[UsageCounter],
+        egress: dict[str, int],
     ) -> AsyncIterator[Any]:
-        """The attempt's proxy: yields (base URL, agent token); when it ends, `paths.api_log` holds its whole log."""
-        if self.pod_proxy is None:
+        """The attempt's proxy: yields (base URL, agent token); when it ends, `paths.api_log` holds its whole log and
+        `counted` the proxy's own counter of the attempt's usage. A sandboxed attempt with `runtime.sandbox_egress:
+        public` also gets its egress proxy, whose counts land in `egress` when it has stopped."""
+        if self.proxy_sessions is None:
             token = new_agent_token()
             proxy = LoggingProxy(
                 upstream,
@@ -682,23 +752,44 @@ class EpisodeRunner:
                 upstream_api_key=api_key,
                 budget=self._episode_budget(unit),
                 request_priority=episode_server_priority(self.config, unit.kind, unit.version),
+                client_path=_split_endpoint(self.config.inference.endpoint)[1],
+                max_request_bytes=self.config.runtime.proxy_max_request_bytes,
             )
+            counted.append(proxy.usage)  # complete once the proxy has stopped
+            if self.agent_sandbox == "bwrap":
+                # The sandboxed agent has its own network: it reaches this proxy only through the Unix socket in a
+                # folder its sandbox mounts, bridged inside to the URL it is given (nothing listens on host TCP).
+                socket_dir = proxy_socket_dir(paths.root)
+                socket_path = await asyncio.to_thread(create_socket_dir, socket_dir)
+                outbound = None
+                if self.config.runtime.sandbox_egress == "public":
+                    outbound = EgressProxy(ports=self.config.runtime.sandbox_egress_ports)
+                try:
+                    await proxy.start(unix_socket=socket_path)
+                    try:
+                        if outbound is not None:
+                            await outbound.start(socket_dir / EGRESS_SOCKET_NAME)
+                        yield proxy_url_in_sandbox(), token
+                    finally:
+                        if outbound is not None:
+                            await outbound.stop()
+                            egress.update(outbound.counts.as_dict())
+                        await proxy.stop()
+                finally:
+                    await asyncio.to_thread(remove_socket_dir, socket_dir)
+                return
             await proxy.start()
             try:
                 yield proxy.url, token
             finally:
                 await proxy.stop()
             return
-        session = await self._open_pod_session(upstream, episode_tokens=self.config.budgets.episode_tokens)
+        # The publisher derives the upstream and the budget itself: nothing this container says chooses them.
+        session = await self.proxy_sessions.open(unit)
         try:
             yield session.proxy_url, session.token
         finally:
-            try:
-                await close_proxy_session(session)
-            except ProxySessionError as exc:
-                # Records are whole lines as they are written: keep what the log holds and say so.
-                logger.warning("episode proxy session %s was not closed cleanly: %s", session.name, exc)
-            await asyncio.to_thread(copy_session_log, session, paths.api_log)
+            counted.append(UsageCounter(await self.proxy_sessions.close(session, paths.api_log)))
 
     # -- one attempt --
 
@@ -776,10 +867,13 @@ class EpisodeRunner:
             if request.workspace_seed is not None:
                 await asyncio.to_thread(self._seed_workspace, request.workspace_seed, paths)
             upstream, client_path = _split_endpoint(self.config.inference.endpoint)
-            async with self._episode_proxy(paths, upstream, api_key, unit) as (proxy_url, agent_token):
+            counted: list[UsageCounter] = []
+            egress: dict[str, int] = {}
+            async with self._episode_proxy(paths, upstream, api_key, unit, counted, egress) as (proxy_url, agent_token):
                 client_endpoint = f"{proxy_url}{client_path}"
                 settings = qwen_settings(self.config, client_base_url=client_endpoint, seed=unit.seed)
                 write_settings(paths.settings, settings)
+                write_settings(paths.settings_record, settings)
                 scope = f"{unit.slug}-a{attempt}-{secrets.token_hex(6)}"
                 env = agent_environment(
                     self.config,
@@ -787,6 +881,7 @@ class EpisodeRunner:
                     agent_token=agent_token,
                     scope=scope,
                     path_value=self.environ.get("PATH", os.defpath),
+                    sandbox=self.agent_sandbox,
                 )
                 setup_s = time.monotonic() - clock
                 logger.info("episode %s attempt %d: agent starting in %s", unit.slug, attempt, paths.workspace)
@@ -809,6 +904,8 @@ class EpisodeRunner:
                     client_endpoint=client_endpoint,
                     env_policy=environment_policy(env, self.config.inference.api_key_env),
                     durations={"setup_s": setup_s, "agent_s": agent.duration_s},
+                    usage=counted[0].totals(),
+                    egress=egress,
                     abort=abort,
                 )
             )
@@ -856,6 +953,20 @@ class EpisodeRunner:
         argv = install.argv(
             "--model", self.config.models.served_name, "--approval-mode", "yolo", "--output-format", "stream-json"
         )
+        bwrap = bwrap_support().bwrap if self.agent_sandbox == "bwrap" else None
+        if bwrap is not None:
+            # Everything of the attempt lives in the sandbox's PID namespace: killing bwrap (its session's leader
+            # below) or the agent's end takes every process of the attempt with it.
+            argv = sandboxed_argv(
+                argv,
+                bwrap=bwrap,
+                workspace=paths.workspace,
+                home=paths.home,
+                tmp=paths.tmp,
+                socket_dir=proxy_socket_dir(paths.root),
+                runtime=runtime_paths(install.node_bin, install.qwen_entry),
+                egress=self.config.runtime.sandbox_egress == "public",
+            )
         limit = self.config.runtime.episode_wall_clock_s
         started = time.monotonic()
         with paths.prompt.open("rb") as stdin, paths.stream.open("wb") as stdout, paths.stderr.open("wb") as stderr:
@@ -913,6 +1024,8 @@ class EpisodeRunner:
         client_endpoint: str,
         env_policy: str,
         durations: dict[str, float],
+        usage: UsageTotals,
+        egress: dict[str, int],
         abort: threading.Event,
     ) -> EpisodeOutcome:
         publication = self._publication(
@@ -927,6 +1040,8 @@ class EpisodeRunner:
             client_endpoint=client_endpoint,
             env_policy=env_policy,
             durations=durations,
+            usage=usage,
+            egress=egress,
         )
         try:
             return self.sink.deliver(publication, abort)
@@ -947,8 +1062,12 @@ class EpisodeRunner:
         client_endpoint: str,
         env_policy: str,
         durations: dict[str, float],
+        usage: UsageTotals,
+        egress: dict[str, int] | None = None,
     ) -> EpisodePublication:
-        """Redact the key, classify, account tokens and write the status document: what the attempt publishes."""
+        """Redact the key, classify and write the status document: what the attempt publishes. `usage` is what the
+        proxy counted (the row's counts); the log is read for classification only. `egress` is the egress proxy's
+        counts, recorded when the attempt had one."""
         redactor = SecretRedactor(api_key or "")
         if redactor.active:
             changed = [
@@ -970,7 +1089,6 @@ class EpisodeRunner:
             terminated_by=agent.terminated_by,
             wall_clock_s=limits.episode_wall_clock_s,
         )
-        usage = UsageTotals.from_records(records)
         store = self.ctx.artifacts
         context = StatusContext(
             unit_key=unit.key,
@@ -1006,6 +1124,8 @@ class EpisodeRunner:
         if request.workspace_seed is not None:
             # Which files the agent started from: the workspace is the seed plus the agent's work.
             status["workspace_seed"] = request.workspace_seed.as_dict()
+        if egress:
+            status["egress"] = egress  # connections, refused, bytes_up, bytes_down (mass_ops.compute.egress)
         return EpisodePublication(
             request=request,
             unit=unit,
@@ -1199,8 +1319,8 @@ def _read_proxy_log(path: Path) -> list[dict[str, Any]]:
     with path.open("r", encoding="utf-8", errors="replace") as handle:
         for line in handle:
             try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
+                record = loads_untrusted(line, what=str(path), max_bytes=len(line), max_depth=None)
+            except UntrustedInputError:
                 continue
             if not isinstance(record, dict):
                 continue

@@ -11,16 +11,23 @@ Contract of the result (MASS_SPEC §4):
 
 `content` / `reasoning_content` are the joined deltas (reasoning from `reasoning_content` or `reasoning`), None when
 the stream carried none; `tool_calls` are merged by index (`function.arguments` fragments joined in arrival order),
-None when absent; `usage` is the last chunk's non-null usage; `error` is the first chunk-level error; `n_bad_chunks`
-counts `data:` payloads that are not JSON objects. `done` (our addition) says whether `data: [DONE]` arrived, so a
-stream cut mid-way is visible without re-reading the raw text.
+None when absent; `usage` is the last chunk's non-null usage (for a Responses-API stream, the usage of the response an
+event carries, e.g. `response.completed`'s); `error` is the first chunk-level error; `n_bad_chunks` counts `data:`
+payloads that are not JSON objects. `done` (our addition) says whether `data: [DONE]` arrived, so a stream cut
+mid-way is visible without re-reading the raw text.
+
+`UsageChunkFilter` takes the usage-only chunk (`choices` empty, `usage` an object) out of a relayed stream: the proxy
+asks every stream for its usage, so that no spend goes uncounted, and hands the agent the stream it asked for.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 
 REASSEMBLED_OBJECT = "chat.completion.reassembled"
 DONE_SENTINEL = "[DONE]"
@@ -229,8 +236,8 @@ class SSEAssembler:
             self.done = True
             return
         try:
-            chunk = json.loads(payload)
-        except (ValueError, RecursionError):
+            chunk = loads_untrusted(payload, what="stream chunk", max_bytes=len(payload), max_depth=None)
+        except UntrustedInputError:
             self.n_bad_chunks += 1
             return
         if not isinstance(chunk, dict):
@@ -248,6 +255,9 @@ class SSEAssembler:
             self._created = chunk["created"]
         if chunk.get("usage") is not None:
             self._usage = chunk["usage"]
+        response = chunk.get("response")  # Responses API: `response.completed` (and others) carry the response
+        if isinstance(response, dict) and response.get("usage") is not None:
+            self._usage = response["usage"]
         if chunk.get("error") is not None and self._error is None:
             self._error = chunk["error"]
         for position, choice in enumerate(chunk.get("choices") or []):
@@ -262,3 +272,68 @@ def assemble_sse(raw: str | bytes) -> dict[str, Any]:
     assembler = SSEAssembler()
     assembler.feed(raw.encode("utf-8") if isinstance(raw, str) else raw)
     return assembler.result()
+
+
+# An SSE event ends at a blank line; servers end lines with LF (vLLM, OpenAI) or CRLF.
+EVENT_END = re.compile(rb"\r\n\r\n|\n\n")
+USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+
+
+class UsageChunkFilter:
+    """What to relay of a stream whose usage chunk the agent did not ask for: everything but that chunk.
+
+    `feed()` returns the bytes to send on now: whole events, minus any usage-only one; a partial event waits for its
+    end (a client can use no event before its blank line, so this delays nothing it could read). `close()` returns
+    the rest. Events are only parsed when they hold a `"usage": {` at all, so a stream costs a regex scan per read.
+    """
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.dropped = 0
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events that `data` completes, usage-only ones left out."""
+        pending = self._pending + data if self._pending else bytes(data)
+        end = 0
+        for match in EVENT_END.finditer(pending, max(0, len(self._pending) - 3)):
+            end = match.end()
+        self._pending = pending[end:]
+        return self._without_usage(pending[:end])
+
+    def close(self) -> bytes:
+        """What is left once the stream has ended (a last event without its blank line is kept as it is)."""
+        rest, self._pending = self._pending, b""
+        return self._without_usage(rest)
+
+    def _without_usage(self, events: bytes) -> bytes:
+        if not events or USAGE_OBJECT.search(events) is None:
+            return events
+        kept = []
+        for event in _split_events(events):
+            if USAGE_OBJECT.search(event) is not None and _usage_only(event):
+                self.dropped += 1
+                continue
+            kept.append(event)
+        return b"".join(kept)
+
+
+def _split_events(data: bytes) -> list[bytes]:
+    """`data` cut after each blank line (the pieces join back to `data`)."""
+    pieces, start = [], 0
+    for match in EVENT_END.finditer(data):
+        pieces.append(data[start : match.end()])
+        start = match.end()
+    if start < len(data):
+        pieces.append(data[start:])
+    return pieces
+
+
+def _usage_only(event: bytes) -> bool:
+    """Whether the event is a chunk with no choices and a usage object (what `include_usage` adds at the end)."""
+    lines = event.decode("utf-8", errors="replace").splitlines()
+    payload = "\n".join(line[5:].removeprefix(" ") for line in lines if line.startswith("data:"))
+    try:
+        chunk = loads_untrusted(payload, what="stream chunk", max_bytes=len(payload), max_depth=None)
+    except UntrustedInputError:
+        return False
+    return isinstance(chunk, dict) and chunk.get("choices") == [] and isinstance(chunk.get("usage"), dict)

@@ -26,7 +26,7 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.critical_path import server_priority
 from mass_ops.errors import InfrastructureError, InputError
-from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, results_json_appendix
+from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, refused_bundle, results_json_appendix
 from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import REFERENCE_LABEL, version_label
@@ -240,7 +240,9 @@ class _TaskSearch:
         token_model = config.models.served_name
         self.caps = EvidenceCaps.remote(token_model) if config.is_remote_backend else EvidenceCaps.local(token_model)
         # A workspace is judged in several steps (the reference in every one): build its evidence once per process.
-        self.evidence: EvidenceCache[tuple[EvidenceBundle, str]] = EvidenceCache(self._build_evidence)
+        self.evidence: EvidenceCache[tuple[EvidenceBundle, str]] = EvidenceCache(
+            self._build_evidence, refuse=lambda value, reason: (refused_bundle(value[0], reason), value[1])
+        )
         # Finished episodes (succeeded or model failure) never change: the reference and the champion are needed
         # again in later steps, and asking the executor again would only repeat its lookups.
         self._finished: dict[EpisodeRequest, EpisodeOutcome] = {}

@@ -36,6 +36,7 @@ from mass_ops.render import (
     ensure_every_episode_has_windows,
     iter_episode_renders,
 )
+from mass_ops.render.proxy_log import capped_lines
 from mass_ops.stages.common import SPLITS, PostTrainingError, refuse_remote
 from mass_ops.store.artifacts import ArtifactKeyError, ArtifactStore
 from mass_ops.store.model_folders import (
@@ -64,7 +65,7 @@ class _StoredProxyLog:
         try:
             with self.artifacts.open_read(self.key) as raw:
                 compressed = raw.peek(2)[:2] == _GZIP_MAGIC  # proxies gzip their logs after the episode; tests may not
-                yield from gzip.GzipFile(fileobj=raw) if compressed else raw
+                yield from capped_lines(gzip.GzipFile(fileobj=raw) if compressed else raw, f"proxy log {uri}")
         except (OSError, EOFError, zlib.error) as exc:
             raise RenderError(f"proxy log {uri}: unreadable ({type(exc).__name__}: {exc})") from None
 

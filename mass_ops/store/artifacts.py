@@ -12,10 +12,15 @@ Contract shared by every backend:
   clients get the timeouts and retry policy of `mass_ops.store.timeouts`.
 - `probe()` writes, reads back and deletes a small object under the reserved ``.probe/`` prefix: the check that the
   store is reachable and writable.
+- A mass-ops store carries its own marker, the reserved object ``.mass-ops-store`` at its root, written by the first
+  `probe()` (what ``validate`` and every cycle's first task run, so the first write of mass-ops to a store) or by
+  `mark()` (``mass-ops store init``, for a store of an older mass-ops). Whatever deletes in bulk (`store gc`)
+  refuses a location without it: a mistyped URL must not turn a home folder or a foreign bucket into garbage.
 - Publishing is atomic: an artifact becomes visible (`exists`, `list`, `get_*`) only when complete. A failed or
   interrupted put leaves the previous version or nothing, never part of the new one.
 - `put_dir` stores a folder as a deterministic ``tar.gz`` (the same tree always gives the same SHA-256); `get_dir`
-  extracts it atomically and refuses any member or link that would land outside the destination.
+  extracts it atomically and refuses any member or link that would land outside the destination, and any archive
+  over the platform's archive limits (`store.untrusted.extract_tar_gz`, the one extractor of every tar.gz).
 
 `open_artifact_store(url)` turns ``storage.artifact_url`` into a store.
 """
@@ -29,14 +34,12 @@ import io
 import json
 import logging
 import os
-import posixpath
 import secrets
 import shutil
 import tarfile
 import tempfile
 import time
 import unicodedata
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -47,6 +50,17 @@ from urllib.parse import unquote, urlsplit
 
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.store.errors import StorageError, storage_error
+from mass_ops.store.untrusted import (
+    ARCHIVE_LIMITS,
+    JSON_MAX_BYTES,
+    ArchiveLimits,
+    ArchiveTooLargeError,
+    UnsafeArchiveInputError,
+    UntrustedInputError,
+    extract_tar_gz,
+    is_within,
+    loads_untrusted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +69,13 @@ MAX_KEY_BYTES = 1024  # S3's limit on the length of an object key
 MAX_SEGMENT_BYTES = 255  # NAME_MAX of the usual local filesystems
 STORE = "artifact store"
 PROBE_DIR = ".probe"  # probe objects of `ArtifactStore.probe`; stale ones are removed by `mass_ops.store.gc`
+STORE_MARKER = ".mass-ops-store"  # the object that says "this location is a mass-ops artifact store" (see `mark`)
 # Top-level names the stores keep for themselves; refused on every backend so a key works on both.
-RESERVED_TOP_LEVEL = frozenset({".partial", ".meta", PROBE_DIR})
+RESERVED_TOP_LEVEL = frozenset({".partial", ".meta", PROBE_DIR, STORE_MARKER})
 # Set only inside `ArtifactStore.probe`: lets the store's own calls use keys under PROBE_DIR.
 _PROBE_KEYS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("mass_ops_probe_keys", default=False)
+# Set only inside `ArtifactStore.is_marked`/`mark`: lets the store's own calls use the key STORE_MARKER.
+_MARKER_KEY_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("mass_ops_marker_key", default=False)
 
 
 class ArtifactError(Exception):
@@ -87,6 +104,10 @@ class ArtifactFormatError(ArtifactError, InputError):
 
 class UnsafeArchiveError(ArtifactFormatError):
     """A tarball has a member or link that would land outside the extraction folder, or a device/FIFO member."""
+
+
+class ArchiveTooLargeArtifactError(UnsafeArchiveError):
+    """A tarball would unpack to more than its `ArchiveLimits` (members, bytes, bytes per archive byte)."""
 
 
 class ArtifactSourceError(ArtifactError, InputError):
@@ -168,6 +189,7 @@ def validate_key(key: object) -> str:
         and isinstance(key, str)
         and key.split("/", 1)[0] in RESERVED_TOP_LEVEL
         and not (key.startswith(f"{PROBE_DIR}/") and _PROBE_KEYS_ALLOWED.get())
+        and not (key == STORE_MARKER and _MARKER_KEY_ALLOWED.get())
     ):
         problem = f"starts with a reserved name ({', '.join(sorted(RESERVED_TOP_LEVEL))})"
     if problem is not None or not isinstance(key, str):
@@ -389,10 +411,6 @@ def _walk_sorted(root: Path, relative: str = "") -> Iterator[str]:
             yield from _walk_sorted(root, path)
 
 
-def _is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 def write_tarball(directory: Path, target: Any, *, skip_escaping_links: bool = False) -> None:
     """Write `directory` as a deterministic tar.gz into the binary file-like `target`.
 
@@ -416,7 +434,7 @@ def write_tarball(directory: Path, target: Any, *, skip_escaping_links: bool = F
                 continue
             if member.issym():
                 link = member.linkname
-                escapes = os.path.isabs(link) or not _is_within(os.path.realpath(full), real_root)
+                escapes = os.path.isabs(link) or not is_within(os.path.realpath(full), real_root)
                 if escapes and skip_escaping_links:
                     logger.warning(
                         "archive of %s leaves out link %r -> %r: it points outside", directory, relative, link
@@ -443,76 +461,19 @@ def write_tarball(directory: Path, target: Any, *, skip_escaping_links: bool = F
                 tar.addfile(member)
 
 
-def _member_parts(name: str) -> list[str]:
-    return [part for part in name.split("/") if part not in ("", ".")]
-
-
-def _check_members(members: list[tarfile.TarInfo], uri: str) -> None:
-    """Refuse members that could write or point outside the extraction folder (before anything is written)."""
-    kinds: dict[str, tarfile.TarInfo] = {}
-    for member in members:
-        name = member.name
-        parts = _member_parts(name)
-
-        def refuse(reason: str, name: str = name) -> UnsafeArchiveError:
-            return UnsafeArchiveError(f"refusing to extract {uri}: member {name!r} {reason}")
-
-        if name.startswith("/"):
-            raise refuse("has an absolute path")
-        if ".." in parts:
-            raise refuse("has a '..' path segment")
-        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
-            raise refuse("is a device or FIFO")
-        if not parts:
-            if member.isdir():
-                continue  # the "./" entry of the archive root
-            raise refuse("has an empty path")
-        normalised = "/".join(parts)
-        if normalised in kinds:
-            raise refuse("appears twice")
-        for depth in range(1, len(parts)):
-            parent = kinds.get("/".join(parts[:depth]))
-            if parent is not None and not parent.isdir():
-                raise refuse("lies under a link or file, so writing it could follow a link")
-        if member.issym():
-            if not member.linkname or member.linkname.startswith("/"):
-                raise refuse(f"is a link to an absolute path {member.linkname!r}")
-            target = posixpath.normpath(posixpath.join(posixpath.dirname(normalised), member.linkname))
-            if target == ".." or target.startswith("../"):
-                raise refuse(f"is a link pointing outside ({member.linkname!r})")
-        if member.islnk():
-            source = kinds.get("/".join(_member_parts(member.linkname)))
-            if source is None or not source.isreg():
-                raise refuse(f"is a hard link to {member.linkname!r}, which is not an earlier file of the archive")
-        kinds[normalised] = member
-
-
-def extract_tarball(archive: Path, destination: Path, *, uri: str) -> None:
-    """Extract the tar.gz `archive` into the new folder `destination`, refusing unsafe members.
-
-    Three layers: every member is checked before anything is written (`_check_members`); extraction uses the
-    standard library's ``data`` filter; afterwards every extracted link must resolve inside `destination` (this
-    catches chains of in-archive links that only escape once combined). The caller extracts into a scratch folder
-    and discards it on error.
+def extract_tarball(archive: Path, destination: Path, *, uri: str, limits: ArchiveLimits = ARCHIVE_LIMITS) -> int:
+    """Extract the tar.gz `archive` into the new folder `destination` within `limits`, refusing unsafe members;
+    returns the number of members. The checks are `store.untrusted.extract_tar_gz`'s (one extractor for every
+    archive); here its errors become artifact errors: `ArchiveTooLargeArtifactError` over the limits,
+    `UnsafeArchiveError` for anything else about the archive. The caller extracts into a scratch folder and
+    discards it on error.
     """
-    # An empty workspace is a valid tree: the folder must exist even when the archive has no members.
-    destination.mkdir(parents=True, exist_ok=True)
     try:
-        with tarfile.open(archive, mode="r:gz") as tar:
-            members = tar.getmembers()
-            _check_members(members, uri)
-            tar.extractall(destination, members=members, filter="data")
-    except tarfile.FilterError as exc:
-        raise UnsafeArchiveError(f"refusing to extract {uri}: {exc}") from exc
-    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise ArtifactFormatError(f"{uri} is not a valid tar.gz archive: {exc}") from exc
-    real_root = os.path.realpath(destination)
-    for dirpath, dirnames, filenames in os.walk(destination):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path) and not _is_within(os.path.realpath(path), real_root):
-                relative = os.path.relpath(path, destination)
-                raise UnsafeArchiveError(f"refusing to extract {uri}: link {relative!r} resolves outside the folder")
+        return extract_tar_gz(archive, destination, what=uri, limits=limits)
+    except ArchiveTooLargeError as exc:
+        raise ArchiveTooLargeArtifactError(str(exc)) from None
+    except UnsafeArchiveInputError as exc:
+        raise UnsafeArchiveError(str(exc)) from None
 
 
 # --- the interface ----------------------------------------------------------------------------------------------
@@ -669,13 +630,20 @@ class ArtifactStore(ABC):
             copy_stream(stream, buffer)
         return buffer.getvalue()
 
-    def get_json(self, key: str, *, sha256: str | None = None) -> Any:
-        """The artifact parsed as JSON; `ArtifactFormatError` naming the URI if it is not JSON."""
-        data = self.get_bytes(key, sha256=sha256)
+    def get_json(self, key: str, *, sha256: str | None = None, max_bytes: int = JSON_MAX_BYTES) -> Any:
+        """The artifact parsed as JSON by the platform's reader of untrusted JSON (an episode's documents come from
+        its pod): `ArtifactFormatError` naming the URI if it is not JSON, nests too deep or is over `max_bytes`
+        (refused before more than `max_bytes` are read)."""
+        buffer = io.BytesIO()
+        with self._open_verified(key).require(sha256) as stream:
+            while chunk := stream.read(CHUNK_SIZE):
+                buffer.write(chunk)
+                if buffer.tell() > max_bytes:
+                    raise ArtifactFormatError(f"{self.uri(key)} is not valid JSON: over the {max_bytes:,}-byte limit")
         try:
-            return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ArtifactFormatError(f"{self.uri(key)} is not valid JSON: {exc}") from exc
+            return loads_untrusted(buffer.getvalue(), what=f"{self.uri(key)} is not valid JSON", max_bytes=max_bytes)
+        except UntrustedInputError as exc:
+            raise ArtifactFormatError(str(exc)) from None
 
     def get_file(self, key: str, dest: str | os.PathLike[str], *, sha256: str | None = None) -> ArtifactInfo:
         """Download to `dest` atomically (temp file beside it, then rename); `dest` is untouched on any failure,
@@ -757,6 +725,29 @@ class ArtifactStore(ABC):
             raise self._unavailable("probe read-back", self.url, exc) from exc
         finally:
             _PROBE_KEYS_ALLOWED.reset(allowed)
+        self.mark()  # a store mass-ops has written to (validate probes it first) is a mass-ops store
+
+    # --- the store's own marker ---
+
+    def is_marked(self) -> bool:
+        """Whether this location carries the mass-ops store marker (`STORE_MARKER` at its root)."""
+        allowed = _MARKER_KEY_ALLOWED.set(True)
+        try:
+            return self.exists(STORE_MARKER)
+        finally:
+            _MARKER_KEY_ALLOWED.reset(allowed)
+
+    def mark(self) -> bool:
+        """Write the store marker unless it is there; whether it was written now. Idempotent, safe to race (the
+        marker's bytes do not depend on who writes them)."""
+        if self.is_marked():
+            return False
+        allowed = _MARKER_KEY_ALLOWED.set(True)
+        try:
+            self.put_json(STORE_MARKER, {"kind": "mass-ops artifact store", "format": 1})
+        finally:
+            _MARKER_KEY_ALLOWED.reset(allowed)
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -820,12 +811,13 @@ def require_source_file(path: str | os.PathLike[str], key: str) -> Path:
     return source
 
 
-def open_artifact_store(url: str) -> ArtifactStore:
+def open_artifact_store(url: str, *, create: bool = True) -> ArtifactStore:
     """Open the store named by `url`: ``s3://bucket/prefix`` (S3), ``file:///abs/path`` or a plain folder path.
 
     S3 endpoint and credentials come only from boto3's standard environment/config chain (``AWS_ENDPOINT_URL_S3``,
     ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, instance roles ...); a URL carrying credentials is refused.
-    A local folder is created if missing.
+    A local folder is created if missing, and gets the store's own subfolders; with ``create=False`` nothing is
+    created (to inspect a location before trusting it, as `store gc` does).
     """
     if not isinstance(url, str) or not url.strip():
         raise ArtifactStoreConfigError(
@@ -852,9 +844,9 @@ def open_artifact_store(url: str) -> ArtifactStore:
         path = unquote(parts.path)
         if not path.startswith("/"):
             raise ArtifactStoreConfigError(f"artifact store file URL must hold an absolute path, got {path!r}")
-        return LocalArtifactStore(path)
+        return LocalArtifactStore(path, create=create)
     if scheme == "":
-        return LocalArtifactStore(url)
+        return LocalArtifactStore(url, create=create)
     # Echo only the scheme: the rest of an unknown URL may hold credentials.
     raise ArtifactStoreConfigError(
         f"unsupported artifact store URL scheme {scheme!r}; use s3://bucket/prefix, file:///path or a folder path"

@@ -5,11 +5,13 @@ Scopes: ``cycle`` (everything the cycle spends), ``task:<id>`` (the episodes and
 requests spent (tokens as the server reports them, server-reported cost in USD) with atomic increments, and reads the
 same rows before sending a request, so concurrent workers share one budget.
 
-The rule (`BudgetLedger.refusal`): a request that needs up to `need` tokens (its prompt estimate plus its max output
-tokens) is refused when spent + in flight here + need would exceed a scope's token limit, or when the scope's cost
-has already reached its limit (a request's cost is only known afterwards). Spend is recorded when a response
-arrives, so requests in flight in other processes are invisible: the overshoot of a budget is bounded by one
-request's tokens per concurrent request, never more.
+The rule (`BudgetLedger.refusal`): a request that needs up to `need` tokens (its prompt estimate plus everything it
+may generate: every sequence of every prompt to its output cap; for agent requests `runtime.proxy.prepare_generation`
+computes it, and the proxy forwards the cap it counted) is refused when spent + in flight here + need would exceed a
+scope's token limit, or when the scope's cost has already reached its limit (a request's cost is only known
+afterwards). Spend is recorded when a response arrives, so requests in flight in other processes are invisible: the
+overshoot of a budget is bounded by one request's tokens per concurrent request, never more
+(`benchmarks/budget_overshoot.py` measures it on every generation path).
 
 On Kubernetes an episode pod's proxy reaches no store: it holds only the episode's own token budget
 (`budgets.episode_tokens`). The task and cycle budgets are held around the pod instead: the operator admits a pod

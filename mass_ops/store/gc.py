@@ -13,6 +13,10 @@ Two kinds of garbage, treated differently:
   only from inside other documents (stats, status files), so deleting unreferenced ones is a decision for an
   operator who has read the list.
 
+Only a mass-ops store is swept: `gc` first requires the store's own marker (`STORE_MARKER`, written by the first
+probe of a run or by ``mass-ops store init``) and refuses any other location before looking at it, so a mistyped
+URL (a home folder, a foreign bucket) is one line, not a deletion.
+
 `gc(store, repository)` is the whole operation; `GcReport.lines()` is the text a command prints.
 """
 
@@ -22,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 
 from mass_ops.errors import InputError
-from mass_ops.store.artifacts import ArtifactNotFoundError, ArtifactStore, StagingLeftover
+from mass_ops.store.artifacts import STORE_MARKER, ArtifactNotFoundError, ArtifactStore, StagingLeftover
 from mass_ops.store.errors import one_line_reason
 from mass_ops.store.repository import MetadataRepository
 
@@ -32,6 +36,21 @@ DEFAULT_GRACE_S = 6 * 3600.0  # far beyond the slowest put (multi-GB model files
 
 class GcSettingError(InputError):
     """The grace period is not a usable number of seconds."""
+
+
+class NotAMassOpsStoreError(InputError):
+    """The location `gc` was pointed at carries no mass-ops store marker: nothing there is ours to delete."""
+
+
+def require_store_marker(store: ArtifactStore) -> None:
+    """Return when `store` carries the mass-ops marker, else raise `NotAMassOpsStoreError` (one line naming the URL,
+    the marker, and how a store of an older mass-ops gets it)."""
+    if not store.is_marked():
+        raise NotAMassOpsStoreError(
+            f"{store.url} is not a mass-ops artifact store: it has no {STORE_MARKER} marker at its root (the first "
+            "run written to a store puts it there); nothing was removed. For the store of an older mass-ops, mark "
+            "it with `mass-ops store init` and the same --config/--set"
+        )
 
 
 def grace_from_env() -> float:
@@ -95,13 +114,15 @@ def gc(
     delete_unreferenced: bool = False,
     grace_s: float | None = None,
 ) -> GcReport:
-    """Find staging leftovers and unreferenced artifacts of `store`; remove leftovers unless `dry_run`.
+    """Find staging leftovers and unreferenced artifacts of `store`; remove leftovers unless `dry_run`. A store
+    without the mass-ops marker is refused first (`NotAMassOpsStoreError`), even for a dry run.
 
     Referenced artifacts are never deleted. Unreferenced ones are deleted only with ``dry_run=False`` and
     ``delete_unreferenced=True``, and only once older than `grace_s` (default: `grace_from_env`). Failures to
     remove one item are collected in the report (one line each) and do not stop the rest.
     """
     grace = grace_from_env() if grace_s is None else grace_s
+    require_store_marker(store)
     report = GcReport(store.url, dry_run, grace)
     report.leftovers = store.staging_leftovers(grace)
     if not dry_run:

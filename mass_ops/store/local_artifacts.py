@@ -9,6 +9,7 @@ Layout under the root:
 - ``.meta/<h[:2]>/<h>/<sha256>.json`` with ``h = sha256(key)``: one record per version published under the key:
   its SHA-256 and the inode, device, size and mtime of the file it was computed from.
 - ``.probe/``: objects of `probe()` while it runs.
+- ``.mass-ops-store``: the store's marker (`ArtifactStore.mark`), never listed as an artifact.
 
 Why sidecar records and not extended attributes: xattrs are dropped by many copy tools, archives and network
 filesystems. Naming the records by a hash of the key keeps them out of the key namespace.
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.store.artifacts import (
+    STORE_MARKER,
     ArtifactInfo,
     ArtifactIntegrityError,
     ArtifactKeyError,
@@ -64,10 +66,13 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class LocalArtifactStore(ArtifactStore):
-    """Artifacts as files under `root` (created if missing); see the module docstring for layout and atomicity."""
+    """Artifacts as files under `root` (created if missing, unless `create` is False); see the module docstring for
+    layout and atomicity."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self._root = Path(root).expanduser().resolve()
+        if not create:
+            return  # inspect only: nothing is made in a folder that may not be a store at all
         try:
             for folder in (self._root, self._root / PARTIAL_DIR, self._root / META_DIR):
                 folder.mkdir(parents=True, exist_ok=True)
@@ -264,7 +269,9 @@ class LocalArtifactStore(ArtifactStore):
             relative = Path(dirpath).relative_to(self._root).as_posix()
             relative = "" if relative == "." else relative
             if not relative:
-                dirnames[:] = [name for name in dirnames if name not in (PARTIAL_DIR, META_DIR, PROBE_DIR)]
+                dirnames[:] = [
+                    name for name in dirnames if name not in (PARTIAL_DIR, META_DIR, PROBE_DIR, STORE_MARKER)
+                ]
             # Descend only into folders that can hold keys with this prefix.
             dirnames[:] = sorted(
                 name
@@ -273,7 +280,7 @@ class LocalArtifactStore(ArtifactStore):
                 or prefix.startswith(f"{relative}/{name}/".lstrip("/"))
             )
             for name in filenames:
-                if not relative and name in (PARTIAL_DIR, META_DIR, PROBE_DIR):
+                if not relative and name in (PARTIAL_DIR, META_DIR, PROBE_DIR, STORE_MARKER):
                     continue  # the store's own names, even when something replaced its folder by a file
                 key = f"{relative}/{name}" if relative else name
                 if key.startswith(prefix):

@@ -6,8 +6,10 @@ never expire them on commit.
 
 Failures to reach the database (refused, silent past ``MASS_STORE_CONNECT_TIMEOUT_S``, not a database, a
 connection lost mid-query, a statement over ``MASS_STORE_STATEMENT_TIMEOUT_S``) surface as one-line `StorageError`s
-with the password masked; SQL errors (a missing table, a constraint) keep their SQLAlchemy types. Limits: see
-`mass_ops.store.timeouts`.
+with the password masked. A query on a table or column the database lacks (a store never migrated, or migrated by
+an older mass-ops) is `SchemaNotReadyError`, one line naming the store and `mass-ops db upgrade`; it stays a
+SQLAlchemy `OperationalError` too, so code that tolerates store failures still does. Other SQL errors (a
+constraint) keep their SQLAlchemy types. Limits: see `mass_ops.store.timeouts`.
 
 SQLite is opened in WAL mode with a busy timeout and foreign keys on. Write transactions start with
 ``BEGIN IMMEDIATE`` so that concurrent writers queue on the database lock (and the busy timeout) instead of failing
@@ -20,6 +22,7 @@ lock hands over at once, and the busy timeout remains for writers in other proce
 from __future__ import annotations
 
 import importlib.util
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,12 +47,58 @@ _BEGIN_OPTION = "mass_ops_sqlite_begin"
 STORE = "metadata store"
 # SQLSTATE of a statement cancelled by statement_timeout (or by an operator).
 _QUERY_CANCELED = "57014"
+# SQLSTATEs of a statement naming a table or a column the database does not have (Postgres: undefined_table,
+# undefined_column); SQLite says it in words.
+_UNDEFINED_OBJECT = {"42P01": "table", "42703": "column"}
+_SQLITE_UNDEFINED = ("no such table: ", "no such column: ")
+UPGRADE_COMMAND = "mass-ops db upgrade"
 
-__all__ = ["STORE", "MetadataStore", "MetadataURLError", "mask_url", "resolve_url"]
+__all__ = ["STORE", "MetadataStore", "MetadataURLError", "SchemaNotReadyError", "mask_url", "resolve_url"]
 
 
 class MetadataURLError(InputError):
     """The metadata URL names no database this store supports."""
+
+
+class SchemaNotReadyError(InputError, sa.exc.OperationalError):
+    """The database lacks the mass-ops schema, or part of it: it was never migrated, or by an older mass-ops.
+
+    An input error (exit 2: the command to run is named) whose text is one line, and still the SQLAlchemy error the
+    driver's failure was (`OperationalError`), so callers that tolerate a failing store keep doing so."""
+
+    def __init__(self, line: str, statement: str | None, params: Any, orig: BaseException | None) -> None:
+        sa.exc.OperationalError.__init__(self, statement, params, orig)  # type: ignore[arg-type]
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.line, None, None, None))
+
+
+def schema_not_ready(
+    url: URL, original: BaseException, sqlstate: str | None, statement: str | None = None, params: Any = None
+) -> SchemaNotReadyError | None:
+    """The one-line `SchemaNotReadyError` for a driver error that names a missing table or column, else None."""
+    missing = None
+    if sqlstate in _UNDEFINED_OBJECT:
+        named = re.search(r'"([^"]{1,80})"', str(original))  # relation "cycles" does not exist
+        missing = f"{_UNDEFINED_OBJECT[sqlstate]} {named.group(1)}" if named else _UNDEFINED_OBJECT[sqlstate]
+    else:
+        text = str(original)
+        for prefix in _SQLITE_UNDEFINED:
+            if text.startswith(prefix):
+                missing = f"{prefix.split()[-1].rstrip(':')} {text[len(prefix) :].split()[0]}"
+    if missing is None:
+        return None
+    return SchemaNotReadyError(
+        f"{STORE} {mask_url(url)} does not hold the mass-ops schema (no {missing}): it was never migrated, or by "
+        f"an older mass-ops; run `{UPGRADE_COMMAND}` with the same --config/--set, then this command again",
+        statement,
+        params,
+        original,
+    )
 
 
 def _postgres_driver() -> str:
@@ -88,6 +137,8 @@ class MetadataStore:
     :param pool_size: Postgres connections kept open per process.
     :param max_overflow: extra Postgres connections allowed under load.
     :param echo: log every SQL statement (the URL's password is never logged).
+    :param schema_errors: turn queries on missing tables or columns into `SchemaNotReadyError` (off for the
+        migrations themselves, whose errors keep their SQLAlchemy types).
 
     Create the store after forking (one per process): engines and their pools do not survive ``fork``.
     """
@@ -100,8 +151,10 @@ class MetadataStore:
         max_overflow: int = 10,
         echo: bool = False,
         timeouts: StoreTimeouts | None = None,
+        schema_errors: bool = True,
     ) -> None:
         self.url = resolve_url(url)
+        self._schema_errors = schema_errors
         self.dialect = self.url.get_backend_name()
         self.timeouts = timeouts or StoreTimeouts.from_env()
         if self.dialect == "sqlite":
@@ -148,7 +201,8 @@ class MetadataStore:
         return engine
 
     def _storage_failure(self, context: sa.engine.ExceptionContext) -> BaseException | None:
-        """handle_error hook: connection-level failures become one-line `StorageError`s; SQL errors pass through.
+        """handle_error hook: connection-level failures become one-line `StorageError`s, a missing table or column
+        `SchemaNotReadyError`; other SQL errors pass through.
 
         A failure while connecting (no connection yet), a lost connection (SQLAlchemy's disconnect detection) and a
         statement cancelled by the timeout are the store not answering; anything else is about the SQL and keeps
@@ -165,7 +219,9 @@ class MetadataStore:
         elif sqlstate == _QUERY_CANCELED:
             action = f"query (cancelled after the {self.timeouts.statement_s:g} s statement timeout)"
         else:
-            return None
+            if not self._schema_errors:
+                return None
+            return schema_not_ready(self.url, original, sqlstate, context.statement, context.parameters)
         return storage_error(action, STORE, self.url, original)
 
     def ping(self) -> None:

@@ -55,7 +55,8 @@ def head_revision() -> str | None:
 
 def _run(url: str | URL, action: str, revision: str) -> None:
     config = _config()
-    store = MetadataStore(url, pool_size=1, max_overflow=0)
+    # A migration's own SQL errors keep their types (the store's "run db upgrade" hint would be wrong here).
+    store = MetadataStore(url, pool_size=1, max_overflow=0, schema_errors=False)
     try:
         # One transaction for the whole run (SQLite and Postgres both have transactional DDL): a failing
         # migration leaves the schema where it was. env.py picks the connection up from the attributes.

@@ -22,6 +22,7 @@ from typing import Any
 
 from mass_ops import __version__
 from mass_ops.errors import InputError
+from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 from mass_ops.tasks.catalogue import CatalogueProvenance, Task, TaskCatalogue, TaskSplits
 from mass_ops.workflow import (
     END_MARKER,
@@ -270,12 +271,7 @@ def _write_new(path: Path, data: bytes) -> None:
 def _read_provenance(reader: _Reader) -> CatalogueProvenance:
     """The import record of an imported directory, checked against the files as they are now."""
     path = reader.root / PROVENANCE_FILE
-    try:
-        raw = json.loads(reader.text(PROVENANCE_FILE))
-    except json.JSONDecodeError as exc:
-        raise TaskFormatError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
-    except RecursionError:
-        raise TaskFormatError(f"{path}: invalid JSON (nested too deeply)") from None
+    raw = _json_file(reader, PROVENANCE_FILE)
     files = raw.get("files") if isinstance(raw, dict) else None
     fields = ("source", "imported_at", "mass_ops_version")
     if (
@@ -299,14 +295,18 @@ def _read_provenance(reader: _Reader) -> CatalogueProvenance:
     )
 
 
+def _json_file(reader: _Reader, relative: str) -> Any:
+    """A user-supplied JSON file of the directory, read by the platform's one reader of untrusted JSON (size, depth,
+    encoding); TaskFormatError ``<path>: invalid JSON: <why>`` otherwise."""
+    try:
+        return loads_untrusted(reader.text(relative), what=f"{reader.root / relative}: invalid JSON")
+    except UntrustedInputError as exc:
+        raise TaskFormatError(str(exc)) from None
+
+
 def _read_splits(reader: _Reader) -> TaskSplits:
     path = reader.root / SPLITS_FILE
-    try:
-        raw = json.loads(reader.text(SPLITS_FILE))
-    except json.JSONDecodeError as exc:
-        raise TaskFormatError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
-    except RecursionError:
-        raise TaskFormatError(f"{path}: invalid JSON (nested too deeply)") from None
+    raw = _json_file(reader, SPLITS_FILE)
     if not isinstance(raw, dict):
         raise TaskFormatError(f"{path}: top level must be a JSON object, got {type(raw).__name__}")
     missing = [key for key in _REQUIRED_KEYS if key not in raw]

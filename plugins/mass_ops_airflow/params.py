@@ -1,13 +1,19 @@
 """Trigger-form params of a cycle, generated from the config's JSON Schema, and the config rebuilt from them.
 
-A run is described by a preset (or config file), the knobs an operator sets in the trigger form, and free
-`a.b=c` overrides for anything else. Each knob's Param carries the JSON Schema of its config field (type, bounds,
+A run is described by a preset, the knobs an operator sets in the trigger form, and free `a.b=c` overrides of
+other experiment settings. Each knob's Param carries the JSON Schema of its config field (type, bounds,
 enum, description), made nullable: empty means "as the preset says". Airflow validates the form against these
 schemas before a run starts; `build_config` then applies the same values as `--set` overrides and validates the
 whole config with every cross-field rule, so a bad value fails the first task with one line per problem.
 
 The config is rebuilt from params in every task (never pushed through XCom), so each task, retry or cleared task
 sees exactly the configuration the run was triggered with.
+
+Whoever can trigger a run is not trusted with what runs next to the secrets. A trigger (knobs and overrides) may set
+only the experiment settings in `TRIGGER_SETTABLE`; images, service accounts, secret and key-variable names,
+endpoints, storage, namespaces, node selectors, sandbox settings and server folders come from the deployment alone:
+its preset file, the cluster settings (`kubernetes.yaml`), the environment and the Airflow connections. The preset a
+trigger names is a shipped or deployment-registered NAME (`trigger_preset`), never a path of the caller's choosing.
 
 DAG files build their params at parse time, so the knob schemas are generated once into `form_schema.json` (next
 to this module; `python -m mass_ops_airflow.params` rewrites it, and a test fails when it drifts from the config)
@@ -30,6 +36,10 @@ if TYPE_CHECKING:
     from mass_ops.config import CycleConfig
 
 DEFAULT_PRESET_ENV = "MASS_DEFAULT_PRESET"
+# Where the deployment registers presets of its own, `<name>.yaml` each (the chart mounts its presets ConfigMap here).
+PRESETS_DIR_ENV = "MASS_PRESETS_DIR"
+DEFAULT_PRESETS_DIR = "/etc/mass-ops/presets"
+_PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
 FORM_SCHEMA_FILE = Path(__file__).with_name("form_schema.json")
 # RHI steps are laid out at parse time, one task per version: the deepest search a run may ask for.
 MAX_SEARCH_ITERATIONS = 11
@@ -77,7 +87,125 @@ _SCHEMA_KEYS = {
 
 
 class ParamsError(ValueError):
-    """Params that cannot describe a run (unknown knob, a field the schema lacks)."""
+    """Params that cannot describe a run (unknown knob, a field the schema lacks, a key only the deployment sets)."""
+
+
+# The config paths a trigger may set, with everything below them: the experiment's knobs (which model, which tasks,
+# how much search, collection, ranking, training and evaluation, budgets and prices, episode limits). A path not
+# listed is the deployment's: storage, endpoints and key-variable names (`inference.backend/endpoint/api_key_env`,
+# `inference.server`), external judges (a judge names a URL and a key variable), `prompts.dir` and a catalogue folder
+# (server paths), `compute.local_inference`, `compute.kubernetes.*` (images, namespace, node selectors, ...) and every
+# `runtime.*` sandbox or device setting. Being an allowlist, a config field added later is the deployment's until it
+# is listed here. Every knob of the trigger form is one of these paths (a test keeps it so).
+TRIGGER_SETTABLE: tuple[str, ...] = (
+    "name",
+    "preset",
+    "generation",
+    "models.served_name",
+    "models.parent_bf16",
+    "models.fp8_reference",
+    "models.next_bf16",
+    "models.next_fp8",
+    "inference.context_window_tokens",
+    "inference.episode_max_output_tokens",
+    "inference.max_output_tokens",
+    "inference.context_safety_tokens",
+    "inference.reasoning_effort",
+    "inference.sampling",
+    "inference.max_concurrent_requests",
+    "inference.request_timeout_s",
+    "tasks.catalogue",
+    "tasks.train_candidates",
+    "tasks.train",
+    "tasks.test",
+    "tasks.excluded",
+    "search",
+    "judge",
+    "collection",
+    "ranking",
+    "training",
+    "export",
+    "evaluation.rollout_count",
+    "evaluation.rollout_seed_base",
+    "evaluation.tasks",
+    "evaluation.judge_seeds",
+    "evaluation.swap_consistent",
+    "evaluation.regression_threshold",
+    "compute.backend",
+    "runtime.http_response_timeout_ms",
+    "runtime.shell_timeout_ms",
+    "runtime.stream_idle_timeout_ms",
+    "runtime.episode_wall_clock_s",
+    "runtime.max_infra_attempts",
+    "runtime.thread_limit",
+    "budgets",
+    "prices",
+)
+# Settable paths whose value a trigger may choose only within the deployment: the catalogue by name (a folder is a
+# server path), model locations in the deployment's artifact store (an absolute path or another bucket would make
+# training read, and export write, wherever the caller says).
+_MODEL_LOCATIONS = ("models.parent_bf16", "models.fp8_reference", "models.next_bf16", "models.next_fp8")
+
+
+def trigger_override_problem(override: str) -> str | None:
+    """Why a trigger may not apply the `path=value` override, as one line naming the key; None when it may (model
+    locations are checked once the store is known: `model_location_problem`)."""
+    from mass_ops.config import parse_config_text
+
+    path, _, raw = override.partition("=")
+    if not any(path == allowed or path.startswith(f"{allowed}.") for allowed in TRIGGER_SETTABLE):
+        return (
+            f"params: {path[:120]} is set by the deployment, not by a trigger (a trigger sets experiment settings "
+            "only: mass_ops_airflow.params.TRIGGER_SETTABLE)"
+        )
+    if path == "tasks.catalogue":
+        try:  # read as `apply_overrides` will read it, with the same guards
+            value = parse_config_text(raw, "yaml") if raw.strip() else ""
+        except Exception:  # not YAML at all: `apply_overrides` takes it as text
+            value = raw
+        if value != "builtin":
+            return (
+                "params: tasks.catalogue: may only be 'builtin' from a trigger (a catalogue folder is the "
+                "deployment's: its preset file)"
+            )
+    return None
+
+
+def model_location_problem(location: str, artifact_url: str) -> str | None:
+    """Why a trigger may not point a model at `location`, or None: a key in the artifact store (`models/L1-bf16`)
+    or a location under the store's own root (`s3://bucket/prefix/...`, a folder below a local store) is fine."""
+    parts = location.replace("\\", "/").split("/")
+    if ".." not in parts and location.strip():
+        if "://" not in location and not location.startswith(("/", "~", "\\")):
+            return None
+        if artifact_url.startswith("s3://"):
+            roots = [artifact_url.rstrip("/")]
+        else:
+            local = Path(artifact_url.removeprefix("file://")).expanduser().resolve()
+            roots = [str(local), local.as_uri()]
+        if any(location.startswith(f"{root}/") for root in roots):
+            return None
+    return f"must be a key in the deployment's artifact store (like models/L1-bf16) or lie under {artifact_url}"
+
+
+def trigger_preset(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The config source of the preset a trigger names: a shipped preset, a deployment-registered one
+    (`$MASS_PRESETS_DIR/<name>.yaml`, default /etc/mass-ops/presets) or the deployment's own default
+    (`$MASS_DEFAULT_PRESET`, which may be a file). Any other value — a path of the caller's choosing — is a
+    `ParamsError` of one line."""
+    from mass_ops.config import PRESET_NAMES
+
+    env = os.environ if environ is None else environ
+    if name in PRESET_NAMES or (env.get(DEFAULT_PRESET_ENV) and name == env[DEFAULT_PRESET_ENV]):
+        return name
+    folder = Path(env.get(PRESETS_DIR_ENV) or DEFAULT_PRESETS_DIR)
+    if _PRESET_NAME.fullmatch(name) and (folder / f"{name}.yaml").is_file():
+        return str(folder / f"{name}.yaml")
+    shown = name if len(name) <= 80 else name[:77] + "..."
+    raise ParamsError(
+        f"params: preset {shown!r} is not a preset name (shipped: {', '.join(PRESET_NAMES)}; the deployment "
+        f"registers others as ${PRESETS_DIR_ENV}/<name>.yaml); a trigger cannot name a file"
+    )
 
 
 def _resolve(schema: Mapping[str, Any], node: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,7 +366,7 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
             type="string",
             minLength=1,
             title="Preset",
-            description=f"A shipped preset ({', '.join(presets)}) or the path of a YAML/JSON config file.",
+            description=f"A shipped preset ({', '.join(presets)}) or one the deployment registers, by name.",
             examples=list(presets),
             section="Cycle",
         ),
@@ -251,7 +379,8 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
         type="array",
         items={"type": "string", "pattern": _OVERRIDE},
         title="Overrides",
-        description="More config keys as KEY.PATH=VALUE lines (values parsed as YAML), applied after the knobs.",
+        description="More experiment settings as KEY.PATH=VALUE lines (values parsed as YAML), applied after the "
+        "knobs; images, endpoints, storage, secrets and sandbox settings are the deployment's and refused here.",
         section="Advanced",
     )
     if knobs is not None:
@@ -340,8 +469,10 @@ def build_config(
 ) -> CycleConfig:
     """The run's validated config: preset → cluster compute settings → knobs → overrides → environment → storage.
 
-    `storage` (from the Airflow connections, see `hooks`) wins over MASS_METADATA_URL / MASS_ARTIFACT_URL. With the
-    Kubernetes backend the endpoint becomes the in-cluster Service of the cycle's inference server.
+    Knobs and overrides come from the trigger, so each must be a `TRIGGER_SETTABLE` path and the preset a name
+    (`trigger_preset`); anything else is a `ParamsError` of one line before any file is read. `storage` (from the
+    Airflow connections, see `hooks`) wins over MASS_METADATA_URL / MASS_ARTIFACT_URL. With the Kubernetes backend
+    the endpoint becomes the in-cluster Service of the cycle's inference server.
     """
     from mass_ops.compute.kubernetes import inference_url
     from mass_ops.compute.kubernetes import settings_dir as default_settings_dir
@@ -353,14 +484,18 @@ def build_config(
             f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)} (a DAG's own run params are stripped with "
             "config_params before the config is built)"
         )
-    preset = params.get("preset") or default_preset()
+    extra = as_overrides(params.get("overrides") or [])
+    from_trigger = [*knob_overrides(params), *extra]
+    refused = next(filter(None, map(trigger_override_problem, from_trigger)), None)
+    if refused is not None:
+        raise ParamsError(refused)
+    preset = trigger_preset(str(params.get("preset") or default_preset()))
     data = read_config_source(preset)
     cluster = cluster_compute_section(settings_dir if settings_dir is not None else default_settings_dir())
     if cluster:
         # Presets say nothing about the cluster; the chart's settings are the base a preset may still refine.
         data["compute"] = _deep_merge(cluster, data.get("compute") or {})
-    extra = as_overrides(params.get("overrides") or [])
-    data = apply_overrides(data, [*knob_overrides(params), *extra])
+    data = apply_overrides(data, from_trigger)
     if params.get("train_tasks") is not None and not any(o.startswith("tasks.train_candidates=") for o in extra):
         # Training tasks chosen in the form: the search candidates follow (train ∪ excluded, MASS_SPEC §1).
         tasks = data.get("tasks") or {}
@@ -370,6 +505,11 @@ def build_config(
     if storage:
         data["storage"] = {**(data.get("storage") or {}), **storage}
     config = validate_config(data)
+    for path in sorted({o.partition("=")[0] for o in from_trigger} & set(_MODEL_LOCATIONS)):
+        location = getattr(config.models, path.rpartition(".")[2])
+        problem = None if location is None else model_location_problem(location, config.storage.artifact_url)
+        if problem is not None:
+            raise ParamsError(f"params: {path}: {problem}")
     if config.search.iterations > MAX_SEARCH_ITERATIONS:
         raise ConfigError(
             [

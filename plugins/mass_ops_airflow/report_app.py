@@ -8,6 +8,10 @@ Routes (below the mount point `mass_ops_airflow.reports.URL_PREFIX`):
 - `GET /estimate?preset=…&<knob>=…&set=key=value…` → the cost estimate per stage of the cycle those trigger-form
   values describe (the same figures as `mass-ops plan --json`'s `estimate`; `&format=json` for that JSON). The
   trigger form links here: Airflow's form cannot compute, so the page does it from the values the user copies in.
+  The values are a trigger's (`mass_ops_airflow.params.build_config`): the preset is a name, overrides are experiment
+  settings only, so the caller can neither make the page read a server file (a preset path, a catalogue or prompts
+  folder, a SQLite URL) nor open a connection of its choosing (storage and endpoints are the deployment's). A value
+  that is not JSON within `QUERY_VALUE_MAX_BYTES` and `MAX_CONFIG_DEPTH` is a 400.
 
 A name is checked before any artifact key is built from it (the config's cycle-name rule: one path segment, never
 `..`); a bad name is a 400, a missing report or figure a 404, an unreachable store a 503, each with one line of
@@ -29,7 +33,6 @@ when the API server restarts); a failed open is tried again on the next request.
 from __future__ import annotations
 
 import html
-import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -55,6 +58,8 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",  # a rerun of the report step rewrites it
 }
 FIGURE_HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+# One query value of the estimate page (a knob's value: a number, a task list); far above any real one.
+QUERY_VALUE_MAX_BYTES = 16 * 1024
 
 
 class StoreUnavailable(RuntimeError):
@@ -110,14 +115,23 @@ def _one_line(exc: BaseException) -> str:
 
 def estimate_params(query: Mapping[str, str], overrides: list[str]) -> dict[str, Any]:
     """Trigger-form params from a query string: each value read as JSON when it is JSON (`3`, `[51, 202]`,
-    `true`), else kept as text (a preset name); repeated `set=key=value` become `overrides`."""
+    `true`), else kept as text (a preset name); repeated `set=key=value` become `overrides`. A value meant as a
+    list or object (it starts with `[` or `{`) that is not JSON within the page's size and depth limits is an
+    `UntrustedInputError` of one line."""
+    from mass_ops.config import MAX_CONFIG_DEPTH
+    from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
+
     params: dict[str, Any] = {}
     for key, text in query.items():
         if key in ("set", "format"):
             continue
         try:
-            params[key] = json.loads(text)
-        except ValueError:
+            params[key] = loads_untrusted(
+                text, what=f"query value {key[:40]}", max_bytes=QUERY_VALUE_MAX_BYTES, max_depth=MAX_CONFIG_DEPTH
+            )
+        except UntrustedInputError:
+            if text.lstrip().startswith(("[", "{")):
+                raise
             params[key] = text
     if overrides:
         params["overrides"] = overrides
@@ -206,10 +220,10 @@ def create_app(open_store: Callable[[], ArtifactStore] = deployment_store) -> Fa
     @app.get("/estimate")
     def estimate_page(request: Request) -> Response:
         """The per-stage cost estimate of the cycle the query's trigger-form values describe."""
-        params = estimate_params(request.query_params, request.query_params.getlist("set"))
         try:
+            params = estimate_params(request.query_params, request.query_params.getlist("set"))
             summary = form_estimate(params)
-        except (ValueError, InputError) as exc:  # unknown knob, bad override, a config that breaks a rule
+        except (ValueError, InputError) as exc:  # unknown knob, bad override, a deployment's key, too deep
             return _text(400, f"estimate: {_one_line(exc)}")
         if request.query_params.get("format") == "json":
             return JSONResponse(summary, headers=FIGURE_HEADERS)

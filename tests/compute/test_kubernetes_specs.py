@@ -153,6 +153,7 @@ def test_episode_pod_is_a_sandbox(paper, settings):
     assert publisher["command"] == [
         "mass-ops", "episode", "publish", "--config", specs.CONFIG_FILE, "--handoff", specs.HANDOFF_MOUNT,
         "--prompt-uri", f"s3://bucket/mass/cycles/c/prompts/{sha}.txt", "--prompt-sha256", sha,
+        "--proxy-control", "/proxy-logs/control.sock", "--proxy-sessions", "/proxy-logs/sessions",
     ]  # fmt: skip
 
 
@@ -166,11 +167,13 @@ def test_episode_pod_shares_only_the_handoff_folder(paper, settings):
     assert mounts["base"]["handoff"]["mountPath"] == mounts["publisher"]["handoff"]["mountPath"] == specs.HANDOFF_MOUNT
     assert mounts["publisher"]["cycle-config"]["readOnly"] is True
     # Two regular containers (see episode_pod's docstring), no process namespace in common; the proxy sidecar shares
-    # only its log folder, which the sandbox may read and not write.
+    # its folder (control socket, session logs) with the publisher only (ISSUE #25.4): the sandbox has no way to it.
     [proxy] = spec["initContainers"]
     assert proxy["name"] == specs.PROXY_CONTAINER and proxy["restartPolicy"] == "Always"
-    assert [m["name"] for m in proxy["volumeMounts"]] == ["proxy-logs"] and "proxy-logs" not in mounts["publisher"]
-    assert mounts["base"]["proxy-logs"]["readOnly"] is True and proxy["securityContext"]["readOnlyRootFilesystem"]
+    assert [m["name"] for m in proxy["volumeMounts"]] == ["proxy-logs"] and "proxy-logs" not in mounts["base"]
+    assert mounts["publisher"]["proxy-logs"] == {"name": "proxy-logs", "mountPath": "/proxy-logs", "readOnly": True}
+    assert proxy["securityContext"]["readOnlyRootFilesystem"]
+    assert not any("proxy" in e["name"].lower() or "/proxy-logs" in str(e.get("value")) for e in sandbox["env"])
     assert not spec.get("shareProcessNamespace", False)
     for container in (sandbox, publisher):
         security = container["securityContext"]
@@ -209,15 +212,15 @@ def test_episode_sandbox_holds_no_secret_the_proxy_the_key_and_the_publisher_the
     for mount in sandbox["volumeMounts"]:
         volume = volumes[mount["name"]]
         assert not {"secret", "projected"} & set(volume), f"the sandbox mounts {mount['name']}, a secret volume"
-    env = {e["name"]: e["value"] for e in sandbox["env"]}
-    assert env[specs.PROXY_URL_ENV] == "http://127.0.0.1:8470" and env[specs.PROXY_LOG_DIR_ENV] == "/proxy-logs"
     proxy_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in proxy["env"] if "valueFrom" in e}
     assert proxy_secrets == {"VLLM_API_KEY": {"name": "mass-ops-inference", "key": "VLLM_API_KEY", "optional": True}}
     assert "envFrom" not in proxy
     assert proxy["command"] == [
-        "/opt/mass-ops/bin/python", "-m", "mass_ops.runtime.proxy", "--listen", "8470",
-        "--sessions-dir", "/proxy-logs", "--key-env", "VLLM_API_KEY", "--upstream", "http://127.0.0.1:8001",
+        "/opt/mass-ops/bin/python", "-m", "mass_ops.runtime.session_proxy", "--listen", "8470",
+        "--sessions-dir", "/proxy-logs/sessions", "--control-socket", "/proxy-logs/control.sock",
+        "--key-env", "VLLM_API_KEY", "--upstream", "http://127.0.0.1:8001",
         "--allow-host-suffix", f".{paper.compute.kubernetes.namespace}.svc", "--port-file", "/proxy-logs/proxy.port",
+        "--client-path", "/v1", "--max-request-bytes", str(32 * 1024**2),
     ]  # fmt: skip
     assert proxy["startupProbe"]["exec"]["command"] == ["/usr/bin/test", "-s", "/proxy-logs/proxy.port"]
     # Not even the store's URL: the sandbox learns what it needs from the publisher's ledger.
@@ -532,7 +535,8 @@ def test_episode_limits_come_from_the_settings_and_bad_ones_are_one_line(paper, 
     assert sandbox["resources"]["limits"]["ephemeral-storage"] == "5Gi"
     sizes = {v["name"]: v["emptyDir"]["sizeLimit"] for v in spec["volumes"] if "emptyDir" in v}
     assert sizes["handoff"] == "3Gi" and sizes["workspace"] == "8Gi"
-    assert {"name": specs.PROXY_URL_ENV, "value": "http://127.0.0.1:9000"} in sandbox["env"]
+    [proxy] = spec["initContainers"]
+    assert proxy["command"][proxy["command"].index("--listen") + 1] == "9000"
     for broken, message in (
         ({"sandbox_storage": specs.DiskBudget("9Gi", "1Gi")}, "request 9Gi exceeds limit 1Gi"),
         ({"volume_size_limits": {"handoff": "lots"}}, "episode.volumeSizeLimits.handoff 'lots' is not"),
@@ -667,6 +671,9 @@ def test_a_benchmark_episode_pod_validates_with_its_time_limit_and_server(paper,
         "benchmark", "swe_django__django-11099", "2", "L1",
     )  # fmt: skip
     assert (run["--wall-clock-s"], run["--endpoint"], run["--served-name"]) == ("1200", L1_SERVER.endpoint, "L1")
+    # The publisher opens the proxy session towards that server itself (the sandbox names no upstream).
+    publish = flags(publisher["command"])
+    assert (publish["--endpoint"], publish["--served-name"]) == (L1_SERVER.endpoint, "L1")
     assert pod["spec"]["activeDeadlineSeconds"] == 1200 * paper.runtime.max_infra_attempts + 900
     # The same sandbox as every episode: its label, the same image and limits; the key only in the proxy.
     plain = specs.episode_pod(paper, settings, EPISODES[0])

@@ -40,7 +40,8 @@ FAILING_CANDIDATE = 1  # the candidate of task FAST whose first attempt fails on
 MAX_WAITS = 60  # reschedules of the slow step before it gives up waiting (a barrier DAG would never let it through)
 
 
-def _overrides(tmp: Path, endpoint: str) -> list[str]:
+def _deployment(tmp: Path, endpoint: str) -> list[str]:
+    """What only the deployment sets (a trigger is refused these): stores, the model endpoint, the judge."""
     judge = (
         f"[{{name: stand-in-judge, provider: openai-compatible, model: {MODEL}, base_url: '{endpoint}', "
         f"api_key_env: {JUDGE_KEY_ENV}}}]"
@@ -49,9 +50,15 @@ def _overrides(tmp: Path, endpoint: str) -> list[str]:
         f"storage.metadata_url=sqlite:///{tmp / 'mass-ops.db'}",
         f"storage.artifact_url={tmp / 'artifacts'}",
         f"inference.endpoint={endpoint}",
-        f"models.served_name={MODEL}",
         "compute.local_inference=external",
         f"evaluation.judges={judge}",
+    ]
+
+
+def _overrides() -> list[str]:
+    """The trigger's own overrides: experiment knobs only."""
+    return [
+        f"models.served_name={MODEL}",
         # Smaller than the demo preset where the demo's size adds nothing to what is shown: two RHI tasks, one of
         # them trained, two candidates (train rank 1, validation rank 2), one ZeRO-3 step validated once (each pass
         # over a ~15 K-token window costs tens of seconds on 2 cores).
@@ -66,6 +73,20 @@ def _overrides(tmp: Path, endpoint: str) -> list[str]:
         "training.val_every=1",
         "training.val_at_start=false",
     ]
+
+
+def _register_preset(tmp: Path, monkeypatch, deployment: list[str]) -> str:
+    """Register the demo preset with the deployment's settings as the deployment's own preset; returns its name."""
+    import yaml
+
+    from mass_ops.config import apply_overrides, read_config_source
+
+    folder = tmp / "presets"
+    folder.mkdir(exist_ok=True)
+    data = apply_overrides(read_config_source("demo"), deployment)
+    (folder / "e2e.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    monkeypatch.setenv("MASS_PRESETS_DIR", str(folder))
+    return "e2e"
 
 
 def _episode_identities(ctx) -> Counter:
@@ -146,14 +167,15 @@ def test_a_cycle_runs_end_to_end_pipelined_and_a_cleared_failure_reruns_only_wha
     waits = _hold_back_search_step(monkeypatch, stages, SLOW, 1, until=_collection_recorded)
     with serve_policy(models=(MODEL,)) as policy:
         endpoint = f"{policy.base_url}/v1"
-        overrides = _overrides(tmp_path, endpoint)
-        config = load_config("demo", overrides)
+        deployment, overrides = _deployment(tmp_path, endpoint), _overrides()
+        preset = _register_preset(tmp_path, monkeypatch, deployment)
+        config = load_config("demo", [*deployment, *overrides])
         prepare_parent(config)  # the tiny random Qwen3 L0, published where models.parent_bf16 points
         dag = load_dag()
         for task in dag.tasks:  # fail now, not after Airflow's retry back-off
             task.retries = 0
 
-        first = dag.test(run_conf={"preset": "demo", "overrides": overrides})
+        first = dag.test(run_conf={"preset": preset, "overrides": overrides})
 
         assert str(first.state) == "failed"
         assert failed_tasks(first) == ["inner_loop.collect_task[0]"], "task 51 (map index 0) lost a candidate"
@@ -183,7 +205,7 @@ def test_a_cycle_runs_end_to_end_pipelined_and_a_cleared_failure_reruns_only_wha
         assert not any(name.startswith("inner_loop.step_") for name in cleared), "succeeded instances are not cleared"
         run = finish_run(dag, first.run_id)
         assert str(run.state) == "success", failed_tasks(run)
-        nightly_rows, nightly_work = _nights(overrides, policy)
+        nightly_rows, nightly_work = _nights(preset, deployment, overrides, policy)
 
     assert str(run.state) == "success", failed_tasks(run)
     tries = {(ti.task_id, ti.map_index): ti.try_number for ti in run.get_task_instances()}
@@ -225,7 +247,9 @@ def test_a_cycle_runs_end_to_end_pipelined_and_a_cleared_failure_reruns_only_wha
     assert (calls_2, episodes_2) == (calls_1, episodes_1), "rerunning a finished night ran and asked nothing"
 
 
-def _nights(overrides: list[str], policy) -> tuple[list[dict], list[tuple[int, int]]]:
+def _nights(
+    preset: str, deployment: list[str], overrides: list[str], policy
+) -> tuple[list[dict], list[tuple[int, int]]]:
     """Run the nightly DAG for 28 November twice; returns its evaluation results and, after each run,
     the judge stand-in's chat-call count and the number of nightly episodes."""
     from mass_ops_airflow.demo.airflow_home import failed_tasks, load_dag
@@ -235,12 +259,12 @@ def _nights(overrides: list[str], policy) -> tuple[list[dict], list[tuple[int, i
     nightly = load_dag("mass_nightly_eval")
     for task in nightly.tasks:
         task.retries = 0
-    conf = {"preset": "demo", "overrides": overrides}
+    conf = {"preset": preset, "overrides": overrides}
     work = []
     for day in (28, 28):
         night = nightly.test(logical_date=dt.datetime(2026, 11, day, 3, tzinfo=dt.UTC), run_conf=conf)
         assert str(night.state) == "success", failed_tasks(night)
-        ctx = attach_cycle(nightly_config(load_config("demo", overrides)))
+        ctx = attach_cycle(nightly_config(load_config("demo", [*deployment, *overrides])))
         work.append((policy.stats.chat_requests, len(ctx.repo.episodes(ctx.cycle_id))))
     rows = [e.results for e in ctx.repo.evaluations(kind="pairwise") if e.cycle_id == ctx.cycle_id]
     return sorted(rows, key=lambda r: r["nightly_date"]), work

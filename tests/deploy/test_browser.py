@@ -48,9 +48,12 @@ def cycle_overrides(model_port: int) -> list[str]:
         f"tasks.train_candidates=[{TRAIN_TASK}]",
         f"tasks.test=[{TEST_TASK}]",
         f"evaluation.tasks=[{TEST_TASK}]",
-        f"inference.endpoint=http://127.0.0.1:{model_port}/v1",
-        f"inference.server.port={model_port}",
     ]
+
+
+def deployment_overrides(model_port: int) -> list[str]:
+    """What only the deployment may set (a trigger is refused it): the demo UI's own config gets them by `--set`."""
+    return [f"inference.endpoint=http://127.0.0.1:{model_port}/v1", f"inference.server.port={model_port}"]
 
 
 @pytest.fixture
@@ -141,7 +144,8 @@ def test_cycle_triggered_from_the_browser_runs_to_success(tmp_path: Path, chromi
     expect.set_options(timeout=UI_TIMEOUT_MS)  # a loaded 2-core machine answers slowly
     model_port = free_port(2)  # the cycle's server, then L(k) and L(k+1) side by side for the evaluation
     overrides = cycle_overrides(model_port)
-    with DemoUiProcess(tmp_path, free_port()) as demo:
+    deployment = [arg for line in deployment_overrides(model_port) for arg in ("--set", line)]
+    with DemoUiProcess(tmp_path, free_port(), args=deployment) as demo:
         demo.wait_ready(READY_TIMEOUT_S)
         ui = demo.ui
         with sync_playwright() as playwright:

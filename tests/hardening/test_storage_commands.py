@@ -114,3 +114,60 @@ def test_store_gc_lists_by_default_and_removes_only_with_apply(tmp_path: Path):
 def test_plan_json_is_still_json(tmp_path: Path):
     result = run("plan", "--config", "demo", "--json")
     assert json.loads(result.stdout)["config"]["storage"]["metadata_url"]
+
+
+def test_store_gc_pointed_at_a_home_folder_deletes_nothing(tmp_path: Path):
+    """The reported case: `store gc --apply --delete-unreferenced` with the artifact URL set to a home folder."""
+    home = tmp_path / "home"
+    key = home / ".ssh" / "id_rsa"
+    key.parent.mkdir(parents=True)
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    old = time.time() - 3 * 86400
+    os.utime(key, (old, old))
+    sets = storage_sets(tmp_path, artifact_url=str(home))
+    assert run("db", "upgrade", "--config", "demo", *sets).returncode == 0
+
+    result = run("store", "gc", "--config", "demo", *sets, "--apply", "--delete-unreferenced", "--grace-s", "60")
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"store gc: {home.as_uri()} is not a mass-ops artifact store: it has no .mass-ops-store")
+    assert key.read_text().startswith("-----BEGIN") and sorted(p.name for p in home.iterdir()) == [".ssh"]
+
+
+def test_store_init_marks_a_store_an_older_mass_ops_wrote(tmp_path: Path):
+    sets = storage_sets(tmp_path)
+    assert run("db", "upgrade", "--config", "demo", *sets).returncode == 0
+    artifacts = tmp_path / "artifacts"
+    (artifacts / "cycles" / "old-L0").mkdir(parents=True)
+    (artifacts / "cycles" / "old-L0" / "report.md").write_text("# an old report\n")
+    assert run("store", "gc", "--config", "demo", *sets).returncode == 2, "no marker yet: refused"
+
+    marked = run("store", "init", "--config", "demo", *sets)
+    assert marked.returncode == 0, marked.stderr
+    assert (
+        marked.stdout.strip()
+        == f"{artifacts.as_uri()}: marked as a mass-ops artifact store (.mass-ops-store); 1 artifacts"
+    )
+    assert "already marked" in run("store", "init", "--config", "demo", *sets).stdout
+    listed = run("store", "gc", "--config", "demo", *sets)
+    assert listed.returncode == 0, listed.stderr
+    assert "unreferenced\tlisted\tcycles/old-L0/report.md" in listed.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status", "demo-L0"], ["report"], ["repair", "demo-L0"], ["store", "gc"], ["search"]],
+    ids=lambda c: " ".join(c),
+)
+def test_an_unmigrated_database_is_one_line_naming_db_upgrade(tmp_path: Path, command: list[str]):
+    import sqlite3
+
+    database = tmp_path / "m.db"
+    sqlite3.connect(database).close()  # a database file that no migration has touched
+    sets = storage_sets(tmp_path)
+    assert run("store", "init", "--config", "demo", *sets).returncode == 0
+    result = run(*command, "--config", "demo", *sets)
+    assert result.returncode == 2, result.stdout + result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert f"metadata store sqlite:///{database} does not hold the mass-ops schema (no table " in line, line
+    assert "run `mass-ops db upgrade` with the same --config/--set" in line

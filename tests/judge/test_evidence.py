@@ -53,3 +53,31 @@ def test_requirements_take_the_report_character_cap(tmp_path: Path):
     assert excerpts["requirements.txt"].text == head_tail(requirements, 28000)
     assert excerpts["requirements.txt"].truncated
     assert excerpts["run_all.py"].text == head_tail(requirements, 12000)  # code keeps the code cap
+
+
+def test_a_500mb_report_is_read_only_as_far_as_its_excerpt_shows(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from mass_ops.judge.evidence import build_bundle, excerpt_read_bytes, results_json_appendix
+
+    root = tmp_path / "ws"
+    (root / "results").mkdir(parents=True)
+    for path in (root / "research_report.md", root / "results" / "dump.json"):
+        with path.open("wb") as out:  # sparse: 500 MB that cost nothing to write, head and tail text around zeros
+            out.write(b"HEAD-OF-THE-REPORT " * 10)
+            out.truncate(500_000_000)
+            out.seek(500_000_000 - 190)
+            out.write(b"TAIL-OF-THE-REPORT " * 10)
+    caps = EvidenceCaps(report_chars=28000)
+    tracemalloc.start()
+    try:
+        bundle = build_bundle(root, task_id=51, task_text="t", location="ws", caps=caps)
+        appendix = results_json_appendix(root, 51, per_file_chars=24000, total_chars=120000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # At most the head and tail the caps can show are read: a few hundred KB, never the file.
+    assert peak < 4 * excerpt_read_bytes(28000) + (4 << 20), f"peak {peak:,} bytes"
+    assert "### File: `research_report.md` [truncated]" in bundle.body
+    assert "HEAD-OF-THE-REPORT" in bundle.body and "TAIL-OF-THE-REPORT" in bundle.body
+    assert "HEAD-OF-THE-REPORT" in appendix and "TAIL-OF-THE-REPORT" in appendix

@@ -50,6 +50,16 @@ def chart_settings(tmp_path, monkeypatch) -> Path:
     return folder
 
 
+def use_training_launcher(settings: Path, launcher: str) -> None:
+    """Set the chart's `compute.kubernetes.training_launcher` (a deployment setting, never a trigger's)."""
+    import yaml
+
+    path = settings / "kubernetes.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["compute"]["kubernetes"]["training_launcher"] = launcher
+    path.write_text(yaml.safe_dump(data))
+
+
 class StageRecorder(types.ModuleType):
     """A stand-in `mass_ops.stages.api`: every stage records (name, args) and returns what the test scripted."""
 

@@ -11,10 +11,10 @@ from mass_ops_airflow.triggers import JobCompletionTrigger, TrainJobCompletionTr
 
 from mass_ops.compute.kubernetes import job_name
 from mass_ops.store.artifacts import open_artifact_store
-from tests.plugins.conftest import task_context
+from tests.plugins.conftest import task_context, use_training_launcher
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "training_nnodes": 3}
-TRAINJOB = {**K8S, "overrides": ["compute.kubernetes.training_launcher=trainjob"]}
+TRAINJOB = K8S  # with the chart's training_launcher set to trainjob (`trainjob_repo`)
 
 
 @pytest.fixture
@@ -151,6 +151,7 @@ def test_local_backend_calls_the_stage(stages, cluster):
 
 @pytest.fixture
 def trainjob_repo(cycle_store, cluster, chart_settings):
+    use_training_launcher(chart_settings, "trainjob")
     return cycle_store(TRAINJOB)
 
 

@@ -187,3 +187,189 @@ def test_next_cycle_needs_generation_named_model_keys(tmp_path):
     )
     with pytest.raises(ParamsError, match="cannot derive the next cycle's model key"):
         next_cycle_params({"preset": "demo"}, config)
+
+
+# -- a trigger sets experiment settings only; what runs next to the secrets is the deployment's ---------------------
+
+
+def config_leaf_paths() -> list[str]:
+    """Every leaf field of the config as a dotted path (sections expanded, maps and lists of models kept whole)."""
+    from mass_ops.config import config_json_schema
+
+    root = config_json_schema()
+    paths: list[str] = []
+    stack: list[tuple[str, dict]] = [("", root)]
+    while stack:
+        prefix, node = stack.pop()
+        for name in node.get("properties") or {}:
+            path = f"{prefix}{name}"
+            field = form.field_schema(path, root)
+            if field.get("type") == "object" and "properties" in field:
+                stack.append((f"{path}.", field))
+            else:
+                paths.append(path)
+    return sorted(paths)
+
+
+def settable(path: str) -> bool:
+    return any(path == a or path.startswith(f"{a}.") for a in form.TRIGGER_SETTABLE)
+
+
+# The attack surface named in the issue: each of these is what a trigger must never choose.
+MUST_BE_DEPLOYMENT = (
+    "compute.kubernetes.image_episode",
+    "compute.kubernetes.image_trainer",
+    "compute.kubernetes.image_inference",
+    "compute.kubernetes.namespace",
+    "compute.kubernetes.node_selector",
+    "compute.kubernetes.gpu_tolerations",
+    "compute.kubernetes.model_cache_pvc",
+    "compute.local_inference",
+    "inference.backend",
+    "inference.endpoint",
+    "inference.api_key_env",
+    "inference.server.port",
+    "evaluation.judges",
+    "prompts.dir",
+    "storage.metadata_url",
+    "storage.artifact_url",
+    "runtime.episode_cuda_visible_devices",
+)
+
+
+def test_the_allowlist_names_real_config_fields_and_leaves_the_deployment_s_own_out():
+    leaves = config_leaf_paths()
+    for allowed in form.TRIGGER_SETTABLE:  # a typo here would silently allow nothing
+        assert any(leaf == allowed or leaf.startswith(f"{allowed}.") for leaf in leaves), allowed
+    assert set(MUST_BE_DEPLOYMENT) <= set(leaves)
+    assert not [path for path in MUST_BE_DEPLOYMENT if settable(path)]
+    sandbox = [leaf for leaf in leaves if "sandbox" in leaf]  # runtime.sandbox, runtime.allow_unsandboxed_agent
+    assert not [path for path in sandbox if settable(path)], "sandbox settings are the deployment's"
+
+
+@pytest.mark.parametrize("path", [p for p in config_leaf_paths() if not settable(p)])
+def test_every_deployment_only_path_is_refused_in_one_line(tmp_path, path):
+    with pytest.raises(ParamsError) as caught:
+        build_config({"preset": "demo", "overrides": [f"{path}=evil"]}, settings_dir=tmp_path, environ={})
+    assert str(caught.value) == (
+        f"params: {path} is set by the deployment, not by a trigger (a trigger sets experiment settings "
+        "only: mass_ops_airflow.params.TRIGGER_SETTABLE)"
+    )
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "compute.kubernetes.image_episode=registry.evil/episode:latest",
+        # A whole section at once carries a deployment key inside it.
+        'compute={"backend": "kubernetes", "kubernetes": {"image_episode": "registry.evil/x"}}',
+        'inference={"endpoint": "http://evil:8000/v1"}',
+        'evaluation={"judges": [{"name": "j", "provider": "anthropic", "model": "m", "api_key_env": "AWS_SECRET"}]}',
+        'models={"next_bf16": "/home/airflow/.ssh/authorized_keys"}',
+        "storage.artifact_url=s3://attacker-bucket/loot",
+        "tasks.catalogue=/etc",
+        "models.next_bf16=/home/airflow/.ssh",
+        "models.parent_bf16=s3://other-bucket/model",
+        "models.next_fp8=models/../../escape",
+    ],
+)
+def test_a_trigger_cannot_choose_images_endpoints_judges_storage_or_server_paths(tmp_path, override):
+    from mass_ops_airflow.cycle import cycle_config
+
+    with pytest.raises(ParamsError) as caught:
+        cycle_config({"preset": "demo", "overrides": [override]})
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("params: ")
+
+
+KNOB_VALUES = {
+    "cycle_name": "trial-7",
+    "generation": 2,
+    "served_name": "mass-tiny-L2",
+    "parent_model": "models/L2-bf16",
+    "compute_backend": "local",
+    "max_concurrent_requests": 3,
+    "train_tasks": [51],
+    "test_tasks": [60],
+    "search_iterations": 2,
+    "candidates": 3,
+    "training_steps": 5,
+    "learning_rate": 0.0002,
+    "lora_r": 8,
+    "training_nnodes": 1,
+    "gpus_per_node": 2,
+    "rollout_count": 2,
+    "regression_threshold": 0.1,
+}
+
+
+def test_every_knob_of_the_form_still_works(tmp_path):
+    assert set(KNOB_VALUES) == set(form.KNOB_BY_PARAM), "give each new knob a value here"
+    assert all(settable(knob.path) for knob in KNOBS)
+    config = build_config(
+        {"preset": "demo", **KNOB_VALUES, "overrides": ["tasks.catalogue=builtin", "budgets.cycle_tokens=9"]},
+        settings_dir=tmp_path,
+        environ={},
+    )
+    dumped = config.model_dump(mode="json")
+    for param, value in KNOB_VALUES.items():
+        node = dumped
+        for part in form.KNOB_BY_PARAM[param].path.split("."):
+            node = node[part]
+        assert node == value, param
+
+
+@pytest.mark.parametrize("preset", ["/etc/passwd", "../../etc/mass-ops/settings/kubernetes", "demo.yaml", "demo/"])
+def test_a_trigger_names_a_preset_never_a_file(tmp_path, monkeypatch, preset):
+    monkeypatch.setenv("MASS_PRESETS_DIR", str(tmp_path))
+    with pytest.raises(ParamsError, match=r"^params: preset .* is not a preset name .*a trigger cannot name a file$"):
+        build_config({"preset": preset}, settings_dir=tmp_path, environ={})
+
+
+def test_a_file_the_caller_wrote_is_not_a_preset_but_a_deployment_registered_one_is(tmp_path, monkeypatch):
+    # The attacker's file would set the image; naming it as the preset must not load it.
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(preset_text_with_image("registry.evil/episode:1"), encoding="utf-8")
+    registered = tmp_path / "registered"
+    registered.mkdir()
+    (registered / "lab.yaml").write_text(preset_text_with_image("registry.lab/episode:2"), encoding="utf-8")
+    monkeypatch.setenv("MASS_PRESETS_DIR", str(registered))
+    monkeypatch.delenv("MASS_DEFAULT_PRESET", raising=False)
+    with pytest.raises(ParamsError, match="is not a preset name"):
+        build_config({"preset": str(evil)}, settings_dir=tmp_path, environ={})
+    lab = build_config({"preset": "lab"}, settings_dir=tmp_path, environ={})
+    assert lab.compute.kubernetes.image_episode == "registry.lab/episode:2"
+    # The deployment's own default (the demo's UI points it at a file it wrote) stays usable by its value.
+    monkeypatch.setenv("MASS_DEFAULT_PRESET", str(evil))
+    assert build_config({"preset": str(evil)}, settings_dir=tmp_path, environ={}).compute.kubernetes.image_episode
+    assert build_config({}, settings_dir=tmp_path, environ={}).compute.kubernetes.image_episode == (
+        "registry.evil/episode:1"
+    )
+
+
+def preset_text_with_image(image: str) -> str:
+    """The demo preset's text with the episode image set (a config a deployment, or an attacker, could write)."""
+    import yaml
+
+    from mass_ops.config import preset_path
+
+    data = yaml.safe_load(preset_path("demo").read_text(encoding="utf-8"))
+    data.setdefault("compute", {}).setdefault("kubernetes", {})["image_episode"] = image
+    return yaml.safe_dump(data)
+
+
+def test_model_locations_stay_inside_the_deployment_s_artifact_store(tmp_path):
+    storage = {"artifact_url": "s3://deploy-bucket/mass"}
+
+    def build(*overrides: str):
+        params = {"preset": "demo", "overrides": list(overrides)}
+        return build_config(params, storage=storage, settings_dir=tmp_path, environ={})
+
+    inside = build("models.next_bf16=s3://deploy-bucket/mass/models/L1-bf16", "models.parent_bf16=models/L0-bf16")
+    assert inside.models.next_bf16 == "s3://deploy-bucket/mass/models/L1-bf16"
+    for outside in ("s3://deploy-bucket/massive/x", "s3://other-bucket/mass/models/L1", "/var/lib/airflow/x"):
+        with pytest.raises(ParamsError, match=r"^params: models\.next_fp8: must be a key in the deployment's"):
+            build(f"models.next_fp8={outside}")
+    with pytest.raises(ParamsError, match=r"^params: models\.parent_bf16: "):
+        build_config(
+            {"preset": "demo", "parent_model": "/root/.cache/model"}, storage=storage, settings_dir=tmp_path, environ={}
+        )

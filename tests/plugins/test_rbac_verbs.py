@@ -25,11 +25,10 @@ from mass_ops_airflow.operators._pod import SandboxPodFailed
 
 from mass_ops.compute.kubernetes import job_name
 from tests.deploy.test_helm_chart import OPERATOR_VERBS
-from tests.plugins.conftest import task_context
+from tests.plugins.conftest import task_context, use_training_launcher
 from tests.plugins.test_triggers import run_trigger
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ['tasks.catalogue="builtin"']}
-TRAINJOB = {**K8S, "overrides": ["compute.kubernetes.training_launcher=trainjob"]}
 
 UNUSED_GRANTS: dict[tuple[str, str], set[str]] = {
     # The provider's pod trigger streams a deferred pod's events from the triggerer
@@ -46,7 +45,7 @@ def deferred(operator, params=K8S):
     return caught.value
 
 
-def exercise_everything(cluster, repo) -> None:
+def exercise_everything(cluster, repo, settings) -> None:
     """Drive every Kubernetes path of the operators and triggers once."""
     # Inference: start (create), retry (get + patch), readiness failure (delete), kill, diagnostics, teardown.
     up = InferenceServerOperator(task_id="inference_up", serve="evaluation")
@@ -97,15 +96,16 @@ def exercise_everything(cluster, repo) -> None:
     asyncio.run(trigger.on_kill())
 
     # Training as a Kubeflow TrainJob: create, re-attach, replace a failed one, trigger, failure tails, kill.
+    use_training_launcher(settings, "trainjob")
     trainjob = TrainingJobOperator(task_id="train")
-    trigger = deferred(trainjob, TRAINJOB).trigger
-    deferred(TrainingJobOperator(task_id="train"), TRAINJOB)
+    trigger = deferred(trainjob, K8S).trigger
+    deferred(TrainingJobOperator(task_id="train"), K8S)
     cluster.set_trainjob_condition(trigger.trainjob_name, "Failed", "x")
-    deferred(TrainingJobOperator(task_id="train"), TRAINJOB)
+    deferred(TrainingJobOperator(task_id="train"), K8S)
     with pytest.raises(RuntimeError):
-        trainjob.execute_complete(task_context(TRAINJOB), {"status": "failed", "message": "x"})
+        trainjob.execute_complete(task_context(K8S), {"status": "failed", "message": "x"})
     cluster.objects["trainjobs"].clear()
-    trigger = deferred(trainjob, TRAINJOB).trigger
+    trigger = deferred(trainjob, K8S).trigger
     cluster.set_trainjob_condition(trigger.trainjob_name, "Complete")
     assert run_trigger(trigger)["status"] == "succeeded"
     trainjob.on_kill()
@@ -114,7 +114,7 @@ def exercise_everything(cluster, repo) -> None:
 
 def test_role_grants_exactly_what_the_operators_use(cycle_store, cluster, chart_settings):
     repo = cycle_store(K8S)
-    exercise_everything(cluster, repo)
+    exercise_everything(cluster, repo, chart_settings)
     used = cluster.verbs()
     missing = {key: verbs - OPERATOR_VERBS.get(key, set()) for key, verbs in used.items()}
     missing = {key: verbs for key, verbs in missing.items() if verbs}

@@ -64,8 +64,9 @@ def store(tmp_path) -> ArtifactStore:
     return open_artifact_store(str(tmp_path / "artifacts"))
 
 
-def client_for(open_store: Callable[[], ArtifactStore]) -> TestClient:
-    """The reports app over the store `open_store` opens, mounted as the API server mounts it, with a signed-in user."""
+def client_for(open_store: Callable[[], ArtifactStore], *, raise_server_exceptions: bool = True) -> TestClient:
+    """The reports app over the store `open_store` opens, mounted as the API server mounts it, with a signed-in user
+    (`raise_server_exceptions=False`: a crash is the 500 a caller would see)."""
     from airflow.api_fastapi.core_api.security import get_user
     from mass_ops_airflow.report_app import create_app
 
@@ -73,7 +74,7 @@ def client_for(open_store: Callable[[], ArtifactStore]) -> TestClient:
     app.dependency_overrides[get_user] = lambda: SimpleNamespace(username="reader")
     root = FastAPI()
     root.mount("/mass-ops", app)
-    return TestClient(root)
+    return TestClient(root, raise_server_exceptions=raise_server_exceptions)
 
 
 def publish_report(store: ArtifactStore, cycle: str) -> bytes:
@@ -391,3 +392,69 @@ def test_the_estimate_page_shows_plan_json_s_estimate_for_the_form_s_values(tmp_
 def test_the_estimate_page_refuses_values_that_do_not_describe_a_cycle(store, query, words):
     response = client_for(lambda: store).get(f"/mass-ops/estimate?{query}")
     assert response.status_code == 400 and words in response.text and response.text.count("\n") == 1
+
+
+# -- the estimate page reads no server file and opens no connection for its caller -----------------------------------
+
+
+def test_the_estimate_page_does_not_read_a_config_file_the_caller_names(tmp_path, store):
+    # A file on the server (here one the caller managed to leave there) named as the preset.
+    planted = tmp_path / "planted.yaml"
+    planted.write_text((Path(__file__).parents[2] / "mass_ops/presets/demo.yaml").read_text() + "name: planted\n")
+    client = client_for(lambda: store, raise_server_exceptions=False)
+    for preset in (str(planted), "/etc/passwd", "../../../etc/passwd"):
+        response = client.get(f"/mass-ops/estimate?preset={quote(preset)}&format=json")
+        assert response.status_code == 400, (preset, response.text)
+        assert "is not a preset name" in response.text and response.text.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "storage.metadata_url=sqlite:////etc/mass-ops/secret.db",
+        "storage.artifact_url=/etc",
+        "tasks.catalogue=/etc",
+        "prompts.dir=/etc",
+        "inference.endpoint=http://169.254.169.254/v1",
+    ],
+)
+def test_the_estimate_page_refuses_storage_endpoints_and_server_folders(store, override):
+    client = client_for(lambda: store, raise_server_exceptions=False)
+    response = client.get(f"/mass-ops/estimate?preset=demo&set={quote(override)}")
+    assert response.status_code == 400 and response.text.count("\n") == 1, response.text
+    assert response.text.startswith(f"estimate: params: {override.partition('=')[0]}")
+
+
+def test_the_estimate_page_opens_no_connection_to_a_host_the_caller_names(store):
+    """A listener stands in for the caller's host: the page must answer without ever connecting to it."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        client = client_for(lambda: store, raise_server_exceptions=False)
+        response = client.get(
+            f"/mass-ops/estimate?preset=demo&set={quote(f'storage.metadata_url=postgresql://u@127.0.0.1:{port}/db')}"
+        )
+        assert response.status_code == 400, response.text
+        # Any connection attempt made while answering sits in the backlog by now: accept() would return it.
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "preset=demo&train_tasks=" + "[" * 8_000 + "]" * 8_000,
+        "preset=demo&train_tasks=" + "[" * 40 + "]" * 40,
+        "preset=demo&train_tasks=" + quote('{"a":' * 2_000 + "1" + "}" * 2_000),
+        "preset=demo&train_tasks=[51," + "1," * 20_000 + "52]",
+    ],
+    ids=["deep list", "too deep for a config", "deep object", "too long"],
+)
+def test_deeply_nested_or_huge_input_is_a_400_not_a_500(store, query):
+    response = client_for(lambda: store, raise_server_exceptions=False).get(f"/mass-ops/estimate?{query}")
+    assert response.status_code == 400 and response.text.count("\n") == 1, response.text[:300]
+    assert response.text.startswith("estimate: query value train_tasks: "), response.text[:300]

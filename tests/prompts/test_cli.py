@@ -85,3 +85,25 @@ def test_an_unknown_template_file_fails_config_validate(tmp_path: Path) -> None:
     result = run_cli("config", "validate", "--config", "demo", "--set", f"prompts.dir={folder}", cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr_lines) == 1
     assert "unknown template file(s) ['judge_sytem.j2']" in result.stderr_lines[0]
+
+
+def test_a_template_that_escapes_to_os_system_fails_validate_in_one_line_with_exit_2(tmp_path: Path) -> None:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    marker = tmp_path / "pwned"
+    (folder / "judge_system.j2").write_text(
+        f"{{{{ ''.__class__.__mro__[1] }}}}{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}",
+        encoding="utf-8",
+    )
+    result = run_cli("config", "validate", "--config", "demo", "--set", f"prompts.dir={folder}", cwd=tmp_path)
+    assert (result.returncode, len(result.stderr_lines)) == (2, 1), result.stderr_lines
+    assert "judge_system.j2: line 1: accesses the unsafe attribute '__" in result.stderr_lines[0]
+    assert not marker.exists() and "ok:" not in result.stdout
+    sets = [
+        "--set", f"prompts.dir={folder}",
+        "--set", f"storage.metadata_url=sqlite:///{tmp_path / 'm.db'}",
+        "--set", f"storage.artifact_url={tmp_path / 'artifacts'}",
+    ]  # fmt: skip
+    result = run_cli("validate", "--config", "demo", *sets, cwd=tmp_path)
+    assert (result.returncode, len(result.stderr_lines)) == (2, 1), result.stderr_lines
+    assert result.stderr_lines[0].startswith("validate_config: config: prompts: ") and not marker.exists()

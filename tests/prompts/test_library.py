@@ -172,3 +172,43 @@ def test_recorded_digests_must_match(tmp_path: Path) -> None:
     changed = {**prompts.digests(), "judge_user.j2": "0" * 64}
     with pytest.raises(ConfigError, match=r"template\(s\) judge_user\.j2 differ from those cycle 'c' was opened with"):
         check_recorded(prompts, changed, "c")
+
+
+# -- a template is untrusted code: it renders in the sandbox and an escape is refused at check time -----------------
+
+# Classic escapes from a Jinja2 template into Python: through a global's function globals to `os.system`, and
+# through `str`'s class hierarchy. Each would run `touch MARKER` (the first) or list every loaded class (the second).
+ESCAPES = {
+    "globals": "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}{{ reviewer }}",
+    "mro": "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ reviewer }}",
+    "item": "{{ cycler['__init__']['__globals__'] }}{{ reviewer }}",
+    "attr filter": "{{ (cycler|attr('__init__')) }}{{ reviewer }}",
+    "hidden branch": "{% if task_id == 123456 %}{{ cycler.__init__.__globals__.os.system('touch MARKER') }}{% endif %}",
+}
+
+
+@pytest.mark.parametrize("source", ESCAPES.values(), ids=ESCAPES.keys())
+def test_a_template_that_reaches_python_internals_is_refused_at_check(tmp_path: Path, source: str) -> None:
+    folder = write(tmp_path / "mine", {"judge_system.j2": source.replace("MARKER", str(tmp_path / "pwned"))})
+    config = load_config("demo", [f"prompts.dir={folder}"])
+    with pytest.raises(ConfigError) as caught:
+        check_templates(config)
+    (line,) = caught.value.problems
+    assert line.startswith(f"config: prompts: {folder / 'judge_system.j2'}: ") and "unsafe" in line, line
+    assert not (tmp_path / "pwned").exists(), "the check ran the template's command"
+
+
+def test_an_escape_built_at_run_time_still_cannot_run_code(tmp_path: Path) -> None:
+    # The name is assembled while rendering, so no static check can see it: the sandbox refuses it when it is used.
+    source = (
+        "{% for u in ['_' ~ '_'] %}"
+        "{{ (cycler|attr(u ~ 'init' ~ u)|attr(u ~ 'globals' ~ u))['os'].system('touch MARKER') }}{{ reviewer }}"
+        "{% endfor %}"
+    )
+    folder = write(tmp_path / "mine", {"judge_system.j2": source.replace("MARKER", str(tmp_path / "pwned"))})
+    prompts = load_prompts(folder)
+    with pytest.raises(ConfigError, match=r"judge_system\.j2: does not render: .* no attribute '__globals__'"):
+        prompts.check()
+    with pytest.raises(PromptError, match=r"judge_system\.j2: .* no attribute '__globals__'"):
+        judge_system_prompt(51, prompts=prompts)
+    assert not (tmp_path / "pwned").exists()

@@ -44,12 +44,12 @@ def test_only_successful_chat_completions_are_kept():
 
 def test_bad_lines_name_the_log_and_the_line():
     lines = [*small_log().lines(), '{"path": "/v1/chat', "[1, 2]"]
-    with pytest.raises(RenderError, match=r"episode e7: line 3 is not valid JSON"):
+    with pytest.raises(RenderError, match=r"^episode e7: line 3: not JSON \("):
         list(iter_proxy_records(lines, where="episode e7"))
     with pytest.raises(RenderError, match=r"line 1 is a JSON list"):
         list(iter_proxy_records(b"[1, 2]\n", where="episode e7"))
     deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"  # past the parser's stack: one clear line, not a RecursionError
-    with pytest.raises(RenderError, match=r"episode e7: line 1 is not valid JSON \(RecursionError\)"):
+    with pytest.raises(RenderError, match=r"^episode e7: line 1: JSON nested deeper than the parser's stack$"):
         list(iter_proxy_records(deep, where="episode e7"))
     with pytest.raises(RenderError, match="unreadable compressed log"):
         list(iter_proxy_records(gzip.compress(b'{"a": 1}\n')[:-12], where="episode e7"))
@@ -126,3 +126,21 @@ def test_the_proxys_own_reassembly_of_split_tool_call_fragments_replays_the_same
     assert exchange.reply == replay_message(reassembled(reply)["choices"][0]["message"])
     assert exchange.reply["tool_calls"][0]["function"]["arguments"] == '{"command": "ls -la /work/ws"}'
     assert exchange.finish_reason == "tool_calls"
+
+
+def test_a_log_line_over_its_cap_is_refused_without_reading_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracemalloc
+
+    import mass_ops.render.proxy_log as proxy_log
+
+    monkeypatch.setattr(proxy_log, "LOG_LINE_MAX_BYTES", 1 << 20)
+    chunk = gzip.compress(b" " * (1 << 20), mtime=0)  # gzip members concatenate: 64 MiB of one line, ~64 KB here
+    flood = gzip.compress(b'{"a": 1}\n{"pad": "', mtime=0) + chunk * 64
+    tracemalloc.start()
+    try:
+        with pytest.raises(RenderError, match=r"^episode e7: line 2 is over the 1,048,576-byte limit$"):
+            list(iter_proxy_records(flood, where="episode e7"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak:,} bytes"  # the capped line, not the 64 MiB one

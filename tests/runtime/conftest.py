@@ -31,6 +31,7 @@ KEY_VAR = "MASS_TEST_API_KEY"
 # One key per test session: the secret scans look for exactly this value everywhere.
 API_KEY = f"sk-mass-test-{secrets.token_hex(12)}"
 STAND_IN_AGENT = Path(__file__).with_name("stand_in_agent.py")
+HOSTILE_AGENT = Path(__file__).with_name("hostile_agent.py")
 TASK = 51
 
 
@@ -158,6 +159,19 @@ def qwen_install() -> QwenInstall:
 def stand_in_install() -> QwenInstall:
     """The light stand-in agent, launched the way qwen-code is."""
     return QwenInstall(node_bin=Path(sys.executable), qwen_entry=STAND_IN_AGENT, version="stand-in")
+
+
+@pytest.fixture(scope="session")
+def hostile_install() -> QwenInstall:
+    """The hostile stand-in agent (`hostile_agent.py`: runs the attack in its prompt), launched the way qwen-code is."""
+    return QwenInstall(node_bin=Path(sys.executable), qwen_entry=HOSTILE_AGENT, version="hostile")
+
+
+def hostile_prompt(attack: str) -> str:
+    """A prompt whose agent, when it is the hostile stand-in, runs `attack` (Python source, see hostile_agent.py)."""
+    import textwrap
+
+    return "Do the task.\n@hostile\n" + textwrap.dedent(attack).strip() + "\n"
 
 
 def fake_qwen_runtime(root: Path) -> Path:

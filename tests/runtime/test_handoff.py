@@ -30,6 +30,7 @@ from mass_ops.context import CycleContext
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
 from mass_ops.runtime import handoff as hand
 from mass_ops.runtime.episode import EpisodeRequest
+from mass_ops.runtime.outcome import UsageTotals
 from mass_ops.runtime.qwen_install import QwenInstall
 from tests.fixtures.s3 import MotoS3Server
 from tests.policy_server import PolicyServer
@@ -42,6 +43,7 @@ from tests.runtime.conftest import (
     open_episode_cycle,
     process_alive,
 )
+from tests.runtime.hostile_agent import hostile_findings
 
 REPO = Path(__file__).resolve().parents[2]
 _CLI = (
@@ -365,7 +367,10 @@ def test_a_sandbox_that_dies_leaves_an_incomplete_handoff_that_is_refused(
 ) -> None:
     runtime = fake_qwen_runtime(tmp_path / "runtime")
     with policy_host.serve() as server:
-        ctx = open_episode_cycle(tmp_path / "pod", f"{server.base_url}/v1")
+        # A plain agent process: the test reaps its sleepers by their host pids afterwards.
+        ctx = open_episode_cycle(
+            tmp_path / "pod", f"{server.base_url}/v1", sandbox="none", allow_unsandboxed_agent=True
+        )
         prompt = tmp_path / "prompt.txt"
         prompt.write_text("Work for a while.\n@agent requests=1 sleep=60")
         config_file = pod_config(ctx.config, tmp_path)
@@ -401,20 +406,48 @@ def test_a_sandbox_that_dies_leaves_an_incomplete_handoff_that_is_refused(
 # --- a pod built by the operator's code, then its stage -------------------------------------------------------
 
 
-def local_command(command: list[str], config_file: Path, handoff: Path) -> list[str]:
-    """A container command of an episode pod manifest as a local `episode` command line: the mounted config file
-    and hand-off folder replaced by their local places."""
-    from mass_ops.compute import kubernetes as specs
+def local_command(command: list[str], config_file: Path, handoff: Path, proxy_dir: Path | None = None) -> list[str]:
+    """A container command of an episode pod manifest as a local `episode` command line: the mounted config file,
+    hand-off folder and proxy folder replaced by their local places."""
 
     assert command[:2] == ["mass-ops", "episode"], command
-    local = []
-    for arg in command[2:]:
-        if arg == specs.CONFIG_FILE:
-            arg = str(config_file)
-        elif arg == specs.HANDOFF_MOUNT or arg.startswith(f"{specs.HANDOFF_MOUNT}/"):
-            arg = str(handoff) + arg.removeprefix(specs.HANDOFF_MOUNT)
-        local.append(arg)
-    return local
+    return [_local_arg(arg, config_file, handoff, proxy_dir) for arg in command[2:]]
+
+
+def _local_arg(arg: str, config_file: Path, handoff: Path, proxy_dir: Path | None) -> str:
+    from mass_ops.compute import kubernetes as specs
+
+    if arg == specs.CONFIG_FILE:
+        return str(config_file)
+    for mount, local in ((specs.HANDOFF_MOUNT, handoff), (specs.PROXY_LOG_MOUNT, proxy_dir)):
+        if local is not None and (arg == mount or arg.startswith(f"{mount}/")):
+            return str(local) + arg.removeprefix(mount)
+    return arg
+
+
+def proxy_container(command: list[str], proxy_dir: Path, upstream: str) -> subprocess.Popen[str]:
+    """The pod's proxy container as a local process: its command with the local interpreter, folder and upstream, on
+    an ephemeral port; returns once it listens (its port file, as the startup probe waits for it)."""
+    from mass_ops.compute import kubernetes as specs
+
+    args = [_local_arg(arg, Path(), Path(), proxy_dir) for arg in command[1:]]
+    args[args.index("--listen") + 1] = "0"
+    args[args.index("--upstream") + 1] = upstream
+    process = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=base_env(**{KEY_VAR: API_KEY}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready = Path(_local_arg(specs.PROXY_READY_FILE, Path(), Path(), proxy_dir))
+    deadline = time.monotonic() + 60
+    while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), process.communicate(timeout=5)[1] if process.poll() is not None else "no port file"
+    return process
 
 
 def test_a_collection_pod_records_the_episode_its_stage_then_reuses(
@@ -430,18 +463,26 @@ def test_a_collection_pod_records_the_episode_its_stage_then_reuses(
         # The search retained v0 of the task (it beat the reference): its teacher candidates are collected.
         ctx.repo.record_workflow_version(ctx.cycle_id, TASK, 0, design="v0")
         ctx.repo.record_retained_workflow(ctx.cycle_id, TASK, version=0, beats_reference=True, last_evaluated_version=0)
-        # What EpisodeStageOperator does in the Airflow worker, then the pod's two containers as two processes.
+        # What EpisodeStageOperator does in the Airflow worker, then the pod's three containers as processes: the
+        # proxy with the key, the sandbox with nothing, the publisher with the stores and the proxy's control.
         identity = specs.EpisodeSpec("collection", TASK, candidate=1)
         request = episode_request(ctx, identity)
         bound = identity.bound(request, publish_prompt(ctx, request))
-        sandbox, publisher = specs.episode_pod(ctx.config, specs.WorkloadSettings(), bound)["spec"]["containers"]
+        spec = specs.episode_pod(ctx.config, specs.WorkloadSettings(), bound)["spec"]
+        sandbox, publisher = spec["containers"]
         config_file = pod_config(ctx.config, tmp_path)
-        result = run_containers(
-            [*local_command(sandbox["command"], config_file, pod["handoff"]), "--scratch-dir", str(pod["scratch"])],
-            local_command(publisher["command"], config_file, pod["handoff"]),
-            base_env(MASS_RUNTIME_DIR=str(runtime), **{KEY_VAR: API_KEY}),
-            base_env(**store_env(ctx.config, None)),
-        )
+        proxy_dir = tmp_path / "proxy"
+        proxy = proxy_container(spec["initContainers"][0]["command"], proxy_dir, server.base_url)
+        try:
+            result = run_containers(
+                [*local_command(sandbox["command"], config_file, pod["handoff"]), "--scratch-dir", str(pod["scratch"])],
+                local_command(publisher["command"], config_file, pod["handoff"], proxy_dir),
+                base_env(MASS_RUNTIME_DIR=str(runtime)),
+                base_env(**store_env(ctx.config, None)),
+            )
+        finally:
+            os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(timeout=30)
         assert result["run"][0] == 0 and result["publish"][0] == 0, result
         [row] = ctx.repo.episodes(ctx.cycle_id)
         assert (row.kind, int(row.task_id), row.candidate, row.seed, row.condition, row.status) == (
@@ -756,6 +797,24 @@ def test_publish_needs_the_prompt_uri_and_its_hash_together(tmp_path: Path) -> N
     assert process.returncode == 2 and err.strip() == "episode publish: give --prompt-uri and --prompt-sha256 together"
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (["--proxy-control", "/p/control.sock"], "give --proxy-control and --proxy-sessions together"),
+        (["--endpoint", "http://vllm-l1:8000/v1"], "give --endpoint and --served-name together"),
+        (["--endpoint", "ftp://x/v1", "--served-name", "L1"], "--endpoint: episode server: 'ftp://x/v1' is not"),
+    ],
+)
+def test_publish_needs_the_proxy_s_socket_and_folder_and_a_server_s_name_together(
+    tmp_path: Path, given: list[str], message: str
+) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
+    args = ["publish", "--handoff", str(tmp_path), "--config", str(pod_config(ctx.config, tmp_path)), *given]
+    process = episode_process(args, base_env(**store_env(ctx.config, None)))
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
 def test_publish_refuses_a_handoff_folder_that_does_not_exist(tmp_path: Path) -> None:
     ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1")
     missing = tmp_path / "no-such-volume"
@@ -1033,3 +1092,354 @@ def test_the_cost_of_a_log_skips_a_line_nested_past_the_parser_s_stack(tmp_path:
     ]
     path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     assert hand.api_log_cost(path) == 0.75
+
+
+# --- containment (ISSUE #25.4-6): the agent against the pod's control plane, the publisher and the records --------
+
+
+def test_a_hostile_agent_in_a_pod_reaches_no_proxy_control_and_the_records_stay_the_proxy_s(
+    policy_host: PolicyHost, tmp_path: Path, hostile_install: QwenInstall
+) -> None:
+    """The agent, in the sandbox with the runner, tries every door to the proxy's control: the control routes on its
+    TCP listener (open a session elsewhere, close and discard the runner's, health), sessions through the hand-off
+    (its next attempt, a second one for this attempt, another unit), and it forges the runner's close answer and log
+    copy with fabricated records and no tokens. Every door is shut, and the row and the published log are the
+    proxy's own: four requests, the server's tokens."""
+    from tests.runtime.conftest import MODEL, hostile_prompt, request
+    from tests.runtime.pod import run_pod
+
+    handoff = tmp_path / "pod" / "handoff"
+    slug = EpisodeUnit("episode-test", TASK, "reference", 7).slug
+    attack = f"""
+        import json, pathlib, time
+        sessions = pathlib.Path({str(handoff)!r}) / "sessions"
+        root = base_url.rsplit("/v1", 1)[0]
+        auth = {{"Authorization": "Bearer " + token}}
+        chat = {{"model": {MODEL!r}, "messages": [{{"role": "user", "content": "hello"}}]}}
+        real = [http("POST", base_url + "/chat/completions", chat, auth)[0] for _ in range(4)]
+        control = {{}}
+        for name, method, path, body in [
+            ("open_elsewhere", "POST", "/_mass_proxy/sessions", {{"upstream": "http://attacker.example"}}),
+            ("close_and_discard", "POST", "/_mass_proxy/sessions/x/close", {{"discard": True}}),
+            ("health", "GET", "/_mass_proxy/health", None),
+        ]:
+            control[name] = [http(method, root + path, body, headers)[0] for headers in ({{}}, auth)]
+        asks = {{"next_attempt": "{slug}-a2-t1", "second_session": "{slug}-a1-t9"}}
+        asks["other_unit"] = "reference-t9-s1-a1-t1"
+        for name in asks.values():
+            (sessions / (name + ".open")).write_text('{{"upstream": "http://attacker.example"}}')
+        answers = {{}}
+        deadline = time.monotonic() + 60
+        for ask, name in asks.items():
+            answer = sessions / (name + ".session.json")
+            while not answer.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            answers[ask] = json.loads(answer.read_text())
+        usage = {{"prompt_tokens": 0, "completion_tokens": 0}}
+        fake = {{"seq": 99, "path": "/v1/chat/completions", "status": 200, "response": {{"usage": usage}}}}
+        (sessions / "{slug}-a1-t1.log").write_text(json.dumps(fake) + "\\n")
+        (sessions / "{slug}-a1-t1.closed.json").write_text(json.dumps({{"records": 1, "usage": {{"requests": 1}}}}))
+        report(real=real, control=control, answers=answers)
+    """
+    with policy_host.serve(require_key=API_KEY) as server:
+        ctx = open_episode_cycle(tmp_path / "cycle", f"{server.base_url}/v1")
+        pod = run_pod(
+            policy_host,
+            ctx,
+            [request(ctx, hostile_prompt(attack))],
+            install=hostile_install,
+            upstream=server.base_url,
+            tmp=tmp_path / "pod",
+        )
+        served = server.stats.chat_requests
+    assert pod.sandbox_error is None and pod.publisher == {"code": 0}, (pod.sandbox_error, pod.publisher)
+    assert [outcome.attempt for outcome in pod.outcomes] == [1]
+    unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", 7, attempt=1)
+    stream = ctx.artifacts.get_bytes(unit.artifact_key("stream")).decode()
+    [found] = hostile_findings(stream)
+    assert found["real"] == [200] * 4 and served == 4
+    assert found["control"] == {door: [404, 404] for door in ("open_elsewhere", "close_and_discard", "health")}
+    for ask, why in (
+        ("next_attempt", "attempt 2 is not the next attempt"),
+        ("second_session", "attempt 1 of " + slug + " already has its session"),
+        ("other_unit", "is not a unit this pod announced"),
+    ):
+        answer = found["answers"][ask]
+        assert answer["token"] is None and why in answer["error"], (ask, answer)
+    # One session was opened for the attempt (the preflight's was discarded), and its log is what was published.
+    [session_log] = pod.session_logs
+    proxy_records = [json.loads(line) for line in session_log.read_text().splitlines()]
+    published = gzip.decompress(ctx.artifacts.get_bytes(unit.artifact_key("api_log"))).decode()
+    assert published == session_log.read_text() and len(proxy_records) == 4
+    truth = UsageTotals.from_records(proxy_records)
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    assert (row.requests, row.prompt_tokens, row.completion_tokens) == (4, truth.prompt_tokens, truth.completion_tokens)
+    assert truth.prompt_tokens > 0 and truth.completion_tokens > 0
+    status = json.loads(ctx.artifacts.get_bytes(unit.artifact_key("status")))
+    assert status["usage"] == truth.as_dict() and status["hiw"]["api_requests"] == 4
+
+
+def _session_ask(handoff: hand.Handoff, name: str, ask: str, answer: str, model: type[Any]) -> Any:
+    """Ask the publisher in sessions/ as a runner would, and wait for its answer."""
+    folder = handoff.path(hand.SESSIONS_DIR)
+    handoff.write_bytes(folder / f"{name}.{ask}", b"")
+    deadline = time.monotonic() + 60
+    while not (folder / answer).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return handoff.read(folder / answer, model)
+
+
+def test_a_pod_s_row_and_published_log_are_the_proxy_s_whatever_the_sandbox_hands_over(
+    policy_host: PolicyHost, tmp_path: Path
+) -> None:
+    """ISSUE #25.6: a sandbox that used its session for three requests, then handed over a record of none and a log
+    of fabricated records (the agent shares its container): the row's counts, the status document's usage and the
+    published log are what the proxy counted and wrote."""
+    from mass_ops.runtime.session_proxy import SessionProxy
+    from tests.runtime.conftest import MODEL
+    from tests.runtime.hostile_agent import http
+
+    proxy_dir = tmp_path / "proxy"
+    with policy_host.serve(require_key=API_KEY) as server:
+        proxy = SessionProxy(
+            proxy_dir / "sessions",
+            control_socket=proxy_dir / "control.sock",
+            upstreams=[server.base_url],
+            upstream_api_key=API_KEY,
+        )
+        policy_host.loop.run(proxy.start())
+        try:
+            ctx = open_episode_cycle(tmp_path / "cycle", f"{server.base_url}/v1")
+            pod_proxy = hand.PodProxy(proxy_dir / "control.sock", proxy_dir / "sessions")
+            publisher = hand.HandoffPublisher(
+                ctx.config, tmp_path / "handoff", attach=lambda _config: ctx, proxy=pod_proxy
+            )
+            thread, result = serve_in_thread(publisher)
+            sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+            assert sandbox.announce().proxy_sessions
+            slug = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED).slug
+            grant = _session_ask(
+                sandbox.handoff, f"{slug}-a1-t1", "open", f"{slug}-a1-t1.session.json", hand.SessionGrant
+            )
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+            auth = {"Authorization": f"Bearer {grant.token}"}
+            statuses = [http("POST", f"{grant.proxy_url}/v1/chat/completions", chat, auth)[0] for _ in range(3)]
+            folder = sandbox.attempt(1, finished=False)
+            fake = {
+                "seq": 1,
+                "path": "/v1/chat/completions",
+                "status": 200,
+                "response": {"usage": {"prompt_tokens": 1}},
+            }
+            (folder / EPISODE_FILES["api_log"]).write_bytes(gzip.compress((json.dumps(fake) + "\n").encode()))
+            finished_publication(folder, 1)  # a record of one request, one prompt and one completion token
+            os.rename(folder, sandbox.handoff.attempt_dir(slug, 1))
+            sandbox.complete()
+            thread.join(timeout=60)
+        finally:
+            policy_host.loop.run(proxy.stop())
+    assert result == {"code": 0} and statuses == [200] * 3
+    [session_log] = [p for p in (proxy_dir / "sessions").glob("*.jsonl") if p.name != "rejected.jsonl"]
+    truth = UsageTotals.from_records(json.loads(line) for line in session_log.read_text().splitlines())
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    counts = (row.requests, row.prompt_tokens, row.completion_tokens, row.max_prompt_tokens)
+    assert counts == (3, truth.prompt_tokens, truth.completion_tokens, truth.max_prompt_tokens)
+    assert truth.requests == 3 and truth.completion_tokens > 1
+    unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED, attempt=1)
+    assert gzip.decompress(ctx.artifacts.get_bytes(unit.artifact_key("api_log"))) == session_log.read_bytes()
+    assert json.loads(ctx.artifacts.get_bytes(unit.artifact_key("status")))["usage"] == truth.as_dict()
+    # Charged once, by its row (the session's own charge is only for an attempt that has none).
+    from mass_ops.store.budgets import task_scope
+
+    [spend] = ctx.repo.budget_spend(ctx.cycle_id, [task_scope(TASK)]).values()
+    assert (spend.tokens, spend.requests) == (truth.prompt_tokens + truth.completion_tokens, 3)
+
+
+def _handed_over(sandbox: ScriptedSandbox, contents: dict[str, bytes]) -> Path:
+    """Attempt 1 handed over whole (built under its temporary name, then renamed), each file with `contents`."""
+    folder = sandbox.attempt(1, finished=False)
+    for name, data in contents.items():
+        (folder / EPISODE_FILES[name]).write_bytes(data)
+    finished_publication(folder, 1)
+    final = sandbox.handoff.attempt_dir(EpisodeUnit(sandbox.config.cycle_name, TASK, "reference", SEED).slug, 1)
+    os.rename(folder, final)
+    return final
+
+
+@pytest.mark.parametrize("swap", ["symlink to /proc/self/environ", "hard link to a file outside"])
+def test_a_file_swapped_after_the_publisher_s_check_publishes_the_bytes_it_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str
+) -> None:
+    """ISSUE #25.5: the agent swaps attempt files for a link the moment the publisher has checked them (the publish
+    step is where the old publisher re-opened them by name): the store gets the files that were checked."""
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    outside = tmp_path / "publisher-secret.txt"
+    outside.write_text("AWS_SECRET_ACCESS_KEY=wJalr-outside-71")
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    contents = {"workspace": b"the agent's workspace", "stream": b'{"type": "result"}\n'}
+    real_publish = hand.publish_episode
+
+    def swapped_then_published(*args: Any, **kwargs: Any) -> Any:
+        for name in contents:
+            path = folder / EPISODE_FILES[name]
+            path.unlink()
+            if swap.startswith("symlink"):
+                path.symlink_to("/proc/self/environ")
+            else:
+                os.link(outside, path)
+        return real_publish(*args, **kwargs)
+
+    monkeypatch.setattr(hand, "publish_episode", swapped_then_published)
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    folder = _handed_over(sandbox, contents)
+    sandbox.complete()
+    thread.join(timeout=60)
+    assert result == {"code": 0}, result
+    unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED, attempt=1)
+    for name, data in contents.items():
+        assert ctx.artifacts.get_bytes(unit.artifact_key(name)) == data
+
+
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_an_attempt_file_linked_to_a_file_outside_is_refused_and_nothing_is_published(
+    tmp_path: Path, link: str
+) -> None:
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    outside = tmp_path / "publisher-secret.txt"
+    outside.write_text("AWS_SECRET_ACCESS_KEY=wJalr-outside-71")
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    folder = sandbox.attempt(1, finished=False)
+    target = folder / EPISODE_FILES["stream"]
+    target.unlink()
+    if link == "symlink":
+        target.symlink_to(outside)
+    else:
+        os.link(outside, target)
+    finished_publication(folder, 1)
+    os.rename(folder, sandbox.handoff.attempt_dir(EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED).slug, 1))
+    sandbox.complete()
+    thread.join(timeout=60)
+    error = result.get("error")
+    assert isinstance(error, hand.IncompleteHandoffError), result
+    assert "stream.jsonl is missing or not a regular file of its own" in str(error)
+    assert ctx.repo.episodes(ctx.cycle_id) == [] and ctx.artifacts.list("cycles/") == []
+
+
+def test_the_publisher_writes_through_no_link_the_sandbox_planted(tmp_path: Path) -> None:
+    """The sandbox plants a link at the temporary name of the ack the publisher will write (and the sessions/ folder
+    as a link): the publisher's writes land in the hand-off folder and nowhere else."""
+    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
+    outside = tmp_path / "publisher-file.txt"
+    outside.write_text("the publisher's own")
+    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx)
+    thread, result = serve_in_thread(publisher)
+    sandbox.announce()
+    slug = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED).slug
+    (tmp_path / "handoff" / "acks").mkdir()
+    (tmp_path / "handoff" / "acks" / f".{slug}-a1.json.partial").symlink_to(outside)
+    _handed_over(sandbox, {})
+    sandbox.complete()
+    thread.join(timeout=60)
+    assert result == {"code": 0}, result
+    assert outside.read_text() == "the publisher's own"
+    assert sandbox.handoff.read(sandbox.handoff.ack_path(slug, 1), hand.Ack).episode_id is not None
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "handoff" / "sessions").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(hand.IncompleteHandoffError, match="sessions/ is a link or not a folder"):
+        sandbox.handoff.write_bytes(sandbox.handoff.path("sessions") / "x.json", b"{}")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_the_publisher_checks_the_endpoint_before_it_opens_a_session_and_opens_none_when_it_fails(
+    policy_host: PolicyHost, tmp_path: Path
+) -> None:
+    """The preflight is the publisher's: an endpoint that does not answer is a transient refusal (the runner waits
+    and asks again), and no session is left for the attempt, whose next ask can still have one."""
+    from mass_ops.runtime.session_proxy import SessionProxy
+
+    proxy_dir = tmp_path / "proxy"
+    proxy = SessionProxy(
+        proxy_dir / "sessions",
+        control_socket=proxy_dir / "control.sock",
+        upstreams=["http://127.0.0.1:9"],
+        upstream_api_key=API_KEY,
+    )
+    policy_host.loop.run(proxy.start())
+    try:
+        ctx = open_episode_cycle(tmp_path / "cycle", "http://127.0.0.1:9/v1")
+        pod_proxy = hand.PodProxy(proxy_dir / "control.sock", proxy_dir / "sessions")
+        publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: ctx, proxy=pod_proxy)
+        thread, result = serve_in_thread(publisher)
+        sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+        sandbox.announce()
+        slug = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED).slug
+        grants = [
+            _session_ask(sandbox.handoff, f"{slug}-a1-t{n}", "open", f"{slug}-a1-t{n}.session.json", hand.SessionGrant)
+            for n in (1, 2)
+        ]
+        sandbox.complete()
+        thread.join(timeout=60)
+    finally:
+        policy_host.loop.run(proxy.stop())
+    assert result == {"code": 0}
+    for grant in grants:
+        assert grant.token is None and grant.transient, grant
+        # through the pod's proxy, which answers 502 for an upstream that does not
+        assert grant.error and grant.error.startswith("episode preflight: GET http://127.0.0.1:"), grant.error
+        assert grant.error.endswith("/v1/models answered HTTP 502")
+    assert [path.name for path in (proxy_dir / "sessions").iterdir()] == ["rejected.jsonl"]
+
+
+def test_a_session_whose_attempt_is_never_handed_over_is_charged_to_the_budgets_all_the_same(
+    policy_host: PolicyHost, tmp_path: Path
+) -> None:
+    """The agent spends through its session, then stops its runner before the hand-over (no attempt, no row): the
+    publisher charges what the proxy counted to the task and the cycle, once."""
+    from mass_ops.runtime.session_proxy import SessionProxy
+    from mass_ops.store.budgets import CYCLE_SCOPE, task_scope
+    from tests.runtime.conftest import MODEL
+    from tests.runtime.hostile_agent import http
+
+    proxy_dir = tmp_path / "proxy"
+    with policy_host.serve(require_key=API_KEY) as server:
+        proxy = SessionProxy(
+            proxy_dir / "sessions",
+            control_socket=proxy_dir / "control.sock",
+            upstreams=[server.base_url],
+            upstream_api_key=API_KEY,
+        )
+        policy_host.loop.run(proxy.start())
+        try:
+            ctx = open_episode_cycle(tmp_path / "cycle", f"{server.base_url}/v1")
+            pod_proxy = hand.PodProxy(proxy_dir / "control.sock", proxy_dir / "sessions")
+            publisher = hand.HandoffPublisher(
+                ctx.config, tmp_path / "handoff", attach=lambda _config: ctx, proxy=pod_proxy
+            )
+            thread, result = serve_in_thread(publisher)
+            sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
+            sandbox.announce()
+            slug = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED).slug
+            grant = _session_ask(
+                sandbox.handoff, f"{slug}-a1-t1", "open", f"{slug}-a1-t1.session.json", hand.SessionGrant
+            )
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+            auth = {"Authorization": f"Bearer {grant.token}"}
+            for _ in range(2):
+                assert http("POST", f"{grant.proxy_url}/v1/chat/completions", chat, auth)[0] == 200
+            sandbox.complete(code=137)  # the runner was killed: nothing handed over
+            thread.join(timeout=60)
+        finally:
+            policy_host.loop.run(proxy.stop())
+    assert result == {"code": 0} and ctx.repo.episodes(ctx.cycle_id) == []
+    [session_log] = [p for p in (proxy_dir / "sessions").glob("*.jsonl") if p.name != "rejected.jsonl"]
+    truth = UsageTotals.from_records(json.loads(line) for line in session_log.read_text().splitlines())
+    spend = ctx.repo.budget_spend(ctx.cycle_id, [task_scope(TASK), CYCLE_SCOPE])
+    assert truth.requests == 2 and truth.prompt_tokens + truth.completion_tokens > 0
+    for scope in (task_scope(TASK), CYCLE_SCOPE):
+        assert (spend[scope].tokens, spend[scope].requests) == (truth.prompt_tokens + truth.completion_tokens, 2)

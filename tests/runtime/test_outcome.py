@@ -243,3 +243,20 @@ def test_status_record_has_every_reference_field_and_the_additions() -> None:
     assert record["durations"] == {"agent_s": 88.123, "total_s": 90.0}
     assert record["attempt"] == 2 and record["unit"] == "c/reference-t51-s450051/a2"
     json.dumps(record)  # a JSON document
+
+
+def test_what_the_proxy_refused_on_purpose_is_not_an_api_failure() -> None:
+    """A route, body or token the proxy refused is the agent's doing: it must not make the attempt an infrastructure
+    failure (the agent could otherwise force retries), while a server's own 4xx/5xx still does."""
+    refused = [
+        {"seq": seq, "path": path, "status": status, "rejected": reason, "response": {"error": {"message": "no"}}}
+        for seq, path, status, reason in (
+            (1, "/admin", 403, "route_not_allowed"),
+            (2, "/v1/chat/completions", 413, "body_too_large"),
+            (3, "http://evil/", 400, "bad_request_target"),
+            (4, "/v1/chat/completions", 401, "wrong_token"),
+        )
+    ]
+    server_error = {"seq": 5, "path": "/v1/chat/completions", "status": 500, "response": {"error": {"message": "x"}}}
+    assert proxy_failures(refused) == []
+    assert [failure["seq"] for failure in proxy_failures([*refused, server_error])] == [5]

@@ -266,7 +266,8 @@ def test_cancel_stops_agents_and_records_nothing(
             started.set()
 
     with policy_host.serve() as server:
-        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        # The test signals the agent's pids from the host: a plain process (host pids, not a sandbox's).
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", sandbox="none", allow_unsandboxed_agent=True)
         scratch = tmp_path / "scratch"
         pool = EpisodePool(
             ctx,
@@ -302,7 +303,8 @@ def test_cli_signal_stops_agents_and_records_nothing(
     policy_host: PolicyHost, tmp_path: Path, sig: signal.Signals, code: int
 ) -> None:
     with policy_host.serve() as server:
-        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        # The test signals the agent's pids from the host: a plain process (host pids, not a sandbox's).
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", sandbox="none", allow_unsandboxed_agent=True)
         prompt = tmp_path / "prompt.txt"
         prompt.write_text("@agent requests=1 sleep=60")
         scratch = tmp_path / "scratch"

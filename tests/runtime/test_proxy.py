@@ -22,7 +22,13 @@ import pytest
 from aiohttp import web
 
 from mass_ops.runtime import proxy as proxy_module
-from mass_ops.runtime.proxy import EpisodeBudget, LoggingProxy, close_proxy_session, open_proxy_session
+from mass_ops.runtime.proxy import (
+    CHAT_ROUTE,
+    EpisodeBudget,
+    GenerationRequestError,
+    LoggingProxy,
+    prepare_generation,
+)
 from tests.policy_server import Fault, FaultRule, PolicyServer, PolicyServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +42,8 @@ def _records(log: Path) -> list[dict[str, Any]]:
 
 
 class EchoUpstream:
-    """An upstream that reports what it received, redirects, streams behind a gate, and counts hits per path."""
+    """An upstream that reports what it received, redirects, streams behind a gate, and counts hits per path (on
+    routes the proxy lets through: generation routes echo, `GET /v1/models/<name>` does the rest)."""
 
     def __init__(self) -> None:
         self.hits: dict[str, int] = {}
@@ -45,12 +52,12 @@ class EchoUpstream:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
-        app.router.add_route("*", "/echo", self._echo)
+        app.router.add_route("*", "/v1/completions", self._echo)
         app.router.add_post("/v1/chat/completions", self._echo)
-        app.router.add_get("/redirect", self._redirect)
+        app.router.add_get("/v1/models/redirect", self._redirect)
         app.router.add_get("/elsewhere", self._echo)
-        app.router.add_get("/gated-stream", self._gated_stream)
-        app.router.add_get("/plain", self._plain)
+        app.router.add_get("/v1/models/gated-stream", self._gated_stream)
+        app.router.add_get("/v1/models/plain", self._plain)
         return app
 
     def _count(self, request: web.Request) -> None:
@@ -121,7 +128,7 @@ def test_forwards_request_with_identity_encoding_and_logs_json(tmp_path: Path) -
     async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         async with client.post(
-            f"{proxy.url}/echo?a=1&b=x%20y",
+            f"{proxy.url}/v1/completions?a=1&b=x%20y",
             json=body,
             headers={
                 "Authorization": f"Bearer {SECRET}",
@@ -137,7 +144,7 @@ def test_forwards_request_with_identity_encoding_and_logs_json(tmp_path: Path) -
 
     _with_echo(test, log)
     headers = seen["headers"]
-    assert seen["method"] == "POST" and seen["path_qs"] == "/echo?a=1&b=x%20y"
+    assert seen["method"] == "POST" and seen["path_qs"] == "/v1/completions?a=1&b=x%20y"
     assert headers["accept-encoding"] == "identity"
     assert headers["authorization"] == f"Bearer {SECRET}"  # forwarded upstream...
     assert headers["x-custom"] == "kept"
@@ -147,31 +154,37 @@ def test_forwards_request_with_identity_encoding_and_logs_json(tmp_path: Path) -
 
     (record,) = _records(log)
     assert SECRET not in log.read_text(encoding="utf-8")  # ...but never logged, nor any other header value
-    assert record["method"] == "POST" and record["path"] == "/echo" and record["seq"] == 1
+    assert record["method"] == "POST" and record["path"] == "/v1/completions" and record["seq"] == 1
     assert record["request"] == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert record["request_bytes"] == seen["body_bytes"]
     assert record["status"] == 200 and record["stream"] is False
-    assert record["response"]["path_qs"] == "/echo?a=1&b=x%20y"
+    assert record["response"]["path_qs"] == "/v1/completions?a=1&b=x%20y"
     assert record["response_headers"] == {"content-type": "application/json; charset=utf-8", "x-request-id": "req-42"}
     assert record["response_bytes"] > 0 and record["duration_s"] >= 0
     assert record["ts_start_iso"].startswith(time.strftime("%Y", time.gmtime(record["ts_start"])))
     assert "proxy_error" not in record and "client_disconnected" not in record
 
 
-def test_non_json_bodies_are_logged_raw_and_large_bodies_pass(tmp_path: Path) -> None:
+def test_non_json_generation_bodies_are_refused_and_logged_raw_and_large_json_bodies_pass(tmp_path: Path) -> None:
     log = tmp_path / "api.jsonl"
-    large = b"x" * (12 * 1024**2)
+    raw = b"x" * 1000
+    large = {"model": "m", "prompt": "y" * (12 * 1024**2)}  # parsed by a body parser process, not on the loop
 
     async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
-        async with client.put(f"{proxy.url}/echo", data=io.BytesIO(large)) as response:
-            assert (await response.json())["body_bytes"] == len(large)
-        async with client.get(f"{proxy.url}/plain") as response:
+        async with client.post(f"{proxy.url}/v1/completions", data=raw) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["code"] == "bad_generation_request"
+        async with client.post(f"{proxy.url}/v1/completions", data=io.BytesIO(json.dumps(large).encode())) as r:
+            assert (await r.json())["body_bytes"] == len(json.dumps(large, separators=(",", ":")))
+        async with client.get(f"{proxy.url}/v1/models/plain") as response:
             assert await response.text() == "not json at all"
+        assert upstream.hits == {"/v1/completions": 1}  # the refused body never reached it
 
     _with_echo(test, log)
-    put, plain = _records(log)
-    assert put["request_bytes"] == len(large) and put["request_raw"] == large.decode()
-    assert "request" not in put
+    refused, passed, plain = _records(log)
+    assert refused["request_bytes"] == len(raw) and refused["request_raw"] == raw.decode()
+    assert refused["rejected"] == "bad_generation_request" and "request" not in refused
+    assert passed["request"] == large and passed["status"] == 200
     assert plain["request"] is None and plain["response_raw"] == "not json at all" and "response" not in plain
 
 
@@ -179,10 +192,10 @@ def test_redirects_are_relayed_not_followed(tmp_path: Path) -> None:
     log = tmp_path / "api.jsonl"
 
     async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
-        async with client.get(f"{proxy.url}/redirect", allow_redirects=False) as response:
+        async with client.get(f"{proxy.url}/v1/models/redirect", allow_redirects=False) as response:
             assert response.status == 302
             assert response.headers["Location"] == "/elsewhere"
-        assert upstream.hits == {"/redirect": 1}
+        assert upstream.hits == {"/v1/models/redirect": 1}
 
     _with_echo(test, log)
     assert [r["status"] for r in _records(log)] == [302]
@@ -192,7 +205,7 @@ def test_sse_is_relayed_incrementally(tmp_path: Path) -> None:
     log = tmp_path / "api.jsonl"
 
     async def test(upstream: EchoUpstream, proxy: LoggingProxy, client: aiohttp.ClientSession) -> None:
-        async with client.get(f"{proxy.url}/gated-stream") as response:
+        async with client.get(f"{proxy.url}/v1/models/gated-stream") as response:
             # The upstream holds the rest of the stream until the gate opens; a buffering proxy would deadlock here.
             first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
             assert b'"first"' in first
@@ -406,14 +419,14 @@ def test_only_the_episode_token_passes_and_the_proxy_adds_the_key(tmp_path: Path
                 ("the key itself", {"Authorization": f"Bearer {SECRET}"}),
                 ("not bearer", {"Authorization": f"Basic {TOKEN}"}),
             ):
-                async with client.post(f"{proxy.url}/echo", json={"probe": name}, headers=headers) as response:
-                    answers[name] = (response.status, await response.json())
+                async with client.post(f"{proxy.url}/v1/completions", json={"probe": name}, headers=headers) as r:
+                    answers[name] = (r.status, await r.json())
             assert upstream.hits == {}  # nothing refused reached the upstream
             headers = {"Authorization": f"Bearer {TOKEN}", "X-Api-Key": "agent-side"}
-            async with client.post(f"{proxy.url}/echo", json={"probe": "ok"}, headers=headers) as response:
+            async with client.post(f"{proxy.url}/v1/completions", json={"probe": "ok"}, headers=headers) as response:
                 answers["ok"] = (response.status, await response.json())
             answers["seen"] = dict(upstream.seen_headers)
-            assert upstream.hits == {"/echo": 1}
+            assert upstream.hits == {"/v1/completions": 1}
 
     asyncio.run(scenario())
     for name in ("none", "wrong", "the key itself", "not bearer"):
@@ -447,12 +460,12 @@ def test_an_upstream_that_echoes_the_key_is_logged_redacted(tmp_path: Path) -> N
 
     async def scenario() -> None:
         app = web.Application()
-        app.router.add_get("/v1/whoami", echo_key)
+        app.router.add_get("/v1/models/whoami", echo_key)
         async with (
             _serve(app) as upstream_url,
             LoggingProxy(upstream_url, log, agent_token=TOKEN, upstream_api_key=SECRET) as proxy,
             aiohttp.ClientSession() as client,
-            client.get(f"{proxy.url}/v1/whoami", headers={"Authorization": f"Bearer {TOKEN}"}) as response,
+            client.get(f"{proxy.url}/v1/models/whoami", headers={"Authorization": f"Bearer {TOKEN}"}) as response,
         ):
             assert response.status == 200
 
@@ -466,120 +479,6 @@ def test_a_key_without_a_token_is_refused() -> None:
 
     with pytest.raises(ProxyConfigError, match="needs an agent token"):
         LoggingProxy("http://127.0.0.1:1", "/nonexistent/log", upstream_api_key=SECRET)
-
-
-def test_session_proxy_gives_each_attempt_a_token_and_a_log_and_sends_the_key_nowhere_else(tmp_path: Path) -> None:
-    from mass_ops.runtime.proxy import (
-        SessionProxy,
-        close_proxy_session,
-        copy_session_log,
-        open_proxy_session,
-    )
-
-    sessions = tmp_path / "sessions"
-    seen: dict[str, Any] = {}
-
-    async def scenario() -> None:
-        upstream = EchoUpstream()
-        async with _serve(upstream.app()) as upstream_url:
-            proxy = SessionProxy(
-                sessions, upstreams=[upstream_url], upstream_api_key=SECRET, allowed_host_suffixes=[".ns.svc"]
-            )
-            async with proxy, aiohttp.ClientSession() as client:
-                first = await open_proxy_session(proxy.url, sessions)
-                second = await open_proxy_session(proxy.url, sessions, upstream=upstream_url + "/")
-                assert first.token != second.token and first.log_path != second.log_path
-                for session, probe in ((first, "a"), (second, "b"), (second, "c")):
-                    headers = {"Authorization": f"Bearer {session.token}"}
-                    async with client.post(f"{proxy.url}/echo", json={"probe": probe}, headers=headers) as r:
-                        assert r.status == 200
-                    assert upstream.seen_headers["authorization"] == f"Bearer {SECRET}"
-                seen["counts"] = [await close_proxy_session(s) for s in (first, second)]
-                # A closed session's token is dead; the key never goes to a host outside the allow-list.
-                async with client.post(
-                    f"{proxy.url}/echo", json={}, headers={"Authorization": f"Bearer {first.token}"}
-                ) as r:
-                    seen["after_close"] = r.status
-                for foreign in ("http://attacker.example", "http://evil-ns.svc", "ftp://x.ns.svc"):
-                    with pytest.raises(ProxySessionError, match="HTTP 403"):
-                        await open_proxy_session(proxy.url, sessions, upstream=foreign)
-                allowed = await open_proxy_session(proxy.url, sessions, upstream="http://vllm-l1.ns.svc:8000")
-                await close_proxy_session(allowed, discard=True)
-                assert not allowed.log_path.exists()
-                for session, name in ((first, "first"), (second, "second")):
-                    copy_session_log(session, tmp_path / f"{name}.jsonl")
-            seen["hits"] = dict(upstream.hits)
-
-    from mass_ops.runtime.proxy import ProxySessionError
-
-    asyncio.run(scenario())
-    assert seen["counts"] == [1, 2] and seen["after_close"] == 401 and seen["hits"] == {"/echo": 3}
-    assert [r["request"]["probe"] for r in _records(tmp_path / "first.jsonl")] == ["a"]
-    assert [r["request"]["probe"] for r in _records(tmp_path / "second.jsonl")] == ["b", "c"]
-    [refused] = _records(sessions / "rejected.jsonl")
-    assert refused["status"] == 401 and refused["rejected"] == "wrong_token"
-    for path in sessions.iterdir():
-        assert SECRET not in path.read_text()
-
-
-def test_session_proxy_command_line_reads_the_key_from_its_own_environment(tmp_path: Path) -> None:
-    sessions, port_file = tmp_path / "sessions", tmp_path / "proxy.port"
-    argv = [sys.executable, "-m", "mass_ops.runtime.proxy", "--listen", "0", "--sessions-dir", str(sessions)]
-
-    # Missing --key-env, or a key with whitespace: one line, exit 2, nothing served.
-    bad = subprocess.run([*argv, "--upstream", "http://127.0.0.1:9"], capture_output=True, text=True, cwd=REPO_ROOT)
-    assert bad.returncode == 2 and "--sessions-dir needs --key-env" in bad.stderr
-    spaced = subprocess.run(
-        [*argv, "--upstream", "http://127.0.0.1:9", "--key-env", "K"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env={**os.environ, "K": "sk-a b"},
-    )
-    assert spaced.returncode == 2 and spaced.stderr.strip().count("\n") == 0 and "sk-a" not in spaced.stderr
-
-    async def scenario() -> None:
-        async with PolicyServer(PolicyServerConfig(models=("tiny",))) as server:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                "--upstream",
-                server.base_url,
-                "--key-env",
-                "MASS_PROXY_TEST_KEY",
-                "--port-file",
-                str(port_file),
-                "--request-priority",  # as the episode pod's proxy container gets it (compute.kubernetes)
-                "7",
-                cwd=REPO_ROOT,
-                env={**os.environ, "MASS_PROXY_TEST_KEY": SECRET},
-                stdout=subprocess.DEVNULL,
-            )
-            try:
-                for _ in range(200):
-                    if port_file.exists():
-                        break
-                    await asyncio.sleep(0.05)
-                url = f"http://127.0.0.1:{int(port_file.read_text())}"
-                async with aiohttp.ClientSession() as client:
-                    async with client.get(f"{url}/v1/models") as r:
-                        assert r.status == 401
-                    async with client.get(f"{url}/_mass_proxy/health") as r:
-                        assert r.status == 200
-                    session = await open_proxy_session(url, sessions)
-                    chat = {"model": "tiny", "priority": -1, "messages": [{"role": "user", "content": "Do the task."}]}
-                    headers = {"Authorization": f"Bearer {session.token}"}
-                    async with client.post(f"{url}/v1/chat/completions", json=chat, headers=headers) as r:
-                        assert r.status == 200
-                    await close_proxy_session(session)
-                received.extend(request.get("priority") for request in server.requests)
-            finally:
-                process.send_signal(signal.SIGTERM)
-                assert await asyncio.wait_for(process.wait(), timeout=10) == 0
-
-    received: list[Any] = []
-    asyncio.run(scenario())
-    assert _records(sessions / "rejected.jsonl")[0]["rejected"] == "missing_token"
-    assert received == [7], "the command line's priority replaced the agent's"
 
 
 # --- records off the event loop: order, the record writer process, its failure ------------------------------------
@@ -645,7 +544,7 @@ def test_records_are_written_in_the_order_their_exchanges_ended(tmp_path: Path) 
 
     async def scenario(url: str, client: aiohttp.ClientSession) -> None:
         # A ~2 MB stream's record takes far longer to build than the small request's that ends right after it.
-        async with client.post(f"{url}/v1/chat/completions", params={"events": "20000"}) as response:
+        async with client.post(f"{url}/v1/chat/completions", params={"events": "20000"}, json={}) as response:
             raw = await response.read()
         assert raw.endswith(b"data: [DONE]\n\n") and len(raw) > 1 << 20
         async with client.get(f"{url}/v1/models") as response:
@@ -657,6 +556,9 @@ def test_records_are_written_in_the_order_their_exchanges_ended(tmp_path: Path) 
     assert records[0]["response"]["done"] is True and records[0]["response"]["n_chunks"] == 20001
 
 
+BIG_PROMPT = {"messages": [{"role": "user", "content": "x" * 1000}]}
+
+
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("ts_start", "ts_start_iso", "duration_s")}
 
@@ -665,7 +567,7 @@ def test_the_record_writer_process_writes_the_record_a_thread_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario(url: str, client: aiohttp.ClientSession) -> None:
-        async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}, data=b"x" * 1000) as response:
+        async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}, json=BIG_PROMPT) as response:
             await response.read()
 
     started = []
@@ -687,7 +589,7 @@ def test_the_record_writer_process_writes_the_record_a_thread_would(
     (by_thread,) = _file_order(tmp_path / "thread.jsonl")
     assert _comparable(by_writer) == _comparable(by_thread)
     assert len(by_writer["sse_raw"]) == by_writer["response_bytes"] > threshold
-    assert by_writer["request_raw"] == "x" * 1000
+    assert by_writer["request"] == BIG_PROMPT
     for started_writer in started:
         started_writer.close()
 
@@ -702,7 +604,7 @@ def test_a_dead_record_writer_loses_no_record_and_is_replaced(tmp_path: Path, mo
 
     async def scenario(url: str, client: aiohttp.ClientSession) -> None:
         for _ in range(2):
-            async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}) as response:
+            async with client.post(f"{url}/v1/chat/completions", params={"events": "4000"}, json={}) as response:
                 await response.read()
 
     _big_stream_records(log, scenario)
@@ -724,7 +626,8 @@ def test_a_client_gone_mid_stream_still_gets_a_whole_record_from_the_writer(tmp_
             LoggingProxy(upstream_url, log) as proxy,
             aiohttp.ClientSession() as client,
         ):
-            response = await client.post(f"{proxy.url}/v1/chat/completions", params={"events": "4000", "hold": "1"})
+            params = {"events": "4000", "hold": "1"}
+            response = await client.post(f"{proxy.url}/v1/chat/completions", params=params, json={})
             received = 0
             while received <= proxy_module.RECORD_PROCESS_BYTES:
                 received += len(await response.content.readany())
@@ -756,14 +659,14 @@ def test_a_record_from_the_writer_settles_the_budget_with_its_usage(tmp_path: Pa
 def test_the_proxy_process_runs_on_uvloop_where_it_is_installed() -> None:
     """The proxy's command line serves on uvloop (a dependency on Linux): its relay spends less CPU per byte there."""
     pytest.importorskip("uvloop", reason="uvloop is a dependency on Linux; this platform has none")
-    from mass_ops.runtime.proxy import _run
+    from mass_ops.runtime.proxy import run_proxy_main
 
     loops: list[str] = []
 
     async def main() -> None:
         loops.append(type(asyncio.get_running_loop()).__module__)
 
-    _run(main())
+    run_proxy_main(main())
     assert loops and loops[0].startswith("uvloop")
 
 
@@ -777,12 +680,12 @@ def test_the_proxy_process_runs_on_uvloop_where_it_is_installed() -> None:
         b"{}",
         b"{ \n}",
         b' \n{ "model" : "m" }\n',
-        # "priority" only inside a string: escaped quotes, so the body needs no parse and the text is kept as it is
+        # "priority" only inside a string
         json.dumps({"messages": [{"role": "user", "content": 'set "priority" to high'}]}).encode(),
     ],
 )
 def test_a_priority_is_added_to_a_json_object_body_and_nothing_else_changes(body: bytes) -> None:
-    stamped = proxy_module.with_priority(body, 7)
+    stamped = prepare_generation(CHAT_ROUTE, body, default_max_tokens=None, priority=7).body
     document = json.loads(stamped)
     assert document.pop("priority") == 7
     assert document == json.loads(body)
@@ -796,13 +699,14 @@ def test_the_agent_s_own_priority_is_replaced_and_nested_keys_are_kept() -> None
         "tools": [{"function": {"parameters": {"properties": {"priority": {"type": "string"}}}}}],
         "messages": [{"role": "user", "content": "ünïcode stays"}],
     }
-    stamped = json.loads(proxy_module.with_priority(json.dumps(body).encode(), 7))
-    assert stamped == {**body, "priority": 7}
+    stamped = prepare_generation(CHAT_ROUTE, json.dumps(body).encode(), default_max_tokens=None, priority=7).body
+    assert json.loads(stamped) == {**body, "priority": 7}
 
 
 @pytest.mark.parametrize("body", [b"", b"[1, 2]", b'{"model": ', b"not json", b'"text"', b'{"a": 1} trailing'])
-def test_a_body_that_is_no_json_object_is_forwarded_as_it_is(body: bytes) -> None:
-    assert proxy_module.with_priority(body, 7) == body
+def test_a_generation_body_that_is_no_json_object_is_refused(body: bytes) -> None:
+    with pytest.raises(GenerationRequestError, match=r"not JSON|not a JSON object"):
+        prepare_generation(CHAT_ROUTE, body, default_max_tokens=None, priority=7)
 
 
 def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Path) -> None:
@@ -825,7 +729,7 @@ def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Pat
             seen["received"] = [request.get("priority") for request in server.requests]
             async with (
                 LoggingProxy(echo_url, tmp_path / "echo.jsonl", request_priority=4) as proxy,
-                client.post(f"{proxy.url}/echo", json={"priority": -5}) as response,
+                client.post(f"{proxy.url}/v1/completions", json={"priority": -5}) as response,
             ):
                 seen["echoed"] = (await response.json())["body_head"]
 
@@ -835,40 +739,13 @@ def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Pat
     assert chat_record["request"] == {**chat, "priority": 4}, "the record holds the body as forwarded"
     assert chat_record["request_bytes"] == len(json.dumps({**chat, "priority": 4}, separators=(",", ":")))
     assert models_record["method"] == "GET" and models_record["request_bytes"] == 0
-    assert json.loads(seen["echoed"]) == {"priority": -5}, "a request to any other path is forwarded unchanged"
+    assert json.loads(seen["echoed"]) == {"priority": 4}, "every generation route gets the episode's priority"
 
 
-def test_a_pod_s_session_proxy_stamps_the_pod_s_priority_on_every_session(tmp_path: Path) -> None:
-    from mass_ops.runtime.proxy import SessionProxy, close_proxy_session, open_proxy_session
-
-    sessions = tmp_path / "sessions"
-    chat = {"model": "policy-stand-in", "messages": [{"role": "user", "content": "Do the task."}]}
-
-    async def scenario() -> list[Any]:
-        async with PolicyServer() as server:
-            proxy = SessionProxy(sessions, upstreams=[server.base_url], upstream_api_key=SECRET, request_priority=12)
-            async with proxy, aiohttp.ClientSession() as client:
-                for _ in range(2):
-                    session = await open_proxy_session(proxy.url, sessions)
-                    headers = {"Authorization": f"Bearer {session.token}"}
-                    async with client.post(f"{proxy.url}/v1/chat/completions", json=chat, headers=headers) as r:
-                        assert r.status == 200
-                    await close_proxy_session(session)
-                # The sandbox can reach session control, but a session it opens has the pod's priority too.
-                async with client.post(f"{proxy.url}/_mass_proxy/sessions", json={"priority": -100}) as r:
-                    token = (await r.json())["token"]
-                headers = {"Authorization": f"Bearer {token}"}
-                async with client.post(f"{proxy.url}/v1/chat/completions", json=chat, headers=headers) as r:
-                    assert r.status == 200
-            return [request.get("priority") for request in server.requests]
-
-    assert asyncio.run(scenario()) == [12, 12, 12]
-
-
-def test_a_body_nested_past_the_parser_s_depth_is_forwarded_and_recorded_not_dropped(tmp_path: Path) -> None:
+def test_a_body_nested_past_the_parser_s_depth_is_refused_and_recorded_not_dropped(tmp_path: Path) -> None:
     """An agent's request nested deeper than Python's JSON parser can follow (RecursionError, not ValueError) must
-    not break the proxy: the budget estimates it without parsing, the priority cannot be set in it (the upstream
-    cannot parse it either), and its record is kept, raw."""
+    not break the proxy: the proxy cannot read what it may spend, so it is refused (400, never forwarded, nothing
+    held on the budget), and its record is kept, raw."""
     log = tmp_path / "api.jsonl"
     depth = 100_000
     body = b'{"priority": -5, "messages": ' + b"[" * depth + b"]" * depth + b"}"
@@ -886,9 +763,10 @@ def test_a_body_nested_past_the_parser_s_depth_is_forwarded_and_recorded_not_dro
             seen["status"] = response.status
             seen["echo"] = await response.json()
         seen["spent_need"] = budget.in_flight
+        seen["hits"] = upstream.hits
 
     asyncio.run(scenario())
-    assert seen["status"] == 200 and seen["echo"]["body_bytes"] == len(body)
-    assert seen["spent_need"] == 0, "the request's hold on the budget was settled"
+    assert seen["status"] == 400 and seen["echo"]["error"]["code"] == "bad_generation_request"
+    assert seen["spent_need"] == 0 and seen["hits"] == {}
     (record,) = _records(log)
     assert record["request_raw"] == body.decode() and record["request_bytes"] == len(body)

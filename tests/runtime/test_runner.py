@@ -47,6 +47,8 @@ from tests.runtime.conftest import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# The runner's fallback where bwrap is unavailable: its process-group cleanup must hold on its own.
+_UNSANDBOXED: dict[str, Any] = {"sandbox": "none", "allow_unsandboxed_agent": True}
 
 
 def _runner(ctx: Any, install: QwenInstall, tmp: Path, **options: Any) -> EpisodeRunner:
@@ -122,6 +124,10 @@ def test_agent_environment_is_an_allow_list(tmp_path: Path) -> None:
     assert env["QWEN_STREAM_IDLE_TIMEOUT_MS"] == "1234" and env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["NO_PROXY"] == "127.0.0.1,localhost" and env["QWEN_TELEMETRY_ENABLED"] == "false"
     assert not {"AWS_SECRET_ACCESS_KEY", "MASS_METADATA_URL", "USER"} & set(env)
+    assert env["MASS_EPISODE_SANDBOX"] == "none" and env["TMPDIR"] == str(paths.tmp)
+    # In the bwrap sandbox the attempt's tmp/ is the agent's private /tmp, and the agent is told it is sandboxed.
+    boxed = agent_environment(config, paths, agent_token="t", scope="s", path_value="/bin", sandbox="bwrap")
+    assert boxed["MASS_EPISODE_SANDBOX"] == "bwrap" and boxed["TMPDIR"] == "/tmp"
     clash = load_config("demo", ["inference.api_key_env=HOME"])
     with pytest.raises(EpisodePreflightError, match="collides"):
         agent_environment(clash, paths, agent_token="x", scope="s", path_value="/bin")
@@ -192,6 +198,7 @@ def test_attempt_publishes_every_artifact_then_the_row(
         "NO_PROXY",
         "no_proxy",
         "MASS_EPISODE_SCOPE",
+        "MASS_EPISODE_SANDBOX",
         "LC_CTYPE",  # Python's own locale coercion may add it
     }
     settings = json.loads(ctx.artifacts.get_bytes(f"{_prefix(outcome)}/settings.json"))
@@ -274,75 +281,74 @@ def test_with_priority_scheduling_the_episode_s_proxy_stamps_its_place_on_the_ch
     assert [record["request"]["priority"] for record in _records(outcomes[0], ctx)] == [1, 1]
 
 
+def test_the_row_counts_what_the_proxy_counted_not_what_the_agent_left_in_its_log(
+    policy_host: PolicyHost, tmp_path: Path, hostile_install: QwenInstall
+) -> None:
+    """ISSUE #25.6, locally: an agent that can write its attempt's proxy log (no sandbox) truncates it between its
+    requests and appends fabricated records; the row's counts are the proxy's own counters all the same."""
+    from tests.runtime.conftest import hostile_prompt
+
+    attack = f"""
+        import json
+        log = workspace.parent / "logs" / "api_requests.jsonl"
+        auth = {{"Authorization": "Bearer " + token}}
+        chat = {{"model": {MODEL!r}, "messages": [{{"role": "user", "content": "hello"}}]}}
+        usage = [json.loads(http("POST", base_url + "/chat/completions", chat, auth)[2])["usage"] for _ in range(2)]
+        log.write_text("")
+        usage.append(json.loads(http("POST", base_url + "/chat/completions", chat, auth)[2])["usage"])
+        fake = {{"path": "/v1/chat/completions", "status": 200, "response": {{"usage": {{"prompt_tokens": 10**9}}}}}}
+        with log.open("a") as out:
+            out.write(json.dumps(fake) + "\\n")
+        report(usage=usage)
+    """
+    with policy_host.serve() as server:
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", **_UNSANDBOXED)
+        runner = _runner(ctx, hostile_install, tmp_path)
+        outcome = asyncio.run(runner.run_attempt(request(ctx, hostile_prompt(attack)), 1))
+    from tests.runtime.hostile_agent import hostile_findings
+
+    [found] = hostile_findings(ctx.artifacts.get_bytes(f"{_prefix(outcome)}/{EPISODE_FILES['stream']}").decode())
+    seen = found["usage"]
+    [row] = ctx.repo.episodes(ctx.cycle_id)
+    assert (row.requests, row.prompt_tokens, row.completion_tokens) == (
+        3,
+        sum(u["prompt_tokens"] for u in seen),
+        sum(u["completion_tokens"] for u in seen),
+    )
+    assert outcome.status_record["usage"]["requests"] == 3
+
+
 def test_in_a_pod_the_runner_holds_no_key_and_uses_the_proxy_container(
     policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
 ) -> None:
-    """The sandbox side of a Kubernetes episode pod: no key in its environment at all; the pod's proxy (run here by
-    `serve_episode_proxy`, as the proxy container runs it) holds the key and gives each attempt its own log."""
-    from mass_ops.compute.kubernetes import PROXY_LOG_DIR_ENV, PROXY_URL_ENV
-    from mass_ops.runtime.proxy import serve_episode_proxy
+    """The sandbox side of a Kubernetes episode pod: no key in its environment at all; the pod's proxy holds the key,
+    and the publisher gives each attempt its own session (after its preflight, which leaves no log) and log."""
+    from tests.runtime.pod import run_pod
 
-    sessions = tmp_path / "proxy-logs"
-    port_file = tmp_path / "proxy.port"
     with policy_host.serve(require_key=API_KEY) as server:
-        stop = policy_host.loop.run(_event())
-        serving = policy_host.loop.run(
-            _start(
-                serve_episode_proxy(
-                    sessions_dir=sessions,
-                    upstreams=[server.base_url],
-                    key_env=KEY_VAR,
-                    environ={KEY_VAR: API_KEY},
-                    port_file=port_file,
-                    stop=stop,
-                )
-            )
+        ctx = open_episode_cycle(tmp_path / "cycle", f"{server.base_url}/v1")
+        requests = [request(ctx, "Report.\n@agent requests=2", seed=s) for s in (1, 2)]
+        pod = run_pod(
+            policy_host,
+            ctx,
+            requests,
+            install=stand_in_install,
+            upstream=server.base_url,
+            tmp=tmp_path,
+            runner_class=_EnvCapturingRunner,
         )
-        try:
-            for _ in range(200):
-                if port_file.exists():
-                    break
-                time.sleep(0.02)
-            sandbox_environ = {
-                "PATH": runner_environ()["PATH"],
-                PROXY_URL_ENV: f"http://127.0.0.1:{int(port_file.read_text())}",
-                PROXY_LOG_DIR_ENV: str(sessions),
-            }
-            ctx = open_episode_cycle(tmp_path / "cycle", f"{server.base_url}/v1")
-            runner = _EnvCapturingRunner(
-                ctx, install=stand_in_install, environ=sandbox_environ, scratch_dir=tmp_path / "scratch"
-            )
-            with EpisodePool(ctx, runner=runner) as pool:
-                outcomes = pool.run([request(ctx, "Report.\n@agent requests=2", seed=s) for s in (1, 2)])
-        finally:
-            policy_host.loop.run(_set(stop))
-            policy_host.loop.run(_wait(serving))
         credentials = list(server.credentials)  # type: ignore[attr-defined]
 
+    assert pod.sandbox_error is None and pod.publisher == {"code": 0}, (pod.sandbox_error, pod.publisher)
+    outcomes = pod.outcomes
     assert [outcome.status for outcome in outcomes] == ["succeeded", "succeeded"]
     assert credentials and set(credentials) == {f"Bearer {API_KEY}"}
     assert [len(_records(outcome, ctx)) for outcome in outcomes] == [2, 2]  # each attempt its own session log
-    for env in runner.agent_envs:
+    assert [row.requests for row in ctx.repo.episodes(ctx.cycle_id)] == [2, 2]
+    for env in pod.runner.agent_envs:
         _assert_keyless(env)
-    # The preflight's session was discarded; one log per attempt is left, and no request was refused.
-    logs = sorted(path.name for path in sessions.iterdir())
-    assert len(logs) == 3 and "rejected.jsonl" in logs and (sessions / "rejected.jsonl").read_text() == ""
-
-
-async def _event() -> asyncio.Event:
-    return asyncio.Event()
-
-
-async def _set(event: asyncio.Event) -> None:
-    event.set()
-
-
-async def _start(coro: Any) -> asyncio.Task[Any]:
-    return asyncio.ensure_future(coro)
-
-
-async def _wait(task: asyncio.Task[Any]) -> None:
-    await task
+    # The preflights' sessions were discarded; one log per attempt is left, and no request was refused.
+    assert len(pod.session_logs) == 2 and (pod.proxy_dir / "sessions" / "rejected.jsonl").read_text() == ""
 
 
 @pytest.mark.postgres
@@ -369,7 +375,9 @@ def test_wall_clock_limit_stops_the_whole_process_group(
     policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
 ) -> None:
     with policy_host.serve() as server:
-        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", episode_wall_clock_s=3)
+        # Unsandboxed (what the runner does where bwrap is unavailable): the pids it checks are host pids. The
+        # sandboxed agent is covered by tests/runtime/test_local_sandbox.py.
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", episode_wall_clock_s=3, **_UNSANDBOXED)
         runner = _runner(ctx, stand_in_install, tmp_path, kill_grace_s=1.0)
         started = time.monotonic()
         outcome = asyncio.run(runner.run_attempt(request(ctx, "Work forever.\n@agent requests=1 sleep=120"), 1))
@@ -418,7 +426,7 @@ def test_background_processes_end_with_the_episode(
     policy_host: PolicyHost, tmp_path: Path, stand_in_install: QwenInstall
 ) -> None:
     with policy_host.serve() as server:
-        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1")
+        ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", **_UNSANDBOXED)  # host pids, as above
         runner = _runner(ctx, stand_in_install, tmp_path)
         outcome = asyncio.run(runner.run_attempt(request(ctx, "Start a server.\n@agent requests=1 sleep=0.2"), 1))
     assert outcome.status == "succeeded"

@@ -842,3 +842,14 @@ def test_an_empty_folder_round_trips(artifact_store, tmp_path):
     dest = tmp_path / "restored"
     artifact_store.get_dir("episodes/e1/workspace.tar.gz", dest)
     assert dest.is_dir() and not any(dest.iterdir())
+
+
+def test_get_json_reads_an_artifact_as_untrusted_json(artifact_store: ArtifactStore) -> None:
+    artifact_store.put_bytes("deep.json", b"[" * 100_000 + b"]" * 100_000)  # an episode's document, from its pod
+    with pytest.raises(ArtifactFormatError, match=r"deep\.json is not valid JSON: JSON nested deeper than the parser"):
+        artifact_store.get_json("deep.json")
+    artifact_store.put_bytes("big.json", b'"' + b"x" * (3 << 20) + b'"')
+    with pytest.raises(ArtifactFormatError, match=r"big\.json is not valid JSON: over the 1,048,576-byte limit"):
+        artifact_store.get_json("big.json", max_bytes=1 << 20)
+    artifact_store.put_bytes("ok.json", b'{"a": [1]}')
+    assert artifact_store.get_json("ok.json") == {"a": [1]}

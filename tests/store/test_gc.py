@@ -1,4 +1,5 @@
-"""gc: staging leftovers removed only when old and only on apply; unreferenced artifacts listed, deleted on request."""
+"""gc: staging leftovers removed only when old and only on apply; unreferenced artifacts listed, deleted on request;
+and only ever in a location that carries the mass-ops store marker."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from mass_ops.store import migrations
-from mass_ops.store.artifacts import ArtifactStore
-from mass_ops.store.gc import GcSettingError, gc, grace_from_env
+from mass_ops.store.artifacts import STORE_MARKER, ArtifactStore, open_artifact_store
+from mass_ops.store.gc import GcSettingError, NotAMassOpsStoreError, gc, grace_from_env
 from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.metadata import MetadataStore
 from mass_ops.store.repository import MetadataRepository
@@ -35,6 +36,7 @@ def test_old_staging_leftovers_are_listed_then_removed_and_live_ones_kept(
     local_artifact_url: str, repository: MetadataRepository
 ):
     store = LocalArtifactStore(local_artifact_url.removeprefix("file://"))
+    store.mark()  # what a run's first probe does
     store.put_bytes("cycles/c1/a.json", b"{}")
     partial = store.root / ".partial"
     old = [partial / "put-0123456789abcdef.partial", partial / "record-fedcba9876543210.partial"]
@@ -64,6 +66,7 @@ def test_old_staging_leftovers_are_listed_then_removed_and_live_ones_kept(
 
 def test_orphan_records_of_deleted_keys_are_leftovers(local_artifact_url: str, repository: MetadataRepository):
     store = LocalArtifactStore(local_artifact_url.removeprefix("file://"))
+    store.mark()
     store.put_bytes("gone.bin", b"data")
     (store.root / "gone.bin").unlink()  # removed by hand: its record folder is all that is left
     records = store._records_dir("gone.bin")
@@ -106,6 +109,7 @@ def _referenced_artifacts(store: ArtifactStore, repository: MetadataRepository) 
 def test_unreferenced_artifacts_are_listed_and_deleted_only_on_request(
     artifact_store: ArtifactStore, repository: MetadataRepository
 ):
+    artifact_store.mark()
     _referenced_artifacts(artifact_store, repository)
     artifact_store.put_bytes("cycles/c1/orphan.bin", b"nobody points here")
 
@@ -142,6 +146,7 @@ def test_s3_unfinished_uploads_and_probe_objects_are_leftovers(
     client = moto_s3_server.client()
     client.create_multipart_upload(Bucket=store.bucket, Key=f"{store.prefix}/big.bin")
     client.put_object(Bucket=store.bucket, Key=f"{store.prefix}/.probe/left-by-a-kill", Body=b"p")
+    store.mark()
 
     # The probe object is younger than the grace period. (moto reports a fixed, years-old start for every
     # multipart upload, so the upload's age cannot be tested against it here.)
@@ -150,7 +155,8 @@ def test_s3_unfinished_uploads_and_probe_objects_are_leftovers(
     assert sorted(leftover.kind for leftover in report.leftovers) == ["multipart upload", "probe object"]
     uploads = client.list_multipart_uploads(Bucket=store.bucket, Prefix=f"{store.prefix}/").get("Uploads", [])
     assert uploads == []
-    assert client.list_objects_v2(Bucket=store.bucket, Prefix=f"{store.prefix}/").get("KeyCount", 0) == 0
+    left = client.list_objects_v2(Bucket=store.bucket, Prefix=f"{store.prefix}/").get("Contents", [])
+    assert [item["Key"] for item in left] == [f"{store.prefix}/{STORE_MARKER}"], "only the store's marker is left"
 
 
 def test_grace_period_setting(monkeypatch: pytest.MonkeyPatch):
@@ -162,3 +168,46 @@ def test_grace_period_setting(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("MASS_STORE_GC_GRACE_S", bad)
         with pytest.raises(GcSettingError, match="MASS_STORE_GC_GRACE_S"):
             grace_from_env()
+
+
+# -- only a mass-ops store is swept ----------------------------------------------------------------------------------
+
+
+def _home_folder(root: Path) -> list[Path]:
+    """A home folder as `store gc` might be pointed at by mistake: a key, a config, old enough to be 'garbage'."""
+    files = [root / ".ssh" / "id_rsa", root / ".bashrc", root / "notes" / "plan.txt"]
+    for path in files:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{path.name}\n")
+        _age(path, 48 * HOUR)
+    return files
+
+
+def test_gc_refuses_a_folder_that_is_not_a_mass_ops_store(tmp_path: Path, repository: MetadataRepository):
+    home = tmp_path / "home"
+    files = _home_folder(home)
+    store = open_artifact_store(str(home), create=False)
+    for dry_run in (True, False):
+        with pytest.raises(NotAMassOpsStoreError) as caught:
+            gc(store, repository, dry_run=dry_run, delete_unreferenced=True, grace_s=0.0)
+        assert str(caught.value).startswith(
+            f"{home.as_uri()} is not a mass-ops artifact store: it has no {STORE_MARKER}"
+        )
+        assert "\n" not in str(caught.value)
+    assert all(path.read_text() == f"{path.name}\n" for path in files)
+    assert sorted(p.name for p in home.iterdir()) == [".bashrc", ".ssh", "notes"], "nothing was created there either"
+
+
+def test_a_probe_marks_the_store_and_the_marker_is_never_an_artifact(
+    artifact_store: ArtifactStore, repository: MetadataRepository
+):
+    assert not artifact_store.is_marked()
+    with pytest.raises(NotAMassOpsStoreError):
+        gc(artifact_store, repository, grace_s=0.0)
+    artifact_store.probe()  # what validate and each cycle's first task run
+    assert artifact_store.is_marked() and artifact_store.mark() is False
+    assert STORE_MARKER not in artifact_store.list()
+    report = gc(artifact_store, repository, dry_run=False, delete_unreferenced=True, grace_s=0.0)
+    assert report.unreferenced == [] and artifact_store.is_marked()
+    with pytest.raises(ValueError, match="reserved name"):
+        artifact_store.put_bytes(STORE_MARKER, b"forged")  # a key cannot be the marker

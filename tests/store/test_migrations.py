@@ -117,3 +117,20 @@ def test_migrations_folder_comes_from_the_environment(tmp_path: Path, monkeypatc
         migrations.upgrade(f"sqlite:///{tmp_path / 'm.db'}")
     monkeypatch.delenv(migrations.MIGRATIONS_DIR_ENV)
     assert migrations.migrations_dir() == Path(__file__).resolve().parents[2] / "sql"
+
+
+def test_a_query_on_an_unmigrated_database_is_one_line_naming_db_upgrade(metadata_url: str):
+    from mass_ops.store.metadata import SchemaNotReadyError
+
+    repository = MetadataRepository(MetadataStore(metadata_url))
+    try:
+        with pytest.raises(SchemaNotReadyError) as caught:
+            repository.get_cycle("demo-L0")
+        line = str(caught.value)
+        assert "\n" not in line and "does not hold the mass-ops schema (no table cycles)" in line, line
+        assert "run `mass-ops db upgrade`" in line
+        assert isinstance(caught.value, sa.exc.OperationalError), "code that tolerates store failures still does"
+        migrations.upgrade(metadata_url)  # the migrations' own queries are not turned into this error
+        assert repository.get_cycle("demo-L0") is None
+    finally:
+        repository.store.dispose()

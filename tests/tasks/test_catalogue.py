@@ -242,5 +242,5 @@ def test_an_imported_catalogue_edited_afterwards_is_refused(tmp_path: Path) -> N
     with pytest.raises(TaskFormatError, match="must hold source, files"):
         load_catalogue(dest)
     (dest / "provenance.json").write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
-    with pytest.raises(TaskFormatError, match=r"provenance\.json: invalid JSON \(nested too deeply\)"):
+    with pytest.raises(TaskFormatError, match=r"provenance\.json: invalid JSON: JSON nested deeper than the parser"):
         load_catalogue(dest)

@@ -13,7 +13,6 @@ JSON eval log between the result markers. `score_from_inspect_log` reads that lo
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import dataclass
@@ -21,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
-from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask
+from mass_ops.evaluation.benchmarks.scoring import (
+    BenchmarkError,
+    BenchmarkTask,
+    json_lines,
+    load_json,
+)
 from mass_ops.evaluation.benchmarks.tb2 import _tar
 
 ASTA = "asta"
@@ -35,13 +39,7 @@ def load_asta_samples(root: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise BenchmarkError(f"AstaBench E2E-Bench-Hard: {path} is missing; export the task set there")
     samples = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BenchmarkError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for number, row in json_lines(path):
         if not isinstance(row, dict) or not row.get("id") or not isinstance(row.get("input"), str):
             raise BenchmarkError(f"{path}:{number}: a sample needs an id and a text input")
         samples.append(row)
@@ -103,9 +101,6 @@ class AstaE2EHard:
     def grade(self, task: BenchmarkTask, workspace: Path | None, runner: Any) -> tuple[float, dict[str, Any]]:
         sample_id = task.name.removeprefix("asta_")
         text = result_section(runner.run(self.grader_job(sample_id, workspace)), f"AstaBench sample {sample_id}")
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError:
-            raise BenchmarkError(f"AstaBench sample {sample_id}: the grader printed no JSON eval log") from None
+        document = load_json(text, f"AstaBench sample {sample_id}: the grader's eval log")
         score, version = score_from_inspect_log(document, sample_id, self.scorer)
         return score, {"evaluator": version}

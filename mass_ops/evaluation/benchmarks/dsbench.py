@@ -15,14 +15,13 @@ are equal, or both read as numbers within a relative 1e-2 (``EVALUATOR`` says so
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask
+from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask, json_lines, workspace_text
 from mass_ops.evaluation.benchmarks.seeds import FileSeed
 
 DS = "ds"
@@ -52,13 +51,9 @@ def load_ds_questions(root: str | Path) -> list[DSQuestion]:
     if not path.is_file():
         raise BenchmarkError(f"DSBench: {path} is missing; put the dataset there (nothing is downloaded)")
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BenchmarkError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for number, row in json_lines(path):
+        if not isinstance(row, dict):
+            raise BenchmarkError(f"{path}:{number}: a row must be a JSON object")
         names, answers = row.get("questions"), row.get("answers")
         if not isinstance(names, list) or not isinstance(answers, list) or len(names) != len(answers):
             raise BenchmarkError(f"{path}:{number}: questions and answers must be lists of the same length")
@@ -131,6 +126,6 @@ class DSBench:
     def grade(self, task: BenchmarkTask, workspace: Path | None, runner: Any) -> tuple[float, dict[str, Any]]:
         question = next(q for q in load_ds_questions(self.root) if q.name == task.name)
         answer_path = workspace / ANSWER_FILE if workspace is not None else None
-        given = answer_path.read_text("utf-8", errors="replace") if answer_path and answer_path.is_file() else ""
+        given = workspace_text(answer_path)
         matched = bool(given.strip()) and answers_match(given, question.answer)
         return (1.0 if matched else 0.0), {"answer": given.strip()[:500], "evaluator": EVALUATOR}

@@ -30,6 +30,7 @@ from mass_ops.evaluation.benchmarks.scoring import (
     TrialSummary,
     materialized_workspaces,
     summarize_trials,
+    workspace_text,
 )
 from mass_ops.evaluation.external import ReportJudge
 from mass_ops.llm import LLMOutputError, SamplingParams
@@ -135,6 +136,12 @@ def mlr_tasks(tasks: Sequence[MLRTask]) -> list[BenchmarkTask]:
     return [BenchmarkTask(MLR, task.name, index, mlr_instruction(task)) for index, task in enumerate(tasks)]
 
 
+def _cap_bytes(limit: int) -> int:
+    """Bytes read of a submission file capped at `limit` characters: one more character's worth in UTF-8's widest
+    encoding, so the cap still sees that the file is longer (the omitted count then counts only what was read)."""
+    return 4 * (limit + 1)
+
+
 def _cap(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -148,7 +155,7 @@ def read_submission(root: Path | None) -> tuple[str | None, str]:
     paper_path = root / PAPER_PATH
     paper = None
     if paper_path.is_file() and paper_path.stat().st_size >= MIN_PAPER_BYTES:
-        paper = _cap(paper_path.read_text(encoding="utf-8", errors="replace"), PAPER_MAX_CHARS)
+        paper = _cap(workspace_text(paper_path, max_bytes=_cap_bytes(PAPER_MAX_CHARS)), PAPER_MAX_CHARS)
     code_root = root / CODE_DIR
     parts: list[str] = []
     used = 0
@@ -157,7 +164,7 @@ def read_submission(root: Path | None) -> tuple[str | None, str]:
         files = sorted(p for p in code_root.rglob("*") if p.is_file() and p.suffix.lower() in CODE_SUFFIXES)
         for path in files:
             relative = path.relative_to(root).as_posix()
-            text = _cap(path.read_text(encoding="utf-8", errors="replace"), CODE_FILE_MAX_CHARS)
+            text = _cap(workspace_text(path, max_bytes=_cap_bytes(CODE_FILE_MAX_CHARS)), CODE_FILE_MAX_CHARS)
             if used + len(text) > CODE_TOTAL_MAX_CHARS:
                 omitted.append(relative)
                 continue

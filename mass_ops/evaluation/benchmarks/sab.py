@@ -19,7 +19,6 @@ When no checkout is configured the scorer raises `EvaluatorNotInstalledError` in
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -36,7 +35,9 @@ from mass_ops.evaluation.benchmarks.scoring import (
     EvaluatorNotInstalledError,
     TaskScore,
     TrialResult,
+    json_lines,
     materialized_workspaces,
+    workspace_text,
 )
 from mass_ops.evaluation.benchmarks.seeds import FolderSeed
 from mass_ops.runtime.episode import EpisodeOutcome
@@ -83,13 +84,7 @@ def _read_sheet(path: Path) -> list[dict[str, Any]]:
         with path.open(newline="", encoding="utf-8") as handle:
             return list(csv.DictReader(handle))
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BenchmarkError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for number, row in json_lines(path):
         if not isinstance(row, dict):
             raise BenchmarkError(f"{path}:{number}: a row must be a JSON object")
         rows.append(row)
@@ -199,7 +194,7 @@ def collect_predictions(
     for instance in instances:
         root = workspaces.get(instance.name)
         program = root / instance.program_path if root is not None else None
-        text = program.read_text(encoding="utf-8", errors="replace") if program and program.is_file() else ""
+        text = workspace_text(program)
         found[instance.name] = bool(text.strip())
         content = text.replace("/workspace", ".") if text.strip() else MISSING_PROGRAM
         (dest / f"pred_{instance.gold_program_name}").write_text(content, encoding="utf-8")
@@ -269,14 +264,7 @@ class SABEvaluator:
             raise BenchmarkError(f"ScienceAgentBench evaluator exited with {result.returncode}: {' | '.join(tail)}")
         if not log_path.is_file():
             raise BenchmarkError(f"ScienceAgentBench evaluator wrote no log at {log_path}")
-        rows = []
-        for number, line in enumerate(log_path.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise BenchmarkError(f"{log_path}:{number}: evaluator log row is not JSON") from None
-        return rows
+        return [row for _number, row in json_lines(log_path)]
 
 
 def _number(row: Mapping[str, Any], name: str, where: str) -> float:

@@ -10,6 +10,7 @@ the sample standard deviation of the per-trial means.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import statistics
 import tempfile
@@ -26,6 +27,10 @@ from mass_ops.judge.workspaces import StoredWorkspace
 from mass_ops.layout import EpisodeUnit, report_prefix
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import BENCHMARK_INDEX, benchmark_seed
+from mass_ops.store.artifacts import UnsafeArchiveError
+from mass_ops.store.untrusted import JSON_MAX_BYTES, UntrustedInputError, loads_untrusted, read_capped
+
+logger = logging.getLogger(__name__)
 
 BENCHMARK_KIND = "benchmark"
 # The reference gives seed indices to tb2, sab, ds and mlr only (MASS_SPEC §10); the two benchmarks it never
@@ -39,6 +44,42 @@ class BenchmarkError(InputError):
 
 class EvaluatorNotInstalledError(BenchmarkError):
     """The benchmark's official evaluator is not installed on this machine."""
+
+
+# The most of one workspace file a grader reads (an answer, a program, a patch, a paper): what the agent wrote is
+# read within a bound whatever its size; a real submission is far smaller, a larger one is graded on its head.
+SUBMISSION_MAX_BYTES = 8 << 20
+# One line of a benchmark's JSON-lines data or of an evaluator's log.
+JSON_LINE_MAX_BYTES = 16 << 20
+
+
+def workspace_text(path: Path | None, *, max_bytes: int = SUBMISSION_MAX_BYTES) -> str:
+    """The first `max_bytes` bytes of a file the agent left in its workspace, as text (bad UTF-8 replaced); "" when
+    it is absent or not a regular file. Only that much is read, whatever the file's size."""
+    read = read_capped(path, head=max_bytes) if path is not None else None
+    return read.head.decode("utf-8", errors="replace") if read is not None else ""
+
+
+def load_json(text: str | bytes, where: str, *, max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """One JSON document of benchmark data, a grader's output or a verifier's file (`store.untrusted` rules: size,
+    depth, encoding); BenchmarkError naming `where` when it breaks them."""
+    try:
+        return loads_untrusted(text, what=where, max_bytes=max_bytes)
+    except UntrustedInputError as exc:
+        raise BenchmarkError(str(exc)) from None
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a JSON-lines file; BenchmarkError ``<path>:<line>: …`` for
+    the first line that is not JSON within the rules (a deeply nested line included)."""
+    with path.open("rb") as lines:
+        number = 0
+        while line := lines.readline(JSON_LINE_MAX_BYTES + 1):  # a line is never read past its cap
+            number += 1
+            if len(line) > JSON_LINE_MAX_BYTES:
+                raise BenchmarkError(f"{path}:{number}: a line over the {JSON_LINE_MAX_BYTES:,}-byte limit")
+            if line.strip():
+                yield number, load_json(line, f"{path}:{number}", max_bytes=JSON_LINE_MAX_BYTES)
 
 
 @dataclass(frozen=True)
@@ -131,7 +172,11 @@ def materialized_workspaces(ctx: CycleContext, outcomes: Sequence[EpisodeOutcome
                 continue
             folder = Path(scratch) / f"{number:04d}"
             folder.mkdir()
-            roots[name] = StoredWorkspace(ctx.artifacts, uri, "workspace").materialize(folder)
+            try:
+                roots[name] = StoredWorkspace(ctx.artifacts, uri, "workspace").materialize(folder)
+            except UnsafeArchiveError as exc:  # over the archive limits or unsafe: graded as no submission
+                logger.warning("benchmark task %s graded without its workspace: %s", name, " ".join(str(exc).split()))
+                roots[name] = None
         yield roots
 
 

@@ -27,6 +27,7 @@ from typing import Protocol
 from mass_ops.context import CycleContext
 from mass_ops.runtime.episode import SEED_MAX_BYTES, SEED_MAX_ENTRIES, WorkspaceSeed, workspace_seed_key
 from mass_ops.store.artifacts import file_sha256, write_tarball
+from mass_ops.store.untrusted import ARCHIVE_LIMITS
 
 GIT_TIMEOUT_S = 600  # packing a large repository's base commit once, single-threaded
 # git with no user or system configuration (hooks, templates, filters): the seed depends on the commit alone.
@@ -251,6 +252,11 @@ def store_seed(ctx: CycleContext, source: SeedSource | None) -> WorkspaceSeed | 
         archive = Path(scratch) / "seed.tar.gz"
         with archive.open("wb") as out:
             write_tarball(tree, out)
+        if size > ARCHIVE_LIMITS.budget(archive.stat().st_size):
+            raise _error(
+                f"benchmark workspace seed: {size} bytes from a {archive.stat().st_size}-byte archive is more per "
+                f"archive byte than the runner extracts ({ARCHIVE_LIMITS.max_ratio:g})"
+            )
         sha256, _ = file_sha256(archive)
         key = workspace_seed_key(ctx.cycle_name, sha256)
         if not ctx.artifacts.exists(key):

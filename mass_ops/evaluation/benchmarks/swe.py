@@ -19,7 +19,6 @@ scores 0 without a container.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -31,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
-from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask, EvaluatorNotInstalledError
+from mass_ops.evaluation.benchmarks.scoring import (
+    BenchmarkError,
+    BenchmarkTask,
+    EvaluatorNotInstalledError,
+    json_lines,
+    workspace_text,
+)
 from mass_ops.evaluation.benchmarks.seeds import GitCheckoutSeed
 
 SWE = "swe"
@@ -76,13 +81,7 @@ def load_swe_instances(root: str | Path) -> list[dict[str, Any]]:
             f"SWE-bench Verified: {path} is missing; put the dataset file there (nothing is downloaded)"
         )
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BenchmarkError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for number, row in json_lines(path):
         missing = [name for name in REQUIRED_FIELDS if not isinstance(row, dict) or row.get(name) in (None, "")]
         if missing:
             raise BenchmarkError(f"{path}:{number}: instance lacks {missing}")
@@ -150,10 +149,7 @@ def read_patch(workspace: Path | None, base_commit: str | None = None) -> str:
         diff = _diff_against(repo, base_commit)
         if diff.strip():
             return diff
-    patch = workspace / PATCH_FILE
-    if patch.is_file():
-        return patch.read_text(encoding="utf-8", errors="replace")
-    return ""
+    return workspace_text(workspace / PATCH_FILE)
 
 
 def _diff_against(repo: Path, base_commit: str) -> str:

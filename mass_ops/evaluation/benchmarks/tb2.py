@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fnmatch
 import io
-import json
 import math
 import posixpath
 import shlex
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
-from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask
+from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask, load_json
 from mass_ops.evaluation.benchmarks.seeds import FileSeed
 
 TB2 = "tb2"
@@ -136,8 +135,8 @@ def _instructions(dockerfile: str) -> list[tuple[str, str]]:
 def _copy_arguments(rest: str) -> tuple[list[str], list[str]] | None:
     """(flags, paths) of a COPY/ADD instruction (shell or JSON form); None when it cannot be read."""
     try:
-        words = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
-    except (ValueError, json.JSONDecodeError):
+        words = load_json(rest, "a COPY instruction") if rest.startswith("[") else shlex.split(rest)
+    except ValueError:  # BenchmarkError too: an InputError is a ValueError
         return None
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         return None
@@ -244,8 +243,8 @@ def parse_reward(text: str, where: str) -> float:
     """The verifier's reward: a bare number (reward.txt) or ``{"reward": x}`` (reward.json)."""
     text = text.strip()
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = load_json(text, where)
+    except BenchmarkError:
         raise BenchmarkError(f"{where}: reward {text[:80]!r} is neither a number nor JSON") from None
     if isinstance(value, dict):
         value = value.get("reward")

@@ -27,7 +27,11 @@ from mass_ops.config import CycleConfig, load_config
 # transformers serve lists a model under the path it was given, so the demo serves it from a path relative to the
 # working directory and uses that path as the served name.
 DEMO_MODEL_DIR = "runs/demo/models/L0-bf16"
-DEMO_STORAGE = ["storage.metadata_url=sqlite:///runs/demo/mass-ops.db", "storage.artifact_url=runs/demo/artifacts"]
+DEMO_STORAGE_ENV = {"MASS_METADATA_URL": "sqlite:///runs/demo/mass-ops.db", "MASS_ARTIFACT_URL": "runs/demo/artifacts"}
+DEMO_STORAGE = [
+    f"storage.metadata_url={DEMO_STORAGE_ENV['MASS_METADATA_URL']}",
+    f"storage.artifact_url={DEMO_STORAGE_ENV['MASS_ARTIFACT_URL']}",
+]
 
 
 def demo_config(overrides: list[str] | None = None) -> CycleConfig:

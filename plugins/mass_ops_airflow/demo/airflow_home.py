@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops_airflow import CYCLE_DAG_ID
-from mass_ops_airflow.demo import DEMO_MODEL_DIR, DEMO_STORAGE
+from mass_ops_airflow.demo import DEMO_MODEL_DIR, DEMO_STORAGE_ENV
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
 
 DEMO_AIRFLOW_HOME = Path("runs/demo/airflow")
@@ -75,12 +75,14 @@ def airflow_environment(home: Path = DEMO_AIRFLOW_HOME) -> dict[str, str]:
         # The demo's DAG runs one cycle: each stage gets the whole laptop.
         "AIRFLOW__CORE__PARALLELISM": "4",
         "MASS_DEFAULT_PRESET": "demo",
+        # Storage is the deployment's, never a trigger's: the demo's comes from the environment of its Airflow.
+        **DEMO_STORAGE_ENV,
     }
 
 
 def demo_run_conf(overrides: list[str] | None = None) -> dict[str, Any]:
     """The `mass_cycle` params of the demo: the demo preset pointed at `runs/demo/` and the local tiny model."""
-    return {"preset": "demo", "overrides": [*DEMO_STORAGE, f"models.served_name={DEMO_MODEL_DIR}", *(overrides or [])]}
+    return {"preset": "demo", "overrides": [f"models.served_name={DEMO_MODEL_DIR}", *(overrides or [])]}
 
 
 def use_demo_airflow(home: Path = DEMO_AIRFLOW_HOME, environ: Mapping[str, str] | None = None) -> dict[str, str]:

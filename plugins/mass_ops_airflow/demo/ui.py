@@ -41,6 +41,7 @@ from rich.console import Console
 
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
+from mass_ops_airflow.demo import DEMO_STORAGE_ENV
 from mass_ops_airflow.demo.airflow_home import CYCLE_DAG_ID, DEMO_AIRFLOW_HOME, airflow_environment
 
 HOST = "127.0.0.1"
@@ -95,6 +96,9 @@ def ui_environment(ui: DemoUi, base: Mapping[str, str]) -> dict[str, str]:
     """The environment of `airflow standalone`: `base` plus the demo's Airflow home, API address, login and form."""
     env = {k: v for k, v in base.items() if k not in FOREIGN_VARIABLES}
     env.update(airflow_environment(ui.home))
+    # The UI's cycle config file (its deployment preset) names the stores, `--set` included: no variable overrides it.
+    for name in DEMO_STORAGE_ENV:
+        env.pop(name, None)
     # Airflow's log servers listen on every interface and have no address setting: an interpreter hook (site/)
     # binds them to 127.0.0.1 in every process standalone starts. Last on the path, so that a caller's own
     # sitecustomize (a test's stand-in) comes first; such a hook must install the loopback hook itself.

@@ -1,0 +1,195 @@
+"""Readers of what a cycle used, per stage: tokens, reported cost, wall-clock and GPU-hours, prompt-cache hits, and
+the budget ledger's spend and the saved estimate beside those actuals."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from mass_ops.context import CycleContext
+from mass_ops.evaluation.report.model import (
+    CALL_STAGE,
+    EPISODE_STAGE,
+    STAGE_ORDER,
+    BudgetLine,
+    CacheShare,
+    EstimateRow,
+    StageCost,
+)
+from mass_ops.store.schema import TrainingRun
+
+
+def _span(intervals: Iterable[tuple[datetime, datetime]]) -> float:
+    """Seconds covered by the union of the intervals: the stage's wall-clock, without the idle gaps between a run
+    and its rerun days later."""
+    total = 0.0
+    current: tuple[datetime, datetime] | None = None
+    for start, end in sorted(intervals):
+        if current is not None and start <= current[1]:
+            current = (current[0], max(current[1], end))
+            continue
+        if current is not None:
+            total += (current[1] - current[0]).total_seconds()
+        current = (start, end)
+    if current is not None:
+        total += (current[1] - current[0]).total_seconds()
+    return max(0.0, total)
+
+
+def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[StageCost]:
+    """Tokens, cost and time per stage. GPU-hours: the inference server's GPUs over the stage's span for stages
+    that use it (episodes and in-loop calls), the training ranks (one GPU each) over a run's wall-clock."""
+    config = ctx.config
+    server_gpus = config.inference.server.gpus
+    totals: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(float))
+    intervals: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)  # all work of the stage
+    on_server: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)  # work on our inference server
+    costs: dict[str, list[float]] = defaultdict(list)
+    for call in ctx.repo.llm_calls(ctx.cycle_id):
+        # External judges run elsewhere and cost us no GPU time; every other call is served by our model.
+        in_loop = call.purpose in CALL_STAGE
+        stage = "evaluate" if call.unit_key.startswith("eval/") else CALL_STAGE.get(call.purpose, "evaluate")
+        bucket = totals[stage]
+        bucket["calls"] += 1
+        bucket["call_prompt_tokens"] += call.prompt_tokens or 0
+        bucket["call_completion_tokens"] += call.completion_tokens or 0
+        bucket["busy_s"] += call.latency_s or 0.0
+        if call.cost_usd is not None:
+            costs[stage].append(call.cost_usd)
+        if call.created_at is not None:
+            start = datetime.fromtimestamp(call.created_at.timestamp() - (call.latency_s or 0.0), UTC)
+            intervals[stage].append((start, call.created_at))
+            if in_loop:
+                on_server[stage].append((start, call.created_at))
+    for episode in ctx.repo.episodes(ctx.cycle_id):
+        stage = EPISODE_STAGE.get(episode.kind, episode.kind)
+        bucket = totals[stage]
+        bucket["episodes"] += 1
+        bucket["agent_prompt_tokens"] += episode.prompt_tokens or 0
+        bucket["agent_completion_tokens"] += episode.completion_tokens or 0
+        bucket["busy_s"] += episode.duration_s or 0.0
+        if episode.started_at is not None and episode.finished_at is not None:
+            intervals[stage].append((episode.started_at, episode.finished_at))
+            on_server[stage].append((episode.started_at, episode.finished_at))
+    gpus: dict[str, float] = defaultdict(float)
+    for stage, spans in on_server.items():
+        gpus[stage] = _span(spans) / 3600 * server_gpus
+    train_span = []
+    for run in runs:
+        if run.started_at is not None and run.finished_at is not None:
+            wall = (run.finished_at - run.started_at).total_seconds()
+            totals["train"]["busy_s"] += wall
+            gpus["train"] += wall / 3600 * config.training.replicas
+            train_span.append((run.started_at, run.finished_at))
+    stages = []
+    for stage in STAGE_ORDER:
+        bucket = totals.get(stage)
+        if bucket is None and stage not in gpus:
+            continue
+        bucket = bucket or {}
+        spans = intervals.get(stage, []) + (train_span if stage == "train" else [])
+        stages.append(
+            StageCost(
+                stage=stage,
+                calls=int(bucket.get("calls", 0)),
+                call_prompt_tokens=int(bucket.get("call_prompt_tokens", 0)),
+                call_completion_tokens=int(bucket.get("call_completion_tokens", 0)),
+                cost_usd=sum(costs[stage]) if costs.get(stage) else None,
+                episodes=int(bucket.get("episodes", 0)),
+                agent_prompt_tokens=int(bucket.get("agent_prompt_tokens", 0)),
+                agent_completion_tokens=int(bucket.get("agent_completion_tokens", 0)),
+                busy_s=float(bucket.get("busy_s", 0.0)),
+                span_s=_span(spans),
+                gpu_hours=gpus.get(stage, 0.0),
+            )
+        )
+    return stages
+
+
+def _cached_tokens(row: Any, usage: Mapping[str, Any] | None) -> int | None:
+    """Cached prompt tokens of a call or episode: its own column when recorded, else the server's
+    ``usage.prompt_tokens_details.cached_tokens``; None when the server did not report any."""
+    value = getattr(row, "cached_prompt_tokens", None)
+    if value is None and isinstance(usage, Mapping):
+        details = usage.get("prompt_tokens_details")
+        value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def cache_shares(ctx: CycleContext) -> list[CacheShare]:
+    """Prompt-cache shares per stage; empty when no unit of the cycle reported cached tokens."""
+    units: dict[str, int] = defaultdict(int)
+    reporting: dict[str, int] = defaultdict(int)
+    cached: dict[str, int] = defaultdict(int)
+    prompt: dict[str, int] = defaultdict(int)
+
+    def add(stage: str, hits: int | None, prompt_tokens: int | None) -> None:
+        units[stage] += 1
+        if hits is not None and prompt_tokens:
+            reporting[stage] += 1
+            cached[stage] += hits
+            prompt[stage] += prompt_tokens
+
+    for call in ctx.repo.llm_calls(ctx.cycle_id):
+        stage = "evaluate" if call.unit_key.startswith("eval/") else CALL_STAGE.get(call.purpose, "evaluate")
+        add(stage, _cached_tokens(call, call.usage), call.prompt_tokens)
+    for episode in ctx.repo.episodes(ctx.cycle_id):
+        add(EPISODE_STAGE.get(episode.kind, episode.kind), _cached_tokens(episode, None), episode.prompt_tokens)
+    if not any(reporting.values()):
+        return []
+    order = {stage: i for i, stage in enumerate(STAGE_ORDER)}
+    return [
+        CacheShare(stage, units[stage], reporting[stage], cached[stage], prompt[stage])
+        for stage in sorted(units, key=lambda s: (order.get(s, len(order)), s))
+    ]
+
+
+def cost_control(
+    ctx: CycleContext, stages: Sequence[StageCost]
+) -> tuple[list[BudgetLine], list[EstimateRow], str | None]:
+    """Budget lines from the ledger and the saved estimate (`validate_config` stores it in the cycle's provenance
+    under "estimate") beside each stage's actuals; the third value says what the estimate was made from."""
+    from mass_ops.cost.prices import serving_cost, token_cost, training_cost
+    from mass_ops.store.budgets import BudgetLimits
+
+    config = ctx.config
+    limits = BudgetLimits.from_mapping(config.budgets.model_dump())
+    spend = ctx.repo.budget_spend(ctx.cycle_id)
+    order = sorted(spend, key=lambda s: (s != "cycle", s != "in_loop", s))
+    budgets = [
+        BudgetLine(s, spend[s].tokens, spend[s].cost_usd, spend[s].requests, *limits.for_scope(s)[:2]) for s in order
+    ]
+    cycle = ctx.repo.get_cycle(ctx.cycle_name)
+    saved = (cycle.provenance or {}).get("estimate") if cycle is not None else None
+    estimated = {s["stage"]: s for s in (saved or {}).get("stages", [])}
+    self_hosted = not config.is_remote_backend and config.models.served_name not in config.prices.models
+    actual = {s.stage: s for s in stages}
+    rows = []
+    for stage in [*estimated, *(s for s in actual if s not in estimated)]:
+        e, a = estimated.get(stage), actual.get(stage)
+        usd = (a.cost_usd or 0.0) if a else 0.0
+        if a is not None and stage == "train":
+            usd += training_cost(config.prices, a.gpu_hours)
+        elif a is not None and self_hosted:
+            usd += serving_cost(config.prices, a.gpu_hours)
+        elif a is not None:  # an API policy: its agents' tokens at its per-token price
+            usd += token_cost(
+                config.prices, config.models.served_name, a.agent_prompt_tokens, a.agent_completion_tokens
+            )
+        rows.append(
+            EstimateRow(
+                stage,
+                e["prompt_tokens"] + e["completion_tokens"] if e else None,
+                a.prompt_tokens + a.completion_tokens if a else 0,
+                e["serving_gpu_hours"] + e["training_gpu_hours"] if e else None,
+                a.gpu_hours if a else 0.0,
+                e["cost_usd"] if e else None,
+                usd,
+            )
+        )
+    source = None
+    if saved is not None:
+        source = f"measured on {saved['lineage_cycle']}" if saved.get("lineage_cycle") else "the documented defaults"
+    return budgets, rows, source

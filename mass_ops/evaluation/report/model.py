@@ -1,0 +1,263 @@
+"""The report's vocabulary, at the bottom of the package: it imports none of its siblings.
+
+`FIGURES` names every figure in document order; `EPISODE_STAGE`, `CALL_STAGE`, `STAGE_ORDER` and `JUDGING_STAGES`
+place records in the report's stages; the frozen records are what the readers return, `ReportData` holds them all,
+and a `Block` is one unit of the document that both renderers draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mass_ops.evaluation.agreement import Agreement
+from mass_ops.evaluation.benchmarks.table import BenchmarkCell
+from mass_ops.evaluation.efficiency import Efficiency
+from mass_ops.evaluation.position_bias import FlipRate
+from mass_ops.evaluation.stats import PairwiseSummary
+from mass_ops.store.schema import Ledger
+
+FIGURES = (
+    ("rhi_scoreboard", "RHI scoreboard per task"),
+    ("search_coverage", "Search coverage per task"),
+    ("win_rate_by_generation", "Win rate by generation (95% intervals)"),
+    ("judge_agreement", "Judge agreement by generation"),
+    ("ranking_scores", "Bradley–Terry score per trajectory (95% bootstrap intervals)"),
+    ("loss_curves", "Training and validation loss"),
+    ("training_throughput", "Training throughput (tokens/s) and MFU"),
+    ("tokens_cost", "Tokens and cost per stage"),
+    ("wallclock_gpu", "Wall-clock and GPU-hours per stage"),
+    ("benchmark_table", "Public benchmarks by generation: score and score per output token vs L0"),
+)
+EPISODE_STAGE = {
+    "reference": "search",
+    "search": "search",
+    "collection": "collect",
+    "rollout": "evaluate",
+    "benchmark": "benchmark",
+}
+CALL_STAGE = {"judge": "search", "optimizer": "search", "arbitration": "search", "self_judge": "rank"}
+STAGE_ORDER = ("search", "collect", "rank", "train", "evaluate", "benchmark")
+# Judging stages by ledger, in the order of the cycle; evaluation rows are per judge ("evaluate: <judge>").
+JUDGING_STAGES = {Ledger.RHI: "search: vs reference", Ledger.CHAMPION: "search: arbitration", Ledger.RANKING:
+                  "rank: self-judge"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TaskScoreboard:
+    """One task's RHI record: each version's result against the reference, and the champion."""
+
+    task: int
+    split: str
+    results: dict[int, str]  # version -> W / L / T
+    champion: int | None
+    executed: int
+    planned: int
+    retained_recorded: bool
+
+    @property
+    def wins(self) -> int:
+        return sum(1 for r in self.results.values() if r == "W")
+
+
+@dataclass(frozen=True)
+class PairwiseEvaluation:
+    """A recorded pairwise evaluation (possibly of another cycle, for the trend by generation)."""
+
+    key: str
+    label: str
+    cycle: str
+    generation_a: str
+    generation_b: str
+    order: tuple[int, int, int]
+    pairs: int
+    judges: list[str]
+    seeds: list[int]
+    summary: PairwiseSummary
+    agreement: dict[str, Agreement]
+
+
+@dataclass(frozen=True)
+class JudgeValidity:
+    """The judging of one stage: verdicts recorded, those recorded invalid (counted as ties), and judge answers
+    that were not usable verdicts (each one an attempt, retried with a derived seed or ending in an invalid
+    verdict)."""
+
+    stage: str
+    verdicts: int
+    invalid: int
+    unusable_answers: int
+
+
+@dataclass(frozen=True)
+class PromptDigest:
+    """One prompt template the cycle recorded: its SHA-256 and whether it is the shipped text."""
+
+    name: str
+    sha256: str
+    shipped: bool | None  # None: a template this version of mass-ops does not ship
+
+
+@dataclass(frozen=True)
+class LossCurve:
+    """The losses of one training run."""
+
+    run: str
+    train: list[tuple[int, float]]
+    val: list[tuple[int, float]]
+    selected_step: int | None
+    selected_val_loss: float | None
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Token, cost and time totals of one stage."""
+
+    stage: str
+    calls: int = 0
+    call_prompt_tokens: int = 0
+    call_completion_tokens: int = 0
+    cost_usd: float | None = None
+    episodes: int = 0
+    agent_prompt_tokens: int = 0
+    agent_completion_tokens: int = 0
+    busy_s: float = 0.0
+    span_s: float = 0.0
+    gpu_hours: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.call_prompt_tokens + self.agent_prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.call_completion_tokens + self.agent_completion_tokens
+
+
+@dataclass(frozen=True)
+class RankedTrajectory:
+    """One teacher trajectory's Bradley–Terry result in its task's tournament."""
+
+    task: int
+    name: str
+    rank: int
+    score: float
+    ci_low: float | None
+    ci_high: float | None
+
+
+@dataclass(frozen=True)
+class ThroughputCurve:
+    """Per logged step of one training run: tokens/s (all ranks), supervised tokens/s, MFU (None when not
+    computed), and peak memory."""
+
+    run: str
+    tokens_per_s: list[tuple[int, float]]
+    supervised_tokens_per_s: list[tuple[int, float]]
+    mfu: list[tuple[int, float]]
+    peak_mem_gib: float | None
+
+    @property
+    def median_tokens_per_s(self) -> float | None:
+        return median([v for _, v in self.tokens_per_s])
+
+
+@dataclass(frozen=True)
+class CacheShare:
+    """Prompt-cache hits of one stage: cached prompt tokens over the prompt tokens of the units (LLM calls and
+    agent episodes) whose server reported cached tokens; the others are counted, not guessed."""
+
+    stage: str
+    units: int
+    reporting: int
+    cached_tokens: int
+    prompt_tokens: int
+
+    @property
+    def share(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median of `values`, or None when there is none."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+@dataclass(frozen=True)
+class BudgetLine:
+    """One budget scope of the ledger: spend so far and its configured limits (None = unlimited)."""
+
+    scope: str
+    tokens: int
+    cost_usd: float
+    requests: int
+    token_limit: int | None
+    cost_limit: float | None
+
+
+@dataclass(frozen=True)
+class EstimateRow:
+    """One stage: the estimate saved when the cycle was opened against what its records add up to. Actual USD is
+    the server-reported cost of its calls plus its GPU-hours at the price table (self-hosted serving, training)."""
+
+    stage: str
+    estimated_tokens: int | None
+    actual_tokens: int
+    estimated_gpu_hours: float | None
+    actual_gpu_hours: float
+    estimated_usd: float | None
+    actual_usd: float
+
+
+@dataclass
+class ReportData:
+    """Everything the report shows, gathered from the stores."""
+
+    cycle: str
+    preset: str
+    generation: int
+    served_model: str
+    config_hash: str
+    generated_at: str
+    catalogue: str = "not recorded"
+    catalogue_import: dict[str, Any] | None = None
+    prompts: list[PromptDigest] = field(default_factory=list)
+    max_invalid_fraction: float = 0.0
+    judging: list[JudgeValidity] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    scoreboard: list[TaskScoreboard] = field(default_factory=list)
+    evaluations: list[PairwiseEvaluation] = field(default_factory=list)
+    rollout_tokens: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    benchmarks: list[tuple[str, str, str, int, str]] = field(default_factory=list)
+    efficiency: list[Efficiency] = field(default_factory=list)
+    benchmark_table: list[BenchmarkCell] = field(default_factory=list)  # the paper's table (#18.4)
+    curves: list[LossCurve] = field(default_factory=list)
+    stages: list[StageCost] = field(default_factory=list)
+    flip_rates: list[FlipRate] = field(default_factory=list)
+    position_bias_sample: float = 0.0
+    rankings: list[RankedTrajectory] = field(default_factory=list)
+    throughput: list[ThroughputCurve] = field(default_factory=list)
+    cache_shares: list[CacheShare] = field(default_factory=list)
+    # spend against budget (ledger) and the saved estimate against the actuals (first section; ISSUE #15)
+    budgets: list[BudgetLine] = field(default_factory=list)
+    estimate_rows: list[EstimateRow] = field(default_factory=list)
+    estimate_source: str | None = None
+
+    @property
+    def own_evaluations(self) -> list[PairwiseEvaluation]:
+        return [e for e in self.evaluations if e.cycle == self.cycle]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of the document: a heading, a paragraph, a note, a table or a figure."""
+
+    kind: str
+    text: str = ""
+    headers: tuple[str, ...] = ()
+    rows: tuple[tuple[str, ...], ...] = ()
