@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/vllm_contract_env.sh  # vLLM's CPU wheel for tests/contract (its own .venv-vllm)
 # Node, qwen-code and the tokenizer install into the checkout (kept between runs, ignored by git).
 export MASS_RUNTIME_DIR="${MASS_RUNTIME_DIR:-$PWD/.runtime}"
 # Postgres must answer on 127.0.0.1:5432 (the machine's own server); start it if it was stopped.

@@ -35,10 +35,16 @@ VPY=$VENV/bin/python
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" >"$constraints"
-$VPY -m pip install --quiet --upgrade pip
-$VPY -m pip install --quiet -c "$constraints" "torch==$TORCH_VERSION"
-$VPY -m pip install --quiet --no-deps "${NO_DEPS[@]}"
-$VPY -m pip install --quiet -c "$constraints" "${NEEDED[@]}"
+# vLLM's declared requirements are knowingly left unmet, so pip's resolver reports each as a conflict: drop those
+# lines (pip's exit status still decides), keep everything else it says.
+pip_install() {
+  $VPY -m pip install --quiet "$@" 2>&1 | { grep -v -e "dependency resolver does not" -e "^vllm .* requires " || true; }
+  return "${PIPESTATUS[0]}"
+}
+pip_install --upgrade pip
+pip_install -c "$constraints" "torch==$TORCH_VERSION"
+pip_install --no-deps "${NO_DEPS[@]}"
+pip_install -c "$constraints" "${NEEDED[@]}"
 # A CUDA torch would mean the constraint leaked: refuse the environment rather than run on it.
 $VPY -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 'vllm env: torch is a CUDA build')"
 echo "$want" >"$stamp"

@@ -198,6 +198,11 @@ class EgressProxy:
         self._server: asyncio.AbstractServer | None = None
         self._handlers: set[asyncio.Task[None]] = set()
 
+    @property
+    def open_connections(self) -> int:
+        """Connections from the sandbox this proxy holds now (answered, waiting for a head, or tunnelling)."""
+        return self._open
+
     async def start(self, unix_socket: Path) -> None:
         """Listen on `unix_socket` (its folder is the attempt's private one)."""
         if self._policy is None:
@@ -344,30 +349,26 @@ class EgressProxy:
         upstream_reader, upstream_writer = upstream
         last = [time.monotonic()]
         up = asyncio.ensure_future(self._pump(client_reader, upstream_writer, last, up=True))
+        watchdog = asyncio.ensure_future(self._watch(last, (client_writer, upstream_writer)))
         try:
             await self._pump(upstream_reader, client_writer, last, up=False)
         finally:
-            up.cancel()
-            with contextlib.suppress(BaseException):
-                await up
+            for task in (up, watchdog):
+                task.cancel()
+            await asyncio.gather(up, watchdog, return_exceptions=True)
             upstream_writer.close()
-            with contextlib.suppress(Exception):
-                await upstream_writer.wait_closed()
+
+    async def _watch(self, last: list[float], writers: tuple[asyncio.StreamWriter, ...]) -> None:
+        """Close both sides once nothing has moved either way for `idle_timeout_s` (the pumps then see the end)."""
+        while (idle := time.monotonic() - last[0]) < self.idle_timeout_s:
+            await asyncio.sleep(self.idle_timeout_s - idle)
+        await asyncio.sleep(3600)
 
     async def _pump(
         self, source: asyncio.StreamReader, target: asyncio.StreamWriter, last: list[float], *, up: bool
     ) -> None:
         try:
-            while True:
-                try:
-                    data = await asyncio.wait_for(source.read(CHUNK), self.idle_timeout_s)
-                except TimeoutError:
-                    if time.monotonic() - last[0] >= self.idle_timeout_s:
-                        target.close()  # idle both ways: end the exchange
-                        return
-                    continue
-                if not data:
-                    break
+            while data := await source.read(CHUNK):
                 last[0] = time.monotonic()
                 if up:
                     self.counts.bytes_up += len(data)

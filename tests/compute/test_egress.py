@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mass_ops.compute.egress import EgressProxy, IPAddress, host_addresses, public_policy, refusal
+from mass_ops.compute.egress import FLOOD_FACTOR, EgressProxy, IPAddress, host_addresses, public_policy, refusal
 
 TEST_ADDRESS = ipaddress.ip_address("127.0.0.2")  # the stand-in for a public origin: let through by the test only
 PUBLIC_NAME = "downloads.example"
@@ -109,7 +109,10 @@ class Origin:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            try:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            except asyncio.IncompleteReadError:
+                return  # a tunnel closed before it carried a request
             self.heads.append(head)
             if head.startswith("ECHO"):  # inside a tunnel: echo lines until the client ends
                 while line := await reader.readline():
@@ -144,18 +147,15 @@ async def fake_resolve(host: str, port: int) -> list[IPAddress]:
     return [ipaddress.ip_address(a) for a in names[host]]
 
 
-def test_policy(address: IPAddress) -> str | None:
+def origin_policy(address: IPAddress) -> str | None:
     """The default policy, with the one test origin let through."""
     return None if address == TEST_ADDRESS else refusal(address, host_addresses())
-
-
-test_policy.__test__ = False  # type: ignore[attr-defined]
 
 
 @contextlib.asynccontextmanager
 async def running(tmp_path: Path, origin: Origin, **options: Any) -> AsyncIterator[tuple[EgressProxy, Path]]:
     options.setdefault("ports", [443, 80, origin.port])
-    proxy = EgressProxy(resolve=fake_resolve, policy=test_policy, **options)
+    proxy = EgressProxy(resolve=fake_resolve, policy=origin_policy, **options)
     path = tmp_path / "egress.sock"
     await proxy.start(path)
     try:
@@ -284,7 +284,7 @@ def test_tunnels_are_capped_and_idle_ones_end(tmp_path: Path) -> None:
             first, reader, writer = await tunnel(path, f"{PUBLIC_NAME}:{origin.port}")
             writer.write(b"ECHO / HTTP/1.1\r\n\r\n")  # the origin now waits for lines: the tunnel goes idle
             second = await exchange(path, f"CONNECT {PUBLIC_NAME}:{origin.port} HTTP/1.1\r\n\r\n".encode())
-            ended = await reader.read()  # readiness: the proxy ends the idle tunnel
+            ended = await asyncio.wait_for(reader.read(), 60)  # readiness: the proxy ends the idle tunnel
             writer.close()
             third, _reader, again = await tunnel(path, f"{PUBLIC_NAME}:{origin.port}")
             again.close()
@@ -298,13 +298,32 @@ def test_tunnels_are_capped_and_idle_ones_end(tmp_path: Path) -> None:
 def test_stop_ends_open_tunnels(tmp_path: Path) -> None:
     async def scenario() -> bytes:
         async with Origin() as origin:
-            proxy = EgressProxy(resolve=fake_resolve, policy=test_policy, ports=[origin.port])
+            proxy = EgressProxy(resolve=fake_resolve, policy=origin_policy, ports=[origin.port])
             await proxy.start(tmp_path / "egress.sock")
             _head, reader, writer = await tunnel(tmp_path / "egress.sock", f"{PUBLIC_NAME}:{origin.port}")
             writer.write(b"ECHO / HTTP/1.1\r\n\r\n")
             await proxy.stop()
-            left = await reader.read()
+            left = await asyncio.wait_for(reader.read(), 60)
             writer.close()
             return left
 
     assert asyncio.run(scenario()) == b""
+
+
+def test_a_flood_of_connections_is_closed_unanswered(tmp_path: Path) -> None:
+    """Past FLOOD_FACTOR x max_tunnels open connections (each one of the runner's descriptors), a new one is closed
+    at once, before it may even send its head, and counted as refused."""
+
+    async def scenario() -> tuple[bytes, int]:
+        async with Origin() as origin, running(tmp_path, origin, max_tunnels=1) as (proxy, path):
+            held = [await asyncio.open_unix_connection(str(path)) for _ in range(FLOOD_FACTOR)]
+            while proxy.open_connections < FLOOD_FACTOR:  # readiness: the proxy has accepted them all
+                await asyncio.sleep(0.01)
+            answer = await asyncio.wait_for(
+                exchange(path, f"GET http://{PUBLIC_NAME}:{origin.port}/ HTTP/1.1\r\n\r\n".encode()), 60
+            )
+            for _reader, writer in held:
+                writer.close()
+            return answer, proxy.counts.refused
+
+    assert asyncio.run(scenario()) == (b"", 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -15,16 +16,20 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mass_ops.compute import sandbox
+from mass_ops.compute.egress import EgressProxy, host_addresses
 from mass_ops.compute.sandbox import PROXY_PORT_IN_SANDBOX, SandboxSupport, bwrap_support, proxy_socket_dir
+from mass_ops.runtime import runner as runner_module
 from mass_ops.runtime.episode import EpisodeOutcome
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodePreflightError, EpisodeRunner
+from tests.compute.test_egress import PUBLIC_NAME, fake_resolve, origin_policy
 from tests.runtime.conftest import (
     API_KEY,
     KEY_VAR,
@@ -506,3 +511,133 @@ def test_without_a_sandbox_a_real_key_is_refused_unless_the_config_allows_it(
             _runner(allowed, stand_in_install, tmp_path / "allowed").run_attempt(request(allowed, prompt), 1)
         )
     assert outcome.status == "succeeded" and "no sandbox" in outcome.status_record["hiw"]["env_policy"]
+
+
+# --- downloads: the egress proxy -----------------------------------------------------------------------------------
+
+_EGRESS = """
+import os, socket, subprocess
+EGRESS = ("127.0.0.1", 39372)
+def ask(request, inside=None):
+    with socket.create_connection(EGRESS, timeout=20) as s:
+        s.sendall(request.encode())
+        data = b""
+        while b"\\r\\n\\r\\n" not in data and (chunk := s.recv(65536)):
+            data += chunk
+        if inside is not None and data.startswith(b"HTTP/1.1 200"):
+            s.sendall(inside.encode())
+        while chunk := s.recv(65536):
+            data += chunk
+    return data.decode(errors="replace")
+statuses = {name: ask(text).split("\\r\\n")[0] for name, text in REFUSED.items()}
+tunnel = ask(f"CONNECT {PUBLIC}:{PORT} HTTP/1.1\\r\\n\\r\\n", f"GET /tunnel HTTP/1.1\\r\\nHost: {PUBLIC}\\r\\n\\r\\n")
+plain = ask(f"GET http://{PUBLIC}:{PORT}/plain HTTP/1.1\\r\\nHost: {PUBLIC}\\r\\n\\r\\n")
+curl = {}
+for name, flags in (("get", []), ("tunnel", ["--proxytunnel"])):
+    done = subprocess.run(["curl", "-sS", "--max-time", "20", *flags, f"http://{PUBLIC}:{PORT}/curl-{name}"],
+                          capture_output=True, text=True)
+    curl[name] = done.stdout.strip() or done.stderr.strip()
+proxies = {k: v for k, v in os.environ.items() if "proxy" in k.lower()}
+report(statuses=statuses, tunnel=tunnel.rsplit("\\n", 1)[-1], plain=plain.rsplit("\\n", 1)[-1], curl=curl,
+       proxies=proxies)
+"""
+
+
+class _Origin(ThreadingHTTPServer):
+    """The stand-in for a public download site, on 127.0.0.2: answers `hello <path>`."""
+
+    def __init__(self) -> None:
+        class Hello(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = f"hello {self.path}".encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.2", 0), Hello)
+
+
+def _host_ipv4() -> str | None:
+    """A non-loopback address of this host's own, if it has one."""
+    return next((str(a) for a in host_addresses() if a.version == 4 and not a.is_loopback), None)
+
+
+def test_downloads_reach_public_addresses_and_never_a_host_service(
+    policy_host: PolicyHost, tmp_path: Path, hostile_install: QwenInstall, bwrap: str, monkeypatch: Any
+) -> None:
+    """`runtime.sandbox_egress: public`: the agent's proxy variables lead to its egress proxy. A fake public name
+    (mapped by an injected resolver to 127.0.0.2, the one address the test lets through) is reached by CONNECT and
+    by a plain GET, and by curl both ways; every way to a host service is refused (403) and counted in the status."""
+    monkeypatch.setattr(
+        runner_module, "EgressProxy", functools.partial(EgressProxy, resolve=fake_resolve, policy=origin_policy)
+    )
+    origin = _Origin()
+    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    port = origin.server_address[1]
+    try:
+        with policy_host.serve() as server:
+            model_port = int(server.base_url.rsplit(":", 1)[1].split("/")[0])
+            refused = {
+                "postgres": "CONNECT 127.0.0.1:5432 HTTP/1.1\r\n\r\n",
+                "metadata": "CONNECT 169.254.169.254:80 HTTP/1.1\r\n\r\n",
+                "private": "CONNECT 10.1.2.3:443 HTTP/1.1\r\n\r\n",
+                "ipv6_loopback": f"CONNECT [::1]:{port} HTTP/1.1\r\n\r\n",
+                "mapped_loopback": f"CONNECT [::ffff:127.0.0.1]:{port} HTTP/1.1\r\n\r\n",
+                "name_to_loopback": f"CONNECT loopback.example:{port} HTTP/1.1\r\n\r\n",
+                "model_server": f"GET http://127.0.0.1:{model_port}/v1/models HTTP/1.1\r\n\r\n",
+                "other_port": f"CONNECT {PUBLIC_NAME}:8443 HTTP/1.1\r\n\r\n",
+            }
+            if (own := _host_ipv4()) is not None:
+                refused["host_address"] = f"CONNECT {own}:{port} HTTP/1.1\r\n\r\n"
+            attack = f"REFUSED = {refused!r}\nPUBLIC = {PUBLIC_NAME!r}\nPORT = {port}\n" + _EGRESS.strip()
+            ctx = open_episode_cycle(
+                tmp_path,
+                f"{server.base_url}/v1",
+                sandbox_egress="public",
+                sandbox_egress_ports=[443, 80, 5432, port, model_port],
+            )
+            outcome = asyncio.run(
+                _runner(ctx, hostile_install, tmp_path).run_attempt(request(ctx, hostile_prompt(attack)), 1)
+            )
+    finally:
+        origin.shutdown()
+        origin.server_close()
+    [found] = hostile_findings(_stream(ctx, outcome))
+    assert found["statuses"] == dict.fromkeys(refused, "HTTP/1.1 403 Forbidden")
+    assert (found["tunnel"], found["plain"]) == ("hello /tunnel", "hello /plain")
+    assert found["curl"] == {"get": "hello /curl-get", "tunnel": "hello /curl-tunnel"}
+    url = f"http://127.0.0.1:{sandbox.EGRESS_PORT_IN_SANDBOX}"
+    assert found["proxies"] == {
+        **dict.fromkeys(("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"), url),
+        **dict.fromkeys(("NO_PROXY", "no_proxy"), "127.0.0.1,localhost"),
+    }
+    egress = outcome.status_record["egress"]
+    assert (egress["connections"], egress["refused"]) == (4, len(refused))
+    assert egress["bytes_up"] > 0 and egress["bytes_down"] >= len("hello /tunnel") * 4
+
+
+_NO_EGRESS = """
+import os, socket
+try:
+    socket.create_connection(("127.0.0.1", 39372), timeout=5).close()
+    reached = "connected"
+except OSError as exc:
+    reached = type(exc).__name__
+report(reached=reached, proxies=sorted(k for k in os.environ if "proxy" in k.lower()),
+       sockets=sorted(os.listdir("/run/mass-proxy")))
+"""
+
+
+def test_without_egress_no_proxy_is_named_and_nothing_listens(
+    policy_host: PolicyHost, tmp_path: Path, hostile_install: QwenInstall, bwrap: str
+) -> None:
+    """`runtime.sandbox_egress: none` (the demo's): the episode proxy is the sandbox's only network."""
+    findings, outcome, _stream_text = _attack(policy_host, tmp_path, hostile_install, _NO_EGRESS.strip())
+    assert findings == [
+        {"reached": "ConnectionRefusedError", "proxies": ["NO_PROXY", "no_proxy"], "sockets": ["proxy.sock"]}
+    ]
+    assert "egress" not in outcome.status_record
