@@ -216,9 +216,7 @@ class EgressProxy:
         handlers = list(self._handlers)
         for task in handlers:
             task.cancel()
-        for task in handlers:
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.gather(*handlers, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
         if self.counts.refused > MAX_LOGGED_REFUSALS:
@@ -281,7 +279,10 @@ class EgressProxy:
             return
         if method not in FORWARDED_METHODS:
             raise _Refused(405, f"method {method[:20]!a} (only CONNECT, GET, HEAD and POST)")
-        url = urlsplit(target)
+        try:
+            url = urlsplit(target)
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            raise _Refused(400, f"malformed URL {target[:100]!a}") from None
         if url.scheme != "http" or not url.hostname:
             raise _Refused(400, f"{method} needs an absolute http:// URL, not {target[:100]!a}")
         try:
@@ -362,7 +363,8 @@ class EgressProxy:
         """Close both sides once nothing has moved either way for `idle_timeout_s` (the pumps then see the end)."""
         while (idle := time.monotonic() - last[0]) < self.idle_timeout_s:
             await asyncio.sleep(self.idle_timeout_s - idle)
-        await asyncio.sleep(3600)
+        for writer in writers:
+            writer.close()
 
     async def _pump(
         self, source: asyncio.StreamReader, target: asyncio.StreamWriter, last: list[float], *, up: bool
