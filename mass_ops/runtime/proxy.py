@@ -347,7 +347,7 @@ _ROUTE_FIELDS = {
 }
 
 
-class GenerationRequestError(ValueError):
+class GenerationRequestError(InputError):
     """A generation request the proxy does not forward (HTTP 400): the one-line reason."""
 
 

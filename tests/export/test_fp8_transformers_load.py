@@ -49,17 +49,28 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
     return src, root / "fp8"
 
 
-def test_transformers_fine_grained_fp8_load_matches_hand_dequantised_bf16_logits(exported, caplog):
+def test_transformers_fine_grained_fp8_load_matches_hand_dequantised_bf16_logits(exported, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     src, fp8_dir = exported
     quant = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [BLOCK_SIDE, BLOCK_SIDE]
 
-    with caplog.at_level("WARNING", logger="transformers"):
-        fp8_model = AutoModelForCausalLM.from_pretrained(fp8_dir, device_map="cpu").eval()
-    # The checkpoint went through transformers' fine-grained FP8 quantizer (which, on a CPU, dequantises at load).
-    assert any(r.name.endswith("quantizer_finegrained_fp8") for r in caplog.records), [r.name for r in caplog.records]
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    # The checkpoint must go through transformers' fine-grained FP8 quantizer (which, on a CPU, dequantises at load):
+    # record each one made (its log line is printed once per process, and the model drops it after dequantising).
+    made: list[object] = []
+    quantizer = quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer
+    real_init = quantizer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        made.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(quantizer, "__init__", recording_init)
+    fp8_model = AutoModelForCausalLM.from_pretrained(fp8_dir, device_map="cpu").eval()
+    assert len(made) == 1
 
     stored = exported_tensors(fp8_dir)
     scaled = sorted(name.removesuffix("_scale_inv") for name in stored if name.endswith("_scale_inv"))
