@@ -29,6 +29,10 @@ import aiohttp
 from aiohttp import web
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.proxy_overhead import start_listening  # noqa: E402
+
 TARGET_P99_MS = 50.0
 SMALL = {"model": "bench", "max_tokens": 8, "messages": [{"role": "user", "content": "ping"}]}
 
@@ -70,19 +74,6 @@ def _flood(url: str, size: int, ready: Path) -> None:
         progress.replace(ready)  # atomic: the parent never reads a half-written line
 
 
-def _start(argv: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], int]:
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            return process, int(port_file.read_text())
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"{argv[1:4]} did not start")
-
-
 async def _small_requests(url: str, count: int) -> tuple[list[float], set[int]]:
     """Seconds per small chat completion, one after another on a keep-alive connection, and the statuses seen."""
     samples, statuses = [], set()
@@ -118,10 +109,12 @@ def run(limit: int, over: int, under: int, requests: int) -> list[Phase]:
     """The three phases against a proxy whose body limit is `limit` bytes."""
     with tempfile.TemporaryDirectory(prefix="proxy-large-body-") as tmp:
         work = Path(tmp)
-        upstream, upstream_port = _start([sys.executable, __file__, "--serve-upstream", str(work / "up")], work / "up")
+        upstream, upstream_port = start_listening(
+            [sys.executable, __file__, "--serve-upstream", str(work / "up")], work / "up"
+        )
         proxy_argv = [sys.executable, "-m", "mass_ops.runtime.proxy", "--listen", "0", "--log", str(work / "api.jsonl")]
         proxy_argv += ["--upstream", f"http://127.0.0.1:{upstream_port}", "--port-file", str(work / "px")]
-        proxy, proxy_port = _start([*proxy_argv, "--max-request-bytes", str(limit)], work / "px")
+        proxy, proxy_port = start_listening([*proxy_argv, "--max-request-bytes", str(limit)], work / "px")
         url = f"http://127.0.0.1:{proxy_port}"
         phases = []
         try:

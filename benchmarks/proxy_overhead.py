@@ -82,7 +82,8 @@ async def _serve_upstream(port_file: Path) -> None:
     await asyncio.Event().wait()
 
 
-def _start(argv: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_listening(argv: list[str], port_file: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Start `argv` (a server that writes its port to `port_file` once listening) and wait for that port."""
     process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -149,10 +150,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="proxy-bench-") as tmp:
         work = Path(tmp)
-        upstream, upstream_port = _start([sys.executable, __file__, "--serve-upstream", str(work / "up")], work / "up")
+        upstream, upstream_port = start_listening(
+            [sys.executable, __file__, "--serve-upstream", str(work / "up")], work / "up"
+        )
         direct = f"http://127.0.0.1:{upstream_port}"
         proxy_argv = [sys.executable, "-m", "mass_ops.runtime.proxy", "--listen", "0", "--upstream", direct]
-        proxy, proxy_port = _start(
+        proxy, proxy_port = start_listening(
             [*proxy_argv, "--log", str(work / "api.jsonl"), "--port-file", str(work / "px")], work / "px"
         )
         proxied = f"http://127.0.0.1:{proxy_port}"
