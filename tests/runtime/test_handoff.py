@@ -244,9 +244,12 @@ def compare_with_a_direct_run(
     inference: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     endpoint = f"{server.base_url}/v1"
-    direct = open_episode_cycle(tmp / "direct", endpoint, inference=inference)
+    # The pod's agent runs in its sandbox container, not under bwrap: the direct run's agent runs as a plain process
+    # too, so that both agents see the same environment (real qwen-code writes it into every prompt).
+    plain = {"sandbox": "none", "allow_unsandboxed_agent": True}
+    direct = open_episode_cycle(tmp / "direct", endpoint, inference=inference, **plain)
     s3_url = f"s3://{s3.bucket}/handoff-test/{os.urandom(4).hex()}"
-    published = open_episode_cycle(tmp / "pod", endpoint, artifact_url=s3_url, inference=inference)
+    published = open_episode_cycle(tmp / "pod", endpoint, artifact_url=s3_url, inference=inference, **plain)
     config_file = pod_config(published.config, tmp)
     prompt = tmp / "prompt.txt"
     prompt.write_text(prompt_text)

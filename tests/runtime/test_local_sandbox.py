@@ -436,7 +436,10 @@ def test_writes_outside_workspace_home_and_tmp_fail_and_the_logs_are_invisible(
     assert outcome.status == "succeeded"
     for name in ("workspace", "home", "tmp"):
         assert wrote[name] is True
-    for name in ("repository", "runtime", "root", "usr"):  # outside /tmp: read-only or not there at all
+    # Outside /tmp: read-only or not there at all. A repository below /tmp (a clone in /tmp) is not there either:
+    # the agent's /tmp is its own, so a write there lands in its private tmp/ (the host check below covers it).
+    below_tmp = REPO.is_relative_to("/tmp")
+    for name in ("runtime", "root", "usr", *(() if below_tmp else ("repository",))):
         assert wrote[name] != True, (name, wrote[name])  # noqa: E712 - a finding is True or an error's name
     assert found["seen"] == {"logs_exists": False, "proxy_log_exists": False, "proxy_log": "FileNotFoundError"}
     # On the host: nothing outside the attempt's workspace, home and tmp/.
