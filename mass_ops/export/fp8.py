@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -244,7 +245,9 @@ def _plan_auto(src_entries: dict[str, TensorEntry], src_map: dict[str, str]) -> 
             scale_name = name + SCALE_SUFFIX
             quantized[name] = scale_name
             specs.append(TensorSpec(name, DTYPE_CODES[FP8_DTYPE], entry.shape))
-            specs.append(TensorSpec(scale_name, DTYPE_CODES[SCALE_DTYPE], _blocks(*entry.shape, BLOCK)))
+            specs.append(
+                TensorSpec(scale_name, DTYPE_CODES[SCALE_DTYPE], _blocks(entry.shape[0], entry.shape[1], BLOCK))
+            )
         else:
             copied.append(name)
             specs.append(TensorSpec.like(entry))
@@ -436,7 +439,7 @@ class Fp8Output:
                 if item.name not in ref_skip and item.is_file():
                     (stage / item.name).write_bytes(item.read_bytes())
         (stage / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
-        quant_config = self.config["quantization_config"]
+        quant_config = cast(dict[str, Any], self.config["quantization_config"])
         total = sum(spec.nbytes for specs in plan.shards.values() for spec in specs)
         write_index(stage, self._destination, total)
         info = Fp8Info(
@@ -536,8 +539,8 @@ def verify_fp8(src_dir: str | Path, fp8_dir: str | Path, *, max_tensors: int | N
                 max_err, sum_err = max(max_err, err.max().item()), sum_err + err.sum().item()
                 max_w, sum_w = max(max_w, w.abs().max().item()), sum_w + w.abs().sum().item()
                 q_new, s_new = quantize_blockwise(w, block=block)
-                eq_q += (q_new.view(torch.uint8) == q.view(torch.uint8)).sum().item()
-                eq_s += (s_new == s).sum().item()
+                eq_q += int((q_new.view(torch.uint8) == q.view(torch.uint8)).sum().item())
+                eq_s += int((s_new == s).sum().item())
         n_q, n_s = rows * cols, scale_all.numel()
         checks.append(
             TensorCheck(

@@ -251,7 +251,7 @@ class ShardReader:
         buffer = torch.empty(nbytes, dtype=torch.uint8) if into is None else into[:nbytes]
         _read_exact(
             self._fd,
-            memoryview(buffer.numpy()),
+            buffer.numpy().data,
             self._data_start + entry.start + start * entry.row_bytes,
             f"{self.path} [{name}]",
         )
@@ -271,7 +271,7 @@ class ShardReader:
         """The whole tensor as a fresh tensor (not a view of the file)."""
         entry = self.entry(name)
         buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
-        _read_exact(self._fd, memoryview(buffer.numpy()), self._data_start + entry.start, f"{self.path} [{name}]")
+        _read_exact(self._fd, buffer.numpy().data, self._data_start + entry.start, f"{self.path} [{name}]")
         return buffer.view(entry.torch_dtype).reshape(entry.shape)
 
     def raw_span(self, name: str) -> tuple[int, int, int]:
@@ -349,7 +349,7 @@ class ShardWriter:
                 f"{self.path}: tensor {name} chunk shape {list(tensor.shape)} does not fit {list(spec.shape)}"
             )
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        _write_exact(self._fd, memoryview(data.numpy()), self._claim(name, data.numel()))
+        _write_exact(self._fd, data.numpy().data, self._claim(name, data.numel()))
 
     def copy_from(self, reader: ShardReader, name: str, *, as_name: str | None = None) -> None:
         """Copy a tensor byte for byte from ``reader`` (in kernel space where the platform allows)."""

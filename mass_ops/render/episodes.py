@@ -301,7 +301,7 @@ def _prepare_thread(
     except RenderError as exc:
         _record_error(info, exc, where)
         return None
-    if match is not None:
+    if match is not None and first_user is not None:
         info.update(is_main=True, match_mode=match.mode, role=agent_role(system, is_main=True))
         if options.substitute:
             replaced = substitute(messages[first_user]["content"], match)
@@ -358,7 +358,7 @@ def _thread_windows(
                     condition=source.condition,
                     seed=source.seed,
                     thread=conversation.thread_id,
-                    task=task,  # type: ignore[arg-type]
+                    task=task,
                     is_main=info["is_main"],
                     role=info["role"],
                     match_mode=info["match_mode"],

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from mass_ops.layout import EpisodeKind, EpisodeUnit, cycle_prefix
 from mass_ops.store.untrusted import ARCHIVE_LIMITS
@@ -101,7 +101,7 @@ class EpisodeOutcome:
     episode_id: int
     attempt: int
     status: EpisodeStatus
-    status_record: dict
+    status_record: dict[str, Any]
     artifacts: dict[str, str] = field(default_factory=dict)
     reused: bool = False
 

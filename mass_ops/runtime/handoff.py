@@ -92,7 +92,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Final, Literal, TypeVar, cast
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -131,12 +131,12 @@ from mass_ops.runtime.session_proxy import (
     close_proxy_session,
     open_proxy_session,
 )
+from mass_ops.store.artifact_backends import open_artifact_store
 from mass_ops.store.artifacts import (
     ArtifactIntegrityError,
     ArtifactNotFoundError,
     ArtifactStore,
     file_sha256,
-    open_artifact_store,
     write_tarball,
 )
 from mass_ops.store.budgets import charge_episode, episode_scopes
@@ -144,7 +144,7 @@ from mass_ops.store.untrusted import JSON_MAX_BYTES, UntrustedInputError, loads_
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT: Final = 1
 PROMPT_FILE = HANDOFF_PROMPT_FILE
 SEED_FILE = "workspace-seed.tar.gz"
 REQUEST_FILE = "request.json"
@@ -252,7 +252,14 @@ class HandoffUnit(_Document):
 
     def unit(self, cycle: str, attempt: int = 1) -> EpisodeUnit:
         return EpisodeUnit(
-            cycle, self.task_id, self.kind, self.seed, self.version, self.candidate, attempt, self.generation
+            cycle,
+            self.task_id,  # type: ignore[arg-type]  # a benchmark unit's task is its instance name (str)
+            self.kind,
+            self.seed,
+            self.version,
+            self.candidate,
+            attempt,
+            self.generation,
         )
 
 
@@ -981,7 +988,7 @@ class HandoffPublisher:
                 return self.handoff.read(path, HandoffRequest)
             return False if complete.exists() else None
 
-        request = _wait(
+        request: HandoffRequest | Literal[False] = _wait(
             found,
             self._sandbox_problem,
             timeout_s=self.start_timeout_s,

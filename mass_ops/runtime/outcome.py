@@ -257,14 +257,18 @@ def classify(
             f"the episode proxy refused request {first.get('seq')}: {first.get('setting')} = {first.get('limit')} "
             f"would be exceeded ({first.get('spent')} spent, up to {first.get('need')} needed)"
         )
-        failure = {"subtype": BUDGET_SUBTYPE, "message": message, "budget": first, "refused_requests": len(refusals)}
-        return Classification("budget_exhausted", False, failure, tuple(proxy_failures(records)))
+        refused = {"subtype": BUDGET_SUBTYPE, "message": message, "budget": first, "refused_requests": len(refusals)}
+        return Classification("budget_exhausted", False, refused, tuple(proxy_failures(records)))
     success = transcript.has_success_result()
     failure: dict[str, Any] | None = None
 
     last_text = transcript.last_assistant_text()
     api_error = last_text is not None and last_text.startswith(API_ERROR_PREFIX)
-    if api_error and (backend == "openrouter" or any(marker in last_text for marker in INFRA_ERROR_MARKERS)):
+    if (
+        last_text is not None
+        and api_error
+        and (backend == "openrouter" or any(marker in last_text for marker in INFRA_ERROR_MARKERS))
+    ):
         success = False
         failure = {"subtype": INFRA_SUBTYPE, "message": _clip(last_text, INFRA_MESSAGE_CHARS)}
 
@@ -292,9 +296,9 @@ def _model_failure(transcript: Transcript, terminated_by: str | None, wall_clock
     if results:
         last = results[-1]
         error = last.get("error")
-        message = error.get("message") if isinstance(error, dict) else None
-        if not isinstance(message, str) or not message:
-            message = last.get("result") if isinstance(last.get("result"), str) else ""
+        reported = error.get("message") if isinstance(error, dict) else None
+        result = last.get("result")
+        message = reported if isinstance(reported, str) and reported else result if isinstance(result, str) else ""
         subtype = str(last.get("subtype") or "error")
     elif terminated_by == "wall_clock":
         subtype = WALL_CLOCK_SUBTYPE

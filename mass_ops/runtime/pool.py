@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -454,9 +454,9 @@ class EpisodePool:
     async def _unit(self, plan: _Plan) -> EpisodeOutcome:
         request = plan.request
         if plan.reuse is not None:
-            outcome = await asyncio.to_thread(self._reused, request, plan.reuse)
-            self._emit(PoolEvent("reused", request.unit, outcome.attempt, outcome.status))
-            return outcome
+            reused = await asyncio.to_thread(self._reused, request, plan.reuse)
+            self._emit(PoolEvent("reused", request.unit, reused.attempt, reused.status))
+            return reused
         assert self._scheduler is not None
         attempt, previous = plan.next_attempt, plan.previous_id
         self._emit(PoolEvent("queued", request.unit, attempt))
@@ -541,7 +541,7 @@ class EpisodePool:
                 return self._exhausted[scope]
         if ledger is None or not ledger.limits.limited(scopes):
             return None
-        refused = await asyncio.to_thread(ledger.exhausted, scopes)
+        refused: Refusal | None = await asyncio.to_thread(ledger.exhausted, scopes)
         if refused is not None:
             self._exhausted[refused.scope] = refused
         return refused
@@ -556,7 +556,9 @@ class EpisodePool:
             if refused.scope == CYCLE_SCOPE:
                 logger.warning("cycle budget exhausted: no further episode starts (%s)", refused.message)
 
-    def _first_refusal(self, outcomes: Sequence[EpisodeOutcome | None], skipped: dict[str, BaseException]) -> Refusal:
+    def _first_refusal(
+        self, outcomes: Sequence[EpisodeOutcome | None], skipped: Mapping[str, BaseException]
+    ) -> Refusal:
         for error in skipped.values():
             if isinstance(error, BudgetExhaustedError):
                 return error.refusal

@@ -691,7 +691,7 @@ class _Session:
     token: bytes | None
     upstream: str
     log: _RecordLog
-    seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+    seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     handlers: set[asyncio.Task[object]] = field(default_factory=set)
     pending: set[asyncio.Task[None]] = field(default_factory=set)
     last_record: asyncio.Task[None] | None = None  # the newest record task: the next one is written after it

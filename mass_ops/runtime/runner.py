@@ -68,7 +68,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -1264,7 +1264,7 @@ def record_publication(
         request=request,
         episode_id=row.id,
         attempt=row.attempt,
-        status=row.status,
+        status=cast(EpisodeStatus, row.status),  # the row was written from an EpisodeStatus
         status_record=status,
         artifacts=dict(row.artifacts or {}),
     )

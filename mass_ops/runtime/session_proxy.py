@@ -179,17 +179,18 @@ class SessionProxy(LoggingProxy):
             return _control_error(403, "upstream not allowed for this proxy")
         if len(self._sessions) >= MAX_SESSIONS:
             return _control_error(429, f"too many open sessions ({MAX_SESSIONS})")
-        limits = [body.get(key) for key in ("episode_tokens", "default_max_tokens")]
+        episode_tokens, default_max_tokens = (body.get(key) for key in ("episode_tokens", "default_max_tokens"))
+        limits = [episode_tokens, default_max_tokens]
         if any(value is not None and (not isinstance(value, int) or value < 1) for value in limits):
             return _control_error(400, "episode_tokens and default_max_tokens must be positive integers")
-        if limits[0] is not None and limits[1] is None:
+        if episode_tokens is not None and default_max_tokens is None:
             # The default becomes the cap of every uncapped request: a budget needs a real one, never a guess.
             return _control_error(400, "episode_tokens needs default_max_tokens (the cap of an uncapped request)")
         budget = None
-        if limits[0] is not None:
+        if episode_tokens is not None and default_max_tokens is not None:
             # A pod's proxy holds the episode's own token budget; the cycle's shared ledger is checked by the runner
             # before each attempt (this container has no metadata store).
-            budget = EpisodeBudget(episode_tokens=limits[0], default_max_tokens=limits[1])
+            budget = EpisodeBudget(episode_tokens=episode_tokens, default_max_tokens=default_max_tokens)
         name = secrets.token_hex(8)
         token = new_agent_token()
         log = _RecordLog(self.sessions_dir / f"{name}.jsonl", redact=self._upstream_api_key)

@@ -79,10 +79,13 @@ class _ChoiceAccumulator:
     stop_reason: Any = None
 
     def merge(self, choice: dict[str, Any]) -> None:
-        delta = choice.get("delta")
-        if not isinstance(delta, dict):
+        delta: dict[str, Any]
+        if isinstance(choice.get("delta"), dict):
+            delta = choice["delta"]
+        else:
             # Some servers put a whole `message` in the last chunk; treat it like a delta.
-            delta = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+            message = choice.get("message")
+            delta = message if isinstance(message, dict) else {}
         if delta.get("role") and not self.role:
             self.role = delta["role"]
         if isinstance(delta.get("content"), str):
