@@ -295,7 +295,7 @@ def run_rollouts(
         )
     rollout_set = RolloutSet(ctx.cycle_name, label, generation, tuple(pool), replicates, tuple(entries))
     manifest = ctx.artifacts.put_json(rollout_manifest_key(ctx.cycle_name, label), rollout_set.as_results())
-    row = ctx.repo.record_evaluation(
+    recorded = ctx.repo.record_evaluation(
         rollout_set.key,
         ROLLOUT_SET_KIND,
         generation_id=model.id,
@@ -305,4 +305,4 @@ def run_rollouts(
         results_sha256=manifest.sha256,
     )
     # A concurrent run may have recorded the same label first: its row is the truth.
-    return RolloutSet.from_results(row.results)
+    return RolloutSet.from_results(recorded.results)

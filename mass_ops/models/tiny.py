@@ -156,7 +156,7 @@ def _save_random_model(out: Path, spec: dict[str, Any]) -> int:
     model = model.to(getattr(torch, spec["dtype"]))
     model.config.dtype = spec["dtype"]
     # Sampling defaults of the released Qwen3 thinking models, so `transformers serve` behaves like the real thing.
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers leaves it untyped
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=[EOS_TOKEN_ID, BOS_TOKEN_ID],
         pad_token_id=PAD_TOKEN_ID,

@@ -238,7 +238,7 @@ class MetadataStore:
         database = self.url.database
         in_memory = database in (None, "", ":memory:")
         kwargs: dict[str, Any] = {"echo": echo}
-        if in_memory:
+        if in_memory or database is None:
             # Every connection to ":memory:" is a new, empty database: share one connection.
             kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
         else:

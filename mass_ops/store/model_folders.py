@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from mass_ops.errors import InputError
+from mass_ops.store.artifact_backends import open_artifact_store
 from mass_ops.store.artifacts import (
     ArtifactFormatError,
     ArtifactNotFoundError,
@@ -39,7 +40,6 @@ from mass_ops.store.artifacts import (
     canonical_json,
     file_sha256,
     key_problem,
-    open_artifact_store,
 )
 
 logger = logging.getLogger(__name__)
@@ -409,7 +409,7 @@ def _local_manifest_matches(target: Path, manifest: ModelManifest) -> bool:
         data = json.loads((target / MANIFEST_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return data == manifest.as_dict()
+    return bool(data == manifest.as_dict())
 
 
 def _local_in_place(where: ModelLocation) -> Path:

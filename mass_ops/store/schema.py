@@ -172,11 +172,11 @@ def episode_unit_slug(
     """The identity of an episode unit across its attempts: `episode_unit_key` without its ``/a<attempt>``."""
     unit = EpisodeUnit(
         cycle="",
-        task_id=task_id,
-        kind=kind,
+        task_id=task_id,  # type: ignore[arg-type]  # the slug only formats it: the stored id is text
+        kind=kind,  # type: ignore[arg-type]  # the callers check it against EpisodeKind
         seed=seed,
         version=version,
-        candidate=candidate,  # type: ignore[arg-type]
+        candidate=candidate,
         generation=generation,
     )
     return unit.slug

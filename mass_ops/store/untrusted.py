@@ -237,7 +237,7 @@ class _BoundedTarInfo(tarfile.TarInfo):
     block, before a caller sees the member, and no archive the platform writes has one. (tarfile's own hooks: an
     archive whose sparse form these miss is still refused by `_checked_members`, after a bounded header read.)"""
 
-    def _proc_sparse(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+    def _proc_sparse(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
         raise _HeaderRefused(f"member {self.name[:200]!r} is a sparse file")
 
     def _proc_gnusparse_10(self, next: tarfile.TarInfo, pax_headers: dict[str, str], tarfile: Any) -> None:

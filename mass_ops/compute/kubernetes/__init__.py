@@ -46,7 +46,6 @@ from mass_ops.compute.kubernetes.common import (
 )
 from mass_ops.compute.kubernetes.cycle import manifests_of_cycle
 from mass_ops.compute.kubernetes.episode import (
-    BENCHMARK_TASK_NAME,
     EPISODE_IMAGE_PYTHON,
     HANDOFF_MOUNT,
     PROXY_CONTAINER,
@@ -98,6 +97,7 @@ from mass_ops.compute.kubernetes.training import (
     training_job,
     training_trainjob,
 )
+from mass_ops.layout import BENCHMARK_TASK_NAME
 
 __all__ = [
     "BENCHMARK_TASK_NAME",  # from mass_ops.layout, as before the split (the runtime's CLI reads it from here)

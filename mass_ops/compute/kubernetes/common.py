@@ -50,7 +50,7 @@ _NAME_CHARS = re.compile(r"[^a-z0-9-]+")
 _LABEL_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_QUANTITY_FACTORS = {
+_QUANTITY_FACTORS: dict[str | None, float] = {
     None: 1,
     "m": 1e-3,
     **{suffix: 1000**power for power, suffix in enumerate(("k", "M", "G", "T", "P", "E"), start=1)},

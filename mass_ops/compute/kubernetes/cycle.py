@@ -6,6 +6,7 @@ The one module of the package that imports the workload modules; none of them im
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from mass_ops.compute.kubernetes.common import WorkloadSettings
 from mass_ops.compute.kubernetes.episode import EpisodeSpec, episode_pod
@@ -19,11 +20,13 @@ from mass_ops.compute.kubernetes.training import rendezvous_service, training_jo
 from mass_ops.config import CycleConfig
 
 
-def manifests_of_cycle(config: CycleConfig, settings: WorkloadSettings, episodes: Sequence[EpisodeSpec]) -> list[dict]:
+def manifests_of_cycle(
+    config: CycleConfig, settings: WorkloadSettings, episodes: Sequence[EpisodeSpec]
+) -> list[dict[str, Any]]:
     """Every manifest a cycle with these episodes creates (for validation and dry runs)."""
     scope = config.cycle_name
     targets = [current_serving_target(config), next_serving_target(config)]
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for target in targets:
         out += [
             inference_deployment(config, settings, target, scope=scope),

@@ -146,7 +146,7 @@ class EpisodeSpec:
     @property
     def slug(self) -> str:
         """Short readable identity: `search-t51-v3`, `collection-t51-c4`, `rollout-l1-t60-r2`."""
-        parts = [self.kind]
+        parts: list[str] = [self.kind]
         if self.generation:
             parts.append(self.generation)
         parts.append(f"t{self.task_id}")

@@ -70,7 +70,8 @@ def _document(value: Mapping[str, Any] | None, what: str) -> dict[str, Any] | No
     if value is None:
         return None
     try:
-        return json.loads(json.dumps(dict(value), allow_nan=False))
+        document: dict[str, Any] = json.loads(json.dumps(dict(value), allow_nan=False))
+        return document
     except (TypeError, ValueError) as exc:
         raise InvalidRecordError(f"{what} is not a JSON document: {exc}") from None
 
@@ -149,13 +150,13 @@ class RepositoryBase:
         """
         statement, select = self._statements(model, tuple(key))
         try:
-            inserted = session.scalars(statement, {**key, **values}).one_or_none()
+            inserted: RowT | None = session.scalars(statement, {**key, **values}).one_or_none()
         except sa.exc.IntegrityError as exc:
             reason = str(exc.orig).strip().splitlines()[0]
             raise InvalidRecordError(f"{model.__tablename__} ({_describe(key)}): {reason}") from None
         if inserted is not None:  # new unit: RETURNING saved the read-back round trip
             return inserted
-        row = session.scalars(select, {f"key_{name}": value for name, value in key.items()}).one()
+        row: RowT = session.scalars(select, {f"key_{name}": value for name, value in key.items()}).one()
         for field in must_match:
             stored, given = getattr(row, field), values.get(field)
             if stored is not None and given is not None and stored != given:
@@ -175,7 +176,7 @@ class RepositoryBase:
         with self.store.write() as session:
             return self._insert_once(session, model, key, values, must_match)
 
-    def _one(self, statement: sa.Select[Any]) -> Any:
+    def _one(self, statement: sa.Select[RowT]) -> RowT | None:
         with self.store.read() as session:
             return session.scalars(statement).one_or_none()
 

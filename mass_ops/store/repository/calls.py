@@ -109,7 +109,7 @@ class CallRecords(RepositoryBase):
         with self.store.read() as session:
             rows = session.execute(statement).all()
         return [
-            UsageTotal(purpose, int(n), int(p), int(c), float(cost) if cost is not None else None)
+            UsageTotal(purpose, int(n), int(p or 0), int(c or 0), float(cost) if cost is not None else None)
             for purpose, n, p, c, cost in rows
         ]
 

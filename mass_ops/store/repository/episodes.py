@@ -199,7 +199,7 @@ class EpisodeRecords(RepositoryBase):
         )
         with self.store.read() as session:
             rows = session.execute(statement).all()
-        return [UsageTotal(kind, int(n), int(p), int(c), None) for kind, n, p, c in rows]
+        return [UsageTotal(kind, int(n), int(p or 0), int(c or 0), None) for kind, n, p, c in rows]
 
     # -- episode leases ------------------------------------------------------------------------------------------
 
@@ -221,14 +221,18 @@ class EpisodeRecords(RepositoryBase):
         """Mark attempt `attempt` of the unit as started (upsert): the unit's lease, whatever attempt it named
         before, now names this one, started at `started_at` (default now) on `host`. `renewed`: its holder renews it
         (`renew_episode_lease`), so it lapses when renewals stop; else it lasts until ended or too old."""
+        task, member = _task(task_id), _member(EpisodeKind, kind, "kind")
         identity = {
-            "task_id": _task(task_id),
-            "kind": _member(EpisodeKind, kind, "kind"),
+            "task_id": task,
+            "kind": member,
             "version": version,
             "candidate": candidate,
             "generation": generation,
         }
-        key = {"cycle_id": cycle_id, "unit_key": episode_unit_slug(seed=seed, **identity)}
+        slug = episode_unit_slug(
+            task_id=task, kind=member, seed=seed, version=version, candidate=candidate, generation=generation
+        )
+        key = {"cycle_id": cycle_id, "unit_key": slug}
         values = {
             **identity,
             "attempt": attempt,
@@ -241,7 +245,8 @@ class EpisodeRecords(RepositoryBase):
             index_elements=list(key), set_={name: getattr(insert.excluded, name) for name in values}
         ).returning(EpisodeLease)
         with self.store.write() as session:
-            return session.scalars(statement, {**key, **values}).one()
+            lease: EpisodeLease = session.scalars(statement, {**key, **values}).one()
+            return lease
 
     def renew_episode_lease(
         self,
