@@ -130,8 +130,11 @@ def plan(
             "stride on; prints the --set lines that start it.",
         ),
     ] = None,
+    show_config: Annotated[
+        bool, typer.Option("--show-config", help="Also print the resolved config as JSON (secrets masked).")
+    ] = False,
 ) -> None:
-    """Print the validated config, the stage graph with planned counts, the training command and resources."""
+    """Print the stage graph with planned counts, the training command, the resources and the cost estimate."""
     from mass_ops.stages.plan import (
         build_plan,
         cycle_estimate,
@@ -160,72 +163,85 @@ def plan(
         payload = {"config": shown_config(cfg), "plan": cycle_plan.as_dict(), "estimate": estimate.as_dict()}
         sys.stdout.write(json.dumps(payload) + "\n")
         return
+    if show_config:
+        console.print_json(json.dumps(shown_config(cfg)))
+    print_plan(cycle_plan, cfg)
+    print_estimate(estimate, cfg)
+
+
+def print_plan(cycle_plan: Any, cfg: CycleConfig) -> None:
+    """The stage graph with its planned counts, the totals, the training launch and the resources, readable at 80
+    columns (see `mass_ops.console`)."""
+    from mass_ops.console import Column, heading, human, label, print_command, print_prose, print_table
+
     gen = cfg.generation
-    console.rule(f"cycle {cycle_plan.cycle}: L{gen} -> RHI -> teacher collection -> SFT -> L{gen + 1}")
-    console.print_json(json.dumps(shown_config(cfg)))
-    table = Table(title="Stage graph and planned counts")
-    table.add_column("#", justify="right")
-    table.add_column("stage")
-    table.add_column("planned")
+    heading(console, f"cycle {cycle_plan.cycle}: L{gen} -> RHI -> teacher collection -> SFT -> L{gen + 1}")
+    print_prose(console, "Stage graph and planned counts:")
     for i, stage in enumerate(cycle_plan.stages, 1):
-        counts = ", ".join(f"{k}={v}" for k, v in stage.counts.items())
-        table.add_row(str(i), stage.stage, counts + (" (upper bound)" if stage.upper_bound else ""))
-    console.print(table)
-    totals = Table(title="Totals")
-    totals.add_column("what")
-    totals.add_column("count", justify="right")
-    for key, value in cycle_plan.totals.items():
-        totals.add_row(key, str(value))
-    console.print(totals)
-    console.print(f"effective batch: {cycle_plan.windows_per_step} windows per optimizer step")
-    console.print(f"LoRA targets: {cycle_plan.lora_target_pattern}", markup=False, highlight=False, soft_wrap=True)
-    console.print("training command:", style="bold")
-    console.print(" ".join(cycle_plan.training_command), markup=False, highlight=False, soft_wrap=True)
+        counts = ", ".join(f"{label(k)} {human(v)}" for k, v in stage.counts.items())
+        bound = " (upper bound)" if stage.upper_bound else ""
+        print_prose(console, f"{i:>2}. {stage.stage}" + (f": {counts}{bound}" if counts else ""), hanging="      ")
+    rows = [[label(key), human(value)] for key, value in cycle_plan.totals.items()]
+    print_table(console, "Totals", [Column("what"), Column("count", numeric=True)], rows)
+    print_prose(console, f"effective batch: {cycle_plan.windows_per_step} windows per optimizer step")
+    print_prose(console, "LoRA targets:")
+    console.print(f"  {cycle_plan.lora_target_pattern}", markup=False, highlight=False, soft_wrap=True)
+    print_prose(console, "training command:")
+    print_command(console, cycle_plan.training_command)
     r = cycle_plan.resources
-    console.print(
+    print_prose(
+        console,
         f"resources: inference {r.inference_gpus} GPU (capacity {r.inference_capacity} concurrent requests); "
         f"episodes {r.episode_concurrency} pods at once; training {r.training_nodes} node(s) × "
         f"{r.training_ranks // r.training_nodes} rank(s) = {r.training_gpus} GPU(s) "
         f"(reference topology: {r.reference_training_gpus} GPUs); export 1 CPU job",
-        markup=False,
     )
-    print_estimate(estimate, cfg)
 
 
 def print_estimate(estimate: CycleEstimate, cfg: CycleConfig) -> None:
-    """The per-stage cost estimate as a table, with what it was made from and the budget it is checked against."""
+    """The per-stage cost estimate as two tables (work and tokens; hours and money), with what it was made from and
+    the budget it is checked against. "±" figures appear only when the estimate carries a spread."""
+    from mass_ops.console import Column, print_prose, print_table
     from mass_ops.cost.estimate import check_budget
 
-    def tokens(value: int, sd: int) -> str:
-        return f"{value / 1e6:,.1f}M" + (f"±{sd / 1e6:,.1f}M" if sd else "")
+    rows = [*estimate.stages, estimate.total]
+    spread = any(s.prompt_tokens_sd or s.completion_tokens_sd for s in rows)
 
-    table = Table(title="Estimate per stage (tokens in millions, ± one standard deviation)")
-    for column in ("stage", "episodes", "calls", "prompt", "completion", "GPU-h serve", "GPU-h train", "wall h", "USD"):
-        table.add_column(column, justify="left" if column == "stage" else "right", overflow="fold")
-    for s in [*estimate.stages, estimate.total]:
-        table.add_row(
-            s.stage, str(s.episodes), str(s.llm_calls), tokens(s.prompt_tokens, s.prompt_tokens_sd),
-            tokens(s.completion_tokens, s.completion_tokens_sd), f"{s.serving_gpu_hours:.1f}",
-            f"{s.training_gpu_hours:.1f}", f"{s.wall_clock_s / 3600:.1f}", f"{s.cost_usd:,.2f}",
-        )  # fmt: skip
-    console.print(table)
+    def tokens(value: int, sd: int) -> str:
+        return f"{value / 1e6:,.1f}" + (f"±{sd / 1e6:,.1f}" if sd else "")
+
+    title = "Estimate per stage: work" + (" (± one standard deviation)" if spread else "")
+    print_table(
+        console,
+        title,
+        [Column("stage"), Column("episodes", True), Column("LLM calls", True), Column("prompt Mtok", True),
+         Column("completion Mtok", True)],
+        [[s.stage, f"{s.episodes:,}", f"{s.llm_calls:,}", tokens(s.prompt_tokens, s.prompt_tokens_sd),
+          tokens(s.completion_tokens, s.completion_tokens_sd)] for s in rows],
+    )  # fmt: skip
+    print_table(
+        console,
+        "Estimate per stage: time and cost",
+        [Column("stage"), Column("serving GPU-h", True), Column("training GPU-h", True), Column("wall-clock h", True),
+         Column("USD", True)],
+        [[s.stage, f"{s.serving_gpu_hours:,.1f}", f"{s.training_gpu_hours:,.1f}", f"{s.wall_clock_s / 3600:,.1f}",
+          f"{s.cost_usd:,.2f}"] for s in rows],
+    )  # fmt: skip
     source = (
         f"measured on {estimate.lineage_cycle}" if estimate.lineage_cycle else "defaults (mass_ops/cost/estimate.py)"
     )
-    console.print(
+    print_prose(
+        console,
         f"per-unit figures: {source}; prices: config.prices (serving {cfg.prices.serving_gpu_hour_usd} USD/GPU-h, "
         f"training {cfg.prices.training_gpu_hour_usd} USD/GPU-h)",
-        markup=False,
-        soft_wrap=True,
     )
     if estimate.unpriced_models:
-        console.print(
-            f"not priced (no prices.models entry, counted at 0 USD): {', '.join(estimate.unpriced_models)}",
-            markup=False,
+        print_prose(
+            console, f"not priced (no prices.models entry, counted at 0 USD): {', '.join(estimate.unpriced_models)}"
         )
     check = check_budget(estimate, cfg.budgets.cycle_cost_usd, cfg.budgets.cycle_tokens)
     for line in check.problems:
-        console.print(f"over budget: {line}", markup=False)
+        print_prose(console, f"over budget: {line}")
 
 
 def _metadata_url(config: str | None, overrides: list[str] | None, url: str | None) -> str:
@@ -303,7 +319,7 @@ def store_gc(
 ) -> None:
     """List (or with --apply remove) staging leftovers of killed writers and artifacts that no metadata row
     references; referenced artifacts are never touched. One tab-separated line per item, then a summary."""
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
     from mass_ops.store.gc import gc
     from mass_ops.store.repository import MetadataRepository
 
@@ -330,7 +346,8 @@ def store_gc(
 def store_init(config: ConfigOption = "demo", set_: SetOption = None) -> None:
     """Mark the configured artifact store as a mass-ops store (what `store gc` requires). A run's first probe marks
     a store by itself; this is for a store an older mass-ops wrote, before stores carried the marker."""
-    from mass_ops.store.artifacts import STORE_MARKER, open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
+    from mass_ops.store.artifacts import STORE_MARKER
 
     cfg = resolve_config(config, set_)
     try:
@@ -348,7 +365,7 @@ def tasks_list(
     catalogue: Annotated[str, typer.Option(help="'builtin' or a MASS-format task directory.")] = "builtin",
 ) -> None:
     """List the tasks of a catalogue with their domain and split."""
-    from mass_ops.tasks.catalogue import load_catalogue
+    from mass_ops.tasks.importer import load_catalogue
 
     try:
         cat = load_catalogue(None if catalogue == "builtin" else catalogue)
@@ -518,7 +535,7 @@ def rollout_cmd(
     )
 
 
-benchmark_app = typer.Typer(no_args_is_help=True, help="Public benchmarks: run a trial of a generation (#18).")
+benchmark_app = typer.Typer(no_args_is_help=True, help="Public benchmarks: run a trial of a generation.")
 app.add_typer(benchmark_app, name="benchmark")
 
 
@@ -552,7 +569,7 @@ def benchmark_grader_files(
 ) -> None:
     """Fetch a grader Job's file bundle from the store and write it once its hash checks (the Job's init step)."""
     from mass_ops.evaluation.benchmarks.grading import write_grader_bundle
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
 
     cfg = resolve_config(config, set_)
     try:
@@ -620,45 +637,52 @@ def _duration(seconds: float | None) -> str:
 
 
 def print_status(current: Any) -> None:
-    """A `stages.status.CycleStatus` as tables: stages, then budgets."""
-    console.rule(
-        f"cycle {current.cycle} ({current.cycle_status}): elapsed {_duration(current.elapsed_s)}, "
-        f"ETA of started stages {_duration(current.eta_s)}"
-    )
-    table = Table(title="Stages")
-    for column in (
-        "stage", "planned", "done", "failed", "budget", "pending", "in flight", "tokens", "USD", "elapsed", "ETA",
-    ):  # fmt: skip
-        table.add_column(column, justify="left" if column == "stage" else "right")
-    for s in current.stages:
-        if not s.started and not s.planned:
-            continue
-        table.add_row(
-            s.stage + ("" if s.started else " (not started)"), str(s.planned), str(s.done), str(s.failed),
-            str(s.budget_exhausted), str(s.pending), str(s.in_flight), f"{s.tokens:,}", f"{s.cost_usd:,.2f}",
-            _duration(s.elapsed_s), _duration(s.eta_s),
-        )  # fmt: skip
-    console.print(table)
-    console.print(f"pending = in flight or not started; {current.in_flight_note}", markup=False, soft_wrap=True)
+    """A `stages.status.CycleStatus` as tables that fit 80 columns: units per stage, spend and time per stage,
+    then budgets."""
+    from mass_ops.console import Column, heading, print_path, print_prose, print_table
+
+    eta = "" if current.eta_s is None else f", ETA of started stages {_duration(current.eta_s)}"
+    heading(console, f"cycle {current.cycle}: {current.cycle_status}, elapsed {_duration(current.elapsed_s)}{eta}")
+    shown = [s for s in current.stages if s.started or s.planned]
+
+    print_table(
+        console,
+        "Units per stage",
+        [Column("stage"), Column("planned", True), Column("done", True), Column("failed", True),
+         Column("budget-stopped", True), Column("pending", True), Column("in flight", True)],
+        [[s.stage, str(s.planned), str(s.done), str(s.failed), str(s.budget_exhausted), str(s.pending),
+          str(s.in_flight)] for s in shown],
+    )  # fmt: skip
+    print_table(
+        console,
+        "Spend and time per stage",
+        [Column("stage"), Column("tokens", True), Column("USD", True), Column("elapsed", True), Column("ETA", True)],
+        [[s.stage, f"{s.tokens:,}", f"{s.cost_usd:,.2f}", _duration(s.elapsed_s) if s.started else "not started",
+          "done" if s.started and s.planned and s.done == s.planned else _duration(s.eta_s)] for s in shown],
+    )  # fmt: skip
+    print_prose(console, f"pending = in flight or not started; {current.in_flight_note}")
     for s in current.stages:
         if s.note:
-            console.print(f"{s.stage}: {s.note}", markup=False)
+            print_prose(console, f"{s.stage}: {s.note}")
     listed = [u for u in current.units if u.state in ("failed", "budget_exhausted") or u.leased]
     for unit in listed:  # what needs a decision, and the episodes at work right now
-        console.print(f"{unit.stage}: {unit.key} {unit.state} ({unit.detail})", markup=False)
-    budgets = Table(title=f"Budgets (limits from {current.budgets_from}; spend from the ledger)")
-    for column in ("scope", "tokens", "token limit", "USD", "USD limit", "requests", "exhausted"):
-        budgets.add_column(column, justify="left" if column == "scope" else "right")
-    for b in current.budgets:
-        budgets.add_row(
-            b.scope, f"{b.tokens:,}", "none" if b.token_limit is None else f"{b.token_limit:,}", f"{b.cost_usd:,.4f}",
-            "none" if b.cost_limit is None else f"{b.cost_limit:,.2f}", str(b.requests), "yes" if b.exhausted else "no",
-        )  # fmt: skip
+        print_prose(console, f"{unit.stage}: {unit.key} {unit.state} ({unit.detail})")
     if current.budgets:
-        console.print(budgets)
+        print_table(
+            console,
+            "Budgets",
+            [Column("scope"), Column("tokens", True), Column("token limit", True), Column("USD", True),
+             Column("USD limit", True), Column("requests", True), Column("exhausted")],
+            [[b.scope, f"{b.tokens:,}", "none" if b.token_limit is None else f"{b.token_limit:,}",
+              f"{b.cost_usd:,.4f}", "none" if b.cost_limit is None else f"{b.cost_limit:,.2f}", f"{b.requests:,}",
+              "yes" if b.exhausted else "no"] for b in current.budgets],
+            caption=f"limits from {current.budgets_from}; spend from the ledger",
+        )  # fmt: skip
     else:
-        console.print("budgets: no spend recorded in the ledger yet", markup=False)
-    console.print(f"total: {current.tokens:,} tokens, {current.cost_usd:,.2f} USD", markup=False)
+        print_prose(console, "budgets: no spend recorded in the ledger yet")
+    print_prose(console, f"total: {current.tokens:,} tokens, {current.cost_usd:,.2f} USD")
+    if current.store:
+        print_path(console, "metadata store", current.store)
 
 
 @app.command("repair")
@@ -687,7 +711,7 @@ def repair_cmd(
     if as_json:
         sys.stdout.write(json.dumps(plan.as_dict(config_args, dag_run_id)) + "\n")
     else:
-        for line in plan.lines(config_args, dag_run_id):
+        for line in plan.lines(config_args, dag_run_id, width=console.width):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     if dry_run or plan.nothing_to_repair:
         return
@@ -696,7 +720,7 @@ def repair_cmd(
     except HANDLED as exc:
         raise failure("repair", exc) from None
     for row in rows:
-        console.print(f"repaired {row['stage']}: {row['units']} unit(s) redone", markup=False)
+        console.print(f"repaired {row['stage']}: {row['units']} unit(s) redone", markup=False, soft_wrap=True)
 
 
 STAGE_NAMES = ("validate_config", "render", "train", "select_checkpoint", "export", "register", "report")
@@ -756,13 +780,15 @@ def demo(
     except ConfigError as exc:
         raise fail(exc.problems) from None
     cycle_plan = build_plan(cfg, training_command_for(cfg))
-    planned = ", ".join(f"{count} {what}" for what, count in cycle_plan.totals.items())
-    console.print(f"demo cycle {cfg.cycle_name}: planned {planned}", markup=False)
+    from mass_ops.console import label, print_prose
+
+    planned = ", ".join(f"{count} {label(what)}" for what, count in cycle_plan.totals.items())
+    print_prose(console, f"demo cycle {cfg.cycle_name}: planned {planned}")
     try:
         result = run_demo(cfg, console, set_, verbose=verbose)
     except HANDLED as exc:
         raise failure("demo", exc, resume_hint="rerun to resume (finished units are kept)") from None
-    console.rule("[bold]done")
+    console.rule("done")
     print_summary(console, result)
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -99,3 +103,54 @@ def test_validate_paper_without_a_chosen_catalogue_is_one_line_naming_the_import
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "mass-ops tasks import" in lines[0] and "tasks.catalogue=builtin" in lines[0]
     assert not (tmp_path / "m.db").exists()  # refused before the metadata store was touched
+
+
+def run_cli(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """The real `mass-ops` in a child process, stdout a pipe (not a terminal), 80 columns."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("MASS_METADATA_URL", "MASS_ARTIFACT_URL")}
+    environ.update(COLUMNS="80", **env)
+    command = [sys.executable, "-c", "from mass_ops.cli import main; main()", *args]
+    return subprocess.run(command, cwd=cwd, env=environ, capture_output=True, text=True, timeout=300)
+
+
+def long_lines(text: str) -> list[str]:
+    """Lines over 80 columns that are more than one word: only a lone path, URL or pattern may be longer."""
+    return [line for line in text.splitlines() if len(line) > 80 and len(line.removesuffix(" \\").split()) > 1]
+
+
+def test_plan_through_a_pipe_fits_80_columns_and_shows_the_config_only_when_asked():
+    plan = run_cli("plan", "--config", "paper")
+    assert plan.returncode == 0, plan.stderr
+    assert long_lines(plan.stdout) == [], plan.stdout
+    assert '"name": null' not in plan.stdout and len(plan.stdout.splitlines()) < 90
+    assert "± one standard deviation" not in plan.stdout, "the paper's estimate carries no spread"
+    assert "  python -m torch.distributed.run" in plan.stdout
+    shown = run_cli("plan", "--config", "paper", "--show-config")
+    assert '"name": null' in shown.stdout
+
+
+def test_help_texts_hold_no_issue_numbers():
+    import re
+
+    for command in ([], ["benchmark"], ["plan"], ["status"], ["repair"], ["demo"], ["episode"], ["store"]):
+        shown = runner.invoke(app, [*command, "--help"])
+        assert shown.exit_code == 0, shown.output
+        assert not re.search(r"#\d|ISSUE", shown.output), shown.output
+
+
+def test_demo_outside_a_clone_without_dag_files_says_in_one_line_what_to_set(tmp_path: Path):
+    empty = tmp_path / "no-dags"
+    empty.mkdir()
+    done = run_cli("demo", cwd=tmp_path, MASS_DAGS_DIR=str(empty))
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "MASS_DAGS_DIR" in line and "internal error" not in line
+    assert not (tmp_path / "runs").exists(), "nothing written before the demo can run"
+
+
+def test_demo_outside_a_clone_finds_the_dag_files_of_the_clone_it_is_installed_from(tmp_path, monkeypatch):
+    from mass_ops_airflow.demo import airflow_home
+
+    monkeypatch.chdir(tmp_path)
+    assert airflow_home.dags_folder({}) == Path(__file__).resolve().parents[1] / "dags"
+    assert airflow_home.dags_folder({"MASS_DAGS_DIR": str(tmp_path)}) == tmp_path.resolve()

@@ -362,8 +362,22 @@ def evaluate(config: CycleConfig) -> dict[str, Any]:
     return run(attach_cycle(config))
 
 
+def promotion_request(config: CycleConfig) -> dict[str, Any]:
+    """Whether L(k+1) waits for approval before it is served, and the evaluation headline the approval shows."""
+    from mass_ops.stages.promotion import promotion_request as request
+
+    return request(attach_cycle(config))
+
+
+def promote(config: CycleConfig, approved_by: str | None = None) -> dict[str, Any]:
+    """Record L(k+1) as promoted: nightly evaluation serves it and the next cycle may start from it."""
+    from mass_ops.stages.promotion import promote as run
+
+    return run(attach_cycle(config), approved_by)
+
+
 def nightly_targets(config: CycleConfig) -> list[str]:
-    """The generations tonight's evaluation covers (the newest registered one that has a parent)."""
+    """The generations tonight's evaluation covers (the newest served one that has a parent)."""
     from mass_ops.stages.nightly import nightly_config
     from mass_ops.stages.nightly import nightly_targets as targets
 
@@ -559,16 +573,8 @@ def status(config: CycleConfig, cycle: str | None = None) -> dict[str, Any]:
     return cycle_status(config, cycle or config.cycle_name).as_dict()
 
 
-def repair(config: CycleConfig, cycle: str | None = None, *, dry_run: bool = True) -> dict[str, Any]:
-    """The missing or failed units of `cycle` (default: the config's) per stage and the commands that redo them;
-    without `dry_run`, run the stage functions too (see `stages.repair`)."""
-    from mass_ops.stages.repair import plan_repair, run_repair
-
-    plan = plan_repair(config, cycle or config.cycle_name)
-    result = plan.as_dict()
-    if not dry_run and not plan.nothing_to_repair:
-        result["ran"] = [jsonable(row) for row in run_repair(config, plan)]
-    return result
+# The repair of a cycle runs the functions of this module, so it lives beside them, not in here (one import
+# direction): `mass_ops.stages.repair.repair_cycle`.
 
 
 def benchmark_units(config: CycleConfig, benchmarks: Sequence[str], trials: int) -> list[list[Any]]:

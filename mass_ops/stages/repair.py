@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mass_ops.config import CycleConfig
+from mass_ops.console import command_lines
 from mass_ops.errors import InputError
 from mass_ops.stages.status import (
     STAGES,
@@ -140,12 +142,14 @@ class RepairPlan:
             "commands": self.stage_commands(config_args) if self.stages else [],
         }
 
-    def lines(self, config_args: Sequence[str], dag_run_id: str | None = None) -> list[str]:
-        """The plan as text (what `repair --dry-run` prints)."""
+    def lines(self, config_args: Sequence[str], dag_run_id: str | None = None, width: int = 80) -> list[str]:
+        """The plan as text (what `repair --dry-run` prints), `width` columns wide: prose wraps between words, the
+        REST body is indented JSON and each command folds between its arguments (`mass_ops.console`), so every one
+        still pastes whole."""
         flying = [f"in flight now, not redone: {u.stage} {u.key} ({u.detail})" for u in self.in_flight]
         if self.nothing_to_repair:
             rest = f" (not started yet: {', '.join(self.not_started)})" if self.not_started else ""
-            return [f"cycle {self.cycle}: nothing to repair{rest}", *flying]
+            return _wrapped([f"cycle {self.cycle}: nothing to repair{rest}", *flying], width)
         out = [f"cycle {self.cycle}: {sum(len(s.units) for s in self.stages)} unit(s) to redo", *flying]
         for repair in self.stages:
             out.append(f"{repair.stage}:")
@@ -154,14 +158,31 @@ class RepairPlan:
                 out.append("  stopped by a budget: raise budgets.* (see `mass-ops status`) before redoing them")
         if self.not_started:
             out.append(f"not started yet (the rest of the run, not a repair): {', '.join(self.not_started)}")
+        out = _wrapped(out, width)
         path, body = self.airflow_rest(dag_run_id)
         out.append("Airflow (REST):")
-        out.append(f"  POST {path} {json.dumps(body)}")
+        out.append(f"  POST {path}")
+        out += ["  " + line for line in json.dumps(body, indent=2).splitlines()]
         out.append("Airflow (CLI):")
-        out.append(f"  {self.airflow_cli()}")
+        out += command_lines(self.airflow_cli(), width)
         out.append("mass-ops:")
-        out += [f"  {line}" for line in self.stage_commands(config_args)]
+        for line in self.stage_commands(config_args):
+            command, _, comment = line.partition("  # ")
+            out += command_lines(command, width)
+            if comment:
+                out.append(f"  # {comment}")
         return out
+
+
+def _wrapped(lines: Sequence[str], width: int) -> list[str]:
+    """Prose lines wrapped between words (indentation kept; a word longer than a line stays whole)."""
+    out = []
+    for line in lines:
+        indent = line[: len(line) - len(line.lstrip())]
+        out += textwrap.wrap(
+            line, width, subsequent_indent=indent + "  ", break_long_words=False, break_on_hyphens=False
+        ) or [line]
+    return out
 
 
 def _search_airflow_tasks(units: Sequence[UnitState]) -> list[str]:
@@ -235,6 +256,18 @@ def default_runners() -> dict[str, StageRunner]:
         "rollout": evaluate,
         "evaluate": evaluate,
     }
+
+
+def repair_cycle(config: CycleConfig, cycle: str | None = None, *, dry_run: bool = True) -> dict[str, Any]:
+    """The missing or failed units of `cycle` (default: the config's) per stage and the commands that redo them, as
+    JSON data; without `dry_run`, run the stage functions too (under ``ran``)."""
+    from mass_ops.stages.common import jsonable
+
+    plan = plan_repair(config, cycle or config.cycle_name)
+    result = plan.as_dict()
+    if not dry_run and not plan.nothing_to_repair:
+        result["ran"] = [jsonable(row) for row in run_repair(config, plan)]
+    return result
 
 
 def run_repair(

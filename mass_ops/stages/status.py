@@ -18,6 +18,10 @@ Unit states: ``done`` (a final record: a succeeded or model-failed episode — a
 redone), ``failed`` (the latest attempt failed on infrastructure, or a training run failed), ``budget_exhausted``
 (the latest attempt was stopped by a budget: raise it, then redo), ``running`` (in flight: started, not finished) and
 ``pending`` (nothing of it recorded).
+
+The cycle's state is read from its units as well: ``finished`` once every unit is done (its elapsed time and each
+stage's then stop at the last finished record), ``in progress`` once any has a record, else ``not started``; a cycle
+row marked succeeded or failed says so.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from mass_ops.store.schema import (
     TrainingRun,
     WorkflowVersion,
 )
+from mass_ops.store.urls import mask_url
 
 # The stages `status` and `repair` follow, in the order of the cycle. "export" is the CLI's `mass-ops export`
 # (select_checkpoint, export and register in the DAG); "rollout" is the evaluation's rollout episodes and
@@ -127,7 +132,7 @@ class CycleStatus:
     """Everything `mass-ops status` prints."""
 
     cycle: str
-    cycle_status: str
+    cycle_status: str  # finished, in progress, not started, failed (see the module docstring)
     generated_at: datetime
     created_at: datetime
     elapsed_s: float
@@ -137,6 +142,7 @@ class CycleStatus:
     units: list[UnitState] = field(default_factory=list)
     eta_s: float | None = None
     in_flight_note: str = IN_FLIGHT_NOTE
+    store: str = ""  # the metadata store read, password masked
 
     @property
     def tokens(self) -> int:
@@ -189,8 +195,6 @@ def cycle_row(repo: MetadataRepository, cycle: str) -> Cycle:
     """The cycle's row; StatusError when it was never opened in this store."""
     row = repo.get_cycle(cycle)
     if row is None:
-        from mass_ops.store.metadata import mask_url
-
         store = mask_url(repo.store.url)
         raise StatusError(f"cycle {cycle!r}: not in the metadata store {store}; run validate_config first")
     return row
@@ -482,9 +486,25 @@ def budget_statuses(repo: MetadataRepository, cycle_id: int, limits: BudgetLimit
 # -- the status -------------------------------------------------------------------------------------------------------
 
 
-def _elapsed(times: Iterable[datetime], now: datetime) -> float | None:
+def _elapsed(times: Iterable[datetime], end: datetime) -> float | None:
     times = list(times)
-    return (now - min(times)).total_seconds() if times else None
+    return (end - min(times)).total_seconds() if times else None
+
+
+def cycle_state(row: Cycle, units: Sequence[UnitState]) -> str:
+    """finished / in progress / not started from the units; the row's own state when a run marked it ended."""
+    if row.status == RunStatus.FAILED:
+        return "failed"
+    if row.status == RunStatus.SUCCEEDED or (units and all(u.state == "done" for u in units)):
+        return "finished"
+    return "in progress" if any(u.state != "pending" for u in units) else "not started"
+
+
+def _last_record(units: Sequence[UnitState], spend: Mapping[str, _Spend]) -> datetime | None:
+    """When the cycle's last record was written: the latest finished unit or spend row."""
+    times = [u.finished_at for u in units if u.finished_at is not None]
+    times += [t for bucket in spend.values() for t in bucket.ends]
+    return max(times) if times else None
 
 
 def _stage_status(
@@ -496,6 +516,7 @@ def _stage_status(
     finished = [u.finished_at for u in units if u.state == "done" and u.finished_at is not None]
     starts = list(spend.starts) if spend else []
     starts += finished
+    ends = [*(spend.ends if spend else []), *finished]
     started = bool(starts) or any(u.state != "pending" for u in units)
     remaining = counts["pending"] + counts["running"] + counts["failed"] + counts["budget_exhausted"]
     eta = None
@@ -517,7 +538,8 @@ def _stage_status(
         prompt_tokens=spend.prompt if spend else 0,
         completion_tokens=spend.completion if spend else 0,
         cost_usd=spend.cost if spend else 0.0,
-        elapsed_s=_elapsed(starts, now) if started else None,
+        # A stage with nothing left stops its clock at its last record, however long ago that was.
+        elapsed_s=_elapsed(starts, now if remaining or not ends else max(ends)) if started else None,
         eta_s=eta,
         note=note,
     )
@@ -545,10 +567,11 @@ def cycle_status(config: CycleConfig, cycle: str, *, now: datetime | None = None
     stages = [_stage_status(s, by_stage.get(s, []), spend.get(s), now, notes.get(s, "")) for s in STAGES]
     limits = BudgetLimits.from_mapping(own.budgets.model_dump())
     etas = [s.eta_s for s in stages if s.eta_s is not None]
-    end = row.finished_at or now
+    state = cycle_state(row, units)
+    end = row.finished_at or (_last_record(units, spend) if state == "finished" else None) or now
     return CycleStatus(
         cycle=row.name,
-        cycle_status=row.status,
+        cycle_status=state,
         generated_at=now,
         created_at=row.created_at,
         elapsed_s=(end - row.created_at).total_seconds(),
@@ -557,4 +580,5 @@ def cycle_status(config: CycleConfig, cycle: str, *, now: datetime | None = None
         budgets_from=budgets_from,
         units=units,
         eta_s=sum(etas) if etas else None,
+        store=mask_url(repo.store.url),
     )

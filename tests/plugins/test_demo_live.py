@@ -16,8 +16,8 @@ from mass_ops_airflow.demo.live import (
     TaskSnapshot,
     clock,
     finished_line,
+    print_summary,
     stage_line,
-    summary_tables,
 )
 from rich.console import Console
 
@@ -112,22 +112,55 @@ def test_the_line_mode_prints_one_plain_line_per_finished_instance_and_survives_
     assert "skipped" in printed[2] and "rhi.step_v1[t51]" in printed[2]
 
 
-def test_the_closing_tables_hold_no_python_reprs():
+def test_the_closing_lines_hold_no_python_reprs_and_fit_80_columns():
+    """Labels and words, not field names and Python values; every location and command whole and copyable."""
+    report = "/home/someone/projects/mass-ops-clone/runs/demo/artifacts/cycles/demo-L0/report/report.html"
     result = {
-        "report": "runs/demo/artifacts/report.html",
+        "report": report,
         "report_markdown": "runs/demo/artifacts/report.md",
         "log": "runs/demo/logs/demo-x.log",
-        "generation": {"generation": "L1", "parent": "L0", "bf16_uri": "file:///x"},
-        "evaluation": {"win_rate": 0.5123, "pairs": 4, "judges": ["a", "b"], "by_split": {"test": 0.5}},
+        "generation": {"generation": "L1", "generation_id": 7, "parent": "L0", "bf16_uri": "file:///x"},
+        "evaluation": {"win_rate": None, "pairs": 4, "judges": ["a", "b"], "stand_in_judge": True},
         "run_id": "manual__1",
         "task_states": {"success": 40, "skipped": 12},
         "timings_s": {"train": 61.23, "export": 5.0},
         "total_s": 300.0,
+        "inspect": [
+            ["mass-ops", "repair", "demo-L0", "--config", "demo", "--set", "models.served_name=a/b", "--dry-run"]
+        ],
     }
-    text = "".join(render(t) for t in summary_tables(result))
-    assert "{" not in text and "[" not in text and "'" not in text
-    for fragment in ("win_rate", "0.5123", "a, b", "test=0.5", "L1", "success", "40", "61.2", "300.0", "demo-x.log"):
+    console = Console(file=io.StringIO(), width=80, record=True, color_system=None)
+    print_summary(console, result)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines if line.strip() != report), text
+    assert report in [line.strip() for line in lines], "the report path whole on its own line"
+    assert "{" not in text and "'" not in text and "True" not in text and "None" not in text
+    for fragment in ("BF16 model: file:///x", "stand-in judge: yes", "win rate: n/a", "a, b", "40 success", "61.2"):
         assert fragment in text
+    assert "bf16_uri" not in text and "generation id" not in text
+    assert "  mass-ops repair demo-L0 --config demo --set models.served_name=a/b --dry-run" in lines
+
+
+def test_inner_loop_instances_are_named_by_their_task_also_when_skipped():
+    """Airflow renders a label only for an instance that ran: a skipped step takes its task from its siblings."""
+    progress = DemoProgress(started=T0, now=lambda: at(60))
+    finished = progress.update(
+        [
+            TaskSnapshot("inner_loop.step_v0", 0, "success", at(2), at(30), label="search-t51-v0"),
+            TaskSnapshot("inner_loop.step_v1", 0, "skipped", at(30), at(30)),
+            TaskSnapshot(
+                "inner_loop.collect_task", 1, "success", at(2), at(30), label="collection-t202 (3 candidates)"
+            ),
+            TaskSnapshot("inner_loop.step_v1", 1, "skipped", at(30), at(30)),
+        ]
+    )
+    assert sorted(ti.name for ti in finished) == [
+        "inner_loop.collect_task[t202]",
+        "inner_loop.step_v0[t51]",
+        "inner_loop.step_v1[t202]",
+        "inner_loop.step_v1[t51]",
+    ]
 
 
 STAND_IN_DEMO = textwrap.dedent(
@@ -242,4 +275,4 @@ def test_the_inner_loop_group_shows_its_phases_as_three_lines_in_dag_order():
         "select",
     ]
     collecting = next(r for r in rows if "inner_loop.collect_task" in r.split("│")[1])
-    assert "inner_loop.collect_task[collection-t51" in collecting, "the running unit of the collection line"
+    assert "inner_loop.collect_task[t51]" in collecting, "the running unit of the collection line"

@@ -37,11 +37,13 @@ def test_dry_run_lists_the_failed_unit_and_the_exact_commands(inner_loop: InnerL
         "include_downstream": True,
         "dry_run": False,
     }
-    assert f"  POST /api/v2/dags/mass_cycle/clearTaskInstances {json.dumps(body)}" in lines
+    rest = lines.index("  POST /api/v2/dags/mass_cycle/clearTaskInstances")
+    assert json.loads("\n".join(lines[rest + 1 : lines.index("Airflow (CLI):")])) == body
+    commands = unfolded(lines)
     clear = r"airflow tasks clear mass_cycle -t '^(inner_loop\.collect_task)$' --only-failed --downstream --yes"
-    assert f"  {clear}" in lines
-    assert f"  mass-ops collect --config {shlex.quote(source)} --tasks {TASK}" in lines
-    assert any(line.startswith("not started yet (the rest of the run, not a repair): rank, select") for line in lines)
+    assert f"  {clear}" in commands
+    assert f"  mass-ops collect --config {shlex.quote(source)} --tasks {TASK}" in commands
+    assert "not started yet (the rest of the run, not a repair): rank, select" in " ".join(lines)
     assert len(opened.ctx.repo.episodes(opened.ctx.cycle_id)) == before  # a dry run changes nothing
 
     as_json = runner.invoke(app, ["repair", cycle, "--config", source, "--dry-run", "--json"])
@@ -79,6 +81,17 @@ def test_repair_redoes_only_the_failed_unit_then_finds_nothing(
     assert calls == [[TASK]]
 
 
+def unfolded(lines: list[str]) -> list[str]:
+    """The lines with every folded command joined back into one line (what a shell reads)."""
+    out: list[str] = []
+    for line in lines:
+        if out and out[-1].endswith(" \\"):
+            out[-1] = out[-1][:-2] + " " + line.strip()
+        else:
+            out.append(line)
+    return out
+
+
 def key_seed(opened: Any) -> int:
     from mass_ops.seeds import collection_seed
 
@@ -109,9 +122,11 @@ def test_an_episode_at_work_under_its_lease_is_listed_in_flight_and_not_redone(i
     assert plan.nothing_to_repair and [u.key for u in plan.in_flight] == [f"collection-t{TASK}-c1"]
     lines = plan.lines([])
     assert lines[0].startswith(f"cycle {ctx.cycle_name}: nothing to repair")
+    text = " ".join(line.strip() for line in lines)
     assert (
-        f"in flight now, not redone: collect collection-t{TASK}-c1 (attempt 3 started 2m ago on node-b pid 9)" in lines
+        f"in flight now, not redone: collect collection-t{TASK}-c1 (attempt 3 started 2m ago on node-b pid 9)" in text
     )
+    assert all(len(line) <= 80 for line in lines)
     assert plan.as_dict([])["in_flight"] == [
         {"stage": "collect", "key": f"collection-t{TASK}-c1", "detail": "attempt 3 started 2m ago on node-b pid 9"}
     ]

@@ -192,10 +192,11 @@ def test_units_in_flight_are_told_from_units_not_started(inner_loop: InnerLoopEn
     table = runner.invoke(app, ["status", ctx.cycle_name, "--config", config_file(opened, tmp_path)])
     assert table.exit_code == 0, table.output
     lines = table.stdout.splitlines()
-    headers = [line.split("┃")[1:-1] for line in lines if line.startswith("┃")]
+    units_table = lines[: next(i for i, line in enumerate(lines) if line.startswith("└"))]  # the first table
+    headers = [line.split("┃")[1:-1] for line in units_table if line.startswith("┃")]
     names = [" ".join(part.strip() for part in column).strip() for column in zip(*headers, strict=True)]
     assert names[6].startswith("in flig"), names  # the column after pending (narrow terminals abbreviate names)
-    (rank_row,) = [line for line in lines if line.startswith("│ rank ")]
+    (rank_row,) = [line for line in units_table if line.startswith("│ rank ")]
     cells = [cell.strip() for cell in rank_row.split("│")[1:-1]]
     assert (cells[5], cells[6]) == ("1", "1"), "pending 1, of which in flight 1"
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.live import Live
 
 from mass_ops.config import CycleConfig, load_config
+from mass_ops.errors import InfrastructureError
 
 # transformers serve lists a model under the path it was given, so the demo serves it from a path relative to the
 # working directory and uses that path as the served name.
@@ -39,10 +40,24 @@ def demo_config(overrides: list[str] | None = None) -> CycleConfig:
     return load_config("demo", [*DEMO_STORAGE, f"models.served_name={DEMO_MODEL_DIR}", *(overrides or [])])
 
 
+def inspect_commands(config: CycleConfig, overrides: list[str] | None = None) -> list[list[str]]:
+    """The `mass-ops` commands that read the demo's cycle back (status, a repair dry run, the report), with the
+    config the demo ran with: the demo preset (whose storage is `runs/demo/`) and the same overrides, so the config
+    hash matches and the stage commands accept it. Relative paths: run them from the folder the demo ran in."""
+    sets = [arg for value in (f"models.served_name={DEMO_MODEL_DIR}", *(overrides or [])) for arg in ("--set", value)]
+    base = ["--config", "demo", *sets]
+    cycle = config.cycle_name
+    return [
+        ["mass-ops", "status", cycle, *base],
+        ["mass-ops", "repair", cycle, *base, "--dry-run"],
+        ["mass-ops", "report", *base],
+    ]
+
+
 def prepare_parent(config: CycleConfig) -> Path:
     """Build the tiny L0 (idempotent) and publish it to the artifact store under `models.parent_bf16`."""
     from mass_ops.models.tiny import build_tiny_qwen3
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
     from mass_ops.store.model_folders import publish_model
 
     model_dir = build_tiny_qwen3(Path(DEMO_MODEL_DIR), max_position_embeddings=config.inference.context_window_tokens)
@@ -62,8 +77,8 @@ def run_demo(
 
     By default Airflow's records (and every child process's output) go to a file under `runs/demo/logs/` and the
     terminal shows the live view of `live` (one plain line per finished task instance when it is not a TTY);
-    `verbose` prints everything as it comes instead. Raises RuntimeError naming the failed tasks when the run does
-    not succeed (rerunning resumes: every stage skips the units it already finished).
+    `verbose` prints everything as it comes instead. Raises InfrastructureError naming the failed tasks when the run
+    does not succeed (rerunning resumes: every stage skips the units it already finished).
     """
     from mass_ops_airflow.demo import airflow_home as demo_airflow
     from mass_ops_airflow.demo import live
@@ -89,7 +104,7 @@ def run_demo(
         log_path = None
     else:
         log_path = live.new_log_path()
-        console.print(f"Airflow logs: {log_path}", markup=False)
+        console.print(f"Airflow logs: {log_path}", markup=False, highlight=False, soft_wrap=True)
         with live.redirected_output(log_path) as terminal:
             view = Console(file=terminal)  # a TTY when the terminal is one: the live table; else plain lines
             with view.status("building the tiny L0 model and the Airflow database"):
@@ -103,11 +118,15 @@ def run_demo(
         failed = ", ".join(demo_airflow.failed_tasks(run)) or "none failed"
         where = f"see {log_path}" if log_path else "see the output above"
         counts = ", ".join(f"{n} {state}" for state, n in states.items())
-        raise RuntimeError(f"mass_cycle run {run.run_id} ended {run.state}; failed tasks: {failed} ({counts}); {where}")
+        raise InfrastructureError(
+            f"mass_cycle run {run.run_id} ended {run.state}; failed tasks: {failed} ({counts}); {where}"
+        )
     report = demo_airflow.xcom_result(run, "report") or {}
     registered = demo_airflow.xcom_result(run, "register") or {}
     evaluated = demo_airflow.xcom_result(run, "evaluate") or {}
     return {
+        "cycle": config.cycle_name,
+        "inspect": inspect_commands(config, overrides),
         "report": report.get("html"),
         "report_markdown": report.get("markdown"),
         "generation": registered,

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sized
 from pathlib import Path
 from typing import Any
 
+from mass_ops.errors import InputError
 from mass_ops_airflow import CYCLE_DAG_ID
 from mass_ops_airflow.demo import DEMO_MODEL_DIR, DEMO_STORAGE_ENV
 from mass_ops_airflow.pools import GPU_POOL, INFERENCE_POOL
@@ -33,8 +34,13 @@ _NOTHING_TO_RUN = "No tasks to run."
 WAITING_NOTE = "waiting: %d unfinished task instances, none runnable yet"
 
 
-class DemoAirflowError(RuntimeError):
-    """The demo's Airflow cannot be prepared (Airflow already imported with another home, DAG folder missing)."""
+# The `dags/` folder of the clone this package is installed from (an editable install: plugins/mass_ops_airflow/).
+CHECKOUT_DAGS = Path(__file__).resolve().parents[3] / "dags"
+
+
+class DemoAirflowError(InputError):
+    """The demo's Airflow cannot be prepared (Airflow already imported with another home, no DAG folder): one line
+    saying what to set, exit 2 — the install or the environment, not a bug."""
 
 
 class WaitingNote(logging.Filter):
@@ -50,11 +56,17 @@ class WaitingNote(logging.Filter):
 
 
 def dags_folder(environ: Mapping[str, str] | None = None) -> Path:
-    """The folder of the DAG files the demo's Airflow loads: `$MASS_DAGS_DIR` when set, else `dags/` of the working
-    directory (the demo runs from a clone of mass-ops, like its `runs/demo/` folder). An installed wheel carries no
-    DAG files, so a demo started elsewhere names its DAG folder with `MASS_DAGS_DIR`."""
+    """The folder of the DAG files the demo's Airflow loads: `$MASS_DAGS_DIR` when set; else `dags/` of the working
+    directory when it holds the cycle DAG (a clone of mass-ops); else the `dags/` of the clone this package is
+    installed from, so the demo runs from any folder (its `runs/demo/` is made there). A wheel carries no DAG files:
+    then `use_demo_airflow` names `MASS_DAGS_DIR`."""
     configured = (os.environ if environ is None else environ).get(DAGS_DIR_ENV)
-    return Path(configured).expanduser().resolve() if configured else Path("dags").resolve()
+    if configured:
+        return Path(configured).expanduser().resolve()
+    here = Path("dags").resolve()
+    if (here / f"{CYCLE_DAG_ID}.py").is_file() or not (CHECKOUT_DAGS / f"{CYCLE_DAG_ID}.py").is_file():
+        return here
+    return CHECKOUT_DAGS
 
 
 def quiet_waiting_notes() -> None:
@@ -87,12 +99,12 @@ def demo_run_conf(overrides: list[str] | None = None) -> dict[str, Any]:
 
 def use_demo_airflow(home: Path = DEMO_AIRFLOW_HOME, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Export the demo's Airflow environment into this process; refuse when Airflow is already imported elsewhere."""
-    env = airflow_environment(home)
     if not (dags_folder() / f"{CYCLE_DAG_ID}.py").is_file():
         raise DemoAirflowError(
-            f"no {CYCLE_DAG_ID}.py in the DAG folder {dags_folder()}: run the demo from a clone of mass-ops or set "
-            f"{DAGS_DIR_ENV} to the folder of mass-ops' DAG files"
+            f"no {CYCLE_DAG_ID}.py in {dags_folder()} (this install carries no DAG files); set {DAGS_DIR_ENV} to "
+            "the dags/ folder of a mass-ops clone"
         )
+    env = airflow_environment(home)
     if "airflow" in sys.modules and os.environ.get("AIRFLOW_HOME") != env["AIRFLOW_HOME"]:
         raise DemoAirflowError("Airflow was imported before the demo could point it at its own home")
     home.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -58,6 +59,8 @@ def clock(seconds: float | None) -> str:
 
 INNER_LOOP = "inner_loop"  # mass_cycle's group mapped per task: search steps, then collect_task, then rank_task
 INNER_LOOP_PHASES = ("collect_task", "rank_task")
+# The task number in a rendered label of the inner loop ("search-t51-v2", "collection-t51 (3 candidates)").
+TASK_IN_LABEL = re.compile(r"(?:^|[-\s])t(\d+)\b")
 
 
 def stage_of(task_id: str) -> str:
@@ -96,7 +99,7 @@ class TaskSnapshot:
     def name(self) -> str:
         if self.map_index < 0:
             return self.task_id
-        return f"{self.task_id}[{self.label or self.map_index}]"
+        return f"{self.task_id}[{self.label or f'#{self.map_index}'}]"
 
     @property
     def key(self) -> tuple[str, int]:
@@ -125,6 +128,24 @@ class StageLine:
     @property
     def done(self) -> bool:
         return self.total > 0 and sum(self.counts[c] for c in FINISHED) == self.total
+
+
+def task_labels(snapshots: Iterable[TaskSnapshot]) -> list[TaskSnapshot]:
+    """The inner loop's instances named by their task alone (``inner_loop.step_v3[t51]``), the same for every member
+    of the group: Airflow renders a label only for an instance that ran, so a skipped step would otherwise show its
+    bare map index beside its siblings' rendered labels. The task of a map index is read from any sibling's label."""
+    snapshots = list(snapshots)
+    tasks: dict[int, str] = {}
+    for ti in snapshots:
+        found = TASK_IN_LABEL.search(ti.label or "") if ti.task_id.startswith(f"{INNER_LOOP}.") else None
+        if found and ti.map_index >= 0:
+            tasks[ti.map_index] = found.group(1)
+    return [
+        replace(ti, label=f"t{tasks[ti.map_index]}")
+        if ti.task_id.startswith(f"{INNER_LOOP}.") and ti.map_index in tasks
+        else ti
+        for ti in snapshots
+    ]
 
 
 def stage_line(stage: str, instances: Sequence[TaskSnapshot], now: datetime) -> StageLine:
@@ -180,7 +201,7 @@ class DemoProgress:
 
     def update(self, snapshots: Iterable[TaskSnapshot]) -> list[TaskSnapshot]:
         """Take the newest snapshot of the run; returns the instances that finished since the last call."""
-        fresh = {ti.key: ti for ti in snapshots}
+        fresh = {ti.key: ti for ti in task_labels(snapshots)}
         with self._lock:
             self._instances = fresh
             newly = [ti for key, ti in fresh.items() if ti.finished and key not in self._reported]
@@ -363,50 +384,48 @@ def redirected_output(log_path: Path) -> Iterator[TextIO]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The closing tables
+# The closing lines
+
+# What the register and evaluate results hold that a person does not need at the end of the demo (database ids).
+_HIDDEN = frozenset({"generation_id", "parent_id", "checkpoint_id"})
+_LOCATIONS = frozenset({"bf16_uri", "fp8_uri", "results_uri", "uri"})
 
 
-def _cell(value: Any) -> str:
-    """A value for a table cell: numbers rounded, lists and mappings as short `k=v` text (never a Python repr)."""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, Mapping):
-        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items()) or "—"
-    if isinstance(value, list | tuple):
-        return ", ".join(_cell(v) for v in value) or "—"
-    return "—" if value is None else str(value)
+def _section(console: Console, title: str, data: Mapping[str, Any]) -> None:
+    """A titled block of ``label: value`` lines; locations whole on their own line when they do not fit."""
+    from mass_ops.console import human, label, print_path, print_prose
 
-
-def key_value_table(title: str, data: Mapping[str, Any]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("field", style="bold", no_wrap=True)
-    table.add_column("value", overflow="fold")
+    print_prose(console, f"{title}:")
     for key, value in data.items():
-        table.add_row(escape(str(key)), escape(_cell(value)))
-    return table
-
-
-def summary_tables(result: Mapping[str, Any]) -> list[Table]:
-    """The tables `mass-ops demo` closes with: report, new model, evaluation, task states, wall-clock per stage."""
-    report = key_value_table(
-        "report", {"html": result.get("report"), "markdown": result.get("report_markdown"), "logs": result.get("log")}
-    )
-    model = key_value_table("new model", result.get("generation") or {})
-    evaluation = key_value_table("evaluation", result.get("evaluation") or {})
-    states = Table(title=f"task states (DAG run {result.get('run_id')})", title_justify="left")
-    states.add_column("state")
-    states.add_column("task instances", justify="right")
-    for state, count in (result.get("task_states") or {}).items():
-        states.add_row(escape(state), str(count))
-    timings = Table(title="wall-clock per stage", title_justify="left")
-    timings.add_column("stage")
-    timings.add_column("seconds", justify="right")
-    for stage, seconds in (result.get("timings_s") or {}).items():
-        timings.add_row(escape(stage), f"{seconds:.1f}")
-    timings.add_row("[bold]total run[/]", f"[bold]{result.get('total_s', 0):.1f}[/]")
-    return [report, model, evaluation, states, timings]
+        if key in _HIDDEN:
+            continue
+        if key == "win_rate" and value is None:
+            print_prose(console, "  win rate: n/a (no decisive verdicts)")
+        elif key in _LOCATIONS and value:
+            print_path(console, f"  {label(key)}", str(value))
+        else:
+            print_prose(console, f"  {label(key)}: {human(value)}", hanging="      ")
 
 
 def print_summary(console: Console, result: Mapping[str, Any]) -> None:
-    for table in summary_tables(result):
-        console.print(table)
+    """What `mass-ops demo` closes with, readable through a pipe at 80 columns: where the report and the logs are,
+    the new model, the evaluation, the task instances by state, the wall-clock per stage, and the commands that
+    inspect the cycle (each whole, folded only between its arguments)."""
+    from mass_ops.console import Column, print_command, print_path, print_prose, print_table
+
+    print_prose(console, "Report:")
+    for what, key in (("HTML", "report"), ("Markdown", "report_markdown"), ("Airflow logs", "log")):
+        if result.get(key):
+            print_path(console, f"  {what}", str(result[key]))
+    _section(console, "New model", result.get("generation") or {})
+    _section(console, "Evaluation", result.get("evaluation") or {})
+    states = ", ".join(f"{count} {state}" for state, count in (result.get("task_states") or {}).items())
+    print_prose(console, f"Task instances of DAG run {result.get('run_id')}: {states or 'none'}")
+    rows = [[stage, f"{seconds:,.1f}"] for stage, seconds in (result.get("timings_s") or {}).items()]
+    rows.append(["total (the whole demo)", f"{result.get('total_s', 0):,.1f}"])
+    print_table(console, "Wall-clock per stage", [Column("stage"), Column("seconds", numeric=True)], rows)
+    commands = result.get("inspect") or []
+    if commands:
+        print_prose(console, "Inspect this cycle (from this folder):")
+        for argv in commands:
+            print_command(console, argv)
