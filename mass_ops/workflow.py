@@ -21,8 +21,8 @@ END_MARKER = "Use uv for all Python workflows"
 
 # Length of the suffix probe used to trim a proposed design that repeats the prompt's tail (MASS_SPEC §3.3).
 _SUFFIX_PROBE_CHARS = 200
-# The end marker only counts as a trailing echo when it sits in the last 30% of the proposal; earlier, it is more
-# likely part of an agent instruction that mentions uv.
+# The end marker only counts as a trailing echo when its first occurrence sits in the last 30% of the proposal;
+# earlier, it is more likely part of an agent instruction that mentions uv (the reference truncates 0.7·len to an int).
 _END_MARKER_MIN_FRACTION = 0.7
 
 _QUERY_FILE_RE = re.compile(r"query(\d+)_ourTeam")
@@ -185,21 +185,22 @@ def normalize_generated_design(generated: str, template: WorkflowPrompt) -> str:
     """Apply the structural guardrails to a design proposed by the optimizer and return the design block.
 
     The proposal must start with the start marker (after stripping). If it echoes the prompt's suffix, the echo is
-    cut: at the first occurrence of the first 200 characters of ``template.after_design``, otherwise at the last end
-    marker when that lies in the final 30% of the text.
+    cut (as the reference's ``_normalize_generated_design_block``): at the first occurrence of the first 200
+    characters of ``template.after_design`` (left-stripped), otherwise at the FIRST end marker when that lies at or
+    after ``int(0.7 * len)`` of the text — an earlier first marker cuts nothing, even if a later one is near the end.
     """
     text = generated.strip()
     if not text.startswith(START_MARKER):
         preview = text[:60].replace("\n", " ")
         raise WorkflowError(f"generated design does not start with the start marker (begins with {preview!r})")
-    probe = template.after_design[:_SUFFIX_PROBE_CHARS]
-    cut = text.find(probe) if probe.strip() else -1
-    if cut < 0:
-        marker = text.rfind(END_MARKER)
-        if marker >= 0 and marker >= _END_MARKER_MIN_FRACTION * len(text):
-            cut = marker
-    if cut >= 0:
-        text = text[:cut].rstrip()
+    suffix = template.after_design.lstrip()
+    if suffix:
+        echo = text.find(suffix[:_SUFFIX_PROBE_CHARS])
+        if echo >= 0:
+            return text[:echo].rstrip()
+    marker = text.find(END_MARKER)
+    if marker >= 0 and marker >= int(_END_MARKER_MIN_FRACTION * len(text)):
+        text = text[:marker].rstrip()
     return text
 
 

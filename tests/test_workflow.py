@@ -200,6 +200,31 @@ def test_normalize_cuts_a_trailing_end_marker_but_keeps_an_early_one() -> None:
     assert normalize_generated_design(early, template) == early
 
 
+def test_normalize_cuts_only_at_the_first_end_marker_as_the_reference_does() -> None:
+    template = parse_prompt(PROMPT)
+    design = _design(TEAM)
+    # First marker early (an instruction mentioning uv), a paraphrased suffix echo at the end: the reference looks
+    # at the FIRST marker only, finds it too early and cuts nothing.
+    early_then_late = design.replace("do the work", END_MARKER + " to run code", 1) + "\n\n" + END_MARKER + " (echo)"
+    assert early_then_late.find(END_MARKER) < 0.7 * len(early_then_late) <= early_then_late.rfind(END_MARKER)
+    assert normalize_generated_design(early_then_late, template) == early_then_late
+    # Two late markers: the cut is at the first.
+    late_twice = design + "\n" + END_MARKER + " once.\n" + END_MARKER + " twice."
+    assert normalize_generated_design(late_twice, template) == design
+
+
+def test_normalize_compares_the_marker_with_int_of_seventy_percent() -> None:
+    template = parse_prompt(PROMPT)
+    head = START_MARKER + " x"
+    # A proposal of length n whose first marker sits at int(0.7 n) < 0.7 n: the reference's int() makes it a cut.
+    n = next(n for n in range(200, 300) if int(0.7 * n) < 0.7 * n)
+    position = int(0.7 * n)
+    kept = head + "y" * (position - len(head))
+    generated = kept + END_MARKER + "z" * (n - position - len(END_MARKER))
+    assert len(generated) == n and generated.find(END_MARKER) == position < 0.7 * n
+    assert normalize_generated_design(generated, template) == kept
+
+
 def test_normalize_keeps_a_clean_design_unchanged() -> None:
     task = CATALOGUE.task(51)
     template = task.initial_workflow

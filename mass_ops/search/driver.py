@@ -26,7 +26,14 @@ from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.critical_path import server_priority
 from mass_ops.errors import InfrastructureError, InputError
-from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle, refused_bundle, results_json_appendix
+from mass_ops.judge.evidence import (
+    EvidenceBundle,
+    EvidenceCaps,
+    ResultsAppendix,
+    build_bundle,
+    refused_bundle,
+    results_json_appendix,
+)
 from mass_ops.judge.invalid_verdicts import InvalidVerdictBudget
 from mass_ops.judge.pairwise import PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import REFERENCE_LABEL, version_label
@@ -42,6 +49,8 @@ from mass_ops.search.prompt import (
     OptimizerInputs,
     optimizer_system_prompt,
     optimizer_user_prompt,
+    select_best,
+    version_diff,
 )
 from mass_ops.search.proposal import ProposalError, parse_proposal
 from mass_ops.seeds import reference_episode_seed, search_call_seed, version_episode_seed
@@ -236,11 +245,12 @@ class _TaskSearch:
             swap_consistent=config.search.swap_consistent,
             position_bias_sample=config.judge.position_bias_sample,
             prompts=ctx.prompts,
+            verdict_parsing=config.judge.verdict_parsing,
         )
         token_model = config.models.served_name
         self.caps = EvidenceCaps.remote(token_model) if config.is_remote_backend else EvidenceCaps.local(token_model)
         # A workspace is judged in several steps (the reference in every one): build its evidence once per process.
-        self.evidence: EvidenceCache[tuple[EvidenceBundle, str]] = EvidenceCache(
+        self.evidence: EvidenceCache[tuple[EvidenceBundle, ResultsAppendix]] = EvidenceCache(
             self._build_evidence, refuse=lambda value, reason: (refused_bundle(value[0], reason), value[1])
         )
         # Finished episodes (succeeded or model failure) never change: the reference and the champion are needed
@@ -250,8 +260,9 @@ class _TaskSearch:
         self._prompts: dict[int, str] = {}
         self.invalid_budget = self._invalid_budget(Verdicts((), ()))
 
-    def _build_evidence(self, root: Path, source: WorkspaceSource) -> tuple[EvidenceBundle, str]:
-        """The judge bundle of a workspace and the optimizer's results/ appendix, from one materialisation."""
+    def _build_evidence(self, root: Path, source: WorkspaceSource) -> tuple[EvidenceBundle, ResultsAppendix]:
+        """The judge bundle of a workspace and the optimizer's results/ appendix, from one materialisation (cut
+        markers measured with the cycle's templates)."""
         bundle = build_bundle(
             root,
             task_id=self.task_id,
@@ -259,6 +270,7 @@ class _TaskSearch:
             location=source.location,
             caps=self.caps,
             name=source.name,
+            prompts=self.ctx.prompts,
         )
         search = self.ctx.config.search
         appendix = results_json_appendix(
@@ -266,6 +278,7 @@ class _TaskSearch:
             self.task_id,
             per_file_chars=search.results_json_max_chars,
             total_chars=search.results_json_total_max_chars,
+            prompts=self.ctx.prompts,
         )
         return bundle, appendix
 
@@ -466,24 +479,22 @@ class _TaskSearch:
             version = int(found.group(1))
             diff = None
             if version >= 1 and version - 1 in versions and version in versions:
-                diff = design_diff(
-                    versions[version - 1].design,
-                    versions[version].design,
-                    context=1,
-                    old_label=f"v{version - 1}",
-                    new_label=f"v{version}",
-                )
+                diff = version_diff(versions[version - 1].design, versions[version].design, version - 1, version)
             entries.append(
                 HistoryEntry(
                     key=row.key,
                     version=version,
                     winner=row.verdict,
                     judge_model=row.judge_model,
-                    judged_at=row.created_at.isoformat(timespec="seconds") if row.created_at else "?",
-                    side_a=f"{row.side_a} ({episodes.get(row.episode_a_id, '?')})",
-                    side_b=f"{row.side_b} ({episodes.get(row.episode_b_id, '?')})",
+                    judged_at=row.created_at.isoformat() if row.created_at else None,
+                    side_a=row.side_a,
+                    side_b=row.side_b,
                     rationale=row.rationale or "",
                     diff=diff,
+                    episode_a=episodes.get(row.episode_a_id) if row.episode_a_id is not None else None,
+                    episode_b=episodes.get(row.episode_b_id) if row.episode_b_id is not None else None,
+                    label_a=REFERENCE_LABEL,
+                    label_b=version_label(version),
                 )
             )
         return sorted(entries, key=lambda e: e.version)
@@ -491,15 +502,16 @@ class _TaskSearch:
     def best_design(
         self, state: ChampionState, current: int, versions: dict[int, WorkflowVersion], verdicts: Verdicts
     ) -> BestDesign | None:
-        if state.champion == current or not state.has_win:
-            return None
         arbitration = verdicts.get(Ledger.CHAMPION, arbitration_key(state.champion, current))
-        if arbitration is not None:
-            case, rationale = "both_win_arbitration", arbitration.rationale or ""
-        else:
-            verdict = verdicts.get(Ledger.RHI, baseline_key(current))
-            case, rationale = "champion_only_win", (verdict.rationale if verdict else "") or ""
-        return BestDesign(state.champion, versions[state.champion].design, rationale, case)  # type: ignore[arg-type]
+        baseline = verdicts.get(Ledger.RHI, baseline_key(current))
+        return select_best(
+            state.champion,
+            state.has_win,
+            current,
+            versions[state.champion].design,  # the champion is one of v0..v_current, all recorded by now
+            None if arbitration is None else arbitration.rationale or "",
+            None if baseline is None else baseline.rationale,
+        )
 
     def optimizer_inputs(
         self,
@@ -510,7 +522,6 @@ class _TaskSearch:
     ) -> OptimizerInputs:
         state = verdicts.state(current)
         bundle, appendix = self.evidence.get(str(outcome.episode_id), self.workspace(outcome))
-        evidence = bundle.render(f"Workspace for current iteration ({version_label(current)})") + "\n\n" + appendix
         baseline = verdicts.baseline()
         run_status = dict(outcome.status_record)
         run_status.setdefault("trace_has_success_result", outcome.succeeded)
@@ -518,13 +529,14 @@ class _TaskSearch:
             version=current,
             task_text=self.template.task_text,
             current_design=versions[current].design,
-            evidence=evidence,
+            evidence=bundle.variables(),
+            results_appendix=appendix.variables(),
             run_status=run_status,
             history=self.history(versions, verdicts) if current >= 1 else (),
             scoreboard=[(v, baseline.get(v)) for v in range(current + 1)],
             retained=state.retained,
             best=self.best_design(state, current, versions, verdicts),
-            v0_design=versions[0].design if current >= 1 and state.champion != 0 else None,
+            v0_design=versions[0].design if current >= 1 else None,  # shown unless it is the best shown above
         )
 
     def propose(

@@ -1,8 +1,9 @@
 """Teacher collection under each task's retained workflow (MASS_SPEC §1 collect).
 
-Teacher prompt = the retained version's prompt + the teacher directive, frozen in the artifact store (a later run
-with a different prompt is refused). N candidates per eligible task run with the reference seeds
-(``seed_base + 100·q + i``), all tasks in one executor batch so the endpoint's capacity is shared.
+Teacher prompt = the retained version's prompt (right-stripped) + a blank line + the teacher directive exactly as
+its file reads (final newline kept), frozen in the artifact store (a later run with a different prompt is
+refused). N candidates per eligible task run with the reference seeds (``seed_base + 100·q + i``), all tasks in one
+executor batch so the endpoint's capacity is shared.
 
 A task whose retained workflow never beat the reference is skipped, as in the reference release, unless
 `collection.require_beats_reference` is false (demo preset): then the last evaluated version stands in, and the
@@ -11,6 +12,7 @@ decision is recorded next to the teacher prompt so the report can say so.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +24,8 @@ from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.layout import EpisodeUnit, cycle_prefix, teacher_condition, teacher_prompt_key, workflow_version_key
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
+from mass_ops.tasks.catalogue import TaskCatalogue
+from mass_ops.tasks.importer import DIRECTIVE_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +131,34 @@ def version_prompt(ctx: CycleContext, task_id: int, version: int) -> str:
     return ctx.artifacts.get_bytes(key).decode("utf-8")
 
 
+def directive_as_read(catalogue: TaskCatalogue) -> str:
+    """The catalogue's teacher directive exactly as its file reads (final newline kept, MASS_SPEC §1 collect),
+    checked against the SHA-256 recorded when the catalogue was loaded; a catalogue built in memory has no file and
+    gives its directive as held."""
+    recorded = catalogue.file_sha256.get(DIRECTIVE_FILE)
+    if catalogue.source is None or recorded is None:
+        return catalogue.teacher_directive
+    path = catalogue.source / DIRECTIVE_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CollectionError(f"{path}: cannot read the teacher directive ({exc.strerror or exc})") from None
+    if hashlib.sha256(data).hexdigest() != recorded:
+        raise CollectionError(f"{path}: the teacher directive changed since the task catalogue was loaded")
+    return data.decode("utf-8")
+
+
+def teacher_prompt(ctx: CycleContext, retained_prompt: str) -> str:
+    """The teacher prompt (template ``teacher_prompt.j2``): the retained workflow prompt, right-stripped, and the
+    teacher directive as read."""
+    directive = directive_as_read(ctx.catalogue)
+    retained = retained_prompt.rstrip()
+    return ctx.prompts.render("teacher_prompt.j2", retained_prompt=retained, teacher_directive=directive)
+
+
 def freeze_teacher_prompt(ctx: CycleContext, task_id: int, version: int) -> str:
     """The teacher prompt of a task, stored on first use; a different stored prompt is refused."""
-    prompt = ctx.catalogue.teacher_prompt(version_prompt(ctx, task_id, version), prompts=ctx.prompts)
+    prompt = teacher_prompt(ctx, version_prompt(ctx, task_id, version))
     key = teacher_prompt_key(ctx.cycle_name, task_id)
     if ctx.artifacts.exists(key):
         stored = ctx.artifacts.get_bytes(key).decode("utf-8")

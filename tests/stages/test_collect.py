@@ -3,7 +3,9 @@ and crash-resume (MASS_SPEC §1 collect)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,10 @@ def test_teacher_candidates_run_with_reference_seeds_and_the_frozen_teacher_prom
         [("51", i, 710000 + 5100 + i, "t51_L0") for i in range(4)]
         + [("202", i, 710000 + 20200 + i, "t202_L0") for i in range(4)]
     )
-    directive = ctx.catalogue.teacher_directive
+    # The directive exactly as its file reads, final newline kept (MASS_SPEC §1 collect).
+    assert ctx.catalogue.source is not None
+    directive = (ctx.catalogue.source / "teacher_directive.txt").read_bytes().decode("utf-8")
+    assert directive.endswith("\n") and directive != ctx.catalogue.teacher_directive
     for task_id, prompt in prompts.items():
         stored = ctx.artifacts.get_bytes(teacher_prompt_key(ctx.cycle_name, task_id)).decode()
         assert stored == prompt.rstrip() + "\n\n" + directive
@@ -119,6 +124,22 @@ def test_a_changed_teacher_prompt_is_refused(inner_loop: InnerLoopEnv) -> None:
     with pytest.raises(CollectionError):
         collect_batch(opened.ctx, opened.executor)
     assert opened.ctx.repo.episodes(opened.ctx.cycle_id, kind="collection") == []
+
+
+def test_a_directive_changed_since_the_catalogue_was_loaded_is_refused(
+    inner_loop: InnerLoopEnv, tmp_path: Path
+) -> None:
+    opened = inner_loop.open(tasks=(51,), candidates=3, train_ranks=2)
+    catalogue = opened.ctx.catalogue
+    assert catalogue.source is not None
+    copy = tmp_path / "catalogue"
+    shutil.copytree(catalogue.source, copy)
+    ctx = dataclasses.replace(opened.ctx, catalogue=dataclasses.replace(catalogue, source=copy))
+    retain(ctx, 51, 1)
+    (copy / "teacher_directive.txt").write_text("Another directive.\n", encoding="utf-8")
+    with pytest.raises(CollectionError, match=r"teacher_directive\.txt: the teacher directive changed since"):
+        freeze_teacher_prompt(ctx, 51, 1)
+    assert not ctx.artifacts.exists(teacher_prompt_key(ctx.cycle_name, 51))
 
 
 def test_bad_task_sets_and_unfinished_searches_are_refused(inner_loop: InnerLoopEnv) -> None:
