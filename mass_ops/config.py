@@ -11,6 +11,7 @@ The `paper` and `cycle2` presets hold exactly the constants of the reference rel
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -458,6 +459,18 @@ class JudgeConfig(_Section):
             "verdict used for RHI or ranking. Reference: 0 (one call per pair); demo: 0.5."
         ),
     )
+    verdict_parsing: Literal["strict", "lenient"] = Field(
+        default="strict",
+        description=(
+            "How every judging stage (search, rank, evaluate, the position-bias check) reads a judge's answer. "
+            "'strict': the reference's schema exactly - winner exactly 'A', 'B' or 'tie', a rationale of at least "
+            "one character kept as written - and the reference's JSON reading on the call's route (chat: the whole "
+            "text, else its outermost {...}, else the first fenced block; Responses API: the whole text only; "
+            "Anthropic: the first fenced block, else the outermost {...}). "
+            "'lenient': winner case- and space-insensitive, rationale trimmed and non-blank, any fenced block "
+            "tried. Unusable answers are retried (invalid_retries) in both. Reference: strict; demo: lenient."
+        ),
+    )
 
 
 class CollectionConfig(_Section):
@@ -653,9 +666,49 @@ class TrainingConfig(_Section):
         description="Forward under bf16 autocast with fp32 adapters in the optimizer (reference on; CPU runs compute "
         "in fp32).",
     )
-    gradient_checkpointing: StrictBool = Field(
+    gradient_checkpointing: StrictBool | Literal["full", "selective", "off"] = Field(
+        default="full",
+        description="Activation checkpointing (non-reentrant): full (or true) recomputes every decoder layer in "
+        "backward, the least memory for long windows (reference on); selective only every other layer (half the "
+        "recompute, half the saving); off (or false) keeps all activations, fastest where memory allows.",
+    )
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        default="auto",
+        description="Attention kernel of the trainer: auto = flash_attention_2 on CUDA when the flash_attn package "
+        "imports, else PyTorch SDPA (CPU runs); eager is for debugging.",
+    )
+    packing: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Pack the windows a rank draws for one step (grad_accum of them) into as few micro-batches as "
+        "pack_tokens allows, with per-window boundaries (positions restart, attention never crosses a window); the "
+        "loss is unchanged. auto packs when grad_accum > 1 and the model's layers see the boundaries; on refuses a "
+        "model whose linear-attention layers cannot (one error line); off never packs.",
+    )
+    pack_tokens: PositiveInt | None = Field(
+        default=None,
+        description="Token budget of a packed micro-batch; every pack is padded to it so shapes never change. null: "
+        "the longest training window.",
+    )
+    warmup_measure_steps: NonNegativeInt = Field(
+        default=2,
+        description="Steps at the start of a training process that the throughput summary (throughput.json) names, "
+        "explains (time per phase) and leaves out of its steady-state figures.",
+    )
+    zero3_persistence_threshold: PositiveInt | None = Field(
+        default=None,
+        description="ZeRO-3 stage3_param_persistence_threshold: parameters with fewer elements stay whole on every "
+        "rank instead of being gathered per use. null: one more than the largest LoRA tensor (lora_r × the widest "
+        "projection), so adapters and norms are never gathered and large frozen projections stay partitioned.",
+    )
+    zero3_overlap_comm: StrictBool = Field(
         default=True,
-        description="Recompute activations in backward (non-reentrant) to fit long windows in memory (reference on).",
+        description="ZeRO overlap_comm: overlap gradient reduction and parameter gathers with compute (GPUs; always "
+        "off on CPU, where gloo has nothing to overlap with).",
+    )
+    zero3_prefetch_bucket_size: NonNegativeInt = Field(
+        default=100_000_000,
+        description="ZeRO-3 stage3_prefetch_bucket_size: parameters gathered ahead of their use (about one decoder "
+        "layer of a 4B model), so the next layer's gather overlaps this layer's compute.",
     )
     zero_stage: Literal[3] = Field(
         default=3,
@@ -772,15 +825,29 @@ class ExternalJudgeConfig(_Section):
         default=None,
         description="Reasoning effort passed to the provider as is (e.g. 'xhigh', 'max'); none = its default.",
     )
-    max_tokens: PositiveInt = Field(
+    api: Literal["chat", "responses"] = Field(
+        default="chat",
+        description=(
+            "Endpoint an openai-compatible judge is called on: 'chat' (POST /chat/completions, the effort as "
+            "reasoning_effort, the cap as max_completion_tokens) or 'responses' (POST /responses: instructions + "
+            "input, text.format json_object, reasoning.effort, the cap as max_output_tokens). Anthropic judges "
+            "take 'chat' only (their Messages API). Reference: responses for gpt-5.5."
+        ),
+    )
+    max_tokens: PositiveInt | None = Field(
         default=32768,
-        description="Most tokens the judge may generate per verdict. Reference: 32768.",
+        description=(
+            "Most tokens the judge may generate per verdict; none = no cap sent (Anthropic requires one: 4096 is "
+            "sent then, as in the reference). Reference: none for gpt-5.5 (Responses API), 32768 for Claude."
+        ),
     )
 
     @model_validator(mode="after")
     def _key_env(self) -> ExternalJudgeConfig:
         if not _IDENTIFIER.fullmatch(self.api_key_env):
             raise ValueError("api_key_env: must be an environment variable name, not a key")
+        if self.provider == "anthropic" and self.api != "chat":
+            raise ValueError(f"api: {self.api!r} applies to openai-compatible judges only (anthropic: leave it unset)")
         if self.base_url is not None and not _is_http_url(self.base_url):
             raise ValueError(f"base_url: {self.base_url!r} must be an http(s) URL without credentials")
         return self
@@ -1109,6 +1176,54 @@ class BudgetsConfig(_Section):
         default=None,
         description="US dollars (server-reported cost) the in-loop calls of the cycle may cost.",
     )
+    alert_callback: str | None = Field(
+        default=None,
+        description=(
+            "Dotted path of a callable (`package.module.function` or `package.module:function`) called once with a "
+            "`mass_ops.store.budgets.BudgetAlert` when a budget first reaches 50% or 80% of its limit (the alert is "
+            "logged and recorded in the store either way); checked importable when the config loads."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _callback_importable(self) -> BudgetsConfig:
+        if self.alert_callback is not None:
+            try:
+                import_callable(self.alert_callback)
+            except ValueError as exc:
+                raise ValueError(f"alert_callback: {exc}") from None
+        return self
+
+
+def import_callable(path: str) -> Any:
+    """The callable that `path` (``package.module.function`` or ``package.module:function``) names; ValueError saying
+    why in one line when there is none. Imports the module: a config names only code its deployment ships."""
+    module_name, sep, attribute = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"{path!r} is not a dotted path of a callable (package.module.function)")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is a config problem, named in one line
+        raise ValueError(f"cannot import module {module_name!r} of {path!r} ({type(exc).__name__}: {exc})") from None
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+    if not callable(target):
+        raise ValueError(f"{path!r} does not name a callable in module {module_name!r}")
+    return target
+
+
+class PromotionConfig(_Section):
+    """When a newly registered generation L(k+1) becomes the served model: what nightly evaluation evaluates and
+    what the next cycle starts from. Not part of the config hash (an operational choice, not what the cycle is)."""
+
+    require_approval: StrictBool = Field(
+        default=False,
+        description=(
+            "Wait for a person's approval in Airflow (a human-in-the-loop task showing the evaluation's headline) "
+            "before promoting the new generation; rejected or pending, nightly runs keep evaluating the previous "
+            "one and no next cycle starts. Reference: false (the reference release has no gate)."
+        ),
+    )
 
 
 class ModelPrice(_Section):
@@ -1228,6 +1343,10 @@ class CycleConfig(_Section):
         default_factory=PricesConfig,
         description="Token and GPU-hour prices of the cost estimate and spend reports (not part of the config hash).",
     )
+    promotion: PromotionConfig = Field(
+        default_factory=PromotionConfig,
+        description="Whether a person approves the new generation before it is served (not part of the hash).",
+    )
 
     @model_validator(mode="after")
     def _cross(self) -> CycleConfig:
@@ -1278,8 +1397,9 @@ class CycleConfig(_Section):
 
     def config_hash(self) -> str:
         """SHA-256 of the canonical config without `storage` (where records live is not what the cycle is) and
-        `budgets` (raising a budget and rerunning continues the same cycle) or `prices` (what things cost)."""
-        payload = self.model_dump(mode="json", exclude={"storage", "budgets", "prices"})
+        `budgets` (raising a budget and rerunning continues the same cycle), `prices` (what things cost) or
+        `promotion` (who approves the result)."""
+        payload = self.model_dump(mode="json", exclude={"storage", "budgets", "prices", "promotion"})
         return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

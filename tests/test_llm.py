@@ -28,6 +28,9 @@ from mass_ops.llm import (
     enforce_context_budget,
     estimate_input_tokens,
     extract_json_object,
+    fenced_json_object,
+    strict_json_object,
+    whole_json_object,
 )
 
 SECRET = "sk-or-v1-test-secret-0123456789abcdef"
@@ -558,6 +561,53 @@ def test_extract_json_object_accepts(text: str, expected: dict[str, Any]) -> Non
 def test_extract_json_object_rejects(text: str | None, message: str) -> None:
     with pytest.raises(LLMOutputError, match=message):
         extract_json_object(text)
+
+
+FENCE_IN_STRING = {"a": 1, "t": '```json {"b": 2} ```'}
+STRICT_READINGS = [
+    # (answer, chat route, Responses route, Anthropic route); None: no JSON object is read
+    ('  {"a": 1}\n', {"a": 1}, {"a": 1}, {"a": 1}),
+    ('Sure: {"a": 1} done', {"a": 1}, None, {"a": 1}),
+    # The whole text first on chat; the first fence first on Anthropic, where the fence's escaped object is not JSON
+    # and nothing else is tried.
+    ('{"a": 1, "t": "```json {\\"b\\": 2} ```"}', FENCE_IN_STRING, FENCE_IN_STRING, None),
+    # Only the first fenced block is ever tried; the lenient reading also tries the second.
+    ('```json\n{"a": x}\n```\nthen\n```json\n{"b": 2}\n```', None, None, None),
+    # A one-line fence (the lenient reading wants a newline after the tag) behind a stray closing brace.
+    ('Here ```json {"a": 1} ``` }', {"a": 1}, None, {"a": 1}),
+    # The fence tag is case-sensitive: "JSON" is no tag, so the block does not start with an object.
+    ('```JSON\n{"a": 1}\n``` }', None, None, None),
+    # A document that parses but is not an object has no fallback.
+    ('[{"a": 1}]', None, None, {"a": 1}),
+    # A lone surrogate escape: fine for the chat route's json.loads, refused by the JSON-mode routes.
+    ('{"a": "\\ud800"}', {"a": "\ud800"}, None, None),
+    ("", None, None, None),
+]
+
+
+@pytest.mark.parametrize(("text", "chat", "responses", "anthropic"), STRICT_READINGS)
+def test_strict_json_readings_follow_the_reference_per_route(text: str, chat: Any, responses: Any, anthropic: Any):
+    readers = ((strict_json_object, chat), (whole_json_object, responses), (fenced_json_object, anthropic))
+    for reader, expected in readers:
+        if expected is None:
+            with pytest.raises(LLMOutputError):
+                reader(text)
+        else:
+            assert reader(text) == expected, reader.__name__
+    assert extract_json_object('```json\n{"a": x}\n```\nthen\n```json\n{"b": 2}\n```') == {"b": 2}
+
+
+def test_a_strict_chat_call_reads_the_answer_as_the_reference(server: ScriptedServer) -> None:
+    answer = '```json\n{"winner": A}\n```\nFinal:\n```json\n{"winner": "B", "rationale": "r"}\n```'
+    server.push(Reply(200, completion(answer)), Reply(200, completion(answer)))
+    client, _ = _client(_local(server))
+    lenient = client.chat("s", "u", purpose="judge", json_mode="json_object")
+    assert lenient.parsed_json == {"winner": "B", "rationale": "r"}
+    with pytest.raises(LLMOutputError, match="contains no JSON object"):
+        client.chat("s", "u", purpose="judge", json_mode="json_object", json_parsing="strict")
+    with pytest.raises(LLMConfigError, match="json_parsing must be one of"):
+        client.chat("s", "u", purpose="judge", json_mode="json_object", json_parsing="loose")  # type: ignore[arg-type]
+    assert len(server.posts) == 2
 
 
 # --- model discovery ----------------------------------------------------------------------------------------------

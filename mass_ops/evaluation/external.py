@@ -5,10 +5,12 @@ External judges are used only for reporting, never for selection. Every judge sp
 the in-loop `PairwiseJudge` drives all of them: same evidence bundles and prompts, bounded retries of unusable
 answers, every attempt in the call ledger, optional swap-consistent judging.
 
-* OpenAI-compatible: `LLMClient` on the judge's base URL; a configured `reasoning_effort` (e.g. ``xhigh``) is sent
-  as the chat-completions ``reasoning_effort`` field.
+* OpenAI-compatible, ``api: responses`` (the reference's gpt-5.5 judge): `ResponsesClient` on the judge's base URL,
+  ``POST /responses`` with ``reasoning.effort`` and no output cap unless one is configured.
+* OpenAI-compatible, ``api: chat``: `LLMClient` on the judge's base URL; a configured `reasoning_effort` (e.g.
+  ``xhigh``) is sent as the chat-completions ``reasoning_effort`` field.
 * Anthropic: the `anthropic` SDK, ``messages.stream`` with adaptive thinking and ``output_config.effort``;
-  the verdict JSON is taken from the final text (fenced or bare).
+  the verdict JSON is taken from the final text (fenced or bare; strict: as the reference reads it).
 
 Keys are read from the environment variable the config names, at call time, and never stored: not on objects, not
 in call records, not in the ledger. The presentation seed is not a sampling seed for external judges (the reference
@@ -31,19 +33,23 @@ from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle
 from mass_ops.judge.pairwise import JudgeOutcome, PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import CANDIDATE_A_LABEL, CANDIDATE_B_LABEL
+from mass_ops.judge.verdicts import VerdictParsing
 from mass_ops.llm import (
     CallRecord,
     CallRecorder,
     ChatResult,
     JsonMode,
+    JsonParsing,
     LLMClient,
     LLMConfigError,
     LLMEndpoint,
     LLMOutputError,
     LLMRequestError,
+    ResponsesClient,
     RetryPolicy,
     SamplingParams,
     extract_json_object,
+    fenced_json_object,
     send_with_retries,
 )
 from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling
@@ -76,6 +82,7 @@ class ChatClient(Protocol):
         sampling: SamplingParams | None = None,
         json_mode: JsonMode | None = None,
         schema: dict[str, Any] | None = None,
+        json_parsing: JsonParsing = "lenient",
     ) -> ChatResult: ...
 
     def close(self) -> None: ...
@@ -225,8 +232,11 @@ class AnthropicChatClient:
         sampling: SamplingParams | None = None,
         json_mode: JsonMode | None = None,
         schema: dict[str, Any] | None = None,
+        json_parsing: JsonParsing = "lenient",
     ) -> ChatResult:
-        """One streamed message; JSON calls (`json_mode` set) return the object found in the final text."""
+        """One streamed message; JSON calls (`json_mode` set) return the object found in the final text: leniently,
+        or (`json_parsing` strict) as the reference reads it — its text blocks trimmed and joined by newlines, then
+        `fenced_json_object`."""
         sampling = sampling or SamplingParams()
         request = self.build_request(system, user, sampling)
         sdk = self._sdk()
@@ -269,7 +279,11 @@ class AnthropicChatClient:
                 raise LLMOutputError(f"empty final content: {reason} (stop_reason {raw.get('stop_reason')})")
             if raw.get("stop_reason") == "refusal":
                 raise LLMOutputError(f"model refused: {text[:500]}")
-            parsed = extract_json_object(text) if json_mode is not None else None
+            parsed = None
+            if json_mode is not None and json_parsing == "strict":
+                parsed = fenced_json_object(_reference_text(blocks))
+            elif json_mode is not None:
+                parsed = extract_json_object(text)
         except LLMOutputError as output_error:
             record("error", usage, raw, str(output_error))
             raise
@@ -289,6 +303,12 @@ class AnthropicChatClient:
             provider="anthropic",
             response_id=raw.get("id"),
         )
+
+
+def _reference_text(blocks: list[dict[str, Any]]) -> str:
+    """The reference's answer text of a Messages response: each non-blank text block trimmed, joined by newlines."""
+    texts = (str(block.get("text", "")).strip() for block in blocks if block.get("type") == "text")
+    return "\n".join(text for text in texts if text)
 
 
 def _anthropic_usage(usage: dict[str, Any]) -> dict[str, Any]:
@@ -331,7 +351,8 @@ def open_external_judge(
 ) -> ReportJudge:
     """A report judge for one configured external judge; its key must be set now (checked, not kept).
 
-    `max_tokens` overrides the configured output ceiling (the MLR rubric judge uses 16000).
+    `max_tokens` overrides the configured output ceiling (the MLR rubric judge uses 16000); with neither, no cap is
+    sent (Anthropic: its required cap defaults to 4096, as in the reference).
     """
     name = _check_name(judge.name)
     read_judge_key(judge.api_key_env, name)
@@ -361,7 +382,10 @@ def open_external_judge(
             )
         except LLMConfigError as exc:
             raise ExternalJudgeError(f"judge {name}: {exc}") from None
-        client = ReasoningEffortClient(endpoint, reasoning_effort=judge.reasoning_effort, retry=retry)
+        if judge.api == "responses":
+            client = ResponsesClient(endpoint, reasoning_effort=judge.reasoning_effort, retry=retry)
+        else:
+            client = ReasoningEffortClient(endpoint, reasoning_effort=judge.reasoning_effort, retry=retry)
     return ReportJudge(
         name=name,
         provider=judge.provider,
@@ -432,6 +456,7 @@ def judge_presentation(
     swap_consistent: bool = False,
     position_bias_sample: float = 0.0,
     prompts: PromptSet | None = None,
+    verdict_parsing: VerdictParsing = "lenient",
 ) -> PresentedVerdict:
     """Judge side A against side B under presentation seed `seed`.
 
@@ -459,6 +484,7 @@ def judge_presentation(
         swap_consistent=swap_consistent,
         position_bias_sample=position_bias_sample,
         prompts=prompts,
+        verdict_parsing=verdict_parsing,
     )
     outcome = pairwise.judge(case)
     verdict = _FLIP[outcome.verdict] if swapped else outcome.verdict

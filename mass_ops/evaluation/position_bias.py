@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mass_ops.evaluation.stats import wilson_interval
-from mass_ops.judge.prompts import JudgeOutputError, parse_verdict
+from mass_ops.judge.verdicts import JudgeOutputError, recorded_verdict
 from mass_ops.llm.calls import CallLedger
 from mass_ops.store.artifacts import ArtifactNotFoundError
 from mass_ops.store.schema import CallStatus, LLMCall
@@ -140,8 +140,9 @@ def stage_and_judge(unit_key: str, model: str) -> tuple[str, str] | None:
 
 
 def _winner(parsed: Any) -> Outcome | None:
+    # A succeeded attempt's answer passed the cycle's judge.verdict_parsing when it was recorded; read it either way.
     try:
-        return parse_verdict(parsed).winner
+        return recorded_verdict(parsed).winner
     except JudgeOutputError:
         return None
 

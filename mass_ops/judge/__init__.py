@@ -1,6 +1,6 @@
 """Evidence bundles and the pairwise judge (MASS_SPEC §5): `evidence` builds what a judge sees of a workspace,
-`prompts` holds personas, rubric, labels and the verdict schema, `pairwise` makes the calls, `workspaces` says
-where a judged workspace comes from."""
+`prompts` holds personas, rubric and labels, `verdicts` the verdict schema and its strict and lenient readings,
+`pairwise` makes the calls, `workspaces` says where a judged workspace comes from."""
 
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle, results_json_appendix
 from mass_ops.judge.pairwise import JudgeOutcome, PairwiseCase, PairwiseJudge
@@ -8,12 +8,17 @@ from mass_ops.judge.prompts import (
     CANDIDATE_A_LABEL,
     CANDIDATE_B_LABEL,
     REFERENCE_LABEL,
-    JudgeOutputError,
-    PairwiseVerdict,
     judge_system_prompt,
     judge_user_prompt,
-    parse_verdict,
     version_label,
+)
+from mass_ops.judge.verdicts import (
+    VERDICT_PARSINGS,
+    JudgeOutputError,
+    PairwiseVerdict,
+    VerdictParsing,
+    parse_verdict,
+    recorded_verdict,
 )
 from mass_ops.judge.workspaces import ExecutorWorkspace, StoredWorkspace, WorkspaceSource, bundle_workspace
 
@@ -21,6 +26,7 @@ __all__ = [
     "CANDIDATE_A_LABEL",
     "CANDIDATE_B_LABEL",
     "REFERENCE_LABEL",
+    "VERDICT_PARSINGS",
     "EvidenceBundle",
     "EvidenceCaps",
     "EvidenceError",
@@ -31,12 +37,14 @@ __all__ = [
     "PairwiseJudge",
     "PairwiseVerdict",
     "StoredWorkspace",
+    "VerdictParsing",
     "WorkspaceSource",
     "build_bundle",
     "bundle_workspace",
     "judge_system_prompt",
     "judge_user_prompt",
     "parse_verdict",
+    "recorded_verdict",
     "results_json_appendix",
     "version_label",
 ]

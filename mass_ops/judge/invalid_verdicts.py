@@ -1,9 +1,10 @@
 """How many verdicts of a stage may stay invalid (`judge.max_invalid_fraction`), and the failure when more do.
 
 A verdict is invalid when every attempt of its judge call, retries included, answered with something that is not a
-usable verdict. Within the budget it is recorded as ``invalid`` and counts as a tie; beyond it the stage fails
-before recording it, so a rerun judges that pair again (with fresh derived seeds) while every recorded verdict and
-every finished call is reused.
+usable verdict under `judge.verdict_parsing` (strict or lenient: the retries and this budget are the same in both).
+Within the budget it is recorded as ``invalid`` and counts as a tie; beyond it the stage fails before recording it,
+so a rerun judges that pair again (with fresh derived seeds) while every recorded verdict and every finished call is
+reused.
 
 The budget is fixed up front from the verdicts the stage plans — a task's versions in search (plus its recorded
 arbitrations), a task's tournament in rank, a judge's (pair, seed) judgments in evaluate — so a stage fails as soon
@@ -54,7 +55,8 @@ class InvalidVerdictBudget:
                     f"{self.scope}: verdict {key} is invalid ({_one_line(reason)}); {self.invalid + 1} invalid of "
                     f"{self.planned} planned verdicts exceeds judge.max_invalid_fraction = {self.max_fraction:g} "
                     f"(at most {self.allowed}); finished verdicts stay recorded — fix the judge's output (model, "
-                    "endpoint, inference.max_output_tokens) and rerun to judge only the missing ones"
+                    "endpoint, inference.max_output_tokens, judge.verdict_parsing) and rerun to judge only the "
+                    "missing ones"
                 )
             self.invalid += 1
 

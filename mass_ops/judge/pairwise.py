@@ -6,6 +6,10 @@ key, so the pick is the same on every rerun) is judged once more with A and B sw
 ``<key>/swapped`` — the very call swap-consistent judging makes, so the two never pay twice. That call is a
 measurement only: the pair's verdict stays the single forward call's, as in the reference.
 
+How an answer is read (`judge.verdict_parsing`): ``strict`` reads the JSON object and the verdict exactly as the
+reference does (the client's strict JSON reading on its route, then `mass_ops.judge.verdicts`); ``lenient`` is
+forgiving about both. A finished attempt read back from the ledger is read by `recorded_verdict`.
+
 An answer that is not a valid verdict (not JSON, not an object, empty, wrong schema) is retried up to
 `invalid_retries` more times in one `judge()`; each retry samples with `seeds.judge_retry_seed` of the unit's seed and
 the number of unusable answers the unit already has, so a deterministic server does not repeat itself. After that the
@@ -27,7 +31,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mass_ops.judge.evidence import EvidenceBundle
-from mass_ops.judge.prompts import PairwiseVerdict, judge_system_prompt, judge_user_prompt, parse_verdict
+from mass_ops.judge.prompts import judge_system_prompt, judge_user_prompt
+from mass_ops.judge.verdicts import (
+    VERDICT_PARSINGS,
+    PairwiseVerdict,
+    VerdictParsing,
+    parse_verdict,
+    recorded_verdict,
+)
 from mass_ops.llm import LLMClient, LLMOutputError, SamplingParams
 from mass_ops.llm.calls import CallAttempt, CallLedger, CallUnit
 from mass_ops.prompts import PromptSet, shipped_prompts
@@ -115,11 +126,14 @@ class PairwiseJudge:
         swap_consistent: bool = False,
         position_bias_sample: float = 0.0,
         prompts: PromptSet | None = None,
+        verdict_parsing: VerdictParsing = "lenient",
     ) -> None:
         if invalid_retries < 0:
             raise ValueError(f"invalid_retries must be ≥ 0, got {invalid_retries}")
         if not 0.0 <= position_bias_sample <= 1.0:
             raise ValueError(f"position_bias_sample must lie in [0, 1], got {position_bias_sample}")
+        if verdict_parsing not in VERDICT_PARSINGS:
+            raise ValueError(f"verdict_parsing must be one of {list(VERDICT_PARSINGS)}, got {verdict_parsing!r}")
         self.client = ledger.bind(client)
         self.ledger = ledger
         self.sampling = sampling
@@ -127,6 +141,7 @@ class PairwiseJudge:
         self.swap_consistent = swap_consistent
         self.position_bias_sample = position_bias_sample
         self.prompts = prompts or shipped_prompts()
+        self.verdict_parsing: VerdictParsing = verdict_parsing
 
     def judge(self, case: PairwiseCase) -> JudgeOutcome:
         """The verdict of `case`, reusing any finished attempt already in the ledger."""
@@ -193,7 +208,7 @@ class PairwiseJudge:
         attempts = self.ledger.attempts(unit)
         stored = self.ledger.finished(unit, attempts)
         if stored is not None:
-            verdict = parse_verdict(stored.parsed)
+            verdict = recorded_verdict(stored.parsed, parsing=self.verdict_parsing)
             return _OrderResult(verdict, "", stored.row.id, _usage(stored.row.usage), 0)
         calls = 0
         usage: dict[str, Any] = {}
@@ -209,11 +224,16 @@ class PairwiseJudge:
                     if priority is not None:
                         sampling = replace(sampling, priority=priority)
                     result = self.client.chat(
-                        system, user, purpose=unit.purpose, sampling=sampling, json_mode="json_object"
+                        system,
+                        user,
+                        purpose=unit.purpose,
+                        sampling=sampling,
+                        json_mode="json_object",
+                        json_parsing=self.verdict_parsing,
                     )
                     usage = _add_usage(usage, result.usage)
                     try:
-                        verdict = parse_verdict(result.parsed_json)
+                        verdict = parse_verdict(result.parsed_json, parsing=self.verdict_parsing)
                     except ValueError as exc:
                         attempt.mark_invalid(str(exc))
                     else:

@@ -7,15 +7,11 @@ self-judge of the ranking tournament; only the labels differ.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
-
-from mass_ops.errors import InputError
 from mass_ops.judge.evidence import EvidenceBundle
-from mass_ops.prompts import PromptSet, shipped_prompts
 
-Winner = Literal["A", "B", "tie"]
-WINNERS: tuple[str, ...] = ("A", "B", "tie")
+# The verdict schema and its parser live in `mass_ops.judge.verdicts`; re-exported for existing imports.
+from mass_ops.judge.verdicts import WINNERS, JudgeOutputError, PairwiseVerdict, Winner, parse_verdict  # noqa: F401
+from mass_ops.prompts import PromptSet, shipped_prompts
 
 # Labels of the RHI ledgers and the ranking tournament.
 REFERENCE_LABEL = "no-harness-single-agent-baseline"
@@ -26,10 +22,6 @@ CANDIDATE_B_LABEL = "candidate-b"
 def version_label(version: int) -> str:
     """Label of workflow version k in judge prompts."""
     return f"multi-agent-design-v{version}"
-
-
-class JudgeOutputError(InputError):
-    """The judge answered with JSON that is not a valid verdict."""
 
 
 _PERSONAS: tuple[tuple[range, str, str], ...] = (
@@ -88,31 +80,6 @@ def judge_user_prompt(
         task_text=task_text.strip(),
         label_a=label_a,
         label_b=label_b,
-        evidence_a=bundle_a.render("Workspace A"),
-        evidence_b=bundle_b.render("Workspace B"),
+        evidence_a=bundle_a.variables(),
+        evidence_b=bundle_b.variables(),
     )
-
-
-@dataclass(frozen=True)
-class PairwiseVerdict:
-    """A valid judge answer."""
-
-    winner: Winner
-    rationale: str
-
-
-def parse_verdict(answer: dict[str, Any] | None) -> PairwiseVerdict:
-    """Validate a parsed judge answer against {winner: A|B|tie, rationale: non-empty string}.
-
-    The winner is matched after trimming and ignoring case ("a", " Tie "); anything else raises JudgeOutputError.
-    """
-    if not isinstance(answer, dict):
-        raise JudgeOutputError(f"judge answer must be a JSON object, got {type(answer).__name__}")
-    winner = answer.get("winner")
-    normalised = {w.lower(): w for w in WINNERS}.get(winner.strip().lower()) if isinstance(winner, str) else None
-    if normalised is None:
-        raise JudgeOutputError(f"judge answer: 'winner' must be one of A, B, tie; got {winner!r}")
-    rationale = answer.get("rationale")
-    if not isinstance(rationale, str) or not rationale.strip():
-        raise JudgeOutputError("judge answer: 'rationale' must be a non-empty string")
-    return PairwiseVerdict(winner=normalised, rationale=rationale.strip())  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ on objects, in requests, results or call records. Persistence is the caller's bu
 
 Modules: `errors` (the `LLMError` family; imports no sibling), `settings` (endpoint, sampling), `retries` (policy
 and the retry rule), `request` (context guard, request body per backend), `response` (result, call record, usage,
-output validation), `client` (`LLMClient`), `calls` (call ledger: persistence and budgets of in-loop calls).
+output validation), `client` (`LLMClient`), `responses` (`ResponsesClient`: the same contract over the OpenAI
+Responses API, for external judges), `calls` (call ledger: persistence and budgets of in-loop calls).
 """
 
 from mass_ops.llm.client import LLMClient
@@ -25,9 +26,14 @@ from mass_ops.llm.response import (
     CallRecord,
     CallRecorder,
     ChatResult,
+    JsonParsing,
     cached_prompt_tokens,
     extract_json_object,
+    fenced_json_object,
+    strict_json_object,
+    whole_json_object,
 )
+from mass_ops.llm.responses import ResponsesClient
 from mass_ops.llm.retries import RetryPolicy, send_with_retries
 from mass_ops.llm.settings import (
     BACKENDS,
@@ -50,6 +56,7 @@ __all__ = [
     "ChatResult",
     "ContextBudgetError",
     "JsonMode",
+    "JsonParsing",
     "LLMClient",
     "LLMConfigError",
     "LLMEndpoint",
@@ -57,11 +64,15 @@ __all__ = [
     "LLMOutputError",
     "LLMRequestError",
     "LLMUnavailableError",
+    "ResponsesClient",
     "RetryPolicy",
     "SamplingParams",
     "cached_prompt_tokens",
     "enforce_context_budget",
     "estimate_input_tokens",
     "extract_json_object",
+    "fenced_json_object",
     "send_with_retries",
+    "strict_json_object",
+    "whole_json_object",
 ]

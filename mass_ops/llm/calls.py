@@ -173,8 +173,10 @@ class CallLedger:
             self.set_limits(limits)
 
     def set_limits(self, limits: BudgetLimits) -> None:
-        """Check every call against `limits` (kept: the first limits set win, one ledger per cycle process)."""
-        if self.budgets is None and limits.any:
+        """Check every call against `limits` and record its spend (kept: the first limits set win, one ledger per
+        cycle process). Unlimited scopes are recorded too, without a read before each call: the cycle's spend is what
+        `status` and the report show."""
+        if self.budgets is None:
             self.budgets = BudgetLedger(self.repo, self.cycle_id, limits)
 
     def bind(self, client: LLMClient) -> LLMClient:

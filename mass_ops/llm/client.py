@@ -12,14 +12,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from mass_ops.llm.errors import ContextBudgetError, LLMConfigError, LLMOutputError, LLMRequestError
 from mass_ops.llm.request import _wire_body, chat_request, enforce_context_budget, estimate_input_tokens
 from mass_ops.llm.response import (
+    JSON_PARSINGS,
     CallGate,
     CallRecord,
     CallRecorder,
     ChatResult,
+    JsonParsing,
     _reported_cost,
     _response_document,
-    extract_json_object,
     final_content,
+    json_object,
 )
 from mass_ops.llm.retries import RetryPolicy, send_with_retries
 from mass_ops.llm.settings import JsonMode, LLMEndpoint, SamplingParams
@@ -133,8 +135,10 @@ class LLMClient:
         sampling: SamplingParams | None = None,
         json_mode: JsonMode | None = None,
         schema: dict[str, Any] | None = None,
+        json_parsing: JsonParsing = "lenient",
     ) -> ChatResult:
-        """One system+user chat completion. JSON calls return the parsed object in `parsed_json`.
+        """One system+user chat completion. JSON calls return the parsed object in `parsed_json`, read from the
+        answer under `json_parsing` (`mass_ops.llm.response`: lenient, or strict as the reference reads it).
 
         Order: context guard and key check (no request on failure), request with transient retries, LM Studio
         fallback without response_format (JSON calls on local backends, once), output validation. Every call that
@@ -142,6 +146,8 @@ class LLMClient:
         """
         if not isinstance(purpose, str) or not purpose.strip():
             raise LLMConfigError("chat: purpose must name the calling stage, e.g. 'rank.judge'")
+        if json_parsing not in JSON_PARSINGS:
+            raise LLMConfigError(f"chat: json_parsing must be one of {list(JSON_PARSINGS)}, got {json_parsing!r}")
         sampling = sampling or SamplingParams()
         e = self.endpoint
         if e.context_window_tokens is not None:
@@ -156,16 +162,19 @@ class LLMClient:
         if self.gate is not None:  # after every local check, before the network: a refused call sends nothing
             release = self.gate.admit(purpose, estimate_input_tokens(system, user) + (sampling.max_tokens or 0))
         try:
-            return self._chat(sdk, request, purpose=purpose, sampling=sampling, json_mode=json_mode)
+            return self._chat(
+                sdk, request, purpose=purpose, sampling=sampling, json_mode=json_mode, json_parsing=json_parsing
+            )
         finally:
             if release is not None:
                 release()
 
     def _send_with_fallback(
         self, sdk: openai.OpenAI, request: dict[str, Any], purpose: str, json_mode: JsonMode | None
-    ) -> tuple[Any, int, Exception | None, dict[str, Any], bool]:
+    ) -> tuple[Any, int, Exception | None, dict[str, Any], dict[str, Any]]:
         """Send `request` with transient retries; a JSON call that LM Studio refuses for its response_format is sent
-        once more without it. Returns (response, attempts, error, the request last sent, whether it fell back)."""
+        once more without it. Returns (response, attempts, error, the request last sent, the fallback note that is
+        recorded with the request)."""
         attempts = 0
         fallback_used = False
         while True:
@@ -183,7 +192,7 @@ class LLMClient:
                 fallback_used = True
                 request = {k: v for k, v in request.items() if k != "response_format"}
                 continue
-            return response, attempts, error, request, fallback_used
+            return response, attempts, error, request, {"response_format_fallback": fallback_used}
 
     def _record_call(
         self,
@@ -228,12 +237,13 @@ class LLMClient:
         purpose: str,
         sampling: SamplingParams,
         json_mode: JsonMode | None,
+        json_parsing: JsonParsing = "lenient",
     ) -> ChatResult:
         """`chat` from the first request on (retries, fallback, recording, output validation)."""
         e = self.endpoint
         started = time.monotonic()
-        response, attempts, error, request, fallback_used = self._send_with_fallback(sdk, request, purpose, json_mode)
-        recorded_request = dict(request, response_format_fallback=fallback_used)
+        response, attempts, error, request, note = self._send_with_fallback(sdk, request, purpose, json_mode)
+        recorded_request = dict(request, **note)
         latency = time.monotonic() - started
         record = functools.partial(
             self._record_call,
@@ -251,11 +261,11 @@ class LLMClient:
         except LLMOutputError as output_error:
             record(status="error", usage=None, cost=None, response=None, failure=str(output_error))
             raise
-        usage = raw.get("usage") or {}
+        usage = self._usage(raw)
         cost = _reported_cost(usage, e.backend)
         try:
             content, reasoning, finish = self._final_content(raw)
-            parsed = extract_json_object(content) if json_mode is not None else None
+            parsed = self._json_object(content, json_parsing) if json_mode is not None else None
         except LLMOutputError as output_error:
             record(status="error", usage=usage, cost=cost, response=raw, failure=str(output_error))
             raise
@@ -276,7 +286,15 @@ class LLMClient:
             response_id=raw.get("id"),
         )
 
+    # The route's readings of a response document; a client for another route (the Responses API) overrides them.
     _final_content = staticmethod(final_content)
+    _json_object = staticmethod(json_object)
+
+    @staticmethod
+    def _usage(raw: dict[str, Any]) -> dict[str, Any]:
+        """The usage document of a response, with the chat-completions counters the ledger reads."""
+        usage = raw.get("usage")
+        return usage if isinstance(usage, dict) else {}
 
     def verify_model(self) -> list[str]:
         """Check that `/models` lists the endpoint's model (OpenRouter: without `:nitro`); returns the listed ids."""

@@ -1,5 +1,10 @@
 """What comes back from a call: the result, the record a recorder persists, usage and cost read from the response,
 and the validation of the answer (empty or refused content, the JSON object of a JSON call).
+
+The JSON object of a JSON call is read in one of two ways (`JsonParsing`, chosen per call): ``lenient`` tries the
+whole text, its outermost {...} slice and every fenced block (`extract_json_object`); ``strict`` reads it exactly as
+the reference does on the call's route — `strict_json_object` for chat completions, `whole_json_object` for the
+Responses API, `fenced_json_object` for Anthropic's Messages API.
 """
 
 from __future__ import annotations
@@ -15,6 +20,13 @@ from mass_ops.llm.errors import LLMOutputError
 from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
 
 _FENCED_JSON = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.DOTALL | re.IGNORECASE)
+# The reference's fence: case-sensitive, an object right after the fence's optional tag, only the first match used.
+_STRICT_FENCE = re.compile(r"```(?:json)?\s*(\{.*?\})\s*```", re.DOTALL)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+JsonParsing = Literal["lenient", "strict"]
+JSON_PARSINGS: tuple[str, ...] = ("lenient", "strict")
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,99 @@ def extract_json_object(text: str | None) -> dict[str, Any]:
             raise LLMOutputError(f"model output must be a JSON object, got {type(value).__name__}")
         return value
     raise LLMOutputError(f"model output contains no JSON object: {text[:200]!r}")
+
+
+def strict_json_object(text: str | None) -> dict[str, Any]:
+    """The JSON object of a chat-completions JSON call as the reference reads it (`JsonParsing` ``strict``).
+
+    The trimmed text as one JSON document; only when that is not JSON, its outermost {...} slice, then the first
+    fenced block holding an object (a later fenced block is never tried). A document that parses to something
+    other than an object is an error, with no fallback. Raises LLMOutputError.
+    """
+    stripped = (text or "").strip()
+    if not stripped:
+        raise LLMOutputError("empty final content")
+    try:
+        value = loads_untrusted(stripped, what="model output")
+    except UntrustedInputError:
+        candidates = []
+        start, end = stripped.find("{"), stripped.rfind("}")
+        if start >= 0 and end > start:
+            candidates.append(stripped[start : end + 1])
+        fenced = _STRICT_FENCE.search(stripped)
+        if fenced:
+            candidates.append(fenced.group(1))
+        value = _first_parsed(candidates)
+        if value is None:
+            raise LLMOutputError(f"model output contains no JSON object: {stripped[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise LLMOutputError(f"model output must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def whole_json_object(text: str | None) -> dict[str, Any]:
+    """The trimmed text as one JSON object and nothing else: the reference's reading of a Responses-API answer (a
+    JSON-mode validation of the whole text: no extraction, and no lone UTF-16 surrogate in any string)."""
+    stripped = (text or "").strip()
+    if not stripped:
+        raise LLMOutputError("empty final content")
+    try:
+        value = loads_untrusted(stripped, what="model output")
+    except UntrustedInputError as exc:
+        raise LLMOutputError(f"model output is not one JSON document ({exc}): {stripped[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise LLMOutputError(f"model output must be a JSON object, got {type(value).__name__}")
+    if _holds_surrogate(value):
+        raise LLMOutputError("model output holds a lone UTF-16 surrogate escape")
+    return value
+
+
+def fenced_json_object(text: str | None) -> dict[str, Any]:
+    """The reference's reading of an Anthropic answer: the first fenced block holding an object, else the outermost
+    {...} slice, else the whole trimmed text — then that candidate exactly as `whole_json_object` reads it."""
+    stripped = (text or "").strip()
+    fenced = _STRICT_FENCE.search(stripped)
+    start, end = stripped.find("{"), stripped.rfind("}")
+    if fenced:
+        candidate = fenced.group(1)
+    elif start != -1 and end > start:
+        candidate = stripped[start : end + 1]
+    else:
+        candidate = stripped
+    return whole_json_object(candidate)
+
+
+def json_object(text: str | None, parsing: JsonParsing) -> dict[str, Any]:
+    """The JSON object of a chat-completions answer under `parsing` (see the module docstring)."""
+    if parsing not in JSON_PARSINGS:
+        raise ValueError(f"json parsing must be one of {list(JSON_PARSINGS)}, got {parsing!r}")
+    return strict_json_object(text) if parsing == "strict" else extract_json_object(text)
+
+
+def _first_parsed(candidates: list[str]) -> Any:
+    """The first candidate that parses as JSON, or None."""
+    for candidate in candidates:
+        try:
+            return loads_untrusted(candidate, what="model output")
+        except UntrustedInputError:
+            continue
+    return None
+
+
+def _holds_surrogate(value: Any) -> bool:
+    """Whether any string (key or value) in a parsed JSON document holds a surrogate code point, without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _reported_cost(usage: dict[str, Any], backend: str) -> float | None:

@@ -193,7 +193,13 @@ def judge_pairs(
             raise TypeError(f"unexpected workspace source {source!r}")
         task = source.task
         return build_bundle(
-            root, task_id=task, task_text=texts[task], location=source.location, caps=caps, name=source.name
+            root,
+            task_id=task,
+            task_text=texts[task],
+            location=source.location,
+            caps=caps,
+            name=source.name,
+            prompts=ctx.prompts,
         )
 
     evidence: EvidenceCache[EvidenceBundle] = EvidenceCache(build)
@@ -217,6 +223,7 @@ def judge_pairs(
             invalid_retries=retries,
             swap_consistent=swap,
             position_bias_sample=config.judge.position_bias_sample,
+            verdict_parsing=config.judge.verdict_parsing,
         )
         outcome = presented.outcome
         if outcome.verdict == "invalid":

@@ -132,7 +132,13 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
     caps = _ranking_caps(config)
     bundles: EvidenceCache[EvidenceBundle] = EvidenceCache(
         lambda root, source: build_bundle(
-            root, task_id=task_id, task_text=task_text, location=source.location, caps=caps, name=source.name
+            root,
+            task_id=task_id,
+            task_text=task_text,
+            location=source.location,
+            caps=caps,
+            name=source.name,
+            prompts=ctx.prompts,
         )
     )
 
@@ -234,6 +240,7 @@ def rank_tasks(
             swap_consistent=ctx.config.search.swap_consistent,
             position_bias_sample=ctx.config.judge.position_bias_sample,
             prompts=ctx.prompts,
+            verdict_parsing=ctx.config.judge.verdict_parsing,
         )
         results = []
         for decision in eligible_tasks(ctx, task_ids):

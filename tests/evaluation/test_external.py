@@ -1,9 +1,11 @@
-"""External judges: OpenAI-compatible (reasoning effort passed through) and Anthropic (streamed Messages with
-adaptive thinking and effort), keys only from the environment and never stored."""
+"""External judges: OpenAI-compatible (chat completions or the Responses API, reasoning effort passed through) and
+Anthropic (streamed Messages with adaptive thinking and effort), keys only from the environment and never stored;
+strict verdict reading on each route."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,10 +14,13 @@ from mass_ops.evaluation.external import (
     AnthropicChatClient,
     ExternalJudgeError,
     external_judges,
+    judge_presentation,
     open_external_judge,
     self_judge,
 )
+from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, build_bundle
 from mass_ops.llm import LLMOutputError, LLMRequestError, LLMUnavailableError, RetryPolicy, SamplingParams
+from mass_ops.llm.calls import CallLedger, CallUnit
 from tests.evaluation.fakes import (
     CLAUDE_JUDGE,
     CLAUDE_KEY,
@@ -26,6 +31,8 @@ from tests.evaluation.fakes import (
     AnthropicStandIn,
     verdict_text,
 )
+from tests.llm.test_responses import response_document
+from tests.test_llm import Reply, ScriptedServer
 
 CLAUDE = ExternalJudgeConfig(
     name=CLAUDE_JUDGE, provider="anthropic", model="claude-stand-in", base_url="http://anthropic.stand-in",
@@ -113,3 +120,54 @@ def test_self_judge_samples_like_an_in_loop_call(eval_env):
     assert judge.name == "self" and judge.purpose == "self_judge"
     assert sampling.seed == 43 and sampling.temperature == 0.6 and sampling.top_k == 20
     assert judge.model == eval_env.config.models.served_name
+
+
+def test_a_strict_anthropic_judge_reads_the_first_fence_as_the_reference(monkeypatch):
+    monkeypatch.setenv(CLAUDE_KEY_ENV, CLAUDE_KEY)
+    answer = 'First thought {"winner": "A", "rationale": "a"}; final: ```json {"winner": "B", "rationale": "b"} ```'
+    stand_in = AnthropicStandIn(lambda body: answer)
+    judge = open_external_judge(CLAUDE, http_client=stand_in.client(), retry=RetryPolicy(max_attempts=1))
+    strict = judge.client.chat("s", "u", purpose="external_judge", sampling=judge.sampling(42),
+                               json_mode="json_object", json_parsing="strict")  # fmt: skip
+    assert strict.parsed_json == {"winner": "B", "rationale": "b"}
+    with pytest.raises(LLMOutputError, match="no JSON object"):  # the lenient reading finds no object here
+        judge.client.chat("s", "u", purpose="external_judge", sampling=judge.sampling(42), json_mode="json_object")
+
+
+def _bundles(tmp_path: Path) -> list[EvidenceBundle]:
+    bundles = []
+    for side in ("a", "b"):
+        root = tmp_path / side
+        root.mkdir()
+        (root / "research_report.md").write_text(f"Report {side}.")
+        bundles.append(build_bundle(root, task_id=51, task_text="Study SPY.", location=side,
+                                    caps=EvidenceCaps.local("q")))  # fmt: skip
+    return bundles
+
+
+STRICT_CASES = [(verdict_text("B"), "B", 1), ('{"winner": "b", "rationale": "r"}', "invalid", 3)]
+
+
+@pytest.mark.parametrize(("answer", "verdict", "attempts"), STRICT_CASES)
+def test_a_responses_judge_judges_a_pair_strictly_with_its_retries(eval_env, tmp_path, answer, verdict, attempts):
+    server = ScriptedServer()
+    try:
+        server.push(*[Reply(200, response_document(answer))] * attempts)
+        gpt = ExternalJudgeConfig(name="gpt-5.5", provider="openai-compatible", model="gpt-5.5", api="responses",
+                                  base_url=server.url(), api_key_env=GPT_KEY_ENV, reasoning_effort="xhigh",
+                                  max_tokens=None)  # fmt: skip
+        judge = open_external_judge(gpt, retry=RetryPolicy(max_attempts=1))
+        ledger = CallLedger(eval_env.ctx.repo, eval_env.ctx.artifacts, eval_env.ctx.cycle_id, eval_env.ctx.cycle_name)
+        unit = CallUnit("eval/external/p1/gpt-5.5/42", judge.purpose, 51)
+        bundle_a, bundle_b = _bundles(tmp_path)
+        presented = judge_presentation(judge, ledger, unit, task_id=51, task_text="Study SPY.", bundle_a=bundle_a,
+                                       bundle_b=bundle_b, seed=42, verdict_parsing="strict")  # fmt: skip
+        judge.client.close()
+    finally:
+        server.close()
+    assert presented.outcome.verdict == verdict
+    rows = ledger.attempts(unit)
+    assert len(rows) == len(server.posts) == attempts  # every unusable answer is a recorded attempt
+    assert all(seen.path == "/v1/responses" and "max_output_tokens" not in seen.body for seen in server.posts)
+    assert rows[0].prompt_tokens == 1200 and rows[0].completion_tokens == 900
+    assert GPT_KEY not in json.dumps([seen.body for seen in server.posts])

@@ -24,7 +24,7 @@ PEER = """
 import json, sys
 from mass_ops.llm import LLMClient, LLMEndpoint, SamplingParams
 from mass_ops.llm.calls import CallLedger, CallUnit
-from mass_ops.store.artifacts import open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
 from mass_ops.store.budgets import BudgetExhaustedError, BudgetLimits
 from mass_ops.store.repository import MetadataRepository
 
