@@ -80,6 +80,8 @@ PAPER = {
     "evaluation.rollout_count": 10,
     "evaluation.rollout_seed_base": 910000,
     "evaluation.judge_seeds": [42, 43, 44],
+    # The reference's verdict schema exactly (MASS_SPEC §5), and its gpt-5.5 judge on the Responses API, uncapped.
+    "judge.verdict_parsing": "strict",
 }
 CYCLE2_CHANGES = {
     "generation": 1,
@@ -91,6 +93,12 @@ CYCLE2_CHANGES = {
     "search.seed_base": 1450000,
     "collection.seed_base": 1710000,
 }
+
+
+def test_the_paper_gpt_judge_is_the_references_responses_call():
+    for preset in ("paper", "cycle2"):
+        gpt = next(j for j in load_config(preset, environ={}).evaluation.judges if j.model == "gpt-5.5")
+        assert (gpt.api, gpt.reasoning_effort, gpt.max_tokens) == ("responses", "xhigh", None)
 
 
 def _get(config: CycleConfig, dotted: str):
