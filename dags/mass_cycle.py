@@ -18,11 +18,16 @@ the validated config from these params (the config never travels through XCom, w
    Search steps get a higher priority than collection and ranking, earlier versions higher than later ones (the
    longer remaining chain first), so the model server's pool slots go to the critical path.
 4. **select** once every task's chain has ended (skipped chains included).
-5. **render** → **train** (GPU Job) → **select_checkpoint** → **export** (GPU Job) → **register** (an asset event
-   `mass-ops://generations/<name>` through the alias `mass-ops-generations`).
+5. **render** → **train** (GPU Job) → **select_checkpoint** → **export** (GPU Job) → **register** L(k+1).
 6. Evaluation servers up (current + new generation) → **rollout** (mapped) → **evaluate** → servers down →
-   **report** (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`)
-   → **continue_cycle** (triggers the next cycle when `auto_continue` is set).
+   **report** (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`).
+7. **Promotion gate** (with `promotion.require_approval`; skipped otherwise): **promotion_request** writes the
+   evaluation's headline (L(k+1) against L(k): win rate, interval, counts) into **approve_promotion**, Airflow's
+   human-in-the-loop approval (Required Actions in the UI, or the HITL REST API); unanswered for 7 days it rejects.
+   Approved (or no gate) → **promote**: nightly evaluation serves L(k+1) from now on, and the asset event
+   `mass-ops://generations/<name>` goes out through the alias `mass-ops-generations`. Rejected → promote and the
+   next cycle are skipped; L(k) stays served.
+8. **continue_cycle** triggers the next cycle when `auto_continue` is set.
 
 `compute.backend` decides at run time where work runs: `local` calls each stage in the task's process (the stage
 runs its episodes as local processes), `kubernetes` launches episode pods, GPU Jobs and vLLM Deployments and calls
@@ -36,6 +41,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import DAG, AssetAlias, TriggerRule, get_current_context, task, task_group
 from mass_ops_airflow import CYCLE_DAG_ID
 from mass_ops_airflow.operators import (
@@ -65,6 +71,8 @@ STEP_TIMEOUT = 24 * HOUR  # local backend: the step runs its episodes itself
 # flight (finished candidates are reused by the retry).
 COLLECTION_TIMEOUT = 72 * HOUR
 SHORT_TIMEOUT = dt.timedelta(minutes=30)
+# How long the promotion approval waits for a person; then it takes its default answer, Reject (nothing is promoted).
+APPROVAL_TIMEOUT = dt.timedelta(days=7)
 
 # Priorities (absolute, so Airflow does not add up downstream weights): a unit's weight is the length of its task's
 # chain from it to the end of the inner loop (search versions left, then collection, then ranking). The pools hand
@@ -246,17 +254,35 @@ with DAG(
         """Minimum validation loss, step 0 excluded."""
         return _stage("select_checkpoint", params or {})
 
-    @task(outlets=[GENERATIONS], execution_timeout=SHORT_TIMEOUT)
+    @task(execution_timeout=SHORT_TIMEOUT)
     def register(params: dict[str, Any] | None = None) -> Any:
-        """Register L(k+1) with its lineage and emit its asset event."""
+        """Register L(k+1) with its lineage (served to its own evaluation; to the rest once promoted)."""
+        return _stage("register", params or {})
+
+    @task(execution_timeout=SHORT_TIMEOUT)
+    def promotion_request(params: dict[str, Any] | None = None) -> dict[str, str]:
+        """The approval's subject and body (the evaluation's headline); skipped, and the gate with it, unless
+        `promotion.require_approval`."""
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        request = _stage("promotion_request", params or {})
+        if not request.get("required"):
+            raise AirflowSkipException("promotion.require_approval is off: the new generation is promoted directly")
+        return {"subject": f"Promote {request['generation']} over {request['baseline']}?", "body": request["headline"]}
+
+    @task(outlets=[GENERATIONS], execution_timeout=SHORT_TIMEOUT, trigger_rule=TriggerRule.NONE_FAILED)
+    def promote(params: dict[str, Any] | None = None) -> Any:
+        """Serve L(k+1) from now on (approved, or no gate) and emit its asset event; skipped when rejected."""
         from airflow.sdk import Asset
 
-        result = _stage("register", params or {})
+        context = get_current_context()
+        answer = context["ti"].xcom_pull(task_ids="approve_promotion") or {}
+        approved_by = (answer.get("responded_by_user") or {}).get("name")
+        result = _stage("promote", params or {}, *((str(approved_by),) if approved_by else ()))
         name = str(result["generation"]) if isinstance(result, dict) and "generation" in result else None
         if name:
             extra = {k: v for k, v in result.items() if isinstance(v, str | int | float | bool)}
-            events = get_current_context()["outlet_events"]
-            events[GENERATIONS].add(Asset(GENERATION_URI.format(name=name)), extra=extra)
+            context["outlet_events"][GENERATIONS].add(Asset(GENERATION_URI.format(name=name)), extra=extra)
         return result
 
     @task(execution_timeout=SHORT_TIMEOUT)
@@ -343,4 +369,15 @@ with DAG(
     evaluation_down.as_teardown(setups=evaluation_up)
     # The cycle report (scoreboards, win rates with intervals, agreement, loss curves, cost); the task links it.
     reported = ReportOperator(task_id="report", stage="report", execution_timeout=2 * HOUR)
-    [evaluated, evaluation_down] >> reported >> continue_cycle()
+    # The gate: a person approves L(k+1) after reading the evaluation (and the report); a rejection skips promote and,
+    # with it, the next cycle. The approval itself is never retried: an answer is not a fault.
+    approval = ApprovalOperator(
+        task_id="approve_promotion",
+        subject="{{ ti.xcom_pull(task_ids='promotion_request')['subject'] }}",
+        body="{{ ti.xcom_pull(task_ids='promotion_request')['body'] }}",
+        defaults=ApprovalOperator.REJECT,
+        response_timeout=APPROVAL_TIMEOUT,
+        execution_timeout=SHORT_TIMEOUT,
+        retries=0,
+    )
+    [evaluated, evaluation_down] >> reported >> promotion_request() >> approval >> promote() >> continue_cycle()

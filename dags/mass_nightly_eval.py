@@ -8,6 +8,9 @@ Repair and history: `airflow backfill create --dag-id mass_nightly_eval --from-d
 dates; because results are keyed by logical date and generation, a backfill (or a cleared task) redoes only the
 missing evaluations. `catchup` is off: a paused deployment does not wake up to a burst of old runs.
 
+**Deadline alert**: a night not finished `MASS_NIGHTLY_DEADLINE_HOURS` (default 6, 0 = off) after it was queued
+logs one error line through `mass_ops_airflow.alerts.nightly_deadline_missed` (Airflow's `DeadlineAlert`).
+
 The model servers of the evaluated generations are a setup/teardown pair around the evaluations, so they stop even
 when an evaluation fails. **nightly_report** writes the report of the nightly results' cycle beside the regression
 gate (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`).
@@ -30,6 +33,7 @@ from typing import Any
 from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, TriggerRule, get_current_context, task
 from mass_ops_airflow import NIGHTLY_DAG_ID
+from mass_ops_airflow.alerts import nightly_deadline
 from mass_ops_airflow.operators import InferenceServerOperator, InferenceServerTeardownOperator, ReportOperator
 from mass_ops_airflow.operators.benchmark import BenchmarkTrialOperator
 from mass_ops_airflow.params import NIGHTLY_KNOBS, NIGHTLY_RUN_PARAMS, cycle_params, nightly_slice_params
@@ -80,6 +84,7 @@ with DAG(
     },
     params={**cycle_params(knobs=NIGHTLY_KNOBS), **nightly_slice_params()},
     render_template_as_native_obj=True,
+    deadline=nightly_deadline(),  # MASS_NIGHTLY_DEADLINE_HOURS after queueing (default 6; 0 = none)
     tags=["mass-ops", "evaluation"],
     doc_md=__doc__,
 ) as dag:

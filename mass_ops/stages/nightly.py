@@ -2,7 +2,8 @@
 
 * `nightly_config` gives the nightly runs their own cycle row (``nightly-<hash>``), so they never collide with the
   training cycles' frozen configs; the same nightly settings always land in the same row.
-* `nightly_targets` — the newest registered generation that has a parent (none before the first cycle registered).
+* `nightly_targets` — the newest served generation that has a parent (none before the first cycle registered; one
+  awaiting promotion approval, `promotion.require_approval`, is passed over).
 * `nightly_evaluate` — the night's test-split rollouts of the generation and its parent (fresh samples every night:
   the seed base moves with the logical date's UTC day, `seeds.nightly_rollout_seed_base`), paired and judged like a
   cycle's evaluation, recorded as a pairwise evaluation labelled with the logical date. Results are keyed by (logical
@@ -55,8 +56,11 @@ def nightly_config(config: CycleConfig) -> CycleConfig:
 
 
 def nightly_targets(ctx: CycleContext) -> list[str]:
-    """The generations to evaluate tonight: the newest registered one, when it has a parent."""
-    newest = ctx.repo.latest_generation()
+    """The generations to evaluate tonight: the newest served one (`mass_ops.stages.promotion`: a generation awaiting
+    its promotion's approval is passed over), when it has a parent."""
+    from mass_ops.stages.promotion import served_generation
+
+    newest = served_generation(ctx)
     return [newest.name] if newest is not None and newest.parent_id is not None else []
 
 

@@ -20,14 +20,21 @@ when its publisher records the episode (`charge_episode`, once per recorded atte
 invisible to the ledger until it ends, so a task or cycle budget can be overshot by at most (pods in flight for that
 scope) x `budgets.episode_tokens` (plus one request's estimate error per pod, the episode budget's own overshoot);
 without an episode budget a pod's spend is not bounded before it ends.
+
+Alerts (`BudgetAlert`): when a scope's spend first reaches 50% and 80% of a limit, one warning line is logged, the
+alert is recorded in the store (a once-only marker in `budget_charges`, so exactly one process raises it, once per
+cycle; `recorded_alerts` reads them back for reports) and `budgets.alert_callback` is called with it. The ledger checks
+after recording spend and when it checks a scope before a Kubernetes pod (whose spend arrives only as it ends).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from mass_ops.errors import InfrastructureError
@@ -37,6 +44,11 @@ CYCLE_SCOPE = "cycle"
 IN_LOOP_SCOPE = "in_loop"
 EPISODE_SCOPE = "episode"  # held by an episode's proxy in memory, never in the store
 TASK_PREFIX = "task:"
+ALERT_PERCENTS = (50, 80)  # a budget alert fires when spend first reaches these shares of a limit
+ALERT_PREFIX = "alert:"  # the key prefix of alert markers in `budget_charges`
+MEASURES = {"tokens": "tokens", "USD": "cost_usd"}  # unit → the limit's suffix in the config and in alert keys
+
+logger = logging.getLogger(__name__)
 
 
 def task_scope(task_id: object) -> str:
@@ -60,6 +72,7 @@ class BudgetLimits:
     cycle_cost_usd: float | None = None
     in_loop_tokens: int | None = None
     in_loop_cost_usd: float | None = None
+    alert_callback: str | None = None  # dotted path, validated by the config (`budgets.alert_callback`)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> BudgetLimits:
@@ -84,7 +97,13 @@ class BudgetLimits:
 
     @property
     def any(self) -> bool:
-        return any(getattr(self, name) is not None for name in self.__dataclass_fields__)
+        """Whether any limit is set (an alert callback alone limits nothing)."""
+        return any(getattr(self, name) is not None for name in self.__dataclass_fields__ if name != "alert_callback")
+
+    def measures(self, scope: str) -> list[tuple[str, float]]:
+        """(unit, limit) of each limit a scope has: ``tokens`` and/or ``USD``."""
+        tokens, cost, _ = self.for_scope(scope)
+        return [(unit, limit) for unit, limit in (("tokens", tokens), ("USD", cost)) if limit is not None]
 
 
 @dataclass(frozen=True)
@@ -100,7 +119,7 @@ class Refusal:
 
     @property
     def message(self) -> str:
-        what = "the cycle" if self.scope == CYCLE_SCOPE else self.scope.replace(":", " ").replace("_", "-")
+        what = _scope_words(self.scope)
         if self.unit == "USD":
             amounts = f"has cost ${self.spent:.4f} of {self.setting} = ${self.limit:.4f}"
         else:
@@ -112,6 +131,122 @@ class Refusal:
             f"budget exhausted: {what} {amounts}; raise {self.setting} in the config and rerun (finished units are "
             "reused)"
         )
+
+
+def _scope_words(scope: str) -> str:
+    """A scope as a person reads it: ``the cycle``, ``task 51``, ``in-loop``."""
+    return "the cycle" if scope == CYCLE_SCOPE else scope.replace(":", " ").replace("_", "-")
+
+
+@dataclass(frozen=True)
+class BudgetAlert:
+    """A scope's spend has reached `percent` % of one of its limits (raised once per cycle, scope, limit, share)."""
+
+    cycle_id: int
+    scope: str
+    setting: str  # the config key of the limit, e.g. budgets.cycle_tokens
+    percent: int
+    limit: float
+    spent: float
+    unit: str  # "tokens" or "USD"
+
+    @property
+    def key(self) -> str:
+        """The alert's marker key in the store, e.g. ``alert:task:51:tokens:50``."""
+        return f"{ALERT_PREFIX}{self.scope}:{MEASURES[self.unit]}:{self.percent}"
+
+    @property
+    def message(self) -> str:
+        if self.unit == "USD":
+            amounts = f"has cost ${self.spent:,.2f} of {self.setting} = ${self.limit:,.2f}"
+        else:
+            amounts = f"has used {int(self.spent):,} of {self.setting} = {int(self.limit):,} tokens"
+        share = 100 * self.spent / self.limit if self.limit else 100.0
+        return f"budget alert: {_scope_words(self.scope)} {amounts} ({share:.0f}%, past {self.percent}%)"
+
+
+@dataclass(frozen=True)
+class RecordedAlert:
+    """An alert as the store keeps it (what a report shows): scope, measure, share and when it was first crossed."""
+
+    scope: str
+    unit: str
+    percent: int
+    at: datetime
+
+
+def due_alerts(
+    cycle_id: int, limits: BudgetLimits, spend: Mapping[str, Any], scopes: Sequence[str]
+) -> list[BudgetAlert]:
+    """Every alert that `spend` (rows by scope, with `tokens` and `cost_usd`) has reached in `scopes`, whether or not
+    it was raised before."""
+    due = []
+    for scope in limits.limited(scopes):
+        row = spend.get(scope)
+        prefix = limits.for_scope(scope)[2]
+        for unit, limit in limits.measures(scope):
+            spent = float((row.tokens if unit == "tokens" else row.cost_usd) if row else 0)
+            setting = f"{prefix}_{MEASURES[unit]}"
+            due += [
+                BudgetAlert(cycle_id, scope, setting, percent, float(limit), spent, unit)
+                for percent in ALERT_PERCENTS
+                if spent >= limit * percent / 100
+            ]
+    return due
+
+
+def _notify(alert: BudgetAlert, callback_path: str | None) -> None:
+    """Log the alert and call the configured callback; a failing callback is logged, never raised (a broken
+    notifier must not stop the cycle's work)."""
+    logger.warning(alert.message)
+    if callback_path is None:
+        return
+    from mass_ops.config import import_callable  # only when a callback is configured (validated at config load)
+
+    try:
+        callback: Callable[[BudgetAlert], Any] = import_callable(callback_path)
+        callback(alert)
+    except Exception as exc:
+        logger.error("budget alert callback %s failed: %s: %s", callback_path, type(exc).__name__, exc)
+
+
+def raise_alerts(
+    repo: MetadataRepository,
+    cycle_id: int,
+    limits: BudgetLimits,
+    scopes: Sequence[str],
+    spend: Mapping[str, Any] | None = None,
+    *,
+    known: set[str] | None = None,
+) -> list[BudgetAlert]:
+    """Raise the alerts the spend of `scopes` has reached and nobody raised yet (read from the store unless `spend` is
+    given): each is marked in the store first, so only the one process whose mark lands logs it and calls the
+    callback. `known` (keys already marked, by anyone) is read and extended to save store round trips."""
+    limited = limits.limited(scopes)
+    if not limited:
+        return []
+    if spend is None:
+        spend = repo.budget_spend(cycle_id, limited)
+    raised = []
+    for alert in due_alerts(cycle_id, limits, spend, limited):
+        if known is not None and alert.key in known:
+            continue
+        if repo.mark_budget_once(cycle_id, alert.key):
+            _notify(alert, limits.alert_callback)
+            raised.append(alert)
+        if known is not None:
+            known.add(alert.key)
+    return raised
+
+
+def recorded_alerts(repo: MetadataRepository, cycle_id: int) -> list[RecordedAlert]:
+    """The budget alerts raised in a cycle, in the order they were first crossed."""
+    units = {suffix: unit for unit, suffix in MEASURES.items()}
+    alerts = []
+    for mark in repo.budget_marks(cycle_id, ALERT_PREFIX):
+        scope, suffix, percent = mark.charge_key.removeprefix(ALERT_PREFIX).rsplit(":", 2)
+        alerts.append(RecordedAlert(scope, units.get(suffix, suffix), int(percent), mark.created_at))
+    return alerts
 
 
 class BudgetExhaustedError(InfrastructureError):
@@ -135,6 +270,7 @@ class BudgetLedger:
         self.limits = limits
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
+        self._alerted: set[str] = set()  # alert keys known to be raised (here or elsewhere): never checked again
 
     def refusal(self, scopes: Sequence[str], need_tokens: int, *, extra_tokens: int = 0) -> Refusal | None:
         """The first scope that refuses a request needing `need_tokens` (plus `extra_tokens` spent elsewhere but
@@ -195,6 +331,26 @@ class BudgetLedger:
         if tokens <= 0 and not cost_usd:
             return
         self.repo.add_budget_spend(self.cycle_id, scopes, tokens=max(tokens, 0), cost_usd=cost_usd or 0.0)
+        self.alert(scopes)
+
+    def alert(self, scopes: Sequence[str], spend: Mapping[str, Any] | None = None) -> list[BudgetAlert]:
+        """Raise the alerts (50%, 80% of a limit) the spend of `scopes` reached first (see `raise_alerts`); no store
+        round trip once every alert of these scopes is known to be raised."""
+        limited = self.limits.limited(scopes)
+        possible = {
+            f"{ALERT_PREFIX}{scope}:{MEASURES[unit]}:{percent}"
+            for scope in limited
+            for unit, _ in self.limits.measures(scope)
+            for percent in ALERT_PERCENTS
+        }
+        with self._lock:
+            if possible <= self._alerted:
+                return []
+            known = set(self._alerted)
+        raised = raise_alerts(self.repo, self.cycle_id, self.limits, limited, spend, known=known)
+        with self._lock:
+            self._alerted |= known
+        return raised
 
     def exhausted(self, scopes: Sequence[str]) -> Refusal | None:
         """A scope that has no room for the request it last refused (in any process; with no refusal yet, for one
@@ -203,6 +359,7 @@ class BudgetLedger:
         if not limited:
             return None
         spend = self.repo.budget_spend(self.cycle_id, limited)
+        self.alert(limited, spend)  # a pod's spend reaches the ledger only as it ends: this check notices it
         for scope in limited:
             token_limit, cost_limit, prefix = self.limits.for_scope(scope)
             row = spend.get(scope)

@@ -58,7 +58,10 @@ def test_stage_order(dag):
         ("evaluate", "evaluation_inference_down"),
         ("evaluate", "report"),
         ("evaluation_inference_down", "report"),
-        ("report", "continue_cycle"),
+        ("report", "promotion_request"),
+        ("promotion_request", "approve_promotion"),
+        ("approve_promotion", "promote"),
+        ("promote", "continue_cycle"),
     ]
     for before, after in chain:
         assert before in upstream(dag, after), f"{before} must run before {after}"
@@ -160,7 +163,7 @@ def test_pools(dag):
 
 
 def test_retries_back_off_and_every_task_is_bounded(dag):
-    no_retry = {"validate_config", "continue_cycle"}  # bad input / a trigger must not repeat
+    no_retry = {"validate_config", "continue_cycle", "approve_promotion"}  # bad input / a trigger / an answer
     for task in dag.tasks:
         assert task.execution_timeout is not None, task.task_id
         if task.task_id in no_retry:
@@ -171,9 +174,21 @@ def test_retries_back_off_and_every_task_is_bounded(dag):
     assert dag.get_task("train").execution_timeout.total_seconds() >= 19 * 3600  # the paper's cycle 1 took ~19 h
 
 
-def test_register_announces_the_generation_through_an_asset_alias(dag):
-    (outlet,) = dag.get_task("register").outlets
+def test_promote_announces_the_generation_through_an_asset_alias(dag):
+    """The asset event says "serve this generation": it goes out when the generation is promoted, not registered."""
+    (outlet,) = dag.get_task("promote").outlets
     assert type(outlet).__name__ == "AssetAlias" and outlet.name == "mass-ops-generations"
+    assert dag.get_task("register").outlets == []
+
+
+def test_the_promotion_gate_is_airflow_s_approval_skipped_without_require_approval(dag):
+    gate = dag.get_task("approve_promotion")
+    assert type(gate).__name__ == "ApprovalOperator" and gate.retries == 0
+    assert gate.defaults == ["Reject"] and gate.response_timeout is not None, "unanswered: nothing is promoted"
+    assert "promotion_request" in gate.body and "promotion_request" in gate.subject, "the evaluation's headline"
+    # promotion_request skips itself (and so the gate) without promotion.require_approval; promote still runs.
+    assert dag.get_task("promote").trigger_rule == TriggerRule.NONE_FAILED
+    assert dag.get_task("continue_cycle").trigger_rule == TriggerRule.ALL_SUCCESS, "rejected: no next cycle"
 
 
 def test_operators_pick_the_backend_at_run_time(dag):

@@ -54,15 +54,16 @@ def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
         "validate_config", "inference_up", "search_tasks", "search_step", "search_step", "search_step",
         "search_step", "collect_task", "rank_task", "select", "inference_down",
         "render", "train", "select_checkpoint", "export", "register", "evaluation_up", "rollout_units",
-        "rollout_unit", "rollout_unit", "evaluate", "evaluation_down", "report",
+        "rollout_unit", "rollout_unit", "evaluate", "evaluation_down", "report", "promotion_request", "promote",
     ]  # fmt: skip
     names = stages.names()
     assert Counter(names) == Counter(expected)
     # Independent branches may interleave; the stage order itself may not.
     order = ["validate_config", "search_tasks", "collect_task", "rank_task", "select", "render", "train",
-             "select_checkpoint", "export", "register", "rollout_units", "evaluate", "report"]  # fmt: skip
+             "select_checkpoint", "export", "register", "rollout_units", "evaluate", "report", "promotion_request",
+             "promote"]  # fmt: skip
     assert [n for n in names if n in order] == order
-    assert names.index("inference_down") > names.index("select") and names[-1] == "report"
+    assert names.index("inference_down") > names.index("select") and names[-1] == "promote"
     for task in (51, 202):
         steps = [args[1:] for name, args in stages.calls if name == "search_step" and args[1] == task]
         assert steps == [(task, 0), (task, 1)], "versions run in order; those beyond search.iterations never run"
@@ -73,6 +74,9 @@ def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
     assert counted[("inner_loop.collect_task", "skipped")] == 1, "task 202 is searched only"
     assert counted[("inner_loop.rank_task", "skipped")] == 1
     assert counted[("select", "success")] == 1 and counted[("continue_cycle", "skipped")] == 1
+    # promotion.require_approval is off (the stand-in's request says not required): no gate, promoted directly.
+    assert counted[("promotion_request", "skipped")] == 1 and counted[("approve_promotion", "skipped")] == 1
+    assert counted[("promote", "success")] == 1
     labels = {
         (ti.task_id, ti.map_index): ti.rendered_map_index
         for ti in run.get_task_instances()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from copy import copy
 from typing import Any
+from unittest import mock
 
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException, DagRunTriggerException
@@ -123,11 +124,14 @@ def test_a_task_searched_only_or_not_collected_skips_its_collection(cycle_dag, s
     assert stages.names() == ["collect_task"]
 
 
-def test_register_emits_the_generation_asset_event(cycle_dag, stages):
-    stages.results["register"] = {"generation": "L3", "generation_id": 7, "fp8_uri": "s3://b/models/L3-fp8"}
+def test_promote_emits_the_generation_asset_event(cycle_dag, stages):
+    stages.results["promote"] = {"generation": "L3", "generation_id": 7, "fp8_uri": "s3://b/models/L3-fp8"}
     events = OutletEvents()
-    result = call(cycle_dag, "register", {"outlet_events": events}, params=DEMO)
+    ti = mock.MagicMock()
+    ti.xcom_pull.return_value = {"chosen_options": ["Approve"], "responded_by_user": {"id": "1", "name": "ops-lead"}}
+    result = call(cycle_dag, "promote", {"outlet_events": events, "ti": ti}, params=DEMO)
     assert result["generation"] == "L3"
+    assert stages.calls[-1][1][1:] == ("ops-lead",), "who approved goes to the promotion record"
     ((alias, asset, extra),) = events.added
     assert alias.name == "mass-ops-generations" and asset.uri == "mass-ops://generations/L3"
     assert extra == {"generation": "L3", "generation_id": 7, "fp8_uri": "s3://b/models/L3-fp8"}

@@ -1,4 +1,5 @@
-"""The budget ledger's rows: spend per scope of a cycle, incremented atomically, and once-only charge markers."""
+"""The budget ledger's rows: spend per scope of a cycle, incremented atomically, and once-only markers (charges,
+alerts)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,27 @@ class BudgetRecords(RepositoryBase):
         row = {"cycle_id": cycle_id, "scope": scope, "tokens": 0, "cost_usd": 0.0, "requests": 0}
         with self.store.transaction() as connection:
             connection.execute(statement, {**row, "refused_need": need, "updated_at": utcnow()})
+
+    def mark_budget_once(self, cycle_id: int, key: str) -> bool:
+        """Insert the marker `key` of a cycle (`budget_charges`) unless it is there: True only for the one call, in
+        any process, that inserted it (what makes a budget alert fire once)."""
+        mark = (
+            self._dialect_insert(BudgetCharge)
+            .on_conflict_do_nothing(index_elements=["cycle_id", "charge_key"])
+            .returning(BudgetCharge.id)
+        )
+        with self.store.transaction() as connection:
+            marked = connection.execute(mark, {"cycle_id": cycle_id, "charge_key": key, "created_at": utcnow()})
+            return marked.first() is not None
+
+    def budget_marks(self, cycle_id: int, prefix: str) -> list[BudgetCharge]:
+        """The markers of a cycle whose key starts with `prefix`, oldest first."""
+        statement = (
+            sa.select(BudgetCharge)
+            .where(BudgetCharge.cycle_id == cycle_id, BudgetCharge.charge_key.startswith(prefix, autoescape=True))
+            .order_by(BudgetCharge.id)
+        )
+        return self._all(statement)
 
     def budget_spend(self, cycle_id: int, scopes: Sequence[str] | None = None) -> dict[str, BudgetSpend]:
         """Spend so far per scope of a cycle (all scopes, or those among `scopes`; absent ones spent nothing)."""
