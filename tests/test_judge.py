@@ -10,13 +10,9 @@ import pytest
 
 from mass_ops.judge import evidence
 from mass_ops.judge.evidence import (
-    APPENDIX_TRUNCATION_MARKER,
     EvidenceCaps,
     EvidenceError,
     build_bundle,
-    cap_chars,
-    cap_tokens,
-    directory_tree,
     file_excerpts,
     preflight,
     results_json_appendix,
@@ -50,6 +46,12 @@ def write(root: Path, files: dict[str, str | bytes]) -> Path:
 # -- directory tree ------------------------------------------------------------------------------------------------
 
 
+def tree_lines(root: Path, name: str | None = None) -> list[str]:
+    """The tree as the shipped template renders it (the lines between its fences)."""
+    text = build_bundle(root, task_id=51, task_text="", location="x", caps=EvidenceCaps(), name=name).render("W")
+    return text.split("```\n", 1)[1].split("\n```", 1)[0].splitlines()
+
+
 def test_tree_lists_folders_first_case_insensitively_skips_tool_folders_and_tags_binaries(tmp_path: Path) -> None:
     root = write(
         tmp_path / "ws",
@@ -57,22 +59,25 @@ def test_tree_lists_folders_first_case_insensitively_skips_tool_folders_and_tags
             "zeta.txt": "z",
             "Alpha.md": "a",
             "beta.PNG": b"\x89PNG",
+            ".png": b"x",  # no suffix for Python: not tagged
             "data/raw.parquet": b"x",
             "Results/metrics.json": "{}",
             ".git/HEAD": "ref",
             "__pycache__/x.pyc": b"x",
             ".venv/lib/x.py": "x",
+            "venv": "a file named like a tool folder is listed",
         },
     )
-    lines = directory_tree(root, "query51").splitlines()
-    assert lines == [
+    assert tree_lines(root, "query51") == [
         "query51",
         "  data/",
-        "    raw.parquet [.parquet binary/large]",
+        "    raw.parquet  [.parquet binary/large]",
         "  Results/",
         "    metrics.json",
+        "  .png",
         "  Alpha.md",
-        "  beta.PNG [.png binary/large]",
+        "  beta.PNG  [.png binary/large]",
+        "  venv",
         "  zeta.txt",
     ]
 
@@ -81,15 +86,15 @@ def test_tree_elides_crowded_folders_and_stops_at_depth_and_entry_limits(tmp_pat
     root = tmp_path / "ws"
     write(root, {f"many/f{i:03d}.txt": "x" for i in range(101)})
     write(root, {"/".join(f"d{i}" for i in range(9)) + "/leaf.txt": "x"})
-    tree = directory_tree(root)
+    tree = "\n".join(tree_lines(root))
     assert "  many/\n    ... (101 entries omitted)" in tree
     assert "d5/" in tree and "d6/" not in tree  # depth 6 is the deepest folder listed
-    assert tree.endswith("... (tree truncated)")
+    assert "truncated" not in tree  # the reference marks only the entry limit, not the depth
 
     wide = tmp_path / "wide"
     for folder in range(5):
         write(wide, {f"g{folder}/f{i:02d}.txt": "x" for i in range(90)})
-    lines = directory_tree(wide).splitlines()
+    lines = tree_lines(wide)
     assert len(lines) == 1 + evidence.TREE_MAX_ENTRIES + 1
     assert lines[-1] == "... (tree truncated)"
 
@@ -98,19 +103,21 @@ def test_tree_elides_crowded_folders_and_stops_at_depth_and_entry_limits(tmp_pat
 
 TASK = (
     "Deliverables:\\n1. research_report.md\\n3. deliverables/plots/ containing equity_curves.png, drawdowns.png and "
-    "deliverables/plots/rolling_sharpe.png; also figures/extra.png."
+    "deliverables/plots/rolling_sharpe.png; also figures/extra.png and out/deliverables/plots/x.png."
 )
 
 
-def test_plot_paths_map_bare_names_into_the_plots_folder_and_keep_other_paths() -> None:
+def test_plot_paths_are_sorted_bare_names_mapped_into_the_plots_folder_full_paths_kept() -> None:
     assert task_plot_paths(TASK) == [
-        "deliverables/plots/equity_curves.png",
         "deliverables/plots/drawdowns.png",
+        "deliverables/plots/equity_curves.png",
+        "deliverables/plots/extra.png",  # the name of figures/extra.png
         "deliverables/plots/rolling_sharpe.png",
-        "figures/extra.png",
+        "deliverables/plots/x.png",
+        "out/deliverables/plots/x.png",
     ]
     many = " ".join(f"p{i}.png" for i in range(60))
-    assert len(task_plot_paths(many)) == evidence.PREFLIGHT_MAX_PLOTS
+    assert len(task_plot_paths(many)) == 60
 
 
 def test_preflight_reports_found_missing_and_each_plot(tmp_path: Path) -> None:
@@ -118,40 +125,28 @@ def test_preflight_reports_found_missing_and_each_plot(tmp_path: Path) -> None:
         tmp_path / "ws",
         {"research_report.md": "# r", "results/metrics.json": "{}", "deliverables/plots/drawdowns.png": b"x"},
     )
-    text = preflight(root, TASK)
-    assert "- research_report.md: FOUND" in text
-    assert "- deliverables/index.json: MISSING" in text
-    assert "- results/metrics.json: FOUND" in text
-    assert "- requirements.txt: MISSING" in text
-    assert "plots named by the task: 1/4 present" in text
-    assert "  - deliverables/plots/drawdowns.png: ok" in text
-    assert "  - deliverables/plots/equity_curves.png: missing" in text
-
-
-def test_char_cap_keeps_head_and_tail_halves() -> None:
-    text = "H" * 600 + "M" * 1000 + "T" * 400
-    capped, cut = cap_chars(text, 1000)
-    assert cut
-    head, _, tail = capped.partition("\n\n[... 1000 characters omitted ...]\n\n")
-    assert head == "H" * 500
-    assert tail == "M" * 100 + "T" * 400
-    assert cap_chars("short", 10) == ("short", False)
-
-
-def test_token_cap_shrinks_until_the_excerpt_fits() -> None:
-    def count(text: str) -> int:  # a counter much stricter than chars/4
-        return len(text)
-
-    text = "x" * 10_000
-    capped, cut = cap_tokens(text, 500, count)
-    assert cut and count(capped) <= 500
-    assert cap_tokens("tiny", 10, count) == ("tiny", False)
+    checks = preflight(root, TASK)
+    assert checks["core"] == [
+        {"path": "deliverables/index.json", "found": False},
+        {"path": "requirements.txt", "found": False},
+        {"path": "research_report.md", "found": True},
+        {"path": "results/metrics.json", "found": True},
+    ]
+    assert (checks["plot_count"], checks["plots_found"]) == (6, 1)
+    text = build_bundle(root, task_id=51, task_text=TASK, location="x", caps=EvidenceCaps()).render("W")
+    assert "- research_report.md: FOUND\n- results/metrics.json: FOUND" in text
+    assert "plots named by the task: 1/6 present" in text
+    assert "  - deliverables/plots/drawdowns.png: ok\n  - deliverables/plots/equity_curves.png: missing" in text
+    many = preflight(root, " ".join(f"p{i:02d}.png" for i in range(45)))
+    assert (len(many["plots"]), many["plot_count"]) == (evidence.PREFLIGHT_MAX_PLOTS, 45)
 
 
 def test_token_counter_is_chars_over_four_except_for_gpt_models(monkeypatch: pytest.MonkeyPatch) -> None:
     assert token_counter("Qwen/Qwen3.6-27B-FP8")("x" * 9) == 3
+    assert token_counter("qwen")("") == 1  # never below one token
     monkeypatch.setattr(evidence, "_o200k_counter", lambda: lambda text: 1000)
     assert token_counter("gpt-5.5")("abc") == 1000
+    assert token_counter(" GPT-5.5")("abc") == 1000  # any case, surrounding spaces ignored
     monkeypatch.setattr(evidence, "_o200k_counter", lambda: None)
     assert token_counter("gpt-5.5")("x" * 9) == math.ceil(9 / 4)
 
@@ -186,8 +181,9 @@ def test_excerpts_follow_the_reference_order_and_caps(tmp_path: Path) -> None:
         "tests/test_a.py",
     ]
     report, test_file = excerpts[0], excerpts[-1]
-    assert report.truncated and len(report.text) < 28_100
-    assert test_file.truncated and test_file.text.count("A") == evidence.TEST_FILE_CHAR_CAP
+    assert report.truncated and [p["kind"] for p in report.parts] == ["text", "char_cut", "text"]
+    kept = sum(len(p["text"]) for p in test_file.parts if p["kind"] == "text")
+    assert test_file.truncated and kept == evidence.TEST_FILE_CAP
     assert not excerpts[1].truncated
 
 
@@ -199,7 +195,7 @@ def test_bundle_renders_tree_preflight_and_fenced_excerpts(tmp_path: Path) -> No
     text = bundle.render("Workspace A")
     assert text.startswith("# Workspace A (evidence only)\nPath: `s3://b/ws.tar.gz`")
     assert "## Directory tree (representative)" in text and "## Programmatic preflight" in text
-    assert "### File: `research_report.md`\n````markdown\n# Report" in text  # longer fence than the inner one
+    assert "### File: `research_report.md`\n````\n# Report" in text  # longer fence than the inner one
     assert bundle.query_id == "query_51"
     with pytest.raises(EvidenceError, match="not a folder"):
         build_bundle(tmp_path / "absent", task_id=51, task_text="", location="x", caps=EvidenceCaps())
@@ -216,19 +212,20 @@ def test_results_appendix_excludes_known_dumps_and_respects_both_caps(tmp_path: 
             "results/raw_records.json": "[]",
             "results/sub/pilot_raw_records.json": "[]",
             "results/curve_data.json": "[]",
-            "results/run_X_random_s0.json": "[]",
+            "results/run_B1_random_s0.json": "[]",
+            "results/run_X_random_s0.json": "[]",  # not on the reference's list for task 202
         },
     )
-    text = results_json_appendix(root, 202, per_file_chars=24_000, total_chars=40_000)
+    text = results_json_appendix(root, 202, per_file_chars=24_000, total_chars=40_000).render()
     assert text.startswith("# Full JSON artifacts under results/")
-    for excluded in ("raw_records", "pilot_raw_records", "curve_data", "run_X_random_s0"):
+    for excluded in ("raw_records", "pilot_raw_records", "curve_data", "run_B1_random_s0"):
         assert excluded not in text
-    assert "## `results/a.json`" in text and "## `results/big.json`" in text
-    assert APPENDIX_TRUNCATION_MARKER in text
+    assert "## `results/a.json`" in text and "## `results/big.json`" in text and "run_X_random_s0" in text
+    assert "\n[truncated: middle omitted]\n" in text
     assert "Omitted (total cap of 40000 characters reached): results/c_huge.json" in text
     assert "## `results/d.json`" in text  # a later, smaller file still fits
     # Task 51 has no per-task exclusions: curve_data.json is included there.
-    assert "results/curve_data.json" in results_json_appendix(root, 51)
+    assert "results/curve_data.json" in results_json_appendix(root, 51).render()
 
 
 # -- prompts -------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Where a judged workspace comes from: the episode executor (search) or the stored workspace artifact (ranking).
 
-Evidence is built from a workspace materialised in a scratch folder that is removed once the bundle text exists.
+Evidence is built from a workspace materialised in a scratch folder that is removed once the bundle exists.
 A workspace the platform refuses to unpack (over the archive limits of `store.untrusted`, or unsafe) is not an
 error of the stage: its evidence is a refused bundle, built once per process, and the pair's outcome follows from
 it without a judge call (`PairwiseJudge.judge`), recorded like any verdict so a rerun reuses it.
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar, cast
 
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle, refused_bundle
+from mass_ops.prompts import PromptSet
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome
 from mass_ops.store.artifacts import ArtifactKeyError, ArtifactStore, UnsafeArchiveError
 
@@ -118,12 +119,21 @@ def evidence_of(
     return cast(T, refused_bundle(value, reason))
 
 
-def bundle_workspace(source: WorkspaceSource, *, task_id: int, task_text: str, caps: EvidenceCaps) -> EvidenceBundle:
-    """Evidence bundle of `source`, built in a scratch folder that is removed afterwards (refused: `evidence_of`)."""
+def bundle_workspace(
+    source: WorkspaceSource, *, task_id: int, task_text: str, caps: EvidenceCaps, prompts: PromptSet | None = None
+) -> EvidenceBundle:
+    """Evidence bundle of `source`, built in a scratch folder that is removed afterwards (refused: `evidence_of`);
+    `prompts`: the templates whose cut markers apply (default: the shipped ones)."""
 
     def build(root: Path, source: WorkspaceSource) -> EvidenceBundle:
         return build_bundle(
-            root, task_id=task_id, task_text=task_text, location=source.location, caps=caps, name=source.name
+            root,
+            task_id=task_id,
+            task_text=task_text,
+            location=source.location,
+            caps=caps,
+            name=source.name,
+            prompts=prompts,
         )
 
     return evidence_of(source, build)

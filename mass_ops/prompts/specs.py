@@ -30,30 +30,107 @@ class TemplateSpec:
 
 
 _EVIDENCE = "# Workspace A (evidence only)\nPath: `s3://bucket/w.tar.gz`\n\n## Directory tree\n```text\nw/\n```"
+# One workspace's evidence as `EvidenceBundle.variables()` gives it, taking every branch of evidence.j2.
+_BUNDLE: dict[str, Any] = {
+    "task_id": 51,
+    "query_id": "query_51",
+    "location": "s3://bucket/w.tar.gz",
+    "refused": None,
+    "tree": {
+        "root": "query51_ourTeam",
+        "lines": [
+            {"depth": 1, "kind": "dir", "name": "data", "suffix": "", "count": 0},
+            {"depth": 2, "kind": "crowded", "name": "", "suffix": "", "count": 150},
+            {"depth": 1, "kind": "file", "name": "prices.parquet", "suffix": ".parquet", "count": 0},
+            {"depth": 1, "kind": "file", "name": "research_report.md", "suffix": "", "count": 0},
+        ],
+        "truncated": True,
+        "child_limit": 100,
+        "backticks": 0,
+    },
+    "preflight": {
+        "core": [{"path": "research_report.md", "found": True}, {"path": "requirements.txt", "found": False}],
+        "plots": [{"path": "deliverables/plots/a.png", "found": True}],
+        "plot_count": 41,
+        "plots_found": 1,
+    },
+    "excerpts": [
+        {
+            "path": "research_report.md",
+            "truncated": True,
+            "backticks": 3,
+            "parts": [
+                {"kind": "text", "text": "# Report ```"},
+                {"kind": "token_cut", "start": 0, "stop": 4},
+                {"kind": "char_cut", "omitted": 120},
+                {"kind": "text", "text": "end"},
+            ],
+        },
+        {"path": "main.py", "truncated": False, "backticks": 0, "parts": [{"kind": "text", "text": "print(1)"}]},
+    ],
+}
+_APPENDIX: dict[str, Any] = {
+    "results_dir": True,
+    "files": [
+        {"path": "results/a.json", "head": "{", "tail": "}", "truncated": True, "unreadable": False, "backticks": 0},
+        {"path": "results/b.json", "head": "{}", "tail": "", "truncated": False, "unreadable": False, "backticks": 0},
+    ],
+    "omitted": [{"path": "results/big.json", "chars": 24029}],
+    "per_file_chars": 24000,
+    "total_chars": 120000,
+}
 _HISTORY = [
     {
         "key": "v0_vs_no_harness",
         "version": 0,
+        "label_a": "no-harness-single-agent-baseline",
+        "label_b": "multi-agent-design-v0",
         "winner": "B",
         "judge_model": "judge-model",
-        "judged_at": "2026-01-01T00:00:00",
-        "side_a": "s3://bucket/ref.tar.gz",
-        "side_b": "s3://bucket/v0.tar.gz",
-        "rationale": "B is complete.",
+        "judged_at": "2026-01-01T00:00:00.123456+00:00",
+        "side_a": "reference",
+        "side_b": "v0",
+        "episode_a": "reference-t51-s1/a1",
+        "episode_b": None,
+        "rationale": {"text": "B is complete.", "truncated": False},
         "takeaways": [],
         "diff": None,
     },
     {
         "key": "v1_vs_no_harness",
         "version": 1,
+        "label_a": "no-harness-single-agent-baseline",
+        "label_b": "multi-agent-design-v1",
         "winner": "invalid",
         "judge_model": "judge-model",
-        "judged_at": "2026-01-01T01:00:00",
-        "side_a": "s3://bucket/ref.tar.gz",
-        "side_b": "s3://bucket/v1.tar.gz",
-        "rationale": "B is missing the report.",
+        "judged_at": None,
+        "side_a": "reference",
+        "side_b": "v1",
+        "episode_a": "reference-t51-s1/a1",
+        "episode_b": "search-t51-v1-s1001/a1",
+        "rationale": {"text": "B is missing the", "truncated": True},
         "takeaways": ["B is missing the report."],
-        "diff": "-old +new",
+        "diff": {
+            "text": "--- multi_agent_design_v0 +++ multi_agent_design_v1 -old +new",
+            "truncated": False,
+            "identical": False,
+        },
+    },
+    {
+        "key": "v2_vs_no_harness",
+        "version": 2,
+        "label_a": "no-harness-single-agent-baseline",
+        "label_b": "multi-agent-design-v2",
+        "winner": "tie",
+        "judge_model": "judge-model",
+        "judged_at": "2026-01-01T02:00:00+00:00",
+        "side_a": "reference",
+        "side_b": "v2",
+        "episode_a": None,
+        "episode_b": None,
+        "rationale": {"text": "", "truncated": False},
+        "takeaways": [],
+        "diff": {"text": "", "truncated": False, "identical": True},
     },
 ]
 _OPTIMIZER_FIRST_STEP: dict[str, Any] = {
@@ -62,7 +139,8 @@ _OPTIMIZER_FIRST_STEP: dict[str, Any] = {
     "current_design": f"{START_MARKER} 1. Orchestrator.",
     "best": None,
     "v0_design": None,
-    "evidence": _EVIDENCE,
+    "evidence": _BUNDLE,
+    "results_appendix": _APPENDIX,
     "run_status_json": '{\n  "exit_code": 0\n}',
     "run_failed": False,
     "prior_failures": False,
@@ -89,10 +167,23 @@ TEMPLATES: dict[str, TemplateSpec] = {
                     "task_text": "Study the task.",
                     "label_a": "no-harness-single-agent-baseline",
                     "label_b": "multi-agent-design-v1",
-                    "evidence_a": _EVIDENCE,
-                    "evidence_b": _EVIDENCE.replace("Workspace A", "Workspace B"),
+                    "evidence_a": _BUNDLE,
+                    "evidence_b": {**_BUNDLE, "excerpts": [], "tree": {**_BUNDLE["tree"], "truncated": False}},
+                },
+                {
+                    "task_text": "Study the task.",
+                    "label_a": "candidate-a",
+                    "label_b": "candidate-b",
+                    "evidence_a": {**_BUNDLE, "refused": "archive over the limits"},
+                    "evidence_b": {**_BUNDLE, "preflight": {**_BUNDLE["preflight"], "plots": [], "plot_count": 0}},
                 },
             ),
+        ),
+        TemplateSpec(
+            "evidence.j2",
+            "Macros rendering a workspace's evidence and the optimizer's results/ appendix, and the cut markers.",
+            ({},),
+            macros=("evidence", "results_appendix", "token_cut_marker", "appendix_cut_marker"),
         ),
         TemplateSpec("optimizer_system.j2", "System message of the RHI optimizer.", ({},)),
         TemplateSpec(
@@ -106,9 +197,10 @@ TEMPLATES: dict[str, TemplateSpec] = {
                     "best": {
                         "version": 1,
                         "design": f"{START_MARKER} best",
-                        "rationale": "Both won; v1 preferred.",
+                        "rationale": {"text": "Both won; v1 preferred", "truncated": False, "needs_period": True},
                         "case": "both_win_arbitration",
                     },
+                    "results_appendix": {**_APPENDIX, "files": [], "omitted": []},
                     "v0_design": f"{START_MARKER} root",
                     "run_failed": True,
                     "prior_failures": True,
@@ -119,7 +211,10 @@ TEMPLATES: dict[str, TemplateSpec] = {
                         {"version": 2, "verdict": None, "retained": False},
                     ],
                     "history": _HISTORY,
-                    "delta_rows": [{"name": "missing deliverables or sections", "count": 1, "example": "B is missing"}],
+                    "delta_rows": [
+                        {"bucket": "missing", "count": 2, "example": "B is missing the report."},
+                        {"bucket": "validation", "count": 1, "example": None},
+                    ],
                 },
                 {
                     **_OPTIMIZER_FIRST_STEP,
@@ -127,9 +222,10 @@ TEMPLATES: dict[str, TemplateSpec] = {
                     "best": {
                         "version": 0,
                         "design": f"{START_MARKER} v0",
-                        "rationale": "v0 won, v1 did not.",
+                        "rationale": {"text": "v0 won, v1 did not", "truncated": True, "needs_period": False},
                         "case": "champion_only_win",
                     },
+                    "run_status_json": None,
                     "prior_failures": True,
                     "baseline_mode": True,
                 },
@@ -137,14 +233,19 @@ TEMPLATES: dict[str, TemplateSpec] = {
         ),
         TemplateSpec(
             "optimizer_parts.j2",
-            "Macros of the optimizer message: failure notice, scoreboard line, delta checklist.",
+            "Macros of the optimizer message: failure notice, scoreboard line, delta checklist, text endings.",
             ({},),
-            macros=("failure_notice", "scoreboard", "delta_checklist"),
+            macros=("failure_notice", "scoreboard", "delta_checklist", "cut"),
         ),
         TemplateSpec(
             "teacher_prompt.j2",
             "Prompt of a teacher-collection episode: the retained workflow prompt and the teacher directive.",
-            ({"retained_prompt": f"Study the task.\n\n{START_MARKER} 1. Orchestrator.", "teacher_directive": "Work."},),
+            (
+                {
+                    "retained_prompt": f"Study the task.\n\n{START_MARKER} 1. Orchestrator.",
+                    "teacher_directive": "Work.\n",
+                },
+            ),
         ),
     )
 }

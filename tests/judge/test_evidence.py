@@ -1,12 +1,17 @@
-"""Evidence caps (MASS_SPEC §5): token caps before character caps, requirements.txt under the report's caps."""
+"""Evidence caps (MASS_SPEC §5): token caps before character caps, requirements.txt under the report's caps, and
+reading that stays bounded however large a file is."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mass_ops.judge.evidence import EvidenceCaps, cap_excerpt, file_excerpts
+from mass_ops.judge.evidence import EvidenceCaps, build_bundle, cap_excerpt, file_excerpts, results_json_appendix
 
-MARKER = "\n\n[... {} characters omitted ...]\n\n"
+MARK = "<cut>"
+
+
+def chars_over_four(text: str) -> int:
+    return max(1, -(-len(text) // 4))
 
 
 def distinct_text(n: int) -> str:
@@ -14,34 +19,57 @@ def distinct_text(n: int) -> str:
     return "".join(f"{i:07d}\n" for i in range(n // 8 + 1))[:n]
 
 
-def head_tail(text: str, keep: int) -> str:
-    """The reference's character cut written out: half of `keep` from the head, the rest from the tail."""
-    head = keep // 2
-    return text[:head] + MARKER.format(len(text) - keep) + text[len(text) - (keep - head) :]
+def shown(parts: list[dict[str, object]]) -> str:
+    """The parts as text, markers written as <cut> (token cap) and <N omitted> (character cap)."""
+    out = []
+    for part in parts:
+        if part["kind"] == "text":
+            out.append(str(part["text"]))
+        elif part["kind"] == "token_cut":
+            out.append(MARK[int(part["start"]) : int(part["stop"])])  # type: ignore[call-overload]
+        else:
+            out.append(f"<{part['omitted']} omitted>")
+    return "".join(out)
 
 
-def test_token_cap_applies_before_the_character_cap():
-    # 30000 characters, 6000 tokens (chars/4), 24000 characters: the JSON caps of remote ranking.
-    text = distinct_text(30000)
-    capped, cut = cap_excerpt(text, max_chars=24000, max_tokens=6000, token_model="qwen")
-    # Token cap on the original text: 24000 characters plus the marker is 6010 tokens > 6000, so 24000 × 0.7 = 16800
-    # characters are kept; that already fits the character cap, which then leaves it alone: one marker, not two.
-    assert capped == head_tail(text, 16800)
-    assert cut and capped.count("characters omitted") == 1
+def test_token_cap_keeps_a_quarter_at_each_end_shrunk_until_it_fits_then_the_character_cap():
+    text = distinct_text(30000)  # 7500 tokens at chars/4
+    parts, cut = cap_excerpt(text, 24000, 6000, chars_over_four, MARK)
+    # 7500 characters at each end (len/4) plus the marker: 3752 tokens, within 6000; 15005 characters fit 24000.
+    assert cut and shown(parts) == text[:7500] + MARK + text[-7500:]
+    parts, cut = cap_excerpt(text, 24000, 3000, chars_over_four, MARK)
+    # 7500 → 5250 (2627 tokens): the first window that fits 3000.
+    assert cut and shown(parts) == text[:5250] + MARK + text[-5250:]
+    parts, cut = cap_excerpt(text, 1000, 3000, chars_over_four, MARK)
+    # Then the character cap cuts the token-capped text (10505 characters) to 500 + 500 around its own marker.
+    assert shown(parts) == text[:500] + "<9505 omitted>" + text[-500:]
 
 
-def test_character_cap_still_applies_after_the_token_cap():
-    text = distinct_text(100000)
-    capped, cut = cap_excerpt(text, max_chars=28000, max_tokens=12000, token_model="qwen")
-    token_capped = head_tail(text, 33600)  # 48000 chars (+marker) is over 12000 tokens; 48000 × 0.7 fits
-    assert cut and capped == head_tail(token_capped, 28000)
-    assert capped.startswith(text[:14000]) and capped.endswith(text[-14000:])
+def test_the_token_marker_counts_and_a_cut_may_fall_inside_it():
+    text = distinct_text(400)
+    parts, cut = cap_excerpt(text, 10_000, 1, chars_over_four, MARK)
+    assert cut and shown(parts) == MARK  # the marker alone takes the whole cap
+    long_mark = "<" + "m" * 38 + ">"  # 40 characters: 10 tokens
+    parts, _ = cap_excerpt(text, 10_000, 30, chars_over_four, long_mark)
+    assert [p["kind"] for p in parts] == ["text", "token_cut", "text"]
+    head, tail = parts[0]["text"], parts[2]["text"]
+    assert len(head) == len(tail) and chars_over_four(head + long_mark + tail) <= 30
+    # A character cap 20 short of the token-capped text keeps 10 marker characters on each side of its own cut.
+    parts, _ = cap_excerpt(text, 2 * len(head) + 20, 30, chars_over_four, long_mark)
+    assert parts == [
+        {"kind": "text", "text": head},
+        {"kind": "token_cut", "start": 0, "stop": 10},
+        {"kind": "char_cut", "omitted": 20},
+        {"kind": "token_cut", "start": 30, "stop": 40},
+        {"kind": "text", "text": tail},
+    ]
 
 
-def test_without_a_token_cap_only_characters_count():
+def test_without_a_token_cap_only_characters_count_and_short_text_stays_whole():
     text = distinct_text(50000)
-    assert cap_excerpt(text, 28000, None, "qwen") == (head_tail(text, 28000), True)
-    assert cap_excerpt("short", 28000, 10, "qwen") == ("short", False)
+    parts, cut = cap_excerpt(text, 28000, None, chars_over_four, MARK)
+    assert cut and shown(parts) == text[:14000] + "<22000 omitted>" + text[-14000:]
+    assert cap_excerpt("short", 28000, 10, chars_over_four, MARK) == ([{"kind": "text", "text": "short"}], False)
 
 
 def test_requirements_take_the_report_character_cap(tmp_path: Path):
@@ -50,15 +78,16 @@ def test_requirements_take_the_report_character_cap(tmp_path: Path):
     (tmp_path / "run_all.py").write_text(requirements)
     caps = EvidenceCaps(report_chars=28000, code_chars=12000, report_tokens=None, code_tokens=None)
     excerpts = {e.path: e for e in file_excerpts(tmp_path, caps)}
-    assert excerpts["requirements.txt"].text == head_tail(requirements, 28000)
+    cut = len(requirements) - 28000
+    assert shown(list(excerpts["requirements.txt"].parts)) == (
+        requirements[:14000] + f"<{cut} omitted>" + requirements[-14000:]
+    )
     assert excerpts["requirements.txt"].truncated
-    assert excerpts["run_all.py"].text == head_tail(requirements, 12000)  # code keeps the code cap
+    assert shown(list(excerpts["run_all.py"].parts)).startswith(requirements[:6000] + "<")  # code keeps the code cap
 
 
 def test_a_500mb_report_is_read_only_as_far_as_its_excerpt_shows(tmp_path: Path) -> None:
     import tracemalloc
-
-    from mass_ops.judge.evidence import build_bundle, excerpt_read_bytes, results_json_appendix
 
     root = tmp_path / "ws"
     (root / "results").mkdir(parents=True)
@@ -77,7 +106,8 @@ def test_a_500mb_report_is_read_only_as_far_as_its_excerpt_shows(tmp_path: Path)
     finally:
         tracemalloc.stop()
     # At most the head and tail the caps can show are read: a few hundred KB, never the file.
-    assert peak < 4 * excerpt_read_bytes(28000) + (4 << 20), f"peak {peak:,} bytes"
-    assert "### File: `research_report.md` [truncated]" in bundle.body
-    assert "HEAD-OF-THE-REPORT" in bundle.body and "TAIL-OF-THE-REPORT" in bundle.body
-    assert "HEAD-OF-THE-REPORT" in appendix and "TAIL-OF-THE-REPORT" in appendix
+    assert peak < 4 * 8 * 28000 + (4 << 20), f"peak {peak:,} bytes"
+    text, appendix_text = bundle.render("Workspace A"), appendix.render()
+    assert "### File: `research_report.md` [truncated]" in text
+    assert "HEAD-OF-THE-REPORT" in text and "TAIL-OF-THE-REPORT" in text
+    assert "HEAD-OF-THE-REPORT" in appendix_text and "TAIL-OF-THE-REPORT" in appendix_text

@@ -78,7 +78,7 @@ def test_a_refused_workspace_bundle_names_the_task_location_and_reason(
     bundle = bundle_workspace(source, task_id=51, task_text="t", caps=EvidenceCaps.local("qwen"))
     assert (bundle.task_id, bundle.location) == (51, uri)
     assert bundle.refused is not None and bundle.refused.startswith(f"refusing to extract {uri}: more than")
-    assert bundle.body == f"The workspace was not unpacked: {bundle.refused}"
+    assert bundle.render("W").endswith(f"`{uri}`\n\nThe workspace was not unpacked: {bundle.refused}")
     # A cached value that is not a bundle needs its own marking: no silent mix-up of evidence kinds.
     with pytest.raises(TypeError, match="pass refuse="):
         EvidenceCache(lambda root, source: ("not", "a bundle")).get("k", source)

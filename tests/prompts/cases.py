@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mass_ops.judge.evidence import EvidenceBundle
+from mass_ops.judge.evidence import EvidenceBundle, Excerpt
 from mass_ops.judge.prompts import judge_system_prompt, judge_user_prompt
 from mass_ops.search.prompt import (
     BestDesign,
@@ -33,8 +33,33 @@ LONG_RATIONALE = (
 )
 
 
-def _bundle(task_id: int, location: str, body: str) -> EvidenceBundle:
-    return EvidenceBundle(task_id=task_id, query_id=f"query_{task_id}", location=location, body=body)
+def _bundle(task_id: int, location: str, root: str, excerpt: str) -> EvidenceBundle:
+    """A bundle as `build_bundle` makes it: a small tree, the preflight, one cut excerpt holding `excerpt`."""
+    lines = [
+        {"depth": 1, "kind": "dir", "name": "results", "suffix": "", "count": 0},
+        {"depth": 2, "kind": "file", "name": "metrics.json", "suffix": "", "count": 0},
+        {"depth": 1, "kind": "file", "name": "fig.png", "suffix": ".png", "count": 0},
+    ]
+    core = ["deliverables/index.json", "requirements.txt", "research_report.md", "results/metrics.json"]
+    parts = [
+        {"kind": "text", "text": excerpt},
+        {"kind": "token_cut", "start": 0, "stop": 12},
+        {"kind": "char_cut", "omitted": 345},
+        {"kind": "text", "text": "x = 1\n"},
+    ]
+    return EvidenceBundle(
+        task_id=task_id,
+        query_id=f"query_{task_id}",
+        location=location,
+        tree={"root": root, "lines": lines, "truncated": False, "child_limit": 100, "backticks": 0},
+        preflight={
+            "core": [{"path": path, "found": path.startswith("res")} for path in core],
+            "plots": [{"path": "deliverables/plots/eq.png", "found": False}],
+            "plot_count": 1,
+            "plots_found": 0,
+        },
+        excerpts=(Excerpt("research_report.md", tuple(parts), truncated=True, backticks=3),),
+    )
 
 
 def _entry(version: int, winner: str, rationale: str, diff: str | None = None) -> HistoryEntry:
@@ -43,16 +68,52 @@ def _entry(version: int, winner: str, rationale: str, diff: str | None = None) -
         version=version,
         winner=winner,
         judge_model="judge-model",
-        judged_at=f"2026-11-30T0{version}:00:00",
-        side_a="s3://bucket/cycles/c/episodes/ref/workspace.tar.gz",
-        side_b=f"s3://bucket/cycles/c/episodes/v{version}/workspace.tar.gz",
+        judged_at=f"2026-11-30T0{version}:00:00.250000+00:00",
+        side_a="reference",
+        side_b=f"v{version}",
         rationale=rationale,
         diff=diff,
+        episode_a="reference-t51-s450051/a1",
+        episode_b=f"search-t51-v{version}-s45{version}051/a1" if version != 2 else None,
     )
 
 
 def _diff(version: int, size: int) -> str:
     return "\n".join(f"-  old line {i} of v{version - 1}\n+  new line {i} of v{version}" for i in range(size))
+
+
+def _evidence_variables(location: str, text: str) -> dict[str, object]:
+    """A workspace's evidence as `EvidenceBundle.variables()` gives it (evidence.j2's header): one excerpt."""
+    return {
+        "task_id": 51,
+        "query_id": "query_51",
+        "location": location,
+        "refused": None,
+        "tree": {
+            "root": "w",
+            "lines": [{"depth": 1, "kind": "file", "name": "report.md", "suffix": "", "count": 0}],
+            "truncated": False,
+            "child_limit": 100,
+            "backticks": 0,
+        },
+        "preflight": {"core": [{"path": "report.md", "found": True}], "plots": [], "plot_count": 0, "plots_found": 0},
+        "excerpts": [
+            {"path": "report.md", "truncated": False, "backticks": 0, "parts": [{"kind": "text", "text": text}]}
+        ],
+    }
+
+
+# The results/ appendix as `ResultsAppendix.variables()` gives it.
+_APPENDIX: dict[str, object] = {
+    "results_dir": True,
+    "files": [
+        {"path": "results/m.json", "head": '{"sharpe": ', "tail": "1.2}", "truncated": True, "unreadable": False,
+         "backticks": 0},
+    ],
+    "omitted": [{"path": "results/big.json", "chars": 30000}],
+    "per_file_chars": 24000,
+    "total_chars": 120000,
+}  # fmt: skip
 
 
 def _optimizer_cases() -> dict[str, OptimizerInputs]:
@@ -72,14 +133,16 @@ def _optimizer_cases() -> dict[str, OptimizerInputs]:
             version=0,
             task_text="  Study SPY momentum with walk-forward validation.\n\nDeliverables: report.md\n",
             current_design=f"{START_MARKER}\n1. Orchestrator: plans.\n2. Analyst: runs the study.\n",
-            evidence=evidence,
+            evidence=_evidence_variables("s3://b/w.tar.gz", evidence),
+            results_appendix=_APPENDIX,
             run_status={"exit_code": 0, "trace_has_success_result": True, "wall_s": 812.5},
         ),
         "v0_force_quit_with_history": OptimizerInputs(
             version=0,
             task_text="Study SPY.",
             current_design=f"{START_MARKER} design",
-            evidence="evidence",
+            evidence=_evidence_variables("x", "evidence"),
+            results_appendix=_APPENDIX,
             run_status={"exit_code": 137, "trace_has_success_result": False, "prior_failures": []},
             history=[_entry(0, "A", "B is missing the report.")],
         ),
@@ -87,7 +150,8 @@ def _optimizer_cases() -> dict[str, OptimizerInputs]:
             version=4,
             task_text="Study SPY — ünïcödé, “quotes”, {braces} and ★.",
             current_design=f"{START_MARKER} current v4 design",
-            evidence=evidence,
+            evidence=_evidence_variables("s3://b/w.tar.gz", evidence),
+            results_appendix=_APPENDIX,
             run_status={"exit_code": 1, "prior_failures": [{"version": 2, "exit_code": 137}], "started": None},
             history=history,
             scoreboard=[(0, "B"), (1, "A"), (2, "invalid"), (3, "tie"), (4, "B"), (5, None)],
@@ -99,7 +163,8 @@ def _optimizer_cases() -> dict[str, OptimizerInputs]:
             version=2,
             task_text="Study SPY.",
             current_design=f"{START_MARKER} current",
-            evidence="# Workspace (evidence only)\nPath: `x`",
+            evidence=_evidence_variables("x", "# Workspace (evidence only)\nPath: `x`"),
+            results_appendix=_APPENDIX,
             run_status={"exit_code": 0, "trace_has_success_result": True, "prior_failures": [1]},
             history=history[:3],
             scoreboard=[(0, "B"), (1, "A"), (2, "invalid")],
@@ -110,7 +175,8 @@ def _optimizer_cases() -> dict[str, OptimizerInputs]:
             version=1,
             task_text="Study SPY.",
             current_design=f"{START_MARKER} current",
-            evidence="e",
+            evidence=_evidence_variables("e", "e"),
+            results_appendix=_APPENDIX,
             run_status={},
             scoreboard=[(0, None), (1, None)],
         ),
@@ -124,8 +190,8 @@ def _catalogue(directive: str) -> TaskCatalogue:
 
 def prompt_cases() -> dict[str, Callable[[], str | None]]:
     """Case name → a call of today's public builder that returns the prompt text."""
-    a = _bundle(51, "s3://bucket/a.tar.gz", "## Directory tree (representative)\n```text\na/\n```\n\n# Files\nx = 1")
-    b = _bundle(51, "s3://bucket/b.tar.gz", "## Directory tree\n```text\nb/\n```\n{{ jinja-looking }} {# text #}")
+    a = _bundle(51, "s3://bucket/a.tar.gz", "a", "# Report\n```python\nx = 1\n```")
+    b = _bundle(51, "s3://bucket/b.tar.gz", "b", "{{ jinja-looking }} {# text #}")
     cases: dict[str, Callable[[], str | None]] = {}
     for task_id in (1, 51, 99, 100, 150, 202, 299, 324, 399, 400, 9999):
         cases[f"judge_system/{task_id}"] = lambda task_id=task_id: judge_system_prompt(task_id)

@@ -34,7 +34,9 @@ def test_show_prints_the_source_and_refuses_an_unknown_name(tmp_path: Path) -> N
     assert result.returncode == 0 and result.stdout == (TEMPLATE_DIR / "judge_user.j2").read_text(encoding="utf-8")
     result = run_cli("prompts", "show", "judge.j2", cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr_lines) == 1
-    assert result.stderr_lines[0].startswith("prompts show: no template 'judge.j2'; templates: judge_system.j2")
+    assert result.stderr_lines[0].startswith(
+        "prompts show: no template 'judge.j2'; templates: evidence.j2, judge_system.j2"
+    )
 
 
 def test_export_writes_every_template_once_and_never_overwrites(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from mass_ops.prompts import (
 )
 from mass_ops.prompts.library import TEMPLATE_DIR
 from mass_ops.search.prompt import failure_notice, optimizer_system_prompt
-from mass_ops.tasks.catalogue import load_catalogue
+from mass_ops.tasks.importer import load_catalogue
 from tests.prompts.cases import prompt_cases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,23 +92,30 @@ def test_an_override_reaches_the_judge_message_the_teacher_prompt_and_the_optimi
     folder = write(
         tmp_path / "mine",
         {
-            "judge_user.j2": "T={{ task_text }}|{{ label_a }}|{{ label_b }}\n{{ evidence_a }}\n{{ evidence_b }}\n",
+            "judge_user.j2": (
+                '{% from "evidence.j2" import evidence %}T={{ task_text }}|{{ label_a }}|{{ label_b }}\n'
+                '{{ evidence(evidence_a, "A") }}\n{{ evidence(evidence_b, "B") }}\n'
+            ),
+            "evidence.j2": (
+                "{% macro token_cut_marker() %}~{% endmacro %}{% macro appendix_cut_marker() %}~{% endmacro %}\n"
+                "{% macro results_appendix(appendix) %}{{ appendix.files | length }}{% endmacro %}\n"
+                "{% macro evidence(bundle, heading) %}{{ heading }}@{{ bundle.location }}:{{ bundle.tree.root }}"
+                "{% endmacro %}\n"
+            ),
             "teacher_prompt.j2": "{{ retained_prompt }}\n\nTheir own directive.\n",
             "optimizer_parts.j2": (
                 "{% macro failure_notice(failed, prior_failures) %}{{ 'FAILED' if failed else '' }}{% endmacro %}\n"
                 "{% macro scoreboard(entries) %}{{ entries | length }}{% endmacro %}\n"
-                "{% macro delta_checklist(rows) %}none{% endmacro %}\n"
+                "{% macro delta_checklist(rows, has_history) %}none{% endmacro %}\n"
+                "{% macro cut(text) %}{{ text.text }}{% endmacro %}\n"
             ),
         },
     )
     prompts = load_prompts(folder)
     prompts.check()
-    a = EvidenceBundle(51, "query_51", "a", "body a")
-    b = EvidenceBundle(51, "query_51", "b", "body b")
-    assert judge_user_prompt(" t ", "x", "y", a, b, prompts=prompts) == (
-        "T=t|x|y\n# Workspace A (evidence only)\nPath: `a`\n\nbody a\n"
-        "# Workspace B (evidence only)\nPath: `b`\n\nbody b"
-    )
+    a = EvidenceBundle(51, "query_51", "a", tree={"root": "ra"})
+    b = EvidenceBundle(51, "query_51", "b", tree={"root": "rb"})
+    assert judge_user_prompt(" t ", "x", "y", a, b, prompts=prompts) == "T=t|x|y\nA@a:ra\nB@b:rb"
     catalogue = load_catalogue()
     assert catalogue.teacher_prompt("retained  \n", prompts=prompts) == "retained\n\nTheir own directive."
     assert failure_notice({"exit_code": 1}, prompts=prompts) == "FAILED"
