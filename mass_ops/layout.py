@@ -121,6 +121,11 @@ def llm_call_prefix(cycle: str, call_key: str) -> str:
     return f"{cycle_prefix(cycle)}/calls/{call_key}"
 
 
+def llm_call_prompt_key(cycle: str, call_key: str) -> str:
+    """One LLM call's request document (what was sent, and what each message was rendered from)."""
+    return f"{llm_call_prefix(cycle, call_key)}/prompt.json"
+
+
 def workflow_version_key(cycle: str, task_id: int, version: int) -> str:
     """Full prompt of RHI version k of task q."""
     return f"{cycle_prefix(cycle)}/search/task{task_id}/versions/v{version}.txt"
@@ -129,6 +134,11 @@ def workflow_version_key(cycle: str, task_id: int, version: int) -> str:
 def teacher_prompt_key(cycle: str, task_id: int) -> str:
     """Teacher prompt of task q (retained version + teacher directive)."""
     return f"{cycle_prefix(cycle)}/collection/task{task_id}/teacher_prompt.txt"
+
+
+def teacher_prompt_inputs_key(cycle: str, task_id: int) -> str:
+    """The template and variables the teacher prompt of task q was rendered from."""
+    return f"{cycle_prefix(cycle)}/collection/task{task_id}/teacher_prompt_inputs.json"
 
 
 def episode_prompt_key(cycle: str, prompt_sha256: str) -> str:

@@ -1,5 +1,5 @@
 """Evidence bundles and the pairwise judge (MASS_SPEC §5): `evidence` builds what a judge sees of a workspace,
-`prompts` holds personas, rubric and labels, `verdicts` the verdict schema and its strict and lenient readings,
+`prompts` builds the messages (their texts are templates), `verdicts` the verdict schema and its strict and lenient readings,
 `pairwise` makes the calls, `workspaces` says where a judged workspace comes from."""
 
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle, results_json_appendix

@@ -1,5 +1,6 @@
-"""Pairwise judge prompts: domain personas, labels, the verdict schema and its parser (MASS_SPEC §5). The texts are
-the templates ``judge_system.j2`` and ``judge_user.j2`` (`mass_ops.prompts`); this module chooses their variables.
+"""Pairwise judge prompts: labels and the message builders (MASS_SPEC §5); the verdict schema and its parser live in
+`verdicts`. The texts, personas included, are the templates ``judge_system.j2`` and ``judge_user.j2``
+(`mass_ops.prompts`); this module chooses their variables.
 
 The same prompt serves the RHI judge (a version against the bare reference), champion arbitration and the
 self-judge of the ranking tournament; only the labels differ.
@@ -24,40 +25,10 @@ def version_label(version: int) -> str:
     return f"multi-agent-design-v{version}"
 
 
-_PERSONAS: tuple[tuple[range, str, str], ...] = (
-    (
-        range(1, 100),
-        "a senior quantitative researcher",
-        "out-of-sample discipline and freedom from look-ahead leakage, honest baselines, uncertainty estimates, "
-        "reproducibility, and whether the narrative matches the numbers",
-    ),
-    (
-        range(200, 300),
-        "a senior researcher in pharmacy",
-        "validation design, integrity of data and protocol, and honest statements of limitations",
-    ),
-    (
-        range(300, 400),
-        "a senior researcher in robotics",
-        "experimental design, the sim-to-real gap, evaluation methodology and reproducibility",
-    ),
-)
-_DEFAULT_PERSONA = ("a senior research reviewer", "rigor, completeness and reproducibility of the evidence")
-
-
-def persona(task_id: int) -> tuple[str, str]:
-    """(who the judge is, what it weighs) for a task — the template's `reviewer` and `focus` — by id range: 1–99
-    finance, 200–299 pharmacy, 300–399 robotics, anything else a general reviewer."""
-    for ids, who, focus in _PERSONAS:
-        if task_id in ids:
-            return who, focus
-    return _DEFAULT_PERSONA
-
-
 def judge_system_prompt(task_id: int, *, prompts: PromptSet | None = None) -> str:
-    """System prompt of a pairwise judge for `task_id` (template ``judge_system.j2``)."""
-    who, focus = persona(task_id)
-    return (prompts or shipped_prompts()).render("judge_system.j2", task_id=task_id, reviewer=who, focus=focus)
+    """System prompt of a pairwise judge for `task_id` (template ``judge_system.j2``, which picks the reviewer by
+    the task's id range)."""
+    return (prompts or shipped_prompts()).render("judge_system.j2", task_id=task_id)
 
 
 def judge_user_prompt(

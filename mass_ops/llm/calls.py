@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mass_ops.config import CycleConfig
-from mass_ops.layout import llm_call_prefix
+from mass_ops.layout import llm_call_prefix, llm_call_prompt_key
 from mass_ops.llm import (
     CallRecord,
     LLMClient,
@@ -36,6 +36,7 @@ from mass_ops.llm import (
     SamplingParams,
     cached_prompt_tokens,
 )
+from mass_ops.prompts.capture import message_inputs
 from mass_ops.store.artifacts import ArtifactStore
 from mass_ops.store.budgets import (
     CYCLE_SCOPE,
@@ -48,7 +49,6 @@ from mass_ops.store.budgets import (
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import CallPurpose, CallStatus, LLMCall
 
-PROMPT_FILE = "prompt.json"
 RESULT_FILE = "result.json"
 # Attempt keys looked up per query: above the presets' retry budgets, so one query is the norm (more just loop).
 _ATTEMPT_BATCH = 8
@@ -208,7 +208,7 @@ class CallLedger:
         return lambda: budgets.release(scopes, need_tokens)
 
     def prompt_key(self, unit_key: str) -> str:
-        return f"{llm_call_prefix(self.cycle_name, unit_key)}/{PROMPT_FILE}"
+        return llm_call_prompt_key(self.cycle_name, unit_key)
 
     def result_key(self, unit_key: str) -> str:
         return f"{llm_call_prefix(self.cycle_name, unit_key)}/{RESULT_FILE}"
@@ -286,6 +286,7 @@ class CallLedger:
         record = current.record
         if record is None:
             return
+        error: str | None
         if current.invalid_reason is not None:
             status, error = CallStatus.INVALID, current.invalid_reason
         elif record.status == "error" or failure is not None:
@@ -302,6 +303,8 @@ class CallLedger:
             "model": record.model,
             "seed": record.seed,
             "request": record.request,
+            # The template and variables behind each message, for `mass-ops prompts check --cycle`.
+            "message_inputs": message_inputs(record.request),
         }
         result = {
             "unit_key": unit_key,

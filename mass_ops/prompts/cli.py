@@ -1,4 +1,4 @@
-"""`mass-ops prompts list | show NAME | export DIR`: see, read and copy the prompt templates a config uses.
+"""`mass-ops prompts list | show NAME | export DIR | check`: see, read, copy and check a config's prompt templates.
 
 Mounted by `mass_ops.cli`. `export` writes editable copies that the config key ``prompts.dir`` can point at.
 """
@@ -97,3 +97,39 @@ def export_templates(
         reason = exc.strerror or str(exc)
         raise _fail([f"prompts export: cannot write into {dest}: {reason}; nothing written"], code) from None
     _console.print(f"{len(written)} templates written to {dest}; use them with --set prompts.dir={dest}", markup=False)
+
+
+@prompts_app.command("check")
+def check_messages(
+    config: ConfigOption = "paper",
+    set_: SetOption = None,
+    cycle: Annotated[
+        str | None,
+        typer.Option("--cycle", help="Render the recorded messages of this cycle (in the config's stores) again."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document instead of lines.")] = False,
+) -> None:
+    """Render every model-facing message with the config's templates and print each one's SHA-256 and size: the
+    built-in examples, or with --cycle every recorded judge, optimizer and teacher message from its recorded inputs
+    (compare them with a reference run's)."""
+    import json
+
+    from mass_ops.errors import InputError
+    from mass_ops.prompts.check import example_messages, recorded_messages, report_lines
+    from mass_ops.prompts.library import PromptError
+
+    try:
+        cfg = load_config(config, set_ or ())
+        prompts = check_templates(cfg)
+        messages = example_messages(prompts) if cycle is None else recorded_messages(prompts, cfg, cycle)
+    except ConfigError as exc:
+        raise _fail(exc.problems) from None
+    except (InputError, PromptError) as exc:
+        raise _fail([str(exc)]) from None
+    if as_json:
+        sys.stdout.write(json.dumps([message.as_dict() for message in messages], indent=2) + "\n")
+        return
+    for line in report_lines(messages):
+        sys.stdout.write(line + "\n")
+    if not messages:
+        sys.stdout.write(f"cycle {cycle}: no recorded messages\n")

@@ -40,6 +40,7 @@ from jinja2.sandbox import (
 
 from mass_ops.config import ConfigError, CycleConfig
 from mass_ops.errors import InputError
+from mass_ops.prompts.capture import note_render
 from mass_ops.prompts.specs import TEMPLATES
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -120,9 +121,11 @@ class PromptSet:
     def render(self, name: str, /, **variables: Any) -> str:
         """The text of template `name` with `variables`; `PromptError` (one line naming the template) on failure."""
         try:
-            return self._env.get_template(name).render(variables)
+            text = self._env.get_template(name).render(variables)
         except jinja2.TemplateError as exc:
             raise PromptError(f"prompt template {self._where(name)}: {_one_line(exc)}") from None
+        note_render(name, variables, text)  # what a recorded message was made of (`mass-ops prompts check`)
+        return text
 
     def macro(self, name: str, macro: str) -> Callable[..., str]:
         """A macro of template `name` (e.g. a part of the optimizer message) as a function returning text."""

@@ -157,7 +157,7 @@ TEMPLATES: dict[str, TemplateSpec] = {
         TemplateSpec(
             "judge_system.j2",
             "System message of every pairwise judge (RHI, arbitration, ranking self-judge, report judges).",
-            ({"task_id": 51, "reviewer": "a senior research reviewer", "focus": "rigor and reproducibility"},),
+            ({"task_id": 51}, {"task_id": 202}, {"task_id": 324}, {"task_id": 150}),
         ),
         TemplateSpec(
             "judge_user.j2",

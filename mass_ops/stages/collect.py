@@ -21,7 +21,15 @@ from typing import Any, Literal
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.errors import InfrastructureError, InputError
-from mass_ops.layout import EpisodeUnit, cycle_prefix, teacher_condition, teacher_prompt_key, workflow_version_key
+from mass_ops.layout import (
+    EpisodeUnit,
+    cycle_prefix,
+    teacher_condition,
+    teacher_prompt_inputs_key,
+    teacher_prompt_key,
+    workflow_version_key,
+)
+from mass_ops.prompts.capture import inputs_of
 from mass_ops.runtime.episode import EpisodeExecutor, EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
 from mass_ops.tasks.catalogue import TaskCatalogue
@@ -84,35 +92,30 @@ def eligibility(ctx: CycleContext, task_id: int) -> Eligibility:
     retained = {row.task_id: row for row in ctx.repo.retained_workflows(ctx.cycle_id)}.get(str(task_id))
     if retained is None:
         raise CollectionError(f"task {task_id}: no retained workflow yet; finish its search first")
-    common = {
-        "task_id": task_id,
-        "retained_version": retained.version,
-        "beats_reference": retained.beats_reference,
-        "last_evaluated_version": retained.last_evaluated_version,
-    }
-    if retained.beats_reference and retained.version is not None:
+
+    def decide(decision: Decision, version_used: int | None, reason: str) -> Eligibility:
         return Eligibility(
-            **common,
-            decision="collect",
-            version_used=retained.version,
-            reason=f"retained workflow v{retained.version} beats the reference",
+            task_id=task_id,
+            retained_version=retained.version,
+            beats_reference=retained.beats_reference,
+            last_evaluated_version=retained.last_evaluated_version,
+            decision=decision,
+            version_used=version_used,
+            reason=reason,
         )
+
+    if retained.beats_reference and retained.version is not None:
+        return decide("collect", retained.version, f"retained workflow v{retained.version} beats the reference")
     if ctx.config.collection.require_beats_reference:
-        return Eligibility(
-            **common,
-            decision="skip",
-            version_used=None,
-            reason="no workflow version beat the reference; task skipped (collection.require_beats_reference)",
+        return decide(
+            "skip", None, "no workflow version beat the reference; task skipped (collection.require_beats_reference)"
         )
     last = retained.last_evaluated_version
-    return Eligibility(
-        **common,
-        decision="let_through",
-        version_used=last,
-        reason=(
-            f"no workflow version beat the reference; collected with the last evaluated version v{last} because "
-            "collection.require_beats_reference is false"
-        ),
+    return decide(
+        "let_through",
+        last,
+        f"no workflow version beat the reference; collected with the last evaluated version v{last} because "
+        "collection.require_beats_reference is false",
     )
 
 
@@ -168,6 +171,9 @@ def freeze_teacher_prompt(ctx: CycleContext, task_id: int, version: int) -> str:
                 f"workflow v{version}; a cycle's teacher prompt never changes (use a new cycle)"
             )
     else:
+        inputs = inputs_of(prompt)
+        if inputs is not None:  # before the prompt: a stored prompt always has its inputs beside it
+            ctx.artifacts.put_json(teacher_prompt_inputs_key(ctx.cycle_name, task_id), inputs)
         ctx.artifacts.put_bytes(key, prompt.encode("utf-8"))
     return prompt
 

@@ -62,7 +62,7 @@ def test_export_writes_every_template_once_and_never_overwrites(tmp_path: Path) 
 def test_a_broken_template_fails_both_validate_commands_in_one_line_with_exit_2(tmp_path: Path) -> None:
     folder = tmp_path / "mine"
     folder.mkdir()
-    (folder / "judge_system.j2").write_text("You are {{ reviewer }.\n", encoding="utf-8")
+    (folder / "judge_system.j2").write_text("You are {{ task_id }.\n", encoding="utf-8")
     database = tmp_path / "m.db"
     sets = [
         "--set", f"prompts.dir={folder}",

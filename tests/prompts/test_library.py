@@ -77,10 +77,10 @@ def test_the_templates_ship_as_package_data() -> None:
 
 
 def test_a_folder_replaces_only_the_templates_it_holds(tmp_path: Path) -> None:
-    folder = write(tmp_path / "mine", {"judge_system.j2": "{# mine #}\nJudge task {{ task_id }} as {{ reviewer }}.\n"})
+    folder = write(tmp_path / "mine", {"judge_system.j2": "{# mine #}\nJudge task {{ task_id }} as a reviewer.\n"})
     prompts = load_prompts(folder)
     assert prompts.overridden == ["judge_system.j2"]
-    assert judge_system_prompt(51, prompts=prompts) == "Judge task 51 as a senior quantitative researcher."
+    assert judge_system_prompt(51, prompts=prompts) == "Judge task 51 as a reviewer."
     assert optimizer_system_prompt(prompts=prompts) == optimizer_system_prompt()
     shipped = shipped_prompts().digests()
     changed = [name for name, sha in prompts.digests().items() if sha != shipped[name]]
@@ -142,12 +142,12 @@ def test_a_missing_folder_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "source", "message"),
     [
-        ("judge_system.j2", "Hello {{ reviewer }\n", r"judge_system\.j2: line 1: unexpected '\}'"),
+        ("judge_system.j2", "Hello {{ task_id }\n", r"judge_system\.j2: line 1: unexpected '\}'"),
         ("judge_system.j2", "{% if task_id %}open\n", r"line 1: Unexpected end of template"),
         ("judge_user.j2", "{{ task_text }} {{ verdict_schema }}", r"unknown variable\(s\) verdict_schema"),
         ("optimizer_user.j2", "{% if best %}{{ rubric }}{% endif %}", r"unknown variable\(s\) rubric"),
-        ("judge_system.j2", "{{ reviewer.title }}{{ task_id.nope }}", r"does not render: 'int object' has no attr"),
-        ("judge_system.j2", "{{ task_id + reviewer }}", r"does not render: TypeError: unsupported operand"),
+        ("judge_system.j2", "{{ task_id.nope }}", r"does not render: 'int object' has no attr"),
+        ("judge_system.j2", "{{ task_id + 'x' }}", r"does not render: TypeError: unsupported operand"),
         ("teacher_prompt.j2", '{% include "absent.j2" %}', r"does not render: absent\.j2"),
         ("optimizer_parts.j2", "{% macro scoreboard(entries) %}{% endmacro %}", r"no macro\(s\) failure_notice"),
     ],
@@ -165,7 +165,7 @@ def test_a_broken_template_is_one_config_error(tmp_path: Path, name: str, source
 
 def test_a_render_failure_at_call_time_names_the_template(tmp_path: Path) -> None:
     # Samples cannot take every path of a user's template; a failure with real values is still one clear line.
-    folder = write(tmp_path / "mine", {"judge_system.j2": "{{ 'x' if task_id < 9999 else reviewer.missing }}"})
+    folder = write(tmp_path / "mine", {"judge_system.j2": "{{ 'x' if task_id < 9999 else 'y'.missing.deeper }}"})
     prompts = load_prompts(folder)
     prompts.check()
     with pytest.raises(PromptError, match=r"prompt template .*judge_system\.j2: 'str object' has no attribute"):
@@ -186,10 +186,10 @@ def test_recorded_digests_must_match(tmp_path: Path) -> None:
 # Classic escapes from a Jinja2 template into Python: through a global's function globals to `os.system`, and
 # through `str`'s class hierarchy. Each would run `touch MARKER` (the first) or list every loaded class (the second).
 ESCAPES = {
-    "globals": "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}{{ reviewer }}",
-    "mro": "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ reviewer }}",
-    "item": "{{ cycler['__init__']['__globals__'] }}{{ reviewer }}",
-    "attr filter": "{{ (cycler|attr('__init__')) }}{{ reviewer }}",
+    "globals": "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}{{ task_id }}",
+    "mro": "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ task_id }}",
+    "item": "{{ cycler['__init__']['__globals__'] }}{{ task_id }}",
+    "attr filter": "{{ (cycler|attr('__init__')) }}{{ task_id }}",
     "hidden branch": "{% if task_id == 123456 %}{{ cycler.__init__.__globals__.os.system('touch MARKER') }}{% endif %}",
 }
 
@@ -209,7 +209,7 @@ def test_an_escape_built_at_run_time_still_cannot_run_code(tmp_path: Path) -> No
     # The name is assembled while rendering, so no static check can see it: the sandbox refuses it when it is used.
     source = (
         "{% for u in ['_' ~ '_'] %}"
-        "{{ (cycler|attr(u ~ 'init' ~ u)|attr(u ~ 'globals' ~ u))['os'].system('touch MARKER') }}{{ reviewer }}"
+        "{{ (cycler|attr(u ~ 'init' ~ u)|attr(u ~ 'globals' ~ u))['os'].system('touch MARKER') }}{{ task_id }}"
         "{% endfor %}"
     )
     folder = write(tmp_path / "mine", {"judge_system.j2": source.replace("MARKER", str(tmp_path / "pwned"))})
