@@ -18,6 +18,7 @@ from rich.table import Table
 from mass_ops.config import ConfigError, CycleConfig, config_json_schema, load_config
 from mass_ops.errors import EXIT_INPUT, MassOpsError, exit_code_for
 from mass_ops.prompts.cli import prompts_app
+from mass_ops.stages.registry import COLLECT, EXPORT, JOBS, RANK, RENDER, REPORT, SEARCH, SELECT, TRAIN, VALIDATE
 
 if TYPE_CHECKING:
     from mass_ops.cost.estimate import CycleEstimate
@@ -433,40 +434,40 @@ def _stage(title: str, call) -> list[dict]:
     return rows
 
 
-@app.command()
+@app.command(VALIDATE.command)
 def validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Open the cycle: check the catalogue, create/upgrade the schema, freeze the config by hash."""
     from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
-    _stage("validate_config", lambda: [stages.validate_config(cfg)])
+    _stage(VALIDATE.label, lambda: [stages.validate_config(cfg)])
 
 
-@app.command()
+@app.command(SEARCH.command)
 def search(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
     """RHI workflow search per task (all tasks concurrently, each task's versions in sequence)."""
     from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
-    _stage("RHI search", lambda: stages.search(cfg, tasks))
+    _stage(SEARCH.label, lambda: stages.search(cfg, tasks))
 
 
-@app.command()
+@app.command(COLLECT.command)
 def collect(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
     """Teacher collection under each task's retained workflow."""
     from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
-    _stage("teacher collection", lambda: stages.collect(cfg, tasks))
+    _stage(COLLECT.label, lambda: stages.collect(cfg, tasks))
 
 
-@app.command()
+@app.command(RANK.command)
 def rank(config: ConfigOption = "paper", set_: SetOption = None, tasks: TasksOption = None) -> None:
     """Ring tournament, self-judge and Bradley–Terry per eligible task."""
     from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
-    _stage("ranking", lambda: stages.rank(cfg, tasks))
+    _stage(RANK.label, lambda: stages.rank(cfg, tasks))
 
 
 @app.command("inner-loop")
@@ -479,40 +480,40 @@ def inner_loop(config: ConfigOption = "paper", set_: SetOption = None, tasks: Ta
     _stage("inner loop", lambda: stages.inner_loop(cfg, tasks))
 
 
-@app.command("select")
+@app.command(SELECT.command)
 def select_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Ranks 1..train_ranks to training, validation_rank to validation."""
     from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
-    _stage("selection", lambda: stages.select(cfg)["tasks"])
+    _stage(SELECT.label, lambda: stages.select(cfg)["tasks"])
 
 
-@app.command("render")
+@app.command(RENDER.command)
 def render_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Render the selected trajectories into training windows."""
     from mass_ops.stages.render import run_render
 
     cfg = resolve_config(config, set_)
-    _stage("render", lambda: run_render(cfg))
+    _stage(RENDER.label, lambda: run_render(cfg))
 
 
-@app.command("train")
+@app.command(TRAIN.command)
 def train_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Fine-tune a fresh LoRA (DeepSpeed ZeRO-3); resumes from the newest published checkpoint."""
     from mass_ops.stages.train import run_train
 
     cfg = resolve_config(config, set_)
-    _stage("training", lambda: run_train(cfg))
+    _stage(TRAIN.label, lambda: run_train(cfg))
 
 
-@app.command("export")
+@app.command(EXPORT.command)
 def export_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Select the checkpoint, merge to BF16, quantise to FP8 and register the next generation."""
     from mass_ops.stages.register import run_export
 
     cfg = resolve_config(config, set_)
-    _stage("export", lambda: run_export(cfg))
+    _stage(EXPORT.label, lambda: run_export(cfg))
 
 
 @app.command("rollout")
@@ -579,13 +580,13 @@ def benchmark_grader_files(
         raise failure("benchmark grader-files", exc) from None
 
 
-@app.command("report")
+@app.command(REPORT.command)
 def report_cmd(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Write the cycle's report (Markdown + HTML with figures) and print where it is."""
     from mass_ops.stages import api as stages
 
     cfg = resolve_config(config, set_)
-    _stage("report", lambda: [stages.report(cfg)])
+    _stage(REPORT.label, lambda: [stages.report(cfg)])
 
 
 CycleArgument = Annotated[str, typer.Argument(help="Cycle name, as recorded in the metadata store.")]
@@ -723,23 +724,24 @@ def repair_cmd(
         console.print(f"repaired {row['stage']}: {row['units']} unit(s) redone", markup=False, soft_wrap=True)
 
 
-STAGE_NAMES = ("validate_config", "render", "train", "select_checkpoint", "export", "register", "report")
+JOB_NAMES = ", ".join(stage.name for stage in JOBS)
 
 
 @app.command("stage")
 def stage_cmd(
-    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(STAGE_NAMES)}.")],
+    name: Annotated[str, typer.Argument(help=f"One of: {JOB_NAMES}.")],
     config: ConfigOption = "paper",
     set_: SetOption = None,
 ) -> None:
     """Run one whole-cycle stage and print its result as one JSON line (what Kubernetes Jobs run)."""
-    from mass_ops.stages import api as stages
+    from mass_ops.stages.api import STAGE_FUNCTIONS
 
-    if name not in STAGE_NAMES:
-        raise fail(f"stage {name!r}: unknown; choose one of {', '.join(STAGE_NAMES)}")
+    stage = next((s for s in JOBS if s.name == name), None)
+    if stage is None:
+        raise fail(f"stage {name!r}: unknown; choose one of {JOB_NAMES}")
     cfg = resolve_config(config, set_)
     try:
-        result = getattr(stages, name)(cfg)
+        result = STAGE_FUNCTIONS[stage](cfg)
     except HANDLED as exc:
         raise failure(name, exc) from None
     sys.stdout.write(json.dumps(result, default=str) + "\n")

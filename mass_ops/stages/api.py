@@ -7,7 +7,7 @@ Family modules are imported inside the functions so that importing this module (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.context import attach_cycle, open_cycle
 from mass_ops.errors import InfrastructureError, InputError
+from mass_ops.stages import registry
 
 # The public-benchmark stages (`mass_benchmarks` DAG, `mass-ops benchmark run`), re-exported by name: a whole trial in
 # one process, or one instance at a time around a Kubernetes grader Job (`BenchmarkTrialOperator`).
@@ -607,3 +608,30 @@ def benchmark_down(config: CycleConfig) -> dict[str, Any]:
 
     del config
     return {"stopped": stop_generations(BENCHMARK_SCOPE)}
+
+
+# The function of every stage of `stages.registry`, by reference (the registry imports nothing, so that everything,
+# this module included, may read it); tests/stages/test_registry.py fails for a stage without one here.
+STAGE_FUNCTIONS: dict[registry.Stage, Callable[..., Any]] = {
+    registry.VALIDATE: validate_config,
+    registry.INFERENCE_UP: inference_up,
+    registry.SEARCH: search,
+    registry.COLLECT: collect,
+    registry.RANK: rank,
+    registry.SELECT: select,
+    registry.INFERENCE_DOWN: inference_down,
+    registry.RENDER: render,
+    registry.TRAIN: train,
+    registry.SELECT_CHECKPOINT: select_checkpoint,
+    registry.EXPORT: export,
+    registry.REGISTER: register,
+    registry.ROLLOUT: evaluate,  # runs the missing rollouts, then judges
+    registry.EVALUATE: evaluate,
+    registry.REPORT: report,
+    registry.PROMOTE: promote,
+    registry.NIGHTLY_EVALUATE: nightly_evaluate,
+    registry.CHECK_REGRESSION: check_regression,
+    registry.NIGHTLY_BENCHMARK: nightly_benchmark_trial,
+    registry.NIGHTLY_REPORT: nightly_report,
+    registry.BENCHMARK: benchmark_trial,
+}

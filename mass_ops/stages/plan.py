@@ -16,27 +16,11 @@ from mass_ops.cost.estimate import DEFAULT_TRAIN_STEP_S
 from mass_ops.errors import InputError
 from mass_ops.layout import next_generation_key, training_prefix
 from mass_ops.seeds import next_cycle_seed_base
+from mass_ops.stages import registry as r
 from mass_ops.train.lora_targets import lora_target_pattern
 
 if TYPE_CHECKING:
     from mass_ops.cost.estimate import CycleEstimate, StageWork
-
-STAGES: tuple[str, ...] = (
-    "validate_config",
-    "inference_up",
-    "search",
-    "collect",
-    "rank",
-    "select",
-    "inference_down",
-    "render",
-    "train",
-    "select_checkpoint",
-    "export",
-    "register",
-    "evaluate",
-    "report",
-)
 
 
 @dataclass(frozen=True)
@@ -215,11 +199,14 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
 
     per_task = sorted(set(comparisons_per_task.values()))
     timing = training_time(config, parent_training_throughput(config) if lineage else None)
-    stages = [
-        StagePlan("validate_config", {"config_hash": config.config_hash()[:16]}),
-        StagePlan("inference_up", {"served_name": config.models.served_name, "backend": config.inference.backend}),
-        StagePlan(
-            "search",
+    # Each planned stage's counts; the order (and a stage with nothing to count) comes from the registry.
+    details = {
+        r.VALIDATE: StagePlan(r.VALIDATE.name, {"config_hash": config.config_hash()[:16]}),
+        r.INFERENCE_UP: StagePlan(
+            r.INFERENCE_UP.name, {"served_name": config.models.served_name, "backend": config.inference.backend}
+        ),
+        r.SEARCH: StagePlan(
+            r.SEARCH.name,
             {
                 "tasks": len(search_tasks),
                 "versions_per_task": versions,
@@ -229,24 +216,27 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
                 "optimizer_calls": proposals,
             },
         ),
-        StagePlan(
-            "collect",
+        r.COLLECT: StagePlan(
+            r.COLLECT.name,
             {"tasks": len(collect_tasks), "candidates": config.collection.candidates, "episodes": collection_episodes},
             upper_bound=True,
         ),
-        StagePlan(
-            "rank",
+        r.RANK: StagePlan(
+            r.RANK.name,
             {
                 "comparisons_per_task": per_task[0] if len(per_task) == 1 else "/".join(map(str, per_task)),
                 "self_judge_calls": ranking_calls,
             },
             upper_bound=True,
         ),
-        StagePlan("select", {"train_trajectories": train_traj, "val_trajectories": val_traj}, upper_bound=True),
-        StagePlan("inference_down", {}),
-        StagePlan("render", {"window": t.window, "context_overlap": t.context_overlap, "windows": "after render"}),
-        StagePlan(
-            "train",
+        r.SELECT: StagePlan(
+            r.SELECT.name, {"train_trajectories": train_traj, "val_trajectories": val_traj}, upper_bound=True
+        ),
+        r.RENDER: StagePlan(
+            r.RENDER.name, {"window": t.window, "context_overlap": t.context_overlap, "windows": "after render"}
+        ),
+        r.TRAIN: StagePlan(
+            r.TRAIN.name,
             {
                 "steps": t.steps,
                 "windows_per_step": windows_per_step,
@@ -260,11 +250,15 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
                 "throughput": timing.source,
             },
         ),
-        StagePlan("select_checkpoint", {"criterion": "minimum validation loss, step 0 excluded"}),
-        StagePlan("export", {"formats": "+".join(config.export.formats), "fp8_block": config.export.fp8_block_size}),
-        StagePlan("register", {"generation": config.generation + 1}),
-        StagePlan(
-            "evaluate",
+        r.SELECT_CHECKPOINT: StagePlan(
+            r.SELECT_CHECKPOINT.name, {"criterion": "minimum validation loss, step 0 excluded"}
+        ),
+        r.EXPORT: StagePlan(
+            r.EXPORT.name, {"formats": "+".join(config.export.formats), "fp8_block": config.export.fp8_block_size}
+        ),
+        r.REGISTER: StagePlan(r.REGISTER.name, {"generation": config.generation + 1}),
+        r.EVALUATE: StagePlan(
+            r.EVALUATE.name,
             {
                 "rollout_tasks": len(rollout_tasks),
                 "rollouts_per_generation": rollouts,
@@ -273,8 +267,8 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
                 "self_judge_calls": pairs,
             },
         ),
-        StagePlan("report", {}),
-    ]
+    }
+    stages = [details.get(stage, StagePlan(stage.name, {})) for stage in r.PLANNED]
     resources = ResourcePlan(
         inference_gpus=config.inference.server.gpus,
         inference_capacity=config.inference.max_concurrent_requests,
@@ -360,7 +354,7 @@ def cycle_work(config: CycleConfig, plan: CyclePlan) -> list[StageWork]:
 
     counts = {stage.stage: stage.counts for stage in plan.stages}
     served = config.models.served_name
-    search, evaluate = counts["search"], counts["evaluate"]
+    search, evaluate = counts[r.SEARCH.name], counts[r.EVALUATE.name]
     versions = int(search["versions_per_task"])
     per_judge = int(evaluate["pairs"]) * len(config.evaluation.judge_seeds)
     external = [
@@ -368,18 +362,20 @@ def cycle_work(config: CycleConfig, plan: CyclePlan) -> list[StageWork]:
     ]
     return [
         StageWork(
-            "search",
+            r.SEARCH.name,
             (
                 WorkItem("episode", int(search["episodes"]), served, episode=True, chain=versions),
                 WorkItem("judge", int(search["baseline_judge_calls"]) + int(search["arbitration_calls_max"]), served),
                 WorkItem("optimizer", int(search["optimizer_calls"]), served, chain=versions - 1),
             ),
         ),
-        StageWork("collect", (WorkItem("episode", int(counts["collect"]["episodes"]), served, episode=True),)),
-        StageWork("rank", (WorkItem("judge", int(counts["rank"]["self_judge_calls"]), served),)),
-        StageWork("train", train_steps=config.training.steps, train_gpus=plan.resources.training_gpus, servers=0),
         StageWork(
-            "evaluate",
+            r.COLLECT.name, (WorkItem("episode", int(counts[r.COLLECT.name]["episodes"]), served, episode=True),)
+        ),
+        StageWork(r.RANK.name, (WorkItem("judge", int(counts[r.RANK.name]["self_judge_calls"]), served),)),
+        StageWork(r.TRAIN.name, train_steps=config.training.steps, train_gpus=plan.resources.training_gpus, servers=0),
+        StageWork(
+            r.EVALUATE.name,
             (
                 WorkItem("episode", 2 * int(evaluate["rollouts_per_generation"]), served, episode=True),
                 WorkItem("judge", int(evaluate["self_judge_calls"]), served),
@@ -416,6 +412,7 @@ def cycle_estimate(config: CycleConfig, plan: CyclePlan, *, lineage: bool = True
         measured,
         train_step_s=step_s,
         lineage_cycle=parent_name,
+        scale=config.preset,
     )
 
 
@@ -457,7 +454,7 @@ def parent_training_throughput(config: CycleConfig) -> MeasuredThroughput | None
 
     from mass_ops.cost.lineage import parent_cycle
     from mass_ops.stages.common import TRAINING_RUN_KEY
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
     from mass_ops.store.errors import StorageError
     from mass_ops.store.repository import MetadataRepository
     from mass_ops.store.schema import RunStatus, TrainingRun

@@ -24,8 +24,9 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.console import command_lines
 from mass_ops.errors import InputError
+from mass_ops.stages.api import STAGE_FUNCTIONS
+from mass_ops.stages.registry import CYCLE_DAG, EXPORT, INNER_LOOP, REGISTER, SEARCH, SELECT_CHECKPOINT, TRACKED, Stage
 from mass_ops.stages.status import (
-    STAGES,
     UnitState,
     _Records,
     cycle_row,
@@ -34,23 +35,13 @@ from mass_ops.stages.status import (
     recorded_config,
 )
 
-DAG_ID = "mass_cycle"  # mass_ops_airflow.CYCLE_DAG_ID (mass_ops never imports the Airflow side)
+DAG_ID = CYCLE_DAG
 CLEAR_PATH = f"/api/v2/dags/{DAG_ID}/clearTaskInstances"
-INNER_LOOP = "inner_loop"  # the DAG's task group mapped per task: search steps, then collect_task, then rank_task
-# The DAG task to clear for each stage (downstream tasks follow with include_downstream / --downstream). Collection
-# and ranking are one task instance per task (only the failed ones are cleared: only_failed / --only-failed).
-AIRFLOW_TASKS = {
-    "collect": (f"{INNER_LOOP}.collect_task",),
-    "rank": (f"{INNER_LOOP}.rank_task",),
-    "select": ("select",),
-    "render": ("render",),
-    "train": ("train",),
-    "export": ("select_checkpoint",),
-    "rollout": ("rollout",),
-    "evaluate": ("evaluate",),
-}
-# Stages whose `mass-ops` command takes --tasks (redo only the tasks with gaps).
-PER_TASK = ("search", "collect", "rank")
+# The DAG tasks to clear per stage are the registry's `repair_tasks` (downstream tasks follow with
+# include_downstream / --downstream); collection and ranking are one task instance per task (only the failed ones are
+# cleared: only_failed / --only-failed). Search steps are one instance per version: see `_search_airflow_tasks`.
+# A view for the DAG's tests, derived from the registry.
+AIRFLOW_TASKS = {s.name: s.repair_tasks for s in TRACKED if s is not SEARCH}
 NOT_DONE = ("failed", "budget_exhausted", "pending", "running")
 
 StageRunner = Callable[[CycleConfig, list[int] | None], Any]
@@ -114,11 +105,13 @@ class RepairPlan:
         base = " ".join(shlex.quote(a) for a in config_args)
         for repair in self.stages:
             tasks = "".join(f" --tasks {t}" for t in repair.tasks or [])
-            if repair.stage in ("rollout", "evaluate"):
-                # No `mass-ops` command runs the cycle's evaluation alone; repair itself calls its stage function.
-                lines.append(f"mass-ops repair {shlex.quote(self.cycle)} {base}  # runs mass_ops.stages.api.evaluate")
+            stage = _tracked(repair.stage)
+            if stage.command is None:
+                # No `mass-ops` command runs the stage alone (the cycle's evaluation); repair calls its function.
+                function = STAGE_FUNCTIONS[stage].__name__
+                lines.append(f"mass-ops repair {shlex.quote(self.cycle)} {base}  # runs mass_ops.stages.api.{function}")
                 continue
-            lines.append(f"mass-ops {repair.stage} {base}{tasks}")
+            lines.append(f"mass-ops {stage.command} {base}{tasks}")
         return list(dict.fromkeys(lines))
 
     def as_dict(self, config_args: Sequence[str] = (), dag_run_id: str | None = None) -> dict[str, Any]:
@@ -207,26 +200,26 @@ def plan_repair(config: CycleConfig, cycle: str) -> RepairPlan:
     repairs: list[StageRepair] = []
     not_started = []
     in_flight = [u for u in units if u.leased]
-    for stage in STAGES:
-        todo = [u for u in units if u.stage == stage and u.state in NOT_DONE and not u.leased]
-        if stage not in started:
-            if any(u.stage == stage for u in units):
-                not_started.append(stage)
+    for stage in TRACKED:
+        todo = [u for u in units if u.stage == stage.name and u.state in NOT_DONE and not u.leased]
+        if stage.name not in started:
+            if any(u.stage == stage.name for u in units):
+                not_started.append(stage.name)
             continue
         if not todo:
             continue
-        tasks = sorted({u.task_id for u in todo if u.task_id is not None}) if stage in PER_TASK else None
-        airflow = _search_airflow_tasks(todo) if stage == "search" else list(AIRFLOW_TASKS[stage])
-        repairs.append(StageRepair(stage, todo, tasks, airflow))
+        tasks = sorted({u.task_id for u in todo if u.task_id is not None}) if stage.per_task else None
+        airflow = _search_airflow_tasks(todo) if stage is SEARCH else list(stage.repair_tasks)
+        repairs.append(StageRepair(stage.name, todo, tasks, airflow))
     return RepairPlan(row.name, repairs, not_started, in_flight)
 
 
 def _started_stages(records: _Records, units: Sequence[UnitState]) -> set[str]:
     """Stages with any record: a unit that is not pending, or an episode / call row of the stage."""
-    from mass_ops.stages.status import EPISODE_STAGES, call_stage
+    from mass_ops.stages.status import call_stage, episode_stage
 
     started = {u.stage for u in units if u.state != "pending"}
-    started |= {EPISODE_STAGES[e.kind] for e in records.episodes if e.kind in EPISODE_STAGES}
+    started |= {stage for e in records.episodes if (stage := episode_stage(e.kind)) is not None}
     started |= {call_stage(c) for c in records.calls}
     return started
 
@@ -234,28 +227,33 @@ def _started_stages(records: _Records, units: Sequence[UnitState]) -> set[str]:
 # -- running it -------------------------------------------------------------------------------------------------------
 
 
+def _tracked(name: str) -> Stage:
+    return next(s for s in TRACKED if s.name == name)
+
+
+def _runner(stage: Stage) -> StageRunner:
+    """How a repair redoes `stage`: its function (`api.STAGE_FUNCTIONS`), with the tasks when it takes them."""
+    function = STAGE_FUNCTIONS[stage]
+    if stage is EXPORT:  # `mass-ops export`: checkpoint selection, export and registration, in that order
+
+        def export(config: CycleConfig, _tasks: list[int] | None) -> Any:
+            return [STAGE_FUNCTIONS[s](config) for s in (SELECT_CHECKPOINT, EXPORT, REGISTER)]
+
+        return export
+    if stage.per_task:
+        return function
+
+    def whole(config: CycleConfig, _tasks: list[int] | None) -> Any:
+        return function(config)
+
+    return whole
+
+
 def default_runners() -> dict[str, StageRunner]:
-    """The stage functions a repair runs (`mass_ops.stages.api`), by stage; rollouts and evaluation are one stage
-    function (it runs the missing rollouts, then judges)."""
-    from mass_ops.stages import api
-
-    def export(config: CycleConfig, _tasks: list[int] | None) -> Any:
-        return [api.select_checkpoint(config), api.export(config), api.register(config)]
-
-    def evaluate(config: CycleConfig, _tasks: list[int] | None) -> Any:
-        return api.evaluate(config)
-
-    return {
-        "search": api.search,
-        "collect": api.collect,
-        "rank": api.rank,
-        "select": lambda config, _tasks: api.select(config),
-        "render": lambda config, _tasks: api.render(config),
-        "train": lambda config, _tasks: api.train(config),
-        "export": export,
-        "rollout": evaluate,
-        "evaluate": evaluate,
-    }
+    """The stage functions a repair runs (`mass_ops.stages.api`), by stage name. Stages with one function share one
+    runner, which a repair runs once: rollouts and evaluation (it runs the missing rollouts, then judges)."""
+    made: dict[Callable[..., Any], StageRunner] = {}
+    return {stage.name: made.setdefault(STAGE_FUNCTIONS[stage], _runner(stage)) for stage in TRACKED}
 
 
 def repair_cycle(config: CycleConfig, cycle: str | None = None, *, dry_run: bool = True) -> dict[str, Any]:

@@ -38,6 +38,19 @@ from mass_ops.cost.prices import token_cost
 from mass_ops.errors import InputError
 from mass_ops.stages.common import TRAINING_RUN_KEY
 from mass_ops.stages.leases import describe_lease, lease_horizon_s, lease_is_fresh
+from mass_ops.stages.registry import (
+    COLLECT,
+    EVALUATE,
+    EXPORT,
+    RANK,
+    RENDER,
+    ROLLOUT,
+    SEARCH,
+    SELECT,
+    TRACKED,
+    TRAIN,
+    stage_of_episode,
+)
 from mass_ops.store.budgets import BudgetLimits
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import (
@@ -57,12 +70,6 @@ from mass_ops.store.schema import (
 )
 from mass_ops.store.urls import mask_url
 
-# The stages `status` and `repair` follow, in the order of the cycle. "export" is the CLI's `mass-ops export`
-# (select_checkpoint, export and register in the DAG); "rollout" is the evaluation's rollout episodes and
-# "evaluate" its judged summary.
-STAGES: tuple[str, ...] = (
-    "search", "collect", "rank", "select", "render", "train", "export", "rollout", "evaluate",
-)  # fmt: skip
 FINAL_EPISODE = ("succeeded", "model_failure")
 IN_FLIGHT_NOTE = (
     "in flight = an agent episode whose attempt has started and is not recorded yet (its lease), or a unit with part "
@@ -320,14 +327,14 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
             key = f"search-t{task}-v{version}"
             record = retained.get(task) if version == last else proposed.get((task, version + 1))
             if record is not None:
-                units.append(UnitState("search", key, "done", task_id=task, finished_at=record.created_at))
+                units.append(UnitState(SEARCH.name, key, "done", task_id=task, finished_at=record.created_at))
                 continue
             keys = [("search", str(task), version, None, None)]
             if version == 0:
                 keys.append(("reference", str(task), None, None, None))
             episodes = [latest.get(k) for k in keys]
             states = [
-                _episode_state("search", key, task, latest.get(k), running.get(k))
+                _episode_state(SEARCH.name, key, task, latest.get(k), running.get(k))
                 for k in keys
                 if k in latest or k in running
             ]
@@ -340,15 +347,17 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
             elif states:  # an episode of the step is recorded, its judging and proposal are not (yet)
                 what = "episodes recorded" if len(states) == len(episodes) else "an episode recorded"
                 detail = f"{what}; {'the retained workflow' if version == last else f'v{version + 1}'} not yet"
-                units.append(UnitState("search", key, "running", detail, task))
+                units.append(UnitState(SEARCH.name, key, "running", detail, task))
             else:
-                units.append(UnitState("search", key, "pending", task_id=task))
+                units.append(UnitState(SEARCH.name, key, "pending", task_id=task))
     collected, _ = collected_tasks(config, records.retained)
     for task in collected:
         for candidate in range(config.collection.candidates):
             unit = ("collection", str(task), None, candidate, None)
             units.append(
-                _episode_state("collect", f"collection-t{task}-c{candidate}", task, latest.get(unit), running.get(unit))
+                _episode_state(
+                    COLLECT.name, f"collection-t{task}-c{candidate}", task, latest.get(unit), running.get(unit)
+                )
             )
     ranked = defaultdict(list)
     for r in records.rankings:
@@ -358,12 +367,12 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
         selected[int(s.task_id)].append(s.created_at)
     ranking_calls = defaultdict(int)  # a task's ranking matches and self-judge calls: its ranking has started
     for c in records.calls:
-        if c.task_id is not None and call_stage(c) == "rank":
+        if c.task_id is not None and call_stage(c) == RANK.name:
             ranking_calls[int(c.task_id)] += 1
-    for stage, rows, what in (("rank", ranked, "rank"), ("select", selected, "select")):
+    for stage, rows, what in ((RANK.name, ranked, "rank"), (SELECT.name, selected, "select")):
         for task in collected:
             done = rows.get(task)
-            if not done and stage == "rank" and ranking_calls.get(task):
+            if not done and stage == RANK.name and ranking_calls.get(task):
                 detail = f"{ranking_calls[task]} ranking calls recorded; no ranks yet"
                 units.append(UnitState(stage, f"{what}-t{task}", "running", detail, task))
                 continue
@@ -375,47 +384,51 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     for split in ("train", "val"):
         row = datasets.get(split)
         state = "done" if row else "running" if datasets else "pending"  # one split of the one render written
-        units.append(UnitState("render", f"render-{split}", state,
+        units.append(UnitState(RENDER.name, f"render-{split}", state,
                                finished_at=row.created_at if row else None))  # fmt: skip
     run = next((r for r in records.runs if r.key == TRAINING_RUN_KEY), None)
     states = {RunStatus.SUCCEEDED: "done", RunStatus.FAILED: "failed", RunStatus.RUNNING: "running"}
     units.append(
-        UnitState("train", f"train-{TRAINING_RUN_KEY}", states.get(run.status, "pending") if run else "pending",
+        UnitState(TRAIN.name, f"train-{TRAINING_RUN_KEY}", states.get(run.status, "pending") if run else "pending",
                   finished_at=run.finished_at if run else None)
     )  # fmt: skip
     new, _ = evaluated_generations(config)
     registered = next((g for g in records.generations if g.name == new), None)
-    units.append(UnitState("export", f"register-{new}", "done" if registered else "pending",
+    units.append(UnitState(EXPORT.name, f"register-{new}", "done" if registered else "pending",
                            finished_at=registered.registered_at if registered else None))  # fmt: skip
     for generation, task, replicate in rollout_units(config):
         unit = ("rollout", str(task), None, replicate, generation)
         key = f"rollout-{generation}-t{task}-r{replicate}"
-        units.append(_episode_state("rollout", key, task, latest.get(unit), running.get(unit)))
+        units.append(_episode_state(ROLLOUT.name, key, task, latest.get(unit), running.get(unit)))
     evaluation = next((e for e in records.evaluations if e.kind == "pairwise"), None)
-    judged = sum(call_stage(c) == "evaluate" for c in records.calls)
+    judged = sum(call_stage(c) == EVALUATE.name for c in records.calls)
     if evaluation is None and judged:
         units.append(
-            UnitState("evaluate", "evaluate-pairwise", "running", f"{judged} judge calls recorded; no summary")
+            UnitState(EVALUATE.name, "evaluate-pairwise", "running", f"{judged} judge calls recorded; no summary")
         )
     else:
-        units.append(UnitState("evaluate", "evaluate-pairwise", "done" if evaluation else "pending",
+        units.append(UnitState(EVALUATE.name, "evaluate-pairwise", "done" if evaluation else "pending",
                                finished_at=evaluation.created_at if evaluation else None))  # fmt: skip
     return units
 
 
 # -- spend ------------------------------------------------------------------------------------------------------------
 
-EPISODE_STAGES = {"reference": "search", "search": "search", "collection": "collect", "rollout": "rollout"}
+
+def episode_stage(kind: str) -> str | None:
+    """The followed stage that records episodes of `kind` (`stages.registry`), or None (benchmark episodes)."""
+    stage = stage_of_episode(kind)
+    return stage.name if stage else None
 
 
 def call_stage(call: LLMCall) -> str:
     """The stage an LLM call belongs to, from its unit key (``eval/…`` evaluation, ``task<q>/ranking/…`` ranking,
     ``task<q>/{rhi,champion,optimizer}/…`` search)."""
-    if call.unit_key.startswith("eval/"):
-        return "evaluate"
-    if "/ranking/" in call.unit_key or call.purpose == "self_judge":
-        return "rank"
-    return "search"
+    if EVALUATE.call_prefix and call.unit_key.startswith(EVALUATE.call_prefix):
+        return EVALUATE.name
+    if "/ranking/" in call.unit_key or call.purpose in RANK.call_purposes:
+        return RANK.name
+    return SEARCH.name
 
 
 @dataclass
@@ -432,7 +445,7 @@ def stage_spend(config: CycleConfig, records: _Records) -> dict[str, _Spend]:
     a call, else the price table's per-token price of its model (0 for self-hosted models, paid by the GPU-hour)."""
     spend: dict[str, _Spend] = defaultdict(_Spend)
     for e in records.episodes:
-        stage = EPISODE_STAGES.get(e.kind)
+        stage = episode_stage(e.kind)
         if stage is None:
             continue
         bucket = spend[stage]
@@ -457,7 +470,7 @@ def stage_spend(config: CycleConfig, records: _Records) -> dict[str, _Spend]:
             bucket.ends.append(c.created_at)
             bucket.starts.append(datetime.fromtimestamp(c.created_at.timestamp() - (c.latency_s or 0.0), UTC))
     for run in records.runs:
-        bucket = spend["train"]
+        bucket = spend[TRAIN.name]
         bucket.starts += [t for t in (run.started_at,) if t is not None]
         bucket.ends += [t for t in (run.finished_at,) if t is not None]
     return spend
@@ -557,14 +570,16 @@ def cycle_status(config: CycleConfig, cycle: str, *, now: datetime | None = None
     spend = stage_spend(own, records)
     _, search_final = collected_tasks(own, records.retained)
     notes = {
-        "collect": "" if search_final else "planned counts final once every training task's search has finished",
-        "rank": "" if search_final else "see collect",
-        "select": "" if search_final else "see collect",
+        COLLECT: "" if search_final else "planned counts final once every training task's search has finished",
+        RANK: "" if search_final else f"see {COLLECT.name}",
+        SELECT: "" if search_final else f"see {COLLECT.name}",
     }
     by_stage: Mapping[str, list[UnitState]] = defaultdict(list)
     for unit in units:
         by_stage[unit.stage].append(unit)  # type: ignore[attr-defined]
-    stages = [_stage_status(s, by_stage.get(s, []), spend.get(s), now, notes.get(s, "")) for s in STAGES]
+    stages = [
+        _stage_status(s.name, by_stage.get(s.name, []), spend.get(s.name), now, notes.get(s, "")) for s in TRACKED
+    ]
     limits = BudgetLimits.from_mapping(own.budgets.model_dump())
     etas = [s.eta_s for s in stages if s.eta_s is not None]
     state = cycle_state(row, units)

@@ -1,0 +1,110 @@
+"""The stage registry against what it describes: every DAG task, the API's functions, the CLI's commands."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from fnmatch import fnmatchcase
+
+import pytest
+
+import tests.plugins.airflow_env as airflow_env  # before Airflow: its home and DAG folder
+from mass_ops.stages import api, registry
+from mass_ops.stages.registry import NON_STAGE_TASKS, PLANNED, STAGES, TRACKED, stage_of_task
+from mass_ops.store.schema import CallPurpose, EpisodeKind
+
+
+def unmapped(tasks: Mapping[str, Iterable[str]]) -> list[str]:
+    """`dag.task` of every task that is neither a stage's nor listed as a non-stage task."""
+    return [
+        f"{dag}.{task}"
+        for dag, ids in tasks.items()
+        for task in ids
+        if stage_of_task(dag, task) is None and task not in NON_STAGE_TASKS.get(dag, ())
+    ]
+
+
+@pytest.fixture(scope="module")
+def dag_tasks() -> dict[str, list[str]]:
+    """Task ids (group-qualified) of every DAG in dags/, loaded by Airflow's DagBag."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MASS_NIGHTLY_DEADLINE_HOURS", "0")  # as tests/dags: no deadline object to build
+        bag = DagBag(dag_folder=str(airflow_env.DAGS_FOLDER))
+    assert bag.import_errors == {}
+    return {dag.dag_id: sorted(dag.task_dict) for dag in bag.dags.values()}
+
+
+def test_every_task_of_every_dag_belongs_to_a_stage(dag_tasks):
+    assert set(dag_tasks) == {registry.CYCLE_DAG, registry.NIGHTLY_DAG, registry.BENCHMARKS_DAG}
+    assert unmapped(dag_tasks) == []
+
+
+def test_a_dag_task_without_a_stage_is_reported():
+    assert unmapped({registry.CYCLE_DAG: ["inner_loop.step_v4", "shiny_new_step"]}) == ["mass_cycle.shiny_new_step"]
+
+
+def test_every_task_the_registry_names_exists_and_belongs_to_one_stage(dag_tasks):
+    for stage in STAGES:
+        for pattern in stage.dag_tasks:
+            assert any(fnmatchcase(task, pattern) for task in dag_tasks[stage.dag]), f"{stage.name}: {pattern}"
+    for stage in TRACKED:  # what `repair` clears (its search steps are listed per version: see test_repair)
+        if stage is not registry.SEARCH:
+            assert set(stage.repair_tasks) <= set(dag_tasks[stage.dag]), stage.name
+    for dag, tasks in dag_tasks.items():
+        for task in tasks:
+            owners = [s.name for s in STAGES if s.dag == dag and s.owns_task(task)]
+            assert len(owners) <= 1, f"{dag}.{task}: {owners}"
+    for dag, tasks in NON_STAGE_TASKS.items():
+        assert set(tasks) <= set(dag_tasks[dag])
+
+
+def test_every_stage_has_its_function_in_the_stage_api():
+    assert set(api.STAGE_FUNCTIONS) == set(STAGES)
+    for stage, function in api.STAGE_FUNCTIONS.items():
+        assert getattr(api, function.__name__) is function, stage.name
+
+
+def test_every_declared_command_exists_in_the_cli():
+    from typer.main import get_command
+
+    from mass_ops.cli import app
+
+    commands = get_command(app).commands  # type: ignore[attr-defined]
+    declared = [stage.command for stage in STAGES if stage.command]
+    assert declared and set(declared) <= set(commands)
+
+
+def test_the_stage_command_runs_exactly_the_registry_s_jobs():
+    from typer.testing import CliRunner
+
+    from mass_ops.cli import app
+
+    result = CliRunner().invoke(app, ["stage", "nonsense", "--config", "demo"])
+    assert result.exit_code == 2
+    jobs = [stage.name for stage in registry.JOBS]
+    assert jobs == ["validate_config", "render", "train", "select_checkpoint", "export", "register", "report"]
+    assert f"choose one of {', '.join(jobs)}" in result.stderr
+
+
+def test_names_are_unique_and_unit_kinds_are_the_store_s():
+    names = [stage.name for stage in STAGES]
+    assert len(names) == len(set(names))
+    assert len({s.command for s in STAGES if s.command}) == sum(1 for s in STAGES if s.command)
+    for stage in STAGES:
+        assert set(stage.episode_kinds) <= set(EpisodeKind), stage.name
+        assert set(stage.call_purposes) <= set(CallPurpose), stage.name
+    kinds = [kind for stage in TRACKED for kind in stage.episode_kinds]
+    assert len(kinds) == len(set(kinds)), "an episode kind counts for one followed stage"
+
+
+def test_plan_and_status_follow_the_registry_s_order():
+    from mass_ops.config import load_config
+    from mass_ops.stages.plan import build_plan
+
+    config = load_config("demo", ())
+    plan = build_plan(config, ["train"], lineage=False)
+    assert [p.stage for p in plan.stages] == [s.name for s in PLANNED]
+    assert [s.name for s in TRACKED] == [
+        "search", "collect", "rank", "select", "render", "train", "export", "rollout", "evaluate",
+    ]  # fmt: skip
