@@ -3,7 +3,8 @@ spread), GPU-hours of serving and training, wall-clock on the configured capacit
 
 Inputs are planned counts (`StageWork`, built by `stages.plan.cycle_work` from `build_plan`) and per-unit figures
 (`UnitFigures`): measured on the parent generation's cycle when it has records (`cost.lineage`), else the
-documented defaults below. Everything here is arithmetic; nothing reads a store or calls a model.
+documented figures of the preset's own scale (`SCALES`: the paper's, or the demo's on CPU). Everything here is
+arithmetic; nothing reads a store or calls a model.
 
 Model of time: work on our inference server shares its `concurrency` (requests in flight), so a stage's server
 time is its busy seconds over the concurrency, but never less than its longest chain of units that must run one
@@ -38,6 +39,7 @@ class UnitFigures:
 
 # Defaults until a parent cycle has records. They are orders of magnitude for the paper preset on one H200 serving a
 # 27B FP8 model with 4 requests in flight, not measurements; the lineage replaces them after the first cycle.
+# Each figure is per planned unit: its retried attempts and position-bias swaps included (as `cost.lineage` measures).
 DEFAULT_FIGURES: dict[str, UnitFigures] = {
     # A qwen-code research episode: ~60 requests whose prompt grows to ~60k tokens and is resent on each request
     # (~2M prompt tokens in all), ~40k tokens written (reasoning included), ~40 minutes.
@@ -52,6 +54,41 @@ DEFAULT_FIGURES: dict[str, UnitFigures] = {
 }
 # One optimizer step of the paper preset (3 windows of 49,152 tokens, ZeRO-3 LoRA on a 27B model): ~60 s.
 DEFAULT_TRAIN_STEP_S = 60.0
+
+# The demo preset's scale, measured on a demo run (tiny random Qwen3 on 2 CPU processes, `transformers serve`, outputs
+# capped at 32 tokens per agent request and 64 per call; `tests/cost/fixtures/demo_cycle.json`): a random model's agent
+# stops after 2 requests of the qwen-code system prompt and the task (~16k tokens each), and its judge answers are never
+# usable JSON, so each judge call is 3 attempts (judge.invalid_retries 2) of ~1.3k tokens; its one optimizer answer is
+# kept as unusable (search.on_invalid_proposal keep_design).
+DEMO_FIGURES: dict[str, UnitFigures] = {
+    "episode": UnitFigures(prompt_tokens=32_500, completion_tokens=64, seconds=90),
+    "judge": UnitFigures(prompt_tokens=4_000, completion_tokens=192, seconds=120),
+    "optimizer": UnitFigures(prompt_tokens=2_500, completion_tokens=64, seconds=20),
+    "external_judge": UnitFigures(prompt_tokens=4_000, completion_tokens=192, seconds=120),
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The per-unit figures a preset's estimate starts from before its lineage has records, and whether its work
+    runs on GPUs (a CPU run has no GPU-hours to price)."""
+
+    name: str
+    figures: Mapping[str, UnitFigures]
+    train_step_s: float
+    on_gpus: bool = True
+
+
+SCALES: dict[str, Scale] = {
+    "paper": Scale("paper", DEFAULT_FIGURES, DEFAULT_TRAIN_STEP_S),
+    "cycle2": Scale("paper", DEFAULT_FIGURES, DEFAULT_TRAIN_STEP_S),  # the paper's scale, one generation on
+    "demo": Scale("demo", DEMO_FIGURES, DEFAULT_TRAIN_STEP_S, on_gpus=False),
+}
+
+
+def scale_for(preset: str | None) -> Scale:
+    """The scale of a preset's own estimate; a custom config (or none) starts from the paper's."""
+    return SCALES.get(preset or "", SCALES["paper"])
 
 
 @dataclass(frozen=True)
@@ -121,6 +158,7 @@ class CycleEstimate:
     stages: list[StageEstimate]
     total: StageEstimate
     lineage_cycle: str | None = None  # the parent's cycle the per-unit figures were measured on
+    scale: str = "paper"  # whose documented figures stand in for those the lineage has not measured
     unpriced_models: list[str] = field(default_factory=list)  # external API models without a price
 
     def as_dict(self) -> dict[str, Any]:
@@ -131,9 +169,9 @@ class CycleEstimate:
         return next((s for s in self.stages if s.stage == name), None)
 
 
-def figures_for(key: str, measured: Mapping[str, UnitFigures]) -> UnitFigures:
-    """Measured figures of `key` when the lineage has them, else the default."""
-    return measured.get(key) or DEFAULT_FIGURES[key]
+def figures_for(key: str, measured: Mapping[str, UnitFigures], scale: Scale | None = None) -> UnitFigures:
+    """Measured figures of `key` when the lineage has them, else the scale's (the paper's by default)."""
+    return measured.get(key) or (scale or SCALES["paper"]).figures[key]
 
 
 def estimate_stage(
@@ -143,9 +181,12 @@ def estimate_stage(
     measured: Mapping[str, UnitFigures] | None = None,
     train_step_s: float = DEFAULT_TRAIN_STEP_S,
     train_source: str = "default",
+    scale: Scale | None = None,
 ) -> StageEstimate:
-    """The estimate of one stage's work (see the module docstring for the model of time)."""
+    """The estimate of one stage's work (see the module docstring for the model of time); a scale that runs on no
+    GPU has no GPU-hours."""
     measured = measured or {}
+    on_gpus = scale is None or scale.on_gpus
     episodes = calls = 0
     prompt = completion = prompt_var = completion_var = 0.0
     busy = external_busy = path = cost = 0.0
@@ -153,7 +194,7 @@ def estimate_stage(
     for item in work.items:
         if item.count <= 0:
             continue
-        figures = figures_for(item.figures, measured)
+        figures = figures_for(item.figures, measured, scale)
         sources.add(figures.source)
         if item.episode:
             episodes += item.count
@@ -175,9 +216,9 @@ def estimate_stage(
     concurrency = max(1, capacity.concurrency)
     server_s = max(busy / concurrency, path) if busy else 0.0
     wall = max(server_s, external_busy / concurrency)
-    serving_h = server_s / 3600 * capacity.server_gpus * work.servers if capacity.self_hosted else 0.0
+    serving_h = server_s / 3600 * capacity.server_gpus * work.servers if capacity.self_hosted and on_gpus else 0.0
     train_s = work.train_steps * train_step_s
-    training_h = train_s / 3600 * work.train_gpus
+    training_h = train_s / 3600 * work.train_gpus if on_gpus else 0.0
     if work.train_steps:
         sources.add(train_source)
     cost += serving_cost(prices, serving_h) + training_cost(prices, training_h)
@@ -224,11 +265,14 @@ def estimate_cycle(
     *,
     train_step_s: float | None = None,
     lineage_cycle: str | None = None,
+    scale: Scale | str | None = None,
 ) -> CycleEstimate:
-    """The estimate of every stage of `work` and their total."""
-    step_s = train_step_s if train_step_s is not None else DEFAULT_TRAIN_STEP_S
+    """The estimate of every stage of `work` and their total; `scale` (a `Scale` or a preset name, default the
+    paper's) supplies the figures the lineage has not measured."""
+    chosen = scale if isinstance(scale, Scale) else scale_for(scale)
+    step_s = train_step_s if train_step_s is not None else chosen.train_step_s
     train_source = "lineage" if train_step_s is not None else "default"
-    stages = [estimate_stage(w, capacity, prices, measured, step_s, train_source) for w in work]
+    stages = [estimate_stage(w, capacity, prices, measured, step_s, train_source, chosen) for w in work]
     external = {item.model for w in work for item in w.items if not item.on_server and item.count}
     unpriced = sorted(model for model in external if not is_priced(prices, model))
     return CycleEstimate(
@@ -237,6 +281,7 @@ def estimate_cycle(
         total=total_of(stages),
         lineage_cycle=lineage_cycle,
         unpriced_models=unpriced,
+        scale=chosen.name,
     )
 
 

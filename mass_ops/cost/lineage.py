@@ -1,9 +1,10 @@
 """Per-unit figures measured on a recorded cycle: the means and spreads of tokens and seconds of its episodes (by
-kind) and LLM calls (by purpose), and the seconds per training step — what the next cycle's estimate uses instead
-of the defaults."""
+kind) and planned LLM calls (by purpose, each with all its attempts), and the seconds per training step — what the
+next cycle's estimate uses instead of the defaults."""
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 
@@ -60,12 +61,29 @@ def measured_figures(repo: MetadataRepository, cycle_id: int) -> dict[str, UnitF
         if key is None or episode.status == "infra_failure" or episode.prompt_tokens is None:
             continue
         samples[key].append((episode.prompt_tokens, episode.completion_tokens or 0, episode.duration_s or 0.0))
+    # A planned call is one unit however many attempts it took (unusable answers are retried, a sample of pairs is
+    # judged again swapped): the estimate counts units, so a unit's figures are the sums over its attempts.
+    units: dict[tuple[str, str], list[int | float]] = {}
     for call in repo.llm_calls(cycle_id):
         key = CALL_FIGURES.get(call.purpose)
         if key is None or call.status == "failed" or call.prompt_tokens is None:
             continue
-        samples[key].append((call.prompt_tokens, call.completion_tokens or 0, call.latency_s or 0.0))
+        unit = units.setdefault((key, call_unit(call.unit_key)), [0, 0, 0.0])
+        unit[0] += call.prompt_tokens
+        unit[1] += call.completion_tokens or 0
+        unit[2] += call.latency_s or 0.0
+    for (key, _unit), (prompt, completion, seconds) in sorted(units.items()):
+        samples[key].append((int(prompt), int(completion), float(seconds)))
     return {key: _figures(rows) for key, rows in samples.items()}
+
+
+_ATTEMPT = re.compile(r"(/swapped)?/a\d+$")
+
+
+def call_unit(unit_key: str) -> str:
+    """The planned unit of a call attempt's key: ``task51/rhi/v1_vs_no_harness/swapped/a2`` →
+    ``task51/rhi/v1_vs_no_harness``."""
+    return _ATTEMPT.sub("", unit_key)
 
 
 def measured_step_seconds(repo: MetadataRepository, cycle_id: int, run_key: str = "sft") -> float | None:

@@ -129,7 +129,7 @@ from mass_ops.store.artifacts import (
     extract_tarball,
     file_sha256,
 )
-from mass_ops.store.budgets import CYCLE_SCOPE, BudgetLedger, BudgetLimits, task_scope
+from mass_ops.store.budgets import CYCLE_SCOPE, BudgetLedger, BudgetLimits, charge_episode, task_scope
 from mass_ops.store.schema import LEASE_RENEW_S
 from mass_ops.store.untrusted import ARCHIVE_LIMITS, UntrustedInputError, loads_untrusted
 
@@ -1164,9 +1164,19 @@ class StoreSink:
 
     def __init__(self, ctx: CycleContext) -> None:
         self.ctx = ctx
+        self.limits = BudgetLimits.from_mapping(ctx.config.budgets.model_dump())
 
     def deliver(self, publication: EpisodePublication, abort: threading.Event) -> EpisodeOutcome:
-        return publish_episode(self.ctx, publication, abort)
+        outcome = publish_episode(self.ctx, publication, abort)
+        task = publication.unit.task_id
+        if not self.limits.limited((task_scope(task), CYCLE_SCOPE)):
+            # The attempt's proxy recorded nothing in the ledger (it reads the store only for limited scopes): charge
+            # the whole attempt now, so the cycle's spend counts every episode, as a pod's publisher does.
+            record = publication.record
+            charge_episode(self.ctx.repo, self.ctx.cycle_id, task, charge_key=f"episode:{outcome.episode_id}",
+                           tokens=record.prompt_tokens + record.completion_tokens,
+                           requests=record.requests)  # fmt: skip
+        return outcome
 
 
 def publish_episode(

@@ -18,8 +18,8 @@ from mass_ops.stages import api as real_api  # the real module: the `stages` fix
 from tests.dags.dag_files import dag_module
 from tests.plugins.conftest import StageRecorder, _no_host_settings, stages  # noqa: F401 - fixtures
 
-# The demo preset estimates ~21 USD on the default tables (mostly GPU-hours); a 0.01 USD cycle budget is exceeded.
-OVER = {"preset": "demo", "overrides": ["budgets.cycle_cost_usd=0.01"]}
+# The demo preset's own scale estimates ~0.6 M tokens (and no USD: a CPU run has no GPU-hours); 1,000 are exceeded.
+OVER = {"preset": "demo", "overrides": ["budgets.cycle_tokens=1000"]}
 
 
 def call_validate(params: dict[str, Any]) -> Any:
@@ -36,15 +36,13 @@ def test_the_dag_refuses_an_over_budget_run_unless_allowed(stages: StageRecorder
         return {"stage": "validate_config", **summary}
 
     stages.passthrough["validate_config"] = validate
-    with pytest.raises(
-        InputError, match=r"estimated cost .* exceeds budgets.cycle_cost_usd 0.01 USD.*allow_over_budget"
-    ):
+    with pytest.raises(InputError, match=r"estimated tokens .* exceed budgets.cycle_tokens 1,000.*allow_over_budget"):
         call_validate(OVER)
     assert stages.calls == []
     result = call_validate({**OVER, "allow_over_budget": True})
-    assert result["over_budget"] is True and result["estimate"]["cost_usd"] > 0.01
+    assert result["over_budget"] is True and result["estimate"]["tokens"] > 1000
     assert [args[1:] for _, args in stages.calls] == [(True,)]
-    within = call_validate({"preset": "demo", "overrides": ["budgets.cycle_cost_usd=1000"]})
+    within = call_validate({"preset": "demo", "overrides": ["budgets.cycle_tokens=100000000"]})
     assert within["over_budget"] is False
 
 
@@ -53,8 +51,8 @@ def test_validate_config_refuses_before_touching_a_store(tmp_path: Path) -> None
     from mass_ops.stages.api import validate_config
 
     url = f"sqlite:///{tmp_path}/meta.db"
-    config = load_config("demo", ["budgets.cycle_cost_usd=0.01", f"storage.metadata_url={url}",
+    config = load_config("demo", ["budgets.cycle_tokens=1000", f"storage.metadata_url={url}",
                                   f"storage.artifact_url={tmp_path}/artifacts"])  # fmt: skip
-    with pytest.raises(InputError, match=r"exceeds budgets\.cycle_cost_usd"):
+    with pytest.raises(InputError, match=r"exceed budgets\.cycle_tokens"):
         validate_config(config)
     assert list(tmp_path.iterdir()) == []

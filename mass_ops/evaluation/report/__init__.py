@@ -23,6 +23,7 @@ from mass_ops.evaluation.report.model import (
     Block,
     BudgetLine,
     CacheShare,
+    DagRun,
     EstimateRow,
     JudgeValidity,
     LossCurve,
@@ -33,6 +34,7 @@ from mass_ops.evaluation.report.model import (
     StageCost,
     TaskScoreboard,
     ThroughputCurve,
+    TrainingData,
 )
 from mass_ops.evaluation.report.publishing import write_report
 from mass_ops.evaluation.report.rendering import render_html, render_markdown
@@ -49,6 +51,7 @@ __all__ = [
     "Block",
     "BudgetLine",
     "CacheShare",
+    "DagRun",
     "EstimateRow",
     "JudgeValidity",
     "LossCurve",
@@ -59,6 +62,7 @@ __all__ = [
     "StageCost",
     "TaskScoreboard",
     "ThroughputCurve",
+    "TrainingData",
     "build_blocks",
     "collect_report_data",
     "render_figures",

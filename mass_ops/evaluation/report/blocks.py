@@ -10,7 +10,16 @@ from collections.abc import Callable
 
 from mass_ops.evaluation.benchmarks.table import HEADERS as BENCHMARK_TABLE_HEADERS
 from mass_ops.evaluation.benchmarks.table import table_rows
-from mass_ops.evaluation.report.model import Block, PairwiseEvaluation, ReportData, median
+from mass_ops.evaluation.report.figures import FIGURE_HAS_DATA
+from mass_ops.evaluation.report.model import (
+    FIGURES,
+    Block,
+    PairwiseEvaluation,
+    ReportData,
+    is_stand_in,
+    judges_label,
+    median,
+)
 from mass_ops.evaluation.stats import WinRate, format_rate
 
 PROMPT_DIGEST_CHARS = 16
@@ -43,6 +52,100 @@ def _interval(bounds: tuple[float, float] | None, digits: int = 2) -> str:
     return "n/a" if bounds is None else f"[{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
 
 
+def _figure(data: ReportData, name: str, nothing: str) -> list[Block]:
+    """The figure `name`, or one line saying it has nothing to show (`nothing`) instead of an empty panel."""
+    if FIGURE_HAS_DATA[name](data):
+        return [Block("figure", name)]
+    return [Block("p", f"{dict(FIGURES)[name]}: {nothing}.")]
+
+
+def _gpu_hours(data: ReportData, hours: float) -> str:
+    return "CPU run: no GPU-hours" if data.cpu_run else f"{hours:,.2f}"
+
+
+# -- the headline: the answer first ------------------------------------------------------------------------------------
+
+
+def _win_rate_line(evaluation: PairwiseEvaluation | None) -> str:
+    """L(k+1) vs L(k): the win rate with its interval, or why there is none."""
+    if evaluation is None:
+        return "no pairwise evaluation of this cycle is recorded"
+    overall = evaluation.summary.overall
+    counts = f"{overall.wins} W / {overall.losses} L / {overall.ties} T over {overall.judgments} judgments"
+    if overall.win_rate is None:
+        invalid = f", {overall.invalid} of them invalid verdicts" if overall.invalid else ""
+        return f"no win rate: no decisive judgment ({counts}{invalid}; ties and invalid verdicts do not count)"
+    bounds = overall.bootstrap or overall.wilson
+    kind = "pair bootstrap" if overall.bootstrap else "Wilson"
+    interval = "" if bounds is None else f", 95% {kind} interval {_interval(bounds)}"
+    return f"{overall.win_rate:.3f}{interval} ({counts})"
+
+
+def next_step(data: ReportData) -> str:
+    """What to do next, chosen from the results: inspect a failed stage, rerun the evaluation, promote or not."""
+    if data.failed_stages:
+        return f"inspect the failed stage: {data.failed_stages[0]}"
+    evaluation = data.headline_evaluation
+    if evaluation is None:
+        return "inspect the evaluate stage: no pairwise evaluation is recorded"
+    new, parent = evaluation.generation_a, evaluation.generation_b
+    external = " and configure an external judge (evaluation.judges)" if is_stand_in(evaluation) else ""
+    overall = evaluation.summary.overall
+    bounds = overall.bootstrap or overall.wilson
+    if overall.win_rate is None:
+        return (
+            "rerun the evaluation with more replicates (evaluation.rollout_count, evaluation.judge_seeds)"
+            f"{external}: no decisive judgment yet"
+        )
+    if bounds is not None and bounds[0] > 0.5:
+        if external:
+            return f"configure an external judge (evaluation.judges) and re-evaluate before promoting {new}"
+        return f"promote {new}: it beats {parent} (the whole 95% interval is above 0.5)"
+    if bounds is not None and bounds[1] < 0.5:
+        return f"do not promote {new}: it loses to {parent} (the whole 95% interval is below 0.5)"
+    return (
+        "rerun the evaluation with more replicates (evaluation.rollout_count, evaluation.judge_seeds)"
+        f"{external}: the 95% interval includes 0.5"
+    )
+
+
+def _headline_blocks(data: ReportData) -> list[Block]:
+    """The answer first: the win rate, what was trained, cost, time, GPU-hours, what to do next, the DAG run."""
+    evaluation = data.headline_evaluation
+    versus = f"L{data.generation + 1} vs L{data.generation}"
+    if evaluation is not None:
+        versus = f"{evaluation.generation_a} vs {evaluation.generation_b}"
+    judged = f" — judged by {judges_label([evaluation])}" if evaluation is not None else ""
+    trained = data.training_data
+    trained_line = (
+        "not rendered yet"
+        if trained is None
+        else f"{_int(trained.trajectories)} trajectories: {_int(trained.windows)} windows, {_int(trained.tokens)} "
+        f"tokens ({_int(trained.supervised_tokens)} supervised)"
+    )
+    priced = "priced at config.prices" + ("; a CPU run has no GPU-hours to price" if data.cpu_run else "")
+    rows = [
+        (f"{versus} win rate", _win_rate_line(evaluation) + judged),
+        ("Trained on", trained_line),
+        ("Cost", f"${data.total_cost_usd:,.2f} for {_int(data.total_tokens)} tokens ({priced})"),
+        ("Wall-clock", f"{_hours(data.wall_clock_s)} (first recorded unit start to last unit end)"),
+        ("GPU-hours", _gpu_hours(data, data.total_gpu_hours)),
+        ("Next", next_step(data)),
+    ]
+    if data.dag_run is not None:
+        rows.append(("DAG run", f"{data.dag_run.dag_id} / {data.dag_run.run_id}"))
+    blocks = [Block("h2", "Headline"), Block("table", headers=("", "result"), rows=tuple(rows))]
+    if data.dag_run is not None:
+        blocks.append(Block("link", f"Open DAG run {data.dag_run.run_id} in Airflow", href=data.dag_run.url))
+    return blocks
+
+
+def _hours(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.2f} h"
+
+
 # -- the first section: what the cycle ran with, what it spent, and the notes -----------------------------------------
 
 
@@ -70,7 +173,7 @@ def _provenance_blocks(data: ReportData) -> list[Block]:
         )
     elif data.catalogue == "builtin":
         text += " — mass-ops' own 12 tasks, not the reference's (`mass-ops tasks import` brings in those)"
-    blocks = [Block("p", text + ".")]
+    blocks = [Block("h2", "Provenance and spend"), Block("p", text + ".")]
     if data.prompts:
         replaced = sum(1 for p in data.prompts if p.shipped is not True)
         blocks.append(
@@ -91,6 +194,32 @@ def _provenance_blocks(data: ReportData) -> list[Block]:
     return blocks
 
 
+def _reconciliation(data: ReportData) -> Block | None:
+    """The ledger's cycle spend against the stage tables' total: one figure, or the difference named."""
+    cycle = next((b for b in data.budgets if b.scope == "cycle"), None)
+    if cycle is None:
+        return None
+    expected = data.total_tokens - data.unbudgeted_tokens
+    external = (
+        f", less {_int(data.unbudgeted_tokens)} tokens of external judges, whose calls spend from no budget"
+        if data.unbudgeted_tokens
+        else ""
+    )
+    if cycle.tokens == expected:
+        return Block(
+            "p",
+            f"Reconciled: the cycle's ledger spend, {_int(cycle.tokens)} tokens, is the stage tables' total "
+            f"({_int(data.total_tokens)} tokens: every episode and LLM call{external}).",
+        )
+    return Block(
+        "note",
+        f"The cycle's ledger spend ({_int(cycle.tokens)} tokens) differs from the stage tables' total "
+        f"({_int(data.total_tokens)} tokens{external}) by {_int(abs(expected - cycle.tokens))} tokens: the ledger "
+        "missed spend (a record that failed, or episodes run before every episode was charged) or counted requests "
+        "whose unit left no row.",
+    )
+
+
 def _cost_control_blocks(data: ReportData) -> list[Block]:
     """Spend against budget and the estimate against the actuals per stage (part of the first section)."""
     blocks = [Block("h3", "Spend against budget")]
@@ -104,6 +233,9 @@ def _cost_control_blocks(data: ReportData) -> list[Block]:
         )  # fmt: skip
         headers = ("scope", "tokens", "token budget", "USD (server-reported)", "USD budget", "requests")
         blocks.append(Block("table", headers=headers, rows=rows))
+        reconciled = _reconciliation(data)
+        if reconciled is not None:
+            blocks.append(reconciled)
     else:
         blocks.append(Block("p", "No spend is recorded in the budget ledger of this cycle."))
     blocks.append(Block("h3", "Estimate against actual per stage"))
@@ -113,20 +245,23 @@ def _cost_control_blocks(data: ReportData) -> list[Block]:
         (
             r.stage,
             "n/a" if r.estimated_tokens is None else _int(r.estimated_tokens), _int(r.actual_tokens),
-            _fmt(r.estimated_gpu_hours, 2), _fmt(r.actual_gpu_hours, 2),
+            "n/a" if r.token_ratio is None else f"{r.token_ratio:.2f}",
+            _fmt(r.estimated_gpu_hours, 2), "none (CPU)" if data.cpu_run else _fmt(r.actual_gpu_hours, 2),
             "n/a" if r.estimated_usd is None else f"{r.estimated_usd:,.2f}", f"{r.actual_usd:,.2f}",
         )
         for r in data.estimate_rows
     )  # fmt: skip
     if rows:
-        headers = ("stage", "est. tokens", "tokens", "est. GPU-h", "GPU-h", "est. USD", "USD")
+        headers = ("stage", "est. tokens", "tokens", "est./actual", "est. GPU-h", "GPU-h", "est. USD", "USD")
         blocks.append(Block("table", headers=headers, rows=rows))
     if data.estimate_source is not None:
         blocks.append(
             Block(
                 "p",
-                f"Estimate saved when the cycle was opened, from {data.estimate_source}. Actual USD: the "
-                "server-reported cost of calls plus GPU-hours at config.prices (self-hosted serving, training).",
+                f"Estimate saved when the cycle was opened, from {data.estimate_source}. Actual USD: each call's "
+                "server-reported cost (else its model's per-token price), priced agents' tokens, and GPU-hours at "
+                "config.prices (self-hosted serving, training)"
+                + ("; this CPU run has no GPU-hours." if data.cpu_run else "."),
             )
         )
     return blocks
@@ -159,7 +294,7 @@ def _scoreboard_blocks(data: ReportData) -> list[Block]:
         blocks.append(Block("table", headers=headers, rows=tuple(rows)))
     else:
         blocks.append(Block("p", "No RHI search is recorded for this cycle."))
-    blocks.append(Block("figure", "rhi_scoreboard"))
+    blocks.extend(_figure(data, "rhi_scoreboard", "no RHI search recorded"))
     return blocks
 
 
@@ -180,7 +315,7 @@ def _coverage_blocks(data: ReportData) -> list[Block]:
         )
         headers = ("task", "planned versions", "executed", "judged", "beat reference", "coverage")
         blocks.append(Block("table", headers=headers, rows=rows))
-    blocks.append(Block("figure", "search_coverage"))
+    blocks.extend(_figure(data, "search_coverage", "no RHI search recorded"))
     return blocks
 
 
@@ -269,7 +404,7 @@ def _ranking_blocks(data: ReportData) -> list[Block]:
         blocks.append(Block("table", headers=headers, rows=tuple(rows)))
     else:
         blocks.append(Block("p", "No ranking is recorded for this cycle."))
-    blocks.append(Block("figure", "ranking_scores"))
+    blocks.extend(_figure(data, "ranking_scores", "no ranking recorded"))
     return blocks
 
 
@@ -300,8 +435,18 @@ def _evaluation_blocks(evaluation: PairwiseEvaluation) -> list[Block]:
 
 
 def _pairwise_blocks(data: ReportData) -> list[Block]:
-    """Win rates of the newer generation by the external judges, and the agents' output tokens per rollout."""
-    blocks = [Block("h2", "Pairwise evaluation (external judges)")]
+    """Win rates of the newer generation by the external judges (or the stand-in), and the agents' output tokens per
+    rollout."""
+    blocks = [Block("h2", f"Pairwise evaluation ({judges_label(data.own_evaluations or data.evaluations)})")]
+    stand_ins = [e for e in data.own_evaluations if is_stand_in(e)]
+    if stand_ins:
+        blocks.append(
+            Block(
+                "note",
+                f"No external judge is configured: {stand_ins[0].generation_b}'s own in-loop judge stands in for the "
+                "external judges, so these verdicts are not independent of the models compared.",
+            )
+        )
     blocks.append(
         Block(
             "p",
@@ -310,7 +455,7 @@ def _pairwise_blocks(data: ReportData) -> list[Block]:
             "resamples pairs with all their judgments.",
         )
     )
-    blocks.append(Block("figure", "win_rate_by_generation"))
+    blocks.extend(_figure(data, "win_rate_by_generation", "no pairwise evaluation recorded"))
     for evaluation in data.own_evaluations:
         blocks.extend(_evaluation_blocks(evaluation))
     if data.rollout_tokens:
@@ -323,26 +468,28 @@ def _pairwise_blocks(data: ReportData) -> list[Block]:
 
 
 def _agreement_blocks(data: ReportData) -> list[Block]:
-    """The in-loop self-judge against the external majority, per evaluation."""
+    """The in-loop self-judge against the external majority (or the stand-in's), per evaluation. Over 0 decisive
+    pairs every rate is n/a: ties and invalid verdicts agree with each other without saying anything."""
     blocks = [Block("h2", "Judge agreement")]
     agreement_rows = tuple(
         (
             f"{e.generation_a} vs {e.generation_b}",
+            judges_label([e]),
             str(a.pairs),
-            _fmt(a.rate),
+            _fmt(a.rate) if a.decisive_pairs else "n/a",
             f"{a.decisive_agreements}/{a.decisive_pairs}",
             _fmt(a.decisive_rate),
-            _fmt(a.kappa),
+            _fmt(a.kappa) if a.decisive_pairs else "n/a",
         )
         for e in data.evaluations
         for a in e.agreement.values()
     )
     if agreement_rows:
-        headers = ("evaluation", "pairs", "agreement", "decisive agree", "decisive rate", "Cohen's κ")
+        headers = ("evaluation", "against", "pairs", "agreement", "decisive agree", "decisive rate", "Cohen's κ")
         blocks.append(Block("table", headers=headers, rows=agreement_rows))
     else:
         blocks.append(Block("p", "No self-judge verdicts on evaluation pairs are recorded."))
-    blocks.append(Block("figure", "judge_agreement"))
+    blocks.extend(_figure(data, "judge_agreement", "no pair was called decisively by both judges"))
     return blocks
 
 
@@ -372,8 +519,8 @@ def _benchmark_blocks(data: ReportData) -> list[Block]:
             headers = ("benchmark", "generation", "episodes with tokens", "mean score", "mean output tokens",
                        "score per 1k output tokens")  # fmt: skip
             blocks.append(Block("table", headers=headers, rows=eff_rows))
-    else:
-        blocks.append(Block("p", "No benchmark trial is recorded for this cycle."))
+    elif not data.benchmark_table:
+        return [Block("p", "Public benchmarks: No benchmark trial is recorded for this cycle.")]
     blocks.extend(_benchmark_table_blocks(data))
     return blocks
 
@@ -381,7 +528,7 @@ def _benchmark_blocks(data: ReportData) -> list[Block]:
 def _benchmark_table_blocks(data: ReportData) -> list[Block]:
     """The paper's layout: per benchmark, each generation's score, attempted/scored tasks, tokens and the ratio."""
     if not data.benchmark_table:
-        return [Block("figure", "benchmark_table")]  # every figure is in the document; this one says it is empty
+        return []  # the section's one line already says no trial is recorded
     return [
         Block("h3", "By generation (the paper's table)"),
         Block("table", headers=BENCHMARK_TABLE_HEADERS, rows=table_rows(data.benchmark_table)),
@@ -408,7 +555,7 @@ def _training_blocks(data: ReportData) -> list[Block]:
         )
         headers = ("run", "last logged step", "min validation loss", "selected step", "selected val loss")
         blocks.append(Block("table", headers=headers, rows=rows))
-    blocks.append(Block("figure", "loss_curves"))
+    blocks.extend(_figure(data, "loss_curves", "no training run recorded"))
     blocks.extend(_throughput_blocks(data))
     return blocks
 
@@ -431,7 +578,10 @@ def _throughput_blocks(data: ReportData) -> list[Block]:
         headers = ("run", "logged steps", "median tokens/s", "median supervised tokens/s", "median MFU",
                    "peak memory GiB (rank 0)")  # fmt: skip
         blocks.append(Block("table", headers=headers, rows=rows))
-    blocks.append(Block("figure", "training_throughput"))
+        if not any(c.mfu for c in data.throughput):
+            why = "a CPU run" if data.cpu_run else "no FLOPs model or no training.peak_tflops_per_gpu"
+            blocks.append(Block("p", f"MFU: not computed ({why})."))
+    blocks.extend(_figure(data, "training_throughput", "no training throughput logged"))
     return blocks
 
 
@@ -476,13 +626,16 @@ def _tokens_blocks(data: ReportData) -> list[Block]:
                 _int(s.episodes),
                 _int(s.prompt_tokens),
                 _int(s.completion_tokens),
-                "n/a" if s.cost_usd is None else f"${s.cost_usd:,.2f}",
+                f"${s.cost_usd or 0.0:,.2f}",
             )
             for s in data.stages
         )
-        headers = ("stage", "LLM calls", "episodes", "prompt tokens", "completion tokens", "cost (reported)")
-        blocks.append(Block("table", headers=headers, rows=rows))
-    blocks.append(Block("figure", "tokens_cost"))
+        total = ("total", _int(sum(s.calls for s in data.stages)), _int(sum(s.episodes for s in data.stages)),
+                 _int(sum(s.prompt_tokens for s in data.stages)), _int(sum(s.completion_tokens for s in data.stages)),
+                 f"${data.total_cost_usd:,.2f}")  # fmt: skip
+        headers = ("stage", "LLM calls", "episodes", "prompt tokens", "completion tokens", "cost")
+        blocks.append(Block("table", headers=headers, rows=(*rows, total)))
+    blocks.extend(_figure(data, "tokens_cost", "no token accounting recorded"))
     blocks.extend(_cache_blocks(data))
     return blocks
 
@@ -492,19 +645,20 @@ def _time_blocks(data: ReportData) -> list[Block]:
     blocks = [Block("h2", "Wall-clock and GPU-hours per stage")]
     if data.stages:
         rows = tuple(
-            (s.stage, _fmt(s.span_s / 3600, 2), _fmt(s.busy_s / 3600, 2), _fmt(s.gpu_hours, 2)) for s in data.stages
-        )
+            (s.stage, _fmt(s.span_s / 3600, 2), _fmt(s.busy_s / 3600, 2),
+             "none (CPU)" if data.cpu_run else _fmt(s.gpu_hours, 2))
+            for s in data.stages
+        )  # fmt: skip
         headers = ("stage", "wall-clock h", "summed unit h", "GPU-hours")
         blocks.append(Block("table", headers=headers, rows=rows))
-        blocks.append(
-            Block(
-                "p",
-                "GPU-hours: inference-server GPUs × the stage's wall-clock (time with at least one episode or in-loop "
-                "call running) for stages on our server; one GPU per training rank × the run's wall-clock. External "
-                "judges use no GPU of ours.",
-            )
+        text = (
+            "GPU-hours: inference-server GPUs × the stage's wall-clock (time with at least one episode or in-loop "
+            "call running) for stages on our server; one GPU per training rank × the run's wall-clock. External "
+            "judges use no GPU of ours."
         )
-    blocks.append(Block("figure", "wallclock_gpu"))
+        blocks.append(Block("p", "CPU run: no GPU-hours (the server and the trainer ran on CPUs)." if data.cpu_run
+                            else text))  # fmt: skip
+    blocks.extend(_figure(data, "wallclock_gpu", "no timings recorded"))
     return blocks
 
 
@@ -512,6 +666,7 @@ def _time_blocks(data: ReportData) -> list[Block]:
 
 SECTIONS: tuple[Callable[[ReportData], list[Block]], ...] = (
     _header_blocks,
+    _headline_blocks,
     _provenance_blocks,
     _cost_control_blocks,
     _notes_blocks,

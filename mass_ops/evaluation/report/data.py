@@ -6,10 +6,13 @@ training runs and `data_cost` what each stage used. Nothing is recomputed by cal
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.agreement import Agreement
@@ -19,22 +22,25 @@ from mass_ops.evaluation.benchmarks.table import benchmark_table
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
 from mass_ops.evaluation.position_bias import FlipRate, flip_rates, order_checks
 from mass_ops.evaluation.report.data_cost import cache_shares, cost_control, stage_costs
-from mass_ops.evaluation.report.data_training import loss_curves, throughput_curves, training_runs
+from mass_ops.evaluation.report.data_training import loss_curves, ran_on_cpu, throughput_curves, training_runs
 from mass_ops.evaluation.report.model import (
+    EPISODE_STAGE,
     JUDGING_STAGES,
+    DagRun,
     JudgeValidity,
     PairwiseEvaluation,
     PromptDigest,
     RankedTrajectory,
     ReportData,
     TaskScoreboard,
+    TrainingData,
 )
 from mass_ops.evaluation.stats import LedgerKeyError, PairwiseSummary, parse_ledger_key
 from mass_ops.layout import PAIRWISE_KIND, episode_name, teacher_condition
 from mass_ops.llm.calls import CallLedger
 from mass_ops.prompts import shipped_prompts
 from mass_ops.search.champion import BASELINE_WIN, derive_champion
-from mass_ops.store.schema import CallStatus, Ledger
+from mass_ops.store.schema import CallStatus, Ledger, RunStatus, TrainingRun
 
 _BASELINE_KEY = re.compile(r"^v(\d+)_vs_no_harness$")
 _ARBITRATION_KEY = re.compile(r"^champion_v(\d+)_vs_v(\d+)$")
@@ -273,8 +279,49 @@ def _rankings(ctx: CycleContext) -> list[RankedTrajectory]:
     return rows
 
 
-def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> ReportData:
-    """Gather the report's content from the stores."""
+def _training_data(ctx: CycleContext) -> TrainingData | None:
+    """The rendered train split (trajectories, windows, tokens, supervised tokens), None before render."""
+    dataset = ctx.repo.get_dataset(ctx.cycle_id, "train")
+    if dataset is None:
+        return None
+    return TrainingData(dataset.episodes, dataset.windows, dataset.total_tokens, dataset.loss_tokens)
+
+
+_UNFINISHED = {"infra_failure": "failed on infrastructure", "budget_exhausted": "stopped by a budget"}
+
+
+def _failed_stages(ctx: CycleContext, runs: list[TrainingRun]) -> list[str]:
+    """Stages whose last attempt of some unit failed (infrastructure, budget) and whose training run failed."""
+    latest: dict[tuple[Any, ...], Any] = {}
+    for episode in ctx.repo.episodes(ctx.cycle_id):
+        unit = (episode.kind, episode.task_id, episode.version, episode.candidate, episode.seed)
+        if unit not in latest or episode.attempt > latest[unit].attempt:
+            latest[unit] = episode
+    failed: dict[str, int] = defaultdict(int)
+    for episode in latest.values():
+        if episode.status in _UNFINISHED:
+            failed[EPISODE_STAGE.get(episode.kind, episode.kind)] += 1
+    lines = [f"{stage} ({count} episode(s) failed or stopped)" for stage, count in sorted(failed.items())]
+    lines += [f"train (run {run.key} {run.status})" for run in runs if run.status == RunStatus.FAILED]
+    return lines
+
+
+def _dag_run(environ: Mapping[str, str]) -> DagRun | None:
+    """The Airflow DAG run that writes the report, from the variables Airflow's task runner exports to the task
+    (`AIRFLOW_CTX_DAG_ID`, `AIRFLOW_CTX_DAG_RUN_ID`); its page on the API server (`AIRFLOW__API__BASE_URL`, else a
+    path on the server that serves the report)."""
+    dag_id, run_id = environ.get("AIRFLOW_CTX_DAG_ID"), environ.get("AIRFLOW_CTX_DAG_RUN_ID")
+    if not dag_id or not run_id:
+        return None
+    base = (environ.get("AIRFLOW__API__BASE_URL") or "").rstrip("/")
+    return DagRun(dag_id, run_id, f"{base}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}")
+
+
+def collect_report_data(
+    ctx: CycleContext, now: datetime | None = None, environ: Mapping[str, str] | None = None
+) -> ReportData:
+    """Gather the report's content from the stores (and the DAG run that writes it, from `environ`, default the
+    process environment)."""
     config = ctx.config
     data = ReportData(
         cycle=ctx.cycle_name,
@@ -298,7 +345,16 @@ def collect_report_data(ctx: CycleContext, now: datetime | None = None) -> Repor
     data.benchmark_table = benchmark_table(recorded_trials(ctx), ctx.repo.episodes(ctx.cycle_id, kind="benchmark"))
     runs = training_runs(ctx)
     data.curves = loss_curves(ctx, runs)
-    data.stages = stage_costs(ctx, runs)
+    data.cpu_run = ran_on_cpu(ctx, runs)
+    totals = stage_costs(ctx, runs, cpu_run=data.cpu_run)
+    data.stages, data.wall_clock_s, data.unbudgeted_tokens = (
+        totals.stages,
+        totals.wall_clock_s,
+        totals.unbudgeted_tokens,
+    )
+    data.training_data = _training_data(ctx)
+    data.failed_stages = _failed_stages(ctx, runs)
+    data.dag_run = _dag_run(os.environ if environ is None else environ)
     data.flip_rates = _flip_rates(ctx)
     data.position_bias_sample = config.judge.position_bias_sample
     data.rankings = _rankings(ctx)

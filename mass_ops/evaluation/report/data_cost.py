@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from mass_ops.context import CycleContext
+from mass_ops.cost.prices import serving_cost, token_cost, training_cost
 from mass_ops.evaluation.report.model import (
     CALL_STAGE,
     EPISODE_STAGE,
@@ -19,6 +21,10 @@ from mass_ops.evaluation.report.model import (
     StageCost,
 )
 from mass_ops.store.schema import TrainingRun
+
+# Calls whose client carries the cycle's budgets (`llm.calls.open_client`): the in-loop judge, optimizer and self-judge
+# calls. An external judge's client has its own provider and no budget scope, so the ledger never counts its tokens.
+BUDGETED_PURPOSES = frozenset(CALL_STAGE)
 
 
 def _span(intervals: Iterable[tuple[datetime, datetime]]) -> float:
@@ -38,26 +44,42 @@ def _span(intervals: Iterable[tuple[datetime, datetime]]) -> float:
     return max(0.0, total)
 
 
-def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[StageCost]:
+@dataclass(frozen=True)
+class StageTotals:
+    """What `stage_costs` reads from the records: the stages, the cycle's wall-clock (first unit start to last unit
+    end) and the tokens of calls that spend from no budget scope (external judges' clients carry no budget)."""
+
+    stages: list[StageCost]
+    wall_clock_s: float
+    unbudgeted_tokens: int
+
+
+def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool = False) -> StageTotals:
     """Tokens, cost and time per stage. GPU-hours: the inference server's GPUs over the stage's span for stages
-    that use it (episodes and in-loop calls), the training ranks (one GPU each) over a run's wall-clock."""
+    that use it (episodes and in-loop calls), the training ranks (one GPU each) over a run's wall-clock; none at all
+    on a CPU run. Cost: see `StageCost`."""
     config = ctx.config
-    server_gpus = config.inference.server.gpus
+    prices = config.prices
+    server_gpus = 0 if cpu_run else config.inference.server.gpus
+    self_hosted = not config.is_remote_backend and config.models.served_name not in prices.models
     totals: dict[str, dict[str, Any]] = defaultdict(lambda: defaultdict(float))
     intervals: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)  # all work of the stage
     on_server: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)  # work on our inference server
-    costs: dict[str, list[float]] = defaultdict(list)
+    costs: dict[str, float] = defaultdict(float)
+    unbudgeted = 0
     for call in ctx.repo.llm_calls(ctx.cycle_id):
         # External judges run elsewhere and cost us no GPU time; every other call is served by our model.
         in_loop = call.purpose in CALL_STAGE
         stage = "evaluate" if call.unit_key.startswith("eval/") else CALL_STAGE.get(call.purpose, "evaluate")
         bucket = totals[stage]
+        prompt, completion = call.prompt_tokens or 0, call.completion_tokens or 0
         bucket["calls"] += 1
-        bucket["call_prompt_tokens"] += call.prompt_tokens or 0
-        bucket["call_completion_tokens"] += call.completion_tokens or 0
+        bucket["call_prompt_tokens"] += prompt
+        bucket["call_completion_tokens"] += completion
         bucket["busy_s"] += call.latency_s or 0.0
-        if call.cost_usd is not None:
-            costs[stage].append(call.cost_usd)
+        unbudgeted += 0 if call.purpose in BUDGETED_PURPOSES else prompt + completion
+        reported = call.cost_usd
+        costs[stage] += reported if reported is not None else token_cost(prices, call.model or "", prompt, completion)
         if call.created_at is not None:
             start = datetime.fromtimestamp(call.created_at.timestamp() - (call.latency_s or 0.0), UTC)
             intervals[stage].append((start, call.created_at))
@@ -70,19 +92,29 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[StageCos
         bucket["agent_prompt_tokens"] += episode.prompt_tokens or 0
         bucket["agent_completion_tokens"] += episode.completion_tokens or 0
         bucket["busy_s"] += episode.duration_s or 0.0
+        costs[stage] += token_cost(
+            prices,
+            episode.model or "",
+            episode.prompt_tokens or 0,
+            episode.completion_tokens or 0,
+            getattr(episode, "cached_prompt_tokens", None) or 0,
+        )
         if episode.started_at is not None and episode.finished_at is not None:
             intervals[stage].append((episode.started_at, episode.finished_at))
             on_server[stage].append((episode.started_at, episode.finished_at))
     gpus: dict[str, float] = defaultdict(float)
     for stage, spans in on_server.items():
         gpus[stage] = _span(spans) / 3600 * server_gpus
+        if self_hosted:
+            costs[stage] += serving_cost(prices, gpus[stage])
     train_span = []
     for run in runs:
         if run.started_at is not None and run.finished_at is not None:
             wall = (run.finished_at - run.started_at).total_seconds()
             totals["train"]["busy_s"] += wall
-            gpus["train"] += wall / 3600 * config.training.replicas
+            gpus["train"] += 0.0 if cpu_run else wall / 3600 * config.training.replicas
             train_span.append((run.started_at, run.finished_at))
+    costs["train"] += training_cost(prices, gpus.get("train", 0.0))
     stages = []
     for stage in STAGE_ORDER:
         bucket = totals.get(stage)
@@ -96,7 +128,7 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[StageCos
                 calls=int(bucket.get("calls", 0)),
                 call_prompt_tokens=int(bucket.get("call_prompt_tokens", 0)),
                 call_completion_tokens=int(bucket.get("call_completion_tokens", 0)),
-                cost_usd=sum(costs[stage]) if costs.get(stage) else None,
+                cost_usd=costs.get(stage, 0.0),
                 episodes=int(bucket.get("episodes", 0)),
                 agent_prompt_tokens=int(bucket.get("agent_prompt_tokens", 0)),
                 agent_completion_tokens=int(bucket.get("agent_completion_tokens", 0)),
@@ -105,7 +137,9 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[StageCos
                 gpu_hours=gpus.get(stage, 0.0),
             )
         )
-    return stages
+    every = [span for spans in intervals.values() for span in spans] + train_span
+    wall = (max(end for _, end in every) - min(start for start, _ in every)).total_seconds() if every else 0.0
+    return StageTotals(stages, max(0.0, wall), unbudgeted)
 
 
 def _cached_tokens(row: Any, usage: Mapping[str, Any] | None) -> int | None:
@@ -151,7 +185,6 @@ def cost_control(
 ) -> tuple[list[BudgetLine], list[EstimateRow], str | None]:
     """Budget lines from the ledger and the saved estimate (`validate_config` stores it in the cycle's provenance
     under "estimate") beside each stage's actuals; the third value says what the estimate was made from."""
-    from mass_ops.cost.prices import serving_cost, token_cost, training_cost
     from mass_ops.store.budgets import BudgetLimits
 
     config = ctx.config
@@ -164,20 +197,10 @@ def cost_control(
     cycle = ctx.repo.get_cycle(ctx.cycle_name)
     saved = (cycle.provenance or {}).get("estimate") if cycle is not None else None
     estimated = {s["stage"]: s for s in (saved or {}).get("stages", [])}
-    self_hosted = not config.is_remote_backend and config.models.served_name not in config.prices.models
     actual = {s.stage: s for s in stages}
     rows = []
     for stage in [*estimated, *(s for s in actual if s not in estimated)]:
         e, a = estimated.get(stage), actual.get(stage)
-        usd = (a.cost_usd or 0.0) if a else 0.0
-        if a is not None and stage == "train":
-            usd += training_cost(config.prices, a.gpu_hours)
-        elif a is not None and self_hosted:
-            usd += serving_cost(config.prices, a.gpu_hours)
-        elif a is not None:  # an API policy: its agents' tokens at its per-token price
-            usd += token_cost(
-                config.prices, config.models.served_name, a.agent_prompt_tokens, a.agent_completion_tokens
-            )
         rows.append(
             EstimateRow(
                 stage,
@@ -186,10 +209,16 @@ def cost_control(
                 e["serving_gpu_hours"] + e["training_gpu_hours"] if e else None,
                 a.gpu_hours if a else 0.0,
                 e["cost_usd"] if e else None,
-                usd,
+                (a.cost_usd or 0.0) if a else 0.0,
             )
         )
     source = None
     if saved is not None:
-        source = f"measured on {saved['lineage_cycle']}" if saved.get("lineage_cycle") else "the documented defaults"
+        source = f"measured on {saved['lineage_cycle']}" if saved.get("lineage_cycle") else _default_source(saved)
     return budgets, rows, source
+
+
+def _default_source(saved: Mapping[str, Any]) -> str:
+    """What an estimate without a parent cycle was made from: the preset's own scale when it names one."""
+    scale = saved.get("scale")
+    return f"the {scale} preset's documented scale" if isinstance(scale, str) and scale else "the documented defaults"

@@ -95,3 +95,20 @@ def throughput_curves(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[Th
         if tokens:
             curves.append(ThroughputCurve(run.key, tokens, supervised, mfu, max(peaks) if peaks else None))
     return curves
+
+
+def ran_on_cpu(ctx: CycleContext, runs: Sequence[TrainingRun]) -> bool:
+    """Whether the cycle ran on CPUs (the laptop demo), so it has no GPU-hours: a training log row naming its
+    `device`, else the trainer's own sign — it drops the GPU peak on a CPU, so its steps log achieved TFLOP/s but no
+    MFU although `training.peak_tflops_per_gpu` is set. Clusters (the kubernetes backend) always run on GPUs."""
+    if ctx.config.compute.backend != "local":
+        return False
+    peak_set = ctx.config.training.peak_tflops_per_gpu is not None
+    for run in runs:
+        for row in _read_log_rows(ctx, run):
+            device = row.get("device")
+            if isinstance(device, str):
+                return device == "cpu"
+            if peak_set and _number(row.get("model_tflops_per_gpu")) is not None and "mfu" in row:
+                return row["mfu"] is None
+    return False

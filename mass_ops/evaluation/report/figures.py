@@ -1,7 +1,7 @@
 """The report's figures: one builder per name of `FIGURES`, each drawing a matplotlib Figure from `ReportData`.
 
-A figure without data says so rather than being left out. matplotlib is imported only here, lazily, on the Agg
-canvas, without pyplot's global state; `render_figures` writes every figure as a PNG.
+A figure with nothing to show is not drawn (`FIGURE_HAS_DATA`): the document says so in one line instead. matplotlib
+is imported only here, lazily, on the Agg canvas, without pyplot's global state; `render_figures` writes the PNGs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.evaluation.benchmarks.table import draw_benchmark_table
-from mass_ops.evaluation.report.model import FIGURES, PairwiseEvaluation, ReportData
+from mass_ops.evaluation.report.model import FIGURES, PairwiseEvaluation, ReportData, judges_label
 from mass_ops.evaluation.stats import WinRate
 
 _COLOURS = {"W": "#4c9a5f", "L": "#c8553d", "T": "#b8b8b8"}
@@ -131,12 +131,14 @@ def _win_rate_figure(data: ReportData) -> Any:
         ax.legend(fontsize=8, loc="lower right")
     else:  # every judgment a tie or invalid: there is no win rate to draw
         ax.text(0.5, 0.75, NO_DECISIVE_PAIR, ha="center", fontsize=10, color="#666666", transform=ax.transAxes)
-    ax.set_title("External judges; bars: pair-bootstrap 95% interval", fontsize=10)
+    judged_by = judges_label(evaluations)
+    ax.set_title(f"{judged_by[0].upper()}{judged_by[1:]}; bars: pair-bootstrap 95% interval", fontsize=10)
     return figure
 
 
 def _agreement_figure(data: ReportData) -> Any:
-    points = [(e, a) for e in data.evaluations for a in e.agreement.values()]
+    # Agreement over pairs neither judge called decisively is no evidence (ties and invalid verdicts agree trivially).
+    points = [(e, a) for e in data.evaluations for a in e.agreement.values() if a.decisive_pairs]
     figure = _new_figure(max(6.0, 1.5 + 1.4 * len(points)), 3.6)
     ax = figure.subplots()
     if not points:
@@ -217,12 +219,12 @@ def _ranking_figure(data: ReportData) -> Any:
 
 
 def _throughput_figure(data: ReportData) -> Any:
-    """Tokens/s (all tokens and supervised ones) per step, and MFU where the trainer computed it."""
-    figure = _new_figure(9.0, 3.6)
-    left, right = figure.subplots(1, 2)
+    """Tokens/s (all tokens and supervised ones) per step, and an MFU panel only where the trainer computed MFU."""
+    with_mfu = [c for c in data.throughput if c.mfu]
+    figure = _new_figure(9.0 if with_mfu else 6.0, 3.6)
+    left, right = figure.subplots(1, 2) if with_mfu else (figure.subplots(), None)
     if not data.throughput:
         _empty(left, "No training throughput logged")
-        right.set_axis_off()
         return figure
     for curve in data.throughput:
         left.plot(*zip(*curve.tokens_per_s, strict=True), label=f"{curve.run} tokens/s", linewidth=1.2)
@@ -236,9 +238,7 @@ def _throughput_figure(data: ReportData) -> Any:
     left.set_xlabel("optimizer step")
     left.set_ylabel("tokens/s (all ranks)")
     left.legend(fontsize=8)
-    with_mfu = [c for c in data.throughput if c.mfu]
-    if not with_mfu:
-        _empty(right, "MFU not computed (no architecture or no training.peak_tflops_per_gpu)")
+    if right is None:  # the table says in one line why there is no MFU
         return figure
     for curve in with_mfu:
         right.plot([s for s, _ in curve.mfu], [100 * v for _, v in curve.mfu], label=curve.run, linewidth=1.2)
@@ -313,11 +313,31 @@ FIGURE_BUILDERS: dict[str, Callable[[ReportData], Any]] = {
 }
 
 
+# Whether a figure has anything to show; one that has not is a line of text in the document, not a drawn panel.
+FIGURE_HAS_DATA: dict[str, Callable[[ReportData], bool]] = {
+    "rhi_scoreboard": lambda d: any(b.results or b.executed for b in d.scoreboard),
+    "search_coverage": lambda d: any(b.results or b.executed for b in d.scoreboard),
+    "win_rate_by_generation": lambda d: bool(d.evaluations),
+    "judge_agreement": lambda d: any(a.decisive_pairs for e in d.evaluations for a in e.agreement.values()),
+    "ranking_scores": lambda d: bool(d.rankings),
+    "loss_curves": lambda d: any(c.train or c.val for c in d.curves),
+    "training_throughput": lambda d: bool(d.throughput),
+    "tokens_cost": lambda d: any(s.prompt_tokens or s.completion_tokens for s in d.stages),
+    "wallclock_gpu": lambda d: any(s.span_s or s.busy_s or s.gpu_hours for s in d.stages),
+    "benchmark_table": lambda d: bool(d.benchmark_table),
+}
+
+
+def drawn_figures(data: ReportData) -> list[str]:
+    """The figures with something to show, in document order."""
+    return [name for name, _title in FIGURES if FIGURE_HAS_DATA[name](data)]
+
+
 def render_figures(data: ReportData, folder: Path) -> dict[str, Path]:
-    """Every figure as a PNG in `folder` (a figure without data says so rather than being left out)."""
+    """Every figure with something to show (`drawn_figures`) as a PNG in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for name, _title in FIGURES:
+    for name in drawn_figures(data):
         figure = FIGURE_BUILDERS[name](data)
         path = folder / f"{name}.png"
         figure.savefig(path, format="png")

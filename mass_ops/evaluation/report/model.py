@@ -112,7 +112,9 @@ class LossCurve:
 
 @dataclass(frozen=True)
 class StageCost:
-    """Token, cost and time totals of one stage."""
+    """Token, cost and time totals of one stage. `cost_usd`: what the stage cost at `config.prices` — each call's
+    server-reported cost (else its model's per-token price), the agents' tokens at a priced model's per-token price,
+    and the stage's GPU-hours at the serving or training price (none on a CPU run)."""
 
     stage: str
     calls: int = 0
@@ -202,8 +204,8 @@ class BudgetLine:
 
 @dataclass(frozen=True)
 class EstimateRow:
-    """One stage: the estimate saved when the cycle was opened against what its records add up to. Actual USD is
-    the server-reported cost of its calls plus its GPU-hours at the price table (self-hosted serving, training)."""
+    """One stage: the estimate saved when the cycle was opened against what its records add up to (actual USD is
+    the stage's `StageCost.cost_usd`)."""
 
     stage: str
     estimated_tokens: int | None
@@ -212,6 +214,52 @@ class EstimateRow:
     actual_gpu_hours: float
     estimated_usd: float | None
     actual_usd: float
+
+    @property
+    def token_ratio(self) -> float | None:
+        """Estimated over actual tokens (None without an estimate or actual tokens)."""
+        if self.estimated_tokens is None or not self.actual_tokens:
+            return None
+        return self.estimated_tokens / self.actual_tokens
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """The train split the new generation was trained on (its `datasets` row)."""
+
+    trajectories: int
+    windows: int
+    tokens: int
+    supervised_tokens: int
+
+
+@dataclass(frozen=True)
+class DagRun:
+    """The Airflow DAG run that wrote the report; `url` is its page (relative to the API server without a base URL)."""
+
+    dag_id: str
+    run_id: str
+    url: str
+
+
+# The judge name `stages.evaluate` gives the parent's in-loop judge when it stands in for the external judges.
+STAND_IN_JUDGE_PREFIX = "in-loop-"
+
+
+def is_stand_in(evaluation: PairwiseEvaluation) -> bool:
+    """Whether the evaluation was judged by the parent's own in-loop judge, not by external judges."""
+    return bool(evaluation.judges) and all(j.startswith(STAND_IN_JUDGE_PREFIX) for j in evaluation.judges)
+
+
+def judges_label(evaluations: Sequence[PairwiseEvaluation]) -> str:
+    """Who judged: "L0's own judge (stand-in)" when the parent's in-loop judge stood in for every evaluation,
+    "external judges" when none did, both otherwise."""
+    stand_ins = [e for e in evaluations if is_stand_in(e)]
+    if not stand_ins:
+        return "external judges"
+    parents = sorted({e.generation_b for e in stand_ins})
+    own = f"{' / '.join(parents)}'s own judge (stand-in)"
+    return own if len(stand_ins) == len(evaluations) else f"external judges or {own}"
 
 
 @dataclass
@@ -247,17 +295,45 @@ class ReportData:
     budgets: list[BudgetLine] = field(default_factory=list)
     estimate_rows: list[EstimateRow] = field(default_factory=list)
     estimate_source: str | None = None
+    # the headline's facts besides the evaluation and the stage totals
+    training_data: TrainingData | None = None
+    cpu_run: bool = False  # every GPU-hour figure is then 0 and said to be so, never priced
+    wall_clock_s: float = 0.0  # first recorded unit start to last recorded unit end
+    unbudgeted_tokens: int = 0  # tokens of calls that spend from no budget scope (external judges' own clients)
+    failed_stages: list[str] = field(default_factory=list)
+    dag_run: DagRun | None = None
 
     @property
     def own_evaluations(self) -> list[PairwiseEvaluation]:
         return [e for e in self.evaluations if e.cycle == self.cycle]
 
+    @property
+    def headline_evaluation(self) -> PairwiseEvaluation | None:
+        """This cycle's evaluation of L(k+1) against L(k) (the last recorded), else its last evaluation."""
+        own = self.own_evaluations
+        new, parent = f"L{self.generation + 1}", f"L{self.generation}"
+        matching = [e for e in own if (e.generation_a, e.generation_b) == (new, parent)]
+        return (matching or own or [None])[-1]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.prompt_tokens + s.completion_tokens for s in self.stages)
+
+    @property
+    def total_cost_usd(self) -> float:
+        return sum(s.cost_usd or 0.0 for s in self.stages)
+
+    @property
+    def total_gpu_hours(self) -> float:
+        return sum(s.gpu_hours for s in self.stages)
+
 
 @dataclass(frozen=True)
 class Block:
-    """One block of the document: a heading, a paragraph, a note, a table or a figure."""
+    """One block of the document: a heading, a paragraph, a note, a table, a figure or a link (`href`)."""
 
     kind: str
     text: str = ""
     headers: tuple[str, ...] = ()
     rows: tuple[tuple[str, ...], ...] = ()
+    href: str = ""

@@ -35,6 +35,8 @@ def render_markdown(blocks: Sequence[Block], figure_dir: str = "figures") -> str
             lines.append("")
         elif block.kind == "figure":
             lines += [f"![{titles[block.text]}]({figure_dir}/{block.text}.png)", ""]
+        elif block.kind == "link":
+            lines += [f"[{_md_cell(block.text)}](<{block.href}>)", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -74,6 +76,8 @@ def render_html(blocks: Sequence[Block], figures: Mapping[str, bytes], figure_di
             body.append(f"<p>{text}</p>")
         elif block.kind == "note":
             body.append(f'<div class="note"><strong>Note.</strong> {text}</div>')
+        elif block.kind == "link":
+            body.append(f'<p><a href="{html.escape(block.href)}">{text}</a></p>')
         elif block.kind == "table":
             head = "".join(f"<th>{html.escape(h)}</th>" for h in block.headers)
             rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in block.rows)
