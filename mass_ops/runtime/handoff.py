@@ -520,6 +520,12 @@ class LedgerRepository:
         """Nothing to note: a pod's proxy holds only the episode budget, whose refusals stay in its records."""
         del cycle_id, scope, need
 
+    def mark_budget_once(self, cycle_id: int, key: str) -> bool:
+        """Never marks: the sandbox has no store, so budget alerts are raised where the spend is recorded (the
+        publisher's ingestion, the operator's admission check)."""
+        del cycle_id, key
+        return False
+
     def start_episode_lease(self, cycle_id: int, **unit: Any) -> None:
         """Nothing to lease: the operator leased the pod's unit when it created the pod."""
         del cycle_id, unit
