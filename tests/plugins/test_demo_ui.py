@@ -248,7 +248,7 @@ def test_form_default_preset_file_is_the_demo_cycle_itself(tmp_path):
 # seconds to unwind two interpreters), the stubborn one a short one (it ignores SIGINT and SIGTERM whatever the grace).
 @pytest.mark.parametrize(
     ("kind", "grace_s", "signals"),
-    [("polite", 30.0, ["SIGINT"]), ("stubborn", 1.5, ["SIGINT", "SIGTERM", "SIGKILL"])],
+    [("polite", 30.0, ["SIGTERM"]), ("stubborn", 1.5, ["SIGTERM", "SIGTERM", "SIGKILL"])],
 )
 def test_stop_group_stops_the_whole_tree(tmp_path, kind, grace_s, signals):
     child_file = tmp_path / "child.pid"
@@ -258,7 +258,11 @@ def test_stop_group_stops_the_whole_tree(tmp_path, kind, grace_s, signals):
     try:
         child = int(_wait_for(child_file))
         assert os.getpgid(child) == process.pid, "the tree runs in its own process group"
-        assert demo_ui.stop_group(process, grace_s=grace_s) == signals
+        stopped = demo_ui.stop_group(process, grace_s=grace_s)
+        assert stopped.signals == signals
+        # What needed SIGKILL is named (command line and pid) for the line the UI prints; never silently.
+        killed = [text.rsplit(" (pid ", 1)[1].rstrip(")") for text in stopped.killed]
+        assert killed == ([str(child)] if kind == "stubborn" else [])
         assert not _alive(process.pid) and not _alive(child)
         assert demo_ui.group_members(process.pid) == []
     finally:
@@ -302,8 +306,9 @@ SERVE_CHILD = textwrap.dedent(
     demo_ui.wait_until_ready = lambda *args, **kwargs: None  # no Airflow here: the fake tree is "ready" at once
     ui = demo_ui.DemoUi(home=home, port=int(sys.argv[4]))
     demo_ui.ensure_password(ui)
-    argv = [sys.executable, "-c", fake_tree, child_file, "polite"]
-    code = demo_ui.serve(ui, {"PATH": "/usr/bin:/bin"}, Console(), argv=argv)
+    kind = sys.argv[5] if len(sys.argv) > 5 else "polite"
+    argv = [sys.executable, "-c", fake_tree, child_file, kind]
+    code = demo_ui.serve(ui, {"PATH": "/usr/bin:/bin"}, Console(width=200), argv=argv)
     print(f"serve returned {code}", flush=True)
     sys.exit(code)
     """
@@ -336,6 +341,24 @@ def test_ctrl_c_sigterm_or_sighup_stops_standalone_and_model_servers_started_mea
         if cli.poll() is None:
             cli.kill()
         stop_server(server_state, grace_s=1)
+        if child_file.exists() and _alive(int(child_file.read_text())):
+            os.kill(int(child_file.read_text()), signal.SIGKILL)
+
+
+def test_what_ignores_sigterm_is_killed_and_named_on_the_terminal(tmp_path):
+    child_file = tmp_path / "child.pid"
+    command = [sys.executable, "-c", SERVE_CHILD, str(tmp_path / "home"), str(child_file), FAKE_TREE, "8", "stubborn"]
+    cli = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        child = int(_wait_for(child_file))
+        cli.send_signal(signal.SIGINT)
+        output, _ = cli.communicate(timeout=60)
+        assert cli.returncode == 0, output
+        assert f"killed (SIGKILL) what was still running {demo_ui.STOP_GRACE_S:.0f} s after SIGTERM: " in output
+        assert f"(pid {child})" in output and not _alive(child)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
         if child_file.exists() and _alive(int(child_file.read_text())):
             os.kill(int(child_file.read_text()), signal.SIGKILL)
 

@@ -75,9 +75,10 @@ def run_demo(
     """Run the whole demo cycle as one `mass_cycle` DAG run through Airflow's own machinery (`dag.test()` on the
     demo's private Airflow home); returns where the report and the new model are, and the wall-clock per stage.
 
-    By default Airflow's records (and every child process's output) go to a file under `runs/demo/logs/` and the
-    terminal shows the live view of `live` (one plain line per finished task instance when it is not a TTY);
-    `verbose` prints everything as it comes instead. Raises InfrastructureError naming the failed tasks when the run
+    By default Airflow's records (and every child process's output) go to a file under `runs/demo/logs/`, each task's
+    part of it also to the Airflow home's log folder (the UI's Logs tab, `task_logs`), and the terminal shows the live
+    view of `live` (one plain line per finished task instance when it is not a TTY); `verbose` prints everything as
+    it comes instead. Raises InfrastructureError naming the failed tasks when the run
     does not succeed (rerunning resumes: every stage skips the units it already finished).
     """
     from mass_ops_airflow.demo import airflow_home as demo_airflow
@@ -112,7 +113,14 @@ def run_demo(
                 demo_airflow.prepare_database()
                 dag = demo_airflow.load_dag()
             demo_airflow.quiet_waiting_notes()
-            run = _watched_run(dag, overrides, view, log_path)
+            from mass_ops_airflow.demo.task_logs import TaskLogFiles  # imports Airflow: only once redirected
+
+            # Each task's lines also go where the UI's Logs tab reads them (`mass-ops demo --ui` on this home).
+            task_logs = TaskLogFiles(log_path).install()
+            try:
+                run = _watched_run(dag, overrides, view, log_path)
+            finally:
+                task_logs.finish()
     states = demo_airflow.task_states(run)
     if str(run.state) != "success":
         failed = ", ".join(demo_airflow.failed_tasks(run)) or "none failed"

@@ -3,8 +3,8 @@
 It prepares what a run of `mass_cycle` needs — the tiny L0 model published to the demo's artifact folder, the
 demo's Airflow home, database and pools (`airflow_home` beside this file) — then runs `airflow standalone`
 (scheduler, DAG processor, triggerer, API server) in its own process group until Ctrl-C, which stops the whole group
-and any
-local model server the UI's runs left behind.
+(SIGTERM, then SIGKILL, said on the terminal, for what still runs after a few seconds) and any local model server
+the UI's runs left behind.
 
 - Login: Airflow 3's simple auth manager with one admin user. Its password is generated here into a 0600 JSON file
   in the demo home (`{"admin": "<password>"}`); standalone finds the user there and never prints a password.
@@ -59,7 +59,10 @@ MODEL_SERVERS_DIR = SERVERS_DIR
 # compute.kubernetes.settings_dir): the demo is the embedded default, whatever the shell says.
 FOREIGN_VARIABLES = ("MASS_METADATA_URL", "MASS_ARTIFACT_URL", "MASS_SETTINGS_DIR")
 READY_TIMEOUT_S = 600.0  # a cold start on a 2-core laptop: migrations, four components, the first DAG parse
-STOP_GRACE_S = 30.0
+# Ctrl-C to a prompt in under 10 s: the components stop in 1-5 s after SIGTERM; what is still running after the
+# grace is killed, and said so.
+STOP_GRACE_S = 6.0
+KILL_WAIT_S = 2.0
 POLL_S = 2.0
 
 
@@ -300,24 +303,69 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> list[str]:
-    """Stop `process` and its whole process group: SIGINT (what Ctrl-C sends; standalone stops its components),
-    then SIGTERM, then SIGKILL, each after `grace_s` / a third of it. Returns the signals that were needed."""
+@dataclass(frozen=True)
+class GroupStop:
+    """How a process group was stopped: the signals sent to it, in order, and the processes that were still running
+    when SIGKILL was needed (``"airflow triggerer (pid 123)"``)."""
+
+    signals: list[str]
+    killed: list[str]
+
+
+def describe_process(pid: int) -> str:
+    """``"<command line, shortened> (pid N)"`` from /proc, for the line that names what had to be killed."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    words = [w.decode(errors="replace").strip() for w in argv if w.strip()]
+    # `.../bin/python .../bin/airflow scheduler` reads better as `airflow scheduler`.
+    if len(words) > 1 and Path(words[0]).name.startswith("python") and Path(words[1]).name == "airflow":
+        words = ["airflow", *words[2:]]
+    text = " ".join(words) or "?"
+    return f"{text[:60]} (pid {pid})"
+
+
+def _group_gone(process: subprocess.Popen[bytes], pgid: int) -> bool:
+    # poll() reaps the leader, so that it does not linger as a zombie of ours
+    return process.poll() is not None and not group_members(pgid)
+
+
+def _wait_group_gone(process: subprocess.Popen[bytes], pgid: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while not _group_gone(process, pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> GroupStop:
+    """Stop `process` and its whole process group within about `grace_s` + `KILL_WAIT_S`: SIGTERM to every member at
+    once; a second SIGTERM to what still runs after half the grace; SIGKILL to what still runs after the grace (named
+    in the result, so that the caller says so).
+
+    SIGTERM, not SIGINT: LocalExecutor's workers ignore SIGINT, and a task's supervisor turns SIGTERM into the
+    task's `on_kill`. All members at once, so that no component waits on another to stop its children in turn. The
+    second signal is Airflow's own "signal again if you don't want to wait": the triggerer, whose runner the first
+    signal already stopped, otherwise sleeps out its 10 s escalation delay before it notices.
+    """
     pgid = process.pid  # the session leader's pid is its group id
-    sent = []
-    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, grace_s / 3), (signal.SIGKILL, grace_s / 3)):
-        if not group_members(pgid) and process.poll() is not None:
-            break
+    sent: list[str] = []
+    for sig, wait_s in ((signal.SIGTERM, grace_s / 2), (signal.SIGTERM, grace_s / 2)):
+        if _group_gone(process, pgid):
+            return GroupStop(signals=sent, killed=[])
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
         sent.append(sig.name)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            process.poll()  # reap the leader so it does not linger as a zombie of ours
-            if not group_members(pgid) and process.poll() is not None:
-                break
-            time.sleep(0.2)
-    return sent
+        _wait_group_gone(process, pgid, wait_s)
+    if _group_gone(process, pgid):
+        return GroupStop(signals=sent, killed=[])
+    killed = [describe_process(pid) for pid in group_members(pgid)]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    _wait_group_gone(process, pgid, KILL_WAIT_S)
+    return GroupStop(signals=[*sent, "SIGKILL"], killed=killed)
 
 
 def stop_model_servers(since: float, servers_dir: Path = MODEL_SERVERS_DIR) -> list[str]:
@@ -445,8 +493,16 @@ def serve(
         finally:
             # A second Ctrl-C must not leave Airflow half stopped: the stop is bounded, so it runs to the end.
             with _stop_signals(signal.SIG_IGN):
-                console.print(f"stopping Airflow (up to {STOP_GRACE_S * 5 / 3:.0f} s) …", markup=False)
-                stop_group(process)
+                console.print(f"stopping Airflow (up to {STOP_GRACE_S + KILL_WAIT_S:.0f} s) …", markup=False)
+                stopped = stop_group(process)
+                if stopped.killed:
+                    console.print(
+                        f"killed (SIGKILL) what was still running {STOP_GRACE_S:.0f} s after SIGTERM: "
+                        + ", ".join(stopped.killed),
+                        markup=False,
+                        highlight=False,
+                        soft_wrap=True,
+                    )
                 for state_file in stop_model_servers(started):
                     console.print(f"stopped the model server recorded in {state_file}", markup=False)
             console.print("stopped", markup=False)
