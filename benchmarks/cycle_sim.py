@@ -361,6 +361,11 @@ def sim_config(name: str, endpoint: str, store: Path, capacity: int, args: argpa
     data["tasks"]["catalogue"] = "builtin"  # mass-ops' own tasks with the paper's settings
     data["evaluation"]["tasks"] = None
     data["search"]["iterations"] = args.iterations
+    if args.candidates is not None:  # fewer candidates than the paper's: the training ranks shrink to fit
+        train_ranks = min(data["collection"]["train_ranks"], args.candidates - 1)
+        data["collection"].update(candidates=args.candidates, train_ranks=train_ranks, validation_rank=train_ranks + 1)
+    if args.opponents is not None:
+        data["ranking"]["opponents_per_episode"] = args.opponents
     data["ranking"]["bootstrap_samples"] = args.bootstrap_samples
     data["storage"] = {"metadata_url": f"sqlite:///{store / 'metadata.db'}", "artifact_url": str(store / "artifacts")}
     return validate_config(data)
@@ -620,7 +625,7 @@ def goal_met(pipelined: dict[str, Any]) -> bool:
     return pipelined["utilisation"] >= 0.9 and pipelined["wall_over_bound"] <= 1.1
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity", type=int, default=8, help="requests the server processes at once (C)")
     parser.add_argument(
@@ -628,6 +633,8 @@ def main() -> None:
     )
     parser.add_argument("--tasks", type=int, default=9)
     parser.add_argument("--iterations", type=int, default=11)
+    parser.add_argument("--candidates", type=int, help="teacher candidates per training task (default: the paper's)")
+    parser.add_argument("--opponents", type=int, help="ranking opponents per candidate, even (default: the paper's)")
     parser.add_argument("--median", type=float, default=0.5, help="median episode length, seconds")
     parser.add_argument("--sigma", type=float, default=0.6, help="log-normal shape of episode lengths")
     parser.add_argument("--tail-share", type=float, default=0.03, help="share of episodes that run tail-factor×")
@@ -660,7 +667,7 @@ def main() -> None:
         help="ranking bootstrap resamples (CPU off the server; 0 here, see the module docstring)",
     )
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + str(SCHEDULES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     try:
         seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]

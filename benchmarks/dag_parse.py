@@ -6,7 +6,7 @@ as a module (timed) and must define a DAG. The same is done for an empty DAG fil
 file costs. Each file is parsed in `--runs` fresh processes; the verdict uses the best run (the file's own cost:
 slower runs measure whatever else the machine was doing) and the median is printed beside it.
 
-    .venv/bin/python benchmarks/dag_parse.py [--runs 5]
+    .venv/bin/python benchmarks/dag_parse.py [--runs 5] [--files mass_cycle.py,...]
 """
 
 from __future__ import annotations
@@ -77,10 +77,18 @@ def parse_runs(path: Path, runs: int) -> tuple[float, float, list[str]]:
     return min(timings), statistics.median(timings), dags
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7, help="fresh processes per file")
-    args = parser.parse_args()
+    parser.add_argument("--files", help="comma-separated DAG file names to parse (default: every file in dags/)")
+    args = parser.parse_args(argv)
+    files = sorted(DAGS.glob("*.py"))
+    if args.files:
+        wanted = {name.strip() for name in args.files.split(",") if name.strip()}
+        unknown = sorted(wanted - {path.name for path in files})
+        if unknown or not wanted:
+            parser.error(f"--files: no such DAG file(s) {unknown} in {DAGS}")
+        files = [path for path in files if path.name in wanted]
 
     with tempfile.TemporaryDirectory() as tmp:
         empty = Path(tmp) / "empty_dag.py"
@@ -89,7 +97,7 @@ def main() -> int:
     print(f"baseline (empty DAG file): best {baseline:.1f} ms, median {baseline_median:.1f} ms ({args.runs} processes)")
     print(f"{'file':<24}{'dags':<20}{'best ms':>9}{'median ms':>11}{'× target':>10}{'× baseline':>12}  verdict")
     worst = 0.0
-    for path in sorted(DAGS.glob("*.py")):
+    for path in files:
         best, median, dags = parse_runs(path, args.runs)
         worst = max(worst, best / TARGET_MS)
         verdict = "ok" if best < TARGET_MS else "OVER TARGET"

@@ -127,14 +127,14 @@ def _peak(base_url: str) -> int:
         return int(json.load(response)["peak_active"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--capacity", type=int, default=8, help="server capacity C = pool capacity")
     parser.add_argument("--latency", type=float, default=1.0, help="seconds per completion at the server")
     parser.add_argument("--requests", type=int, default=2, help="completions per episode")
     parser.add_argument("--agent", choices=["stand-in", "qwen-code"], default="stand-in")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     install = (

@@ -145,7 +145,7 @@ def run_phase(phase: str, folder: Path, args: argparse.Namespace) -> tuple[dict[
     return json.loads(output.strip().splitlines()[-1]), usage.ru_maxrss * 1024  # Linux reports KiB
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="decoder layers = shards (default 4)")
     parser.add_argument("--hidden", type=int, default=4096)
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved repetitions of every phase (default 3)")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     parser.add_argument("--phase", choices=["generate", "baseline", "export", "fused"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.phase is not None:
         phases = {
             "generate": lambda: generate(args.workdir, args.layers, args.hidden, args.intermediate, args.rank),

@@ -8,6 +8,7 @@ idempotency), and as plain INSERTs in one single transaction (raw insert speed).
 
     .venv/bin/python benchmarks/metadata_store.py                 # fresh database on 127.0.0.1:5432, dropped after
     .venv/bin/python benchmarks/metadata_store.py --url sqlite:////tmp/m.db
+    .venv/bin/python benchmarks/metadata_store.py --tiny      # a few rows of each kind (what the suite runs)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +37,55 @@ from mass_ops.store.schema import Base
 
 DEFAULT_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
-# Paper cycle 1 (MASS_SPEC §1-§8): 9 searched tasks × (reference + v0..v11); 8 eligible tasks × 18 candidates.
-SEARCH_TASKS = [51, 53, 56, 202, 205, 221, 302, 307, 324]
-TRAIN_TASKS = [51, 53, 56, 202, 205, 302, 307, 324]
-TEST_TASKS = [60, 207, 305]
-VERSIONS = 12
-ARBITRATIONS = 4  # champion arbitrations per task (data dependent; a typical count)
-CANDIDATES = 18
-MATCHES = 54  # ring tournament, 6 opponents, 18 candidates
-EXTERNAL_PAIRS = 12  # report: pairs × 2 providers × 3 seeds
-WINDOWS = 2500
-LOSS_TOKENS_PER_WINDOW = 6800  # 2 500 × 6 800 ≈ 17 M supervised tokens
-WINDOW_BATCH = 500
+
+@dataclass(frozen=True)
+class Workload:
+    """How many rows of each kind one recorded cycle holds."""
+
+    name: str
+    search_tasks: tuple[int, ...]
+    train_tasks: tuple[int, ...]
+    test_tasks: tuple[int, ...]
+    versions: int
+    arbitrations: int  # champion arbitrations per task (data dependent; a typical count)
+    candidates: int
+    matches: int  # ring tournament per training task
+    external_pairs: int  # report: pairs × 2 providers × 3 seeds
+    windows: int
+    training_steps: int = 1624  # a checkpoint every 50 steps and at the end
+    loss_tokens_per_window: int = 6800
+    window_batch: int = 500
+
+
+# Paper cycle 1 (MASS_SPEC §1-§8): 9 searched tasks × (reference + v0..v11); 8 eligible tasks × 18 candidates, 54
+# ring matches each (6 opponents); 2 500 windows × 6 800 ≈ 17 M supervised tokens.
+PAPER = Workload(
+    "paper-sized",
+    search_tasks=(51, 53, 56, 202, 205, 221, 302, 307, 324),
+    train_tasks=(51, 53, 56, 202, 205, 302, 307, 324),
+    test_tasks=(60, 207, 305),
+    versions=12,
+    arbitrations=4,
+    candidates=18,
+    matches=54,
+    external_pairs=12,
+    windows=2500,
+)
+# The same shape at a few rows of each kind: the suite runs the script so it cannot rot (`--tiny`).
+TINY = Workload(
+    "tiny",
+    search_tasks=(51, 221),
+    train_tasks=(51,),
+    test_tasks=(60,),
+    versions=2,
+    arbitrations=1,
+    candidates=3,
+    matches=2,
+    external_pairs=1,
+    windows=4,
+    training_steps=100,
+    window_batch=3,
+)
 
 
 class PlainInsertRepository(MetadataRepository):
@@ -79,8 +118,8 @@ class OneTransaction:
         self.session = None
 
 
-def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
-    """Record a paper-sized cycle; returns rows written per table (ids needed by the hot queries under '_')."""
+def record_cycle(repo: MetadataRepository, tag: str, work: Workload = PAPER) -> dict[str, int]:
+    """Record one cycle of `work`; returns rows written per table (ids needed by the hot queries under '_')."""
     rows: dict[str, int] = {}
 
     def count(table: str, n: int = 1) -> None:
@@ -89,8 +128,8 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
     cycle = repo.ensure_cycle(f"bench-{tag}", {"preset": "paper", "tag": tag}, "c" * 64, preset="paper")
     count("cycles")
     cycle_id = cycle.id
-    for task in SEARCH_TASKS + TEST_TASKS:
-        repo.record_cycle_task(cycle_id, task, "test" if task in TEST_TASKS else "train", excluded=task == 221)
+    for task in work.search_tasks + work.test_tasks:
+        repo.record_cycle_task(cycle_id, task, "test" if task in work.test_tasks else "train", excluded=task == 221)
         count("cycle_tasks")
 
     usage = {"prompt_tokens": 80_000, "completion_tokens": 6_000}
@@ -109,13 +148,13 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
         qwen_code_version="0.19.4",
     )
 
-    for task in SEARCH_TASKS:
+    for task in work.search_tasks:
         seed = 450000 + task
         reference = repo.record_episode(
             cycle_id, task_id=task, kind="reference", seed=seed, condition=f"t{task}_bare", **episode_fields
         )
         count("episodes")
-        for version in range(VERSIONS):
+        for version in range(work.versions):
             proposal_id = None
             if version > 0:
                 proposal_id = repo.record_llm_call(
@@ -146,7 +185,7 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
                 llm_call_id=judge.id, usage=usage,
             )  # fmt: skip
             count("comparisons")
-        for arbitration in range(ARBITRATIONS):
+        for arbitration in range(work.arbitrations):
             key = f"champion_v{arbitration}_vs_v{arbitration + 1}"
             call = repo.record_llm_call(
                 cycle_id, f"t{task}/champion/{key}", purpose="arbitration", model="L0", task_id=task, seed=seed
@@ -159,23 +198,23 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
             )  # fmt: skip
             count("comparisons")
         repo.record_retained_workflow(
-            cycle_id, task, version=None if task == 221 else 4, beats_reference=task != 221,
-            last_evaluated_version=VERSIONS - 1, model="L0",
+            cycle_id, task, version=None if task == 221 else min(4, work.versions - 1), beats_reference=task != 221,
+            last_evaluated_version=work.versions - 1, model="L0",
         )  # fmt: skip
         count("retained_workflows")
 
     pool: dict[int, list[int]] = {}
-    for task in TRAIN_TASKS:
+    for task in work.train_tasks:
         pool[task] = []
-        for candidate in range(CANDIDATES):
+        for candidate in range(work.candidates):
             episode = repo.record_episode(
                 cycle_id, task_id=task, kind="collection", candidate=candidate, seed=710000 + 100 * task + candidate,
                 condition=f"t{task}_L0", **episode_fields,
             )  # fmt: skip
             pool[task].append(episode.id)
             count("episodes")
-        for match in range(MATCHES):
-            a, b = pool[task][match % CANDIDATES], pool[task][(match * 7 + 1) % CANDIDATES]
+        for match in range(work.matches):
+            a, b = pool[task][match % work.candidates], pool[task][(match * 7 + 1) % work.candidates]
             call = repo.record_llm_call(
                 cycle_id, f"t{task}/ranking/m{match}", purpose="self_judge", model="L0", task_id=task,
                 seed=1234 + 1000 * task + match, prompt_tokens=70_000, completion_tokens=2_000, usage=usage,
@@ -195,17 +234,18 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
                 count("selections")
 
     train = repo.record_dataset(
-        cycle_id, "train", "s3://b/datasets/train", episodes=120, windows=WINDOWS,
-        loss_tokens=WINDOWS * LOSS_TOKENS_PER_WINDOW, total_tokens=WINDOWS * 30_000, stats={"aggregate": {}},
+        cycle_id, "train", "s3://b/datasets/train", episodes=120, windows=work.windows,
+        loss_tokens=work.windows * work.loss_tokens_per_window, total_tokens=work.windows * 30_000,
+        stats={"aggregate": {}},
     )  # fmt: skip
     repo.record_dataset(cycle_id, "val", "s3://b/datasets/val", episodes=8, windows=0, loss_tokens=0, total_tokens=0)
     count("datasets", 2)
-    selected = [episode for task in TRAIN_TASKS for episode in pool[task][:15]]
+    selected = [episode for task in work.train_tasks for episode in pool[task][:15]]
     windows = [
         {
             "position": position,
             "episode_id": selected[position % len(selected)],
-            "task_id": TRAIN_TASKS[position % len(TRAIN_TASKS)],
+            "task_id": work.train_tasks[position % len(work.train_tasks)],
             "role": ("orchestrator", "worker", "auxiliary")[position % 3],
             "is_main": position % 3 == 0,
             "thread": f"{position % 97:010x}",
@@ -213,19 +253,19 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
             "window_index": position % 4,
             "n_windows": 4,
             "n_tokens": 30_000,
-            "n_loss_tokens": LOSS_TOKENS_PER_WINDOW,
+            "n_loss_tokens": work.loss_tokens_per_window,
         }
-        for position in range(WINDOWS)
+        for position in range(work.windows)
     ]
-    for start in range(0, WINDOWS, WINDOW_BATCH):
-        repo.record_windows(train.id, windows[start : start + WINDOW_BATCH])
-    count("training_windows", WINDOWS)
+    for start in range(0, work.windows, work.window_batch):
+        repo.record_windows(train.id, windows[start : start + work.window_batch])
+    count("training_windows", work.windows)
 
-    run = repo.ensure_training_run(cycle_id, "sft", {"steps": 1624, "lr": 3e-5})
+    run = repo.ensure_training_run(cycle_id, "sft", {"steps": work.training_steps, "lr": 3e-5})
     count("training_runs")
     best = None
-    for step in [*range(0, 1624, 50), 1624]:
-        validated = step % 150 == 0 or step == 1624
+    for step in [*range(0, work.training_steps, 50), work.training_steps]:
+        validated = step % 150 == 0 or step == work.training_steps
         checkpoint = repo.record_checkpoint(
             run.id, step, uri=f"s3://b/t/step_{step:05d}" if step else None,
             val_loss=1.0 / (1 + step) if validated else None, val_tokens=40_000 if validated else None,
@@ -238,8 +278,8 @@ def record_cycle(repo: MetadataRepository, tag: str) -> dict[str, int]:
         checkpoint_id=best.id if best else None, lineage={"cycle": f"bench-{tag}"},
     )  # fmt: skip
     count("model_generations", 2)
-    for task in TEST_TASKS:
-        for replicate in range(EXTERNAL_PAIRS // len(TEST_TASKS)):
+    for task in work.test_tasks:
+        for replicate in range(max(1, work.external_pairs // len(work.test_tasks))):
             for provider in ("openai", "anthropic"):
                 for seed in (42, 43, 44):
                     key = f"pair-{task}-{replicate}/{provider}/{seed}"
@@ -323,34 +363,34 @@ def drop_database(admin_url: str, url: str) -> None:
     engine.dispose()
 
 
-def run(url: str, repeat: int) -> None:
+def run(url: str, repeat: int, work: Workload = PAPER) -> None:
     migrations.upgrade(url)
     store = MetadataStore(url)
     print(f"database: {mask_url(store.url)}")
 
     repo = MetadataRepository(store)
-    rows, seconds = timed(lambda: record_cycle(repo, "units"))
+    rows, seconds = timed(lambda: record_cycle(repo, "units", work))
     n = total(rows)
     units_rate = n / seconds
     summary = ", ".join(f"{table} {count}" for table, count in rows.items() if not table.startswith("_"))
-    print(f"paper-sized cycle: {n} rows ({summary})")
+    print(f"{work.name} cycle: {n} rows ({summary})")
     print(f"  idempotent units, one transaction each : {seconds:7.2f} s  {units_rate:8.0f} rows/s")
 
-    again, rerun_seconds = timed(lambda: record_cycle(repo, "units"))
+    again, rerun_seconds = timed(lambda: record_cycle(repo, "units", work))
     assert again == rows, "a rerun must return the same rows"
     with store.read() as session:
         stored = sum(session.scalar(sa.select(sa.func.count()).select_from(t)) for t in Base.metadata.sorted_tables)
     assert stored == n, f"rerun wrote rows: {stored} stored, {n} expected"
     print(f"  rerun, every unit a no-op             : {rerun_seconds:7.2f} s  {n / rerun_seconds:8.0f} rows/s")
 
-    plain_rows, plain_seconds = timed(lambda: record_cycle(PlainInsertRepository(store), "plain"))
+    plain_rows, plain_seconds = timed(lambda: record_cycle(PlainInsertRepository(store), "plain", work))
     plain_rate = total(plain_rows) / plain_seconds
     print(f"  baseline: plain INSERT per unit        : {plain_seconds:7.2f} s  {plain_rate:8.0f} rows/s")
 
     one = OneTransaction(store)
     bulk_repo = PlainInsertRepository(one)  # type: ignore[arg-type]  # duck-typed store
     with one.transaction_scope():
-        bulk_rows, bulk_seconds = timed(lambda: record_cycle(bulk_repo, "bulk"))
+        bulk_rows, bulk_seconds = timed(lambda: record_cycle(bulk_repo, "bulk", work))
     bulk_rate = total(bulk_rows) / bulk_seconds
     print(f"  baseline: plain INSERTs, one transaction: {bulk_seconds:7.2f} s  {bulk_rate:8.0f} rows/s")
     print(f"ratio idempotent / plain per unit: {units_rate / plain_rate:.2f}  (cost of ON CONFLICT + read-back)")
@@ -362,14 +402,16 @@ def run(url: str, repeat: int) -> None:
     store.dispose()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="metadata database (default: a fresh Postgres database, dropped after)")
     parser.add_argument("--admin-url", default=DEFAULT_ADMIN_URL, help="Postgres maintenance database")
     parser.add_argument("--repeat", type=int, default=15, help="runs per hot query")
-    args = parser.parse_args()
+    parser.add_argument("--tiny", action="store_true", help="a few rows of each kind instead of a paper-sized cycle")
+    args = parser.parse_args(argv)
+    work = TINY if args.tiny else PAPER
     if args.url:
-        run(args.url, args.repeat)
+        run(args.url, args.repeat, work)
         return 0
     try:
         url = create_database(args.admin_url)
@@ -377,7 +419,7 @@ def main() -> int:
         print(f"Postgres at {mask_url(args.admin_url)} is unreachable: {exc.orig}; pass --url", file=sys.stderr)
         return 2
     try:
-        run(url, args.repeat)
+        run(url, args.repeat, work)
     finally:
         drop_database(args.admin_url, url)
     return 0

@@ -136,14 +136,19 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> None:
+def _share(part: float, whole: float) -> str:
+    """`part / whole` to two places; "n/a" when a short run used too little CPU for the clock to see."""
+    return f"{part / whole:.2f}" if whole > 0 else "n/a"
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=200000, help="SSE events per throughput stream (~50 MB)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--requests", type=int, default=400, help="small requests per latency sample")
     parser.add_argument("--drain-timeout", type=float, default=300, help="seconds the proxy may take to write records")
     parser.add_argument("--serve-upstream", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.serve_upstream:
         asyncio.run(_serve_upstream(args.serve_upstream))
         return
@@ -206,8 +211,8 @@ def main() -> None:
     relay = cpu["proxy"] / relayed_gb
     print(
         f"  CPU s/GB: client {client:.2f}, upstream {upstream_s:.2f}, proxy {relay:.2f}; CPU-bound relay ratio "
-        f"{(client + upstream_s) / (client + upstream_s + relay):.2f} (all on shared cores) to "
-        f"{max(client, upstream_s) / max(client, upstream_s, relay):.2f} (a core each)"
+        f"{_share(client + upstream_s, client + upstream_s + relay)} (all on shared cores) to "
+        f"{_share(max(client, upstream_s), max(client, upstream_s, relay))} (a core each)"
     )
     print(f"Small-request latency ({args.requests} sequential GET /v1/models per path, interleaved, keep-alive):")
     print(f"  direct   p50 {d_med * 1000:6.2f} ms  p95 {d_p95 * 1000:6.2f} ms")

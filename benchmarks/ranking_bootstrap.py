@@ -25,12 +25,12 @@ from mass_ops.ranking import (
 )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--opponents", type=int, default=6)
     parser.add_argument("--resamples", type=int, default=1000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     names = [f"c{i:02d}" for i in range(args.candidates)]
     rng = random.Random(1)
     matches = [

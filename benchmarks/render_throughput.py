@@ -129,7 +129,10 @@ def build_episode(seed: int, workers: int, turns: int) -> list[dict[str, Any]]:
                 call = _call(f"w{w}-{t}", "write_file", _output(rng, rng.randrange(20, 80)))
             else:
                 call = _call(f"w{w}-{t}", "run_shell_command", "uv run python run_pipeline.py --stage " + str(t))
-            reasoning = _prose(rng, rng.randrange(20, 300)) if rng.random() < 0.9 else ""
+            # Every intermediate turn reasons: the Qwen3 template drops the think block of an intermediate turn
+            # without reasoning, and the renderer refuses such a turn (not what the model generated). The empty
+            # reasoning case is the orchestrator's last turn, whose think block the template keeps.
+            reasoning = _prose(rng, rng.randrange(20, 300))
             _turn(log, worker, tools, {"reasoning": reasoning, "tool_calls": [call]})
             output = {"type": "text", "text": _output(rng, rng.randrange(10, 300))}
             worker.append({"role": "tool", "tool_call_id": call["id"], "content": [output]})
@@ -157,7 +160,7 @@ def conversation_texts(records: list[dict[str, Any]], tokenizer: Any) -> list[st
     return texts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=2)
     parser.add_argument("--workers", type=int, default=3)
@@ -165,7 +168,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=49152)
     parser.add_argument("--overlap", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=2, help="best of N timings for each side")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     tokenizer = load_qwen3_tokenizer()
     tokenizer.model_max_length = sys.maxsize  # long conversations are the point here; silence the length warning

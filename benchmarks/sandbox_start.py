@@ -68,11 +68,11 @@ def _attempt(runner: EpisodeRunner, ctx: CycleContext, seed: int, requests: int)
     return outcome.status_record["durations"]["agent_s"], elapsed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="measured attempts per mode")
     parser.add_argument("--requests", type=int, default=1, help="completions per episode")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     support = bwrap_support()
     if not support.available:

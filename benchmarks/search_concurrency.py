@@ -230,7 +230,7 @@ def lower_bound(config: CycleConfig, args: argparse.Namespace) -> dict[str, floa
     return {"search": search_bound, "collect": collect_bound, "total": search_bound + collect_bound}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=9, help="RHI tasks (the paper's 9 train candidates)")
     parser.add_argument("--iterations", type=int, default=11)
@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=8, help="completions the server processes at once")
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite", help="metadata database")
     parser.add_argument("--postgres-admin-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
 
     shm = Path("/dev/shm")

@@ -14,9 +14,11 @@ from typing import Any
 from mass_ops.config import ConfigError, CycleConfig
 from mass_ops.errors import InputError
 from mass_ops.prompts import PromptSet, check_recorded, check_templates, shipped_prompts
-from mass_ops.store.artifacts import ArtifactStore, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import ArtifactStore
 from mass_ops.store.repository import MetadataRepository
-from mass_ops.tasks.catalogue import TaskCatalogue, load_catalogue
+from mass_ops.tasks.catalogue import TaskCatalogue
+from mass_ops.tasks.importer import load_catalogue
 
 
 class CycleNotOpenError(InputError):

@@ -95,7 +95,9 @@ def presentation_swapped(judge_seed: int) -> bool:
     return random.Random(judge_seed).choice([False, True])
 
 
-BENCHMARK_INDEX = {"tb2": 0, "sab": 1, "ds": 2, "mlr": 3}
+# The reference gives indices to tb2, sab, ds and mlr only (MASS_SPEC §10); swe and asta, which it never packaged,
+# take the next free ones, so their seeds never collide with the others'.
+BENCHMARK_INDEX = {"tb2": 0, "sab": 1, "ds": 2, "mlr": 3, "swe": 4, "asta": 5}
 
 
 def benchmark_seed(benchmark: str, trial: int, task_index: int) -> int:

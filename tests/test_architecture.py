@@ -172,3 +172,110 @@ def test_the_airflow_side_reaches_the_core_through_the_stage_api():
                     if name == "mass_ops.context" or stage_family:
                         offenders.append(f"{path.relative_to(root)}:{node.lineno} imports {name}")
     assert offenders == []
+
+
+# File-level import cycles allowed for now, each a sorted list of modules; the lead removes an entry once its cycle
+# is broken (stages.api <-> stages.repair is being broken in another change).
+ALLOWED_FILE_CYCLES = [["mass_ops.stages.api", "mass_ops.stages.repair"]]
+
+
+def module_file(module: str) -> str | None:
+    """The `mass_ops` file that an imported name lives in: the longest prefix of `module` that is a module or a
+    package (`mass_ops.store.artifacts.ArtifactStore` → `mass_ops.store.artifacts`); None outside `mass_ops`."""
+    parts = module.split(".")
+    while parts and parts[0] == "mass_ops":
+        path = PACKAGE.parent.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def file_graph() -> dict[str, set[str]]:
+    """Module → the `mass_ops` modules it imports, counting imports inside functions and `TYPE_CHECKING` blocks."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        source = module_name(path)
+        for target, _ in imported_modules(path):
+            found = module_file(target)
+            if found and found != source:
+                edges[source].add(found)
+    return edges
+
+
+def test_module_file_resolves_names_to_their_file():
+    assert module_file("mass_ops.store.artifacts.ArtifactStore") == "mass_ops.store.artifacts"
+    assert module_file("mass_ops.store") == "mass_ops.store"
+    assert module_file("pydantic.BaseModel") is None
+
+
+def test_no_import_cycle_between_two_files_of_mass_ops():
+    edges = file_graph()
+    assert "mass_ops.store.artifacts" in edges["mass_ops.store.local_artifacts"], "the file graph reader found nothing"
+    assert [cycle for cycle in cycles(edges) if cycle not in ALLOWED_FILE_CYCLES] == []
+
+
+TESTS = PACKAGE.parent / "tests"
+# Test modules in folders other changes are editing still import a conftest; the lead shrinks this list as each
+# moves its helpers to `tests/support/` (fixtures stay in conftest modules, which may import from there).
+CONFTEST_IMPORTERS_ALLOWED = {
+    "cost/test_budget_gate.py",
+    "cost/test_spend_reconciled.py",
+    "llm/test_calls_budgets.py",
+    "plugins/test_benchmark_operator.py",
+    "plugins/test_collection_operator.py",
+    "plugins/test_episode_operator.py",
+    "plugins/test_inference_operator.py",
+    "plugins/test_job_operators.py",
+    "plugins/test_rbac_verbs.py",
+    "plugins/test_report_plugin.py",
+    "train/test_sampler.py",
+    "train/test_zero3_training.py",
+}
+
+
+def conftest_imports(path: Path) -> list[int]:
+    """Line numbers where `path` imports a conftest module (absolute, relative or as a name of a package)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = [node.module or "", *(alias.name for alias in node.names)]
+        else:
+            continue
+        if any("conftest" in module.split(".") for module in modules):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_test_module_imports_a_conftest():
+    """Shared test helpers live in `tests/support/`; pytest loads conftest modules itself, and importing one as a
+    library runs it a second time under another name."""
+    offenders = [
+        f"tests/{relative}:{line}"
+        for path in sorted(TESTS.rglob("*.py"))
+        if (relative := path.relative_to(TESTS).as_posix()) not in CONFTEST_IMPORTERS_ALLOWED
+        for line in conftest_imports(path)
+    ]
+    assert offenders == []
+
+
+def test_the_package_ships_its_py_typed_marker():
+    """PEP 561: type checkers read the package's annotations only when `py.typed` is installed with it."""
+    import tomllib
+
+    assert (PACKAGE / "py.typed").is_file()
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["mass_ops"]
+
+
+def test_the_benchmark_seed_formula_is_written_once():
+    """One seed index: the benchmark seeds' base (3,100,000, MASS_SPEC §10) appears in `mass_ops.seeds` only."""
+    places = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and node.value == 3_100_000
+    ]
+    assert [place.split(":")[0] for place in places] == ["seeds.py"], places

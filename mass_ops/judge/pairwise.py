@@ -36,6 +36,7 @@ from mass_ops.judge.verdicts import (
     VERDICT_PARSINGS,
     PairwiseVerdict,
     VerdictParsing,
+    Winner,
     parse_verdict,
     recorded_verdict,
 )
@@ -46,7 +47,7 @@ from mass_ops.seeds import judge_retry_seed
 from mass_ops.store.schema import CallStatus
 
 Verdict = Literal["A", "B", "tie", "invalid"]
-_FLIP = {"A": "B", "B": "A", "tie": "tie"}
+_FLIP: dict[Winner, Winner] = {"A": "B", "B": "A", "tie": "tie"}
 SWAPPED_SUFFIX = "/swapped"
 
 
@@ -208,14 +209,14 @@ class PairwiseJudge:
         attempts = self.ledger.attempts(unit)
         stored = self.ledger.finished(unit, attempts)
         if stored is not None:
-            verdict = recorded_verdict(stored.parsed, parsing=self.verdict_parsing)
-            return _OrderResult(verdict, "", stored.row.id, _usage(stored.row.usage), 0)
+            recorded = recorded_verdict(stored.parsed, parsing=self.verdict_parsing)
+            return _OrderResult(recorded, "", stored.row.id, _usage(stored.row.usage), 0)
         calls = 0
         usage: dict[str, Any] = {}
         unusable = sum(1 for row in attempts if row.status == CallStatus.INVALID)  # earlier runs' included
         invalid_now = 0
         while True:
-            verdict = None
+            verdict: PairwiseVerdict | None = None
             attempt: CallAttempt | None = None
             try:
                 with self.ledger.attempt(unit, len(attempts) + 1) as attempt:

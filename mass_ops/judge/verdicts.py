@@ -21,6 +21,9 @@ Winner = Literal["A", "B", "tie"]
 WINNERS: tuple[str, ...] = ("A", "B", "tie")
 VerdictParsing = Literal["strict", "lenient"]
 VERDICT_PARSINGS: tuple[str, ...] = ("strict", "lenient")
+# Each winner under its exact spelling (strict) and case-folded (lenient): lookups that also give the Literal type.
+_EXACT_WINNERS: dict[str, Winner] = {"A": "A", "B": "B", "tie": "tie"}
+_FOLDED_WINNERS: dict[str, Winner] = {w.lower(): w for w in _EXACT_WINNERS.values()}
 
 
 class JudgeOutputError(InputError):
@@ -45,19 +48,20 @@ def parse_verdict(answer: dict[str, Any] | None, *, parsing: VerdictParsing = "l
     winner = answer.get("winner")
     rationale = answer.get("rationale")
     if parsing == "strict":
-        if not isinstance(winner, str) or winner not in WINNERS:
+        exact = _EXACT_WINNERS.get(winner) if isinstance(winner, str) else None
+        if exact is None:
             raise JudgeOutputError(f"judge answer: 'winner' must be exactly one of A, B, tie; got {winner!r}")
         if not isinstance(rationale, str) or not rationale:
             raise JudgeOutputError("judge answer: 'rationale' must be a string of at least one character")
         if not _is_unicode(rationale):
             raise JudgeOutputError("judge answer: 'rationale' holds a lone UTF-16 surrogate (not Unicode text)")
-        return PairwiseVerdict(winner=winner, rationale=rationale)  # type: ignore[arg-type]
-    normalised = {w.lower(): w for w in WINNERS}.get(winner.strip().lower()) if isinstance(winner, str) else None
+        return PairwiseVerdict(winner=exact, rationale=rationale)
+    normalised = _FOLDED_WINNERS.get(winner.strip().lower()) if isinstance(winner, str) else None
     if normalised is None:
         raise JudgeOutputError(f"judge answer: 'winner' must be one of A, B, tie; got {winner!r}")
     if not isinstance(rationale, str) or not rationale.strip():
         raise JudgeOutputError("judge answer: 'rationale' must be a non-empty string")
-    return PairwiseVerdict(winner=normalised, rationale=rationale.strip())  # type: ignore[arg-type]
+    return PairwiseVerdict(winner=normalised, rationale=rationale.strip())
 
 
 def recorded_verdict(answer: dict[str, Any] | None, *, parsing: VerdictParsing = "lenient") -> PairwiseVerdict:

@@ -179,7 +179,7 @@ class LLMClient:
         fallback_used = False
         while True:
             body = _wire_body(request)
-            response, used, error = self._send(lambda body=body: self._post_completion(sdk, body), purpose)
+            response, used, error = self._send(functools.partial(self._post_completion, sdk, body), purpose)
             attempts += used
             if (
                 isinstance(error, LLMRequestError)
@@ -300,6 +300,7 @@ class LLMClient:
         """Check that `/models` lists the endpoint's model (OpenRouter: without `:nitro`); returns the listed ids."""
         e = self.endpoint
         sdk = self._sdk()
+        listed: list[str]
         listed, _, error = self._send(lambda: [model.id for model in sdk.models.list()], "model listing")
         if error is not None:
             raise error

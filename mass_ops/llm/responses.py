@@ -14,6 +14,7 @@ chat-completions counters (``prompt_tokens``/``completion_tokens``) the ledger a
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,7 @@ class ResponsesClient(LLMClient):
         dropped: list[str] = []
         while True:
             body = dict(request)
-            response, used, error = self._send(lambda body=body: self._post_completion(sdk, body), purpose)
+            response, used, error = self._send(functools.partial(self._post_completion, sdk, body), purpose)
             attempts += used
             if isinstance(error, LLMRequestError) and error.status_code == 400:
                 message = str(error).lower()

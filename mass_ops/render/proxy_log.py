@@ -73,7 +73,7 @@ def _iter_lines(handle: BinaryIO, where: str) -> Iterator[Mapping[str, Any]]:
         raise RenderError(f"{where}: unreadable compressed log ({type(exc).__name__}: {exc})") from exc
 
 
-def capped_lines(stream: BinaryIO, where: str) -> Iterator[bytes]:
+def capped_lines(stream: BinaryIO | io.BufferedIOBase, where: str) -> Iterator[bytes]:
     """The lines of a proxy log, each read only up to `LOG_LINE_MAX_BYTES` (RenderError naming `where` and the line
     beyond it): never more than one capped line in memory, however long a line the log holds."""
     number = 0

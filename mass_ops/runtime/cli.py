@@ -46,6 +46,7 @@ from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, WorkspaceSe
 if TYPE_CHECKING:
     from mass_ops.context import CycleContext
     from mass_ops.runtime.handoff import SandboxHandoff
+    from mass_ops.store.artifacts import ArtifactStore
 
 episode_app = typer.Typer(no_args_is_help=True, help="Agent episodes: run one episode unit against the endpoint.")
 
@@ -524,7 +525,7 @@ def _read_prompt(store: Any, prompt_file: Path | None, prompt_uri: str | None) -
     return text
 
 
-def artifact_key_of(store: Any, uri: str) -> str:
+def artifact_key_of(store: ArtifactStore, uri: str) -> str:
     """The key of `uri` in `store`; EpisodeInputError if the URI lies outside it."""
     from mass_ops.store.artifacts import ArtifactKeyError
 

@@ -52,7 +52,7 @@ from mass_ops.search.prompt import (
     select_best,
     version_diff,
 )
-from mass_ops.search.proposal import ProposalError, parse_proposal
+from mass_ops.search.proposal import Proposal, ProposalError, parse_proposal
 from mass_ops.seeds import reference_episode_seed, search_call_seed, version_episode_seed
 from mass_ops.store.schema import Comparison, Ledger, WorkflowVersion, episode_unit_key
 from mass_ops.tasks.catalogue import Task
@@ -546,12 +546,20 @@ class _TaskSearch:
         step = f"task {self.task_id}, step v{current}->v{current + 1}"
         unit = CallUnit(f"task{self.task_id}/optimizer/v{current}_to_v{current + 1}", "optimizer", self.task_id)
         search = self.ctx.config.search
-        guardrails = {"reject_numeric_caps": search.reject_numeric_caps, "max_design_chars": search.max_design_chars}
+
+        def parse(answer: dict[str, Any] | None) -> Proposal:
+            return parse_proposal(
+                answer,
+                self.template,
+                reject_numeric_caps=search.reject_numeric_caps,
+                max_design_chars=search.max_design_chars,
+            )
+
         attempts = self.ledger.attempts(unit)
         stored = self.ledger.finished(unit, attempts)
         if stored is not None:
-            proposal = parse_proposal(stored.parsed, self.template, **guardrails)
-            call_id = stored.row.id
+            proposal = parse(stored.parsed)
+            call_id: int | None = stored.row.id
         else:
             inputs = self.optimizer_inputs(current, outcome, versions, verdicts)
             prompts = self.ctx.prompts
@@ -570,7 +578,7 @@ class _TaskSearch:
                         json_mode="json_object",
                     )
                     try:
-                        proposal = parse_proposal(result.parsed_json, self.template, **guardrails)
+                        proposal = parse(result.parsed_json)
                     except ProposalError as exc:
                         attempt.mark_invalid(str(exc))
                         raise

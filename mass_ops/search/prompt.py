@@ -202,7 +202,7 @@ def _tool_call(call: Any) -> Any:
 def status_document(run_status: Mapping[str, Any]) -> dict[str, Any]:
     """The run status as the reference's run_status.json holds it: its fields in its order (mass-ops' additions
     left out), ``prior_failures`` last when present."""
-    document = _fields(run_status, STATUS_FIELDS)
+    document: dict[str, Any] = _fields(run_status, STATUS_FIELDS)
     failure = document.get("failure")
     if isinstance(failure, Mapping):
         failure = _fields(failure, _FAILURE_FIELDS)

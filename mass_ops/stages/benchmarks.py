@@ -52,7 +52,7 @@ def _executor_for(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
 
 
 def _task(adapter: Any, name: str) -> Any:
-    from mass_ops.evaluation.benchmarks.scoring import BenchmarkError
+    from mass_ops.evaluation.benchmarks.errors import BenchmarkError
 
     found = next((t for t in adapter.tasks() if t.name == name), None)
     if found is None:
@@ -183,6 +183,7 @@ def instance_step(
     the grading of the recorded episode (`RecordedEpisodes`: nothing runs here) once it is."""
     from mass_ops.evaluation.benchmarks.scoring import TaskScore
     from mass_ops.evaluation.benchmarks.suite import (
+        ExecutorFor,
         InstanceEpisode,
         RecordedEpisodes,
         fixed_executor,
@@ -190,7 +191,7 @@ def instance_step(
         prepare_instance,
     )
 
-    executor_for = _executor_for
+    executor_for: ExecutorFor = _executor_for
     if episode_pod:
         state = instance_episode(served, adapter, generation, trial, task)
         if isinstance(state, InstanceEpisode):

@@ -28,10 +28,10 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
 from mass_ops.errors import InputError
+from mass_ops.layout import PAIRWISE_KIND
 from mass_ops.seeds import nightly_rollout_seed_base
 from mass_ops.serving import generation_server, registered
 from mass_ops.stages.evaluate import (
-    PAIRWISE_KIND,
     ExecutorFactory,
     episode_pool,
     judge_pairs,

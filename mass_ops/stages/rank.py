@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
@@ -28,7 +28,15 @@ from mass_ops.judge.workspaces import EvidenceCache, StoredWorkspace
 from mass_ops.layout import episode_name, teacher_condition
 from mass_ops.llm import LLMClient
 from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling, open_client
-from mass_ops.ranking import MatchResult, RankedEntry, bootstrap_intervals, bradley_terry, rank, tournament_pairs
+from mass_ops.ranking import (
+    MatchResult,
+    RankedEntry,
+    RankingError,
+    bootstrap_intervals,
+    bradley_terry,
+    rank,
+    tournament_pairs,
+)
 from mass_ops.seeds import match_seed, schedule_seed
 from mass_ops.selection import Selection, select_trajectories
 from mass_ops.stages.collect import eligible_tasks
@@ -38,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # The reference counts ranking evidence tokens with the o200k tokenizer of this model name (MASS_SPEC §5).
 RANKING_TOKEN_MODEL = "gpt-5.5"
+# The Bradley-Terry fit counts an invalid verdict as a tie; the stored verdicts are the schema's four.
+_MATCH_OUTCOMES: dict[str, Literal["A", "B", "tie"]] = {"A": "A", "B": "B", "tie": "tie", "invalid": "tie"}
 CONFIDENCE_LEVEL = 0.95
 
 
@@ -195,7 +205,10 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
     for a, b in pairs:
         row = recorded[match_key(a, b)]
         invalid += row.verdict == "invalid"
-        matches.append(MatchResult.from_verdict(a, b, "tie" if row.verdict == "invalid" else row.verdict))
+        outcome = _MATCH_OUTCOMES.get(row.verdict)
+        if outcome is None:
+            raise RankingError(f"match {a} vs {b}: stored verdict {row.verdict!r} is not A, B, tie or invalid")
+        matches.append(MatchResult.from_verdict(a, b, outcome))
     names = list(by_name)
     scores = bradley_terry(names, matches)
     ranked = rank(scores)

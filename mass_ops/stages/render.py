@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
@@ -135,6 +135,7 @@ class _WindowShardWriter:
         self.paths: list[Path] = []
         self.counts: list[int] = []
         self._handle: gzip.GzipFile | None = None
+        self._file: BinaryIO | None = None  # the shard file under `_handle` (GzipFile does not close it)
 
     def add(self, record: Mapping[str, Any]) -> None:
         if self._handle is None or self.counts[-1] >= self.per_shard:
@@ -143,18 +144,19 @@ class _WindowShardWriter:
             self.paths.append(path)
             self.counts.append(0)
             # No name and mtime 0 in the gzip header: a re-render of the same windows gives the same bytes.
-            self._handle = gzip.GzipFile(filename="", mode="wb", fileobj=path.open("wb"), mtime=0)
+            self._file = path.open("wb")
+            self._handle = gzip.GzipFile(filename="", mode="wb", fileobj=self._file, mtime=0)
         line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
         self._handle.write(line.encode("utf-8"))
         self.counts[-1] += 1
 
     def _close_current(self) -> None:
         if self._handle is not None:
-            inner = self._handle.fileobj
             self._handle.close()
-            if inner is not None:
-                inner.close()
             self._handle = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def close(self) -> None:
         self._close_current()

@@ -69,6 +69,14 @@ def _required(identity: EpisodeIdentity, field: str) -> int:
     return int(value)
 
 
+def _catalogue_task(identity: EpisodeIdentity) -> int:
+    # Only benchmark episodes name their task; every other kind numbers a catalogue task.
+    task = identity.task_id
+    if isinstance(task, bool) or not isinstance(task, int):
+        raise EpisodeUnitError(f"{describe(identity)}: a {identity.kind} episode needs a catalogue task number")
+    return task
+
+
 def episode_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRequest:
     """The request the stage of `identity` runs for it — reference and search: the RHI step's (v_k's prompt exists
     once step k-1 has proposed it); collection: the candidate's, teacher prompt frozen on first use as collection
@@ -76,18 +84,18 @@ def episode_request(ctx: CycleContext, identity: EpisodeIdentity) -> EpisodeRequ
     kind = identity.kind
     try:
         if kind == "reference":
-            return reference_request(ctx, identity.task_id)
+            return reference_request(ctx, _catalogue_task(identity))
         if kind == "search":
-            return search_episode_request(ctx, identity.task_id, _required(identity, "version"))
+            return search_episode_request(ctx, _catalogue_task(identity), _required(identity, "version"))
         if kind == "collection":
-            return candidate_request(ctx, identity.task_id, _required(identity, "candidate"))
+            return candidate_request(ctx, _catalogue_task(identity), _required(identity, "candidate"))
         if kind == "benchmark":
             return benchmark_request(ctx, identity)
         if kind == "rollout":
             if not identity.generation:
                 raise EpisodeUnitError(f"{describe(identity)}: a rollout episode needs the generation it evaluates")
             replicate = _required(identity, "replicate")
-            return rollout_unit_request(ctx, identity.generation, identity.task_id, replicate)
+            return rollout_unit_request(ctx, identity.generation, _catalogue_task(identity), replicate)
     except (SearchError, CollectionError, RolloutError) as exc:
         raise EpisodeUnitError(f"{describe(identity)}: {exc}") from None
     raise EpisodeUnitError(f"{describe(identity)}: {kind} episodes are not run one unit at a time by a stage")

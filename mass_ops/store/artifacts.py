@@ -22,12 +22,15 @@ Contract shared by every backend:
   extracts it atomically and refuses any member or link that would land outside the destination, and any archive
   over the platform's archive limits (`store.untrusted.extract_tar_gz`, the one extractor of every tar.gz).
 
-`open_artifact_store(url)` turns ``storage.artifact_url`` into a store.
+`mass_ops.store.artifact_backends.open_artifact_store(url)` turns ``storage.artifact_url`` into a store; this
+module is the interface the backends (`local_artifacts`, `s3_artifacts`) implement and imports neither of them.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextvars
+import functools
 import gzip
 import hashlib
 import io
@@ -46,7 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from mass_ops.errors import InfrastructureError, InputError
 from mass_ops.store.errors import StorageError, storage_error
@@ -499,8 +502,6 @@ class ArtifactStore(ABC):
     def key_of(self, uri: str) -> str:
         """The key whose URI is `uri` (the inverse of `uri`, percent-encoded or not); ArtifactKeyError when `uri`
         lies outside this store. Rows hold URIs; reading one back goes through here."""
-        from urllib.parse import unquote
-
         base = self.url.rstrip("/") + "/"
         if uri.startswith(base):
             relative = uri[len(base) :]
@@ -540,7 +541,7 @@ class ArtifactStore(ABC):
         """Where puts build their bytes before publishing (a folder of the store's own, so `gc` can sweep it)."""
         return default_staging_dir()
 
-    def _unavailable(self, action: str, target: str, cause: BaseException) -> ArtifactUnavailableError:
+    def _unavailable(self, action: str, target: str, cause: BaseException | str) -> ArtifactUnavailableError:
         """The one-line error for a store that could not do `action` on `target` (a key's URI or the store URL)."""
         error = storage_error(action, STORE, target, cause)
         return ArtifactUnavailableError(str(error))
@@ -618,7 +619,7 @@ class ArtifactStore(ABC):
 
     # --- reading ---
 
-    def open_read(self, key: str, *, sha256: str | None = None) -> BinaryIO:
+    def open_read(self, key: str, *, sha256: str | None = None) -> io.BufferedReader:
         """Open the artifact for streaming reads (use as a context manager). Reading to the end verifies SHA-256
         (the store's record, and `sha256` when given)."""
         return io.BufferedReader(self._open_verified(key).require(sha256), buffer_size=CHUNK_SIZE)
@@ -690,7 +691,7 @@ class ArtifactStore(ABC):
 
     # --- housekeeping ---
 
-    def staging_leftovers(self, older_than_s: float) -> list[StagingLeftover]:
+    def staging_leftovers(self, older_than_s: float) -> builtins.list[StagingLeftover]:
         """Staging files, unfinished uploads and probe objects not written for `older_than_s` seconds.
 
         The base implementation sweeps this store's staging folder (for S3: ``<tmp>/mass-ops-staging`` on this
@@ -791,7 +792,9 @@ def _old_files(directory: Path, kind: str, older_than_s: float) -> list[StagingL
         age = now - stat.st_mtime
         if entry.is_file(follow_symlinks=False) and age > older_than_s:
             path = Path(entry.path)
-            found.append(StagingLeftover(kind, str(path), stat.st_size, age, lambda p=path: p.unlink(missing_ok=True)))
+            found.append(
+                StagingLeftover(kind, str(path), stat.st_size, age, functools.partial(path.unlink, missing_ok=True))
+            )
     return sorted(found, key=lambda leftover: leftover.location)
 
 
@@ -809,45 +812,3 @@ def require_source_file(path: str | os.PathLike[str], key: str) -> Path:
         state = "does not exist" if not source.exists() else "is not a regular file"
         raise ArtifactSourceError(f"cannot store {source} as {key!r}: it {state}")
     return source
-
-
-def open_artifact_store(url: str, *, create: bool = True) -> ArtifactStore:
-    """Open the store named by `url`: ``s3://bucket/prefix`` (S3), ``file:///abs/path`` or a plain folder path.
-
-    S3 endpoint and credentials come only from boto3's standard environment/config chain (``AWS_ENDPOINT_URL_S3``,
-    ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, instance roles ...); a URL carrying credentials is refused.
-    A local folder is created if missing, and gets the store's own subfolders; with ``create=False`` nothing is
-    created (to inspect a location before trusting it, as `store gc` does).
-    """
-    if not isinstance(url, str) or not url.strip():
-        raise ArtifactStoreConfigError(
-            "artifact store URL is empty; expected s3://bucket/prefix, file:///absolute/path or a folder path"
-        )
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise ArtifactStoreConfigError(f"artifact store URL is malformed: {exc}") from exc
-    scheme = parts.scheme.lower()
-    if scheme == "s3":
-        from mass_ops.store.s3_artifacts import S3ArtifactStore
-
-        return S3ArtifactStore.from_url(url)
-    from mass_ops.store.local_artifacts import LocalArtifactStore
-
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise ArtifactStoreConfigError(
-                f"artifact store file URL names host {parts.netloc!r}; only local paths (file:///path) are supported"
-            )
-        if parts.query or parts.fragment:
-            raise ArtifactStoreConfigError("artifact store file URL must not have a query string or fragment")
-        path = unquote(parts.path)
-        if not path.startswith("/"):
-            raise ArtifactStoreConfigError(f"artifact store file URL must hold an absolute path, got {path!r}")
-        return LocalArtifactStore(path, create=create)
-    if scheme == "":
-        return LocalArtifactStore(url, create=create)
-    # Echo only the scheme: the rest of an unknown URL may hold credentials.
-    raise ArtifactStoreConfigError(
-        f"unsupported artifact store URL scheme {scheme!r}; use s3://bucket/prefix, file:///path or a folder path"
-    )

@@ -28,7 +28,9 @@ record at all (written by another tool, or by a version of mass-ops before recor
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -36,8 +38,9 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from mass_ops.store.artifacts import (
     STORE_MARKER,
@@ -164,7 +167,9 @@ class LocalArtifactStore(ArtifactStore):
         if not records:
             return None
         identity = self._identity(stat)
-        exact = {r["sha256"] for r in records if all(r.get(name) == value for name, value in identity.items())}
+        exact: set[str] = {
+            r["sha256"] for r in records if all(r.get(name) == value for name, value in identity.items())
+        }
         if len(exact) == 1:
             return exact.pop()
         return frozenset(r["sha256"] for r in records)
@@ -297,7 +302,7 @@ class LocalArtifactStore(ArtifactStore):
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise ArtifactNotFoundError(f"artifact {path.as_uri()} does not exist") from exc
 
-    def staging_leftovers(self, older_than_s: float) -> list[StagingLeftover]:
+    def staging_leftovers(self, older_than_s: float) -> builtins.list[StagingLeftover]:
         """Old files in ``.partial/`` and ``.probe/``, and record folders of keys that hold no artifact."""
         found = super().staging_leftovers(older_than_s) + _old_files(
             self._root / PROBE_DIR, "probe object", older_than_s
@@ -320,7 +325,7 @@ class LocalArtifactStore(ArtifactStore):
                         str(records),
                         None,
                         now - newest,
-                        lambda folder=records: shutil.rmtree(folder, ignore_errors=True),
+                        functools.partial(shutil.rmtree, records, ignore_errors=True),
                     )
                 )
         return found
@@ -348,7 +353,7 @@ class LocalArtifactStore(ArtifactStore):
 class _ReadErrors:
     """Raw file wrapper whose read `OSError`s (an I/O error, a vanished network mount) become the store's error."""
 
-    def __init__(self, handle: Any, wrap: Any) -> None:
+    def __init__(self, handle: BinaryIO, wrap: Callable[[OSError], BaseException]) -> None:
         self._handle = handle
         self._wrap = wrap
 

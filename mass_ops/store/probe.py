@@ -6,7 +6,8 @@ read-only store fails in its first minute with one line instead of at its last t
 
 from __future__ import annotations
 
-from mass_ops.store.artifacts import ArtifactError, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import ArtifactError
 from mass_ops.store.errors import StorageError, storage_error
 from mass_ops.store.metadata import MetadataStore
 from mass_ops.store.timeouts import StoreTimeouts

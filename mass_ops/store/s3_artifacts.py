@@ -29,6 +29,7 @@ Optional setting: ``MASS_S3_MULTIPART_THRESHOLD`` (bytes, default 64 MiB) picks 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import hashlib
@@ -37,8 +38,9 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -354,7 +356,8 @@ class S3ArtifactStore(ArtifactStore):
     def _head(self, key: str) -> dict[str, Any]:
         uri = self.uri(key)
         with self._s3_errors("lookup", uri):
-            return self._client.head_object(Bucket=self._bucket, Key=self._object_key(key))
+            head: dict[str, Any] = self._client.head_object(Bucket=self._bucket, Key=self._object_key(key))
+            return head
 
     def exists(self, key: str) -> bool:
         try:
@@ -385,10 +388,10 @@ class S3ArtifactStore(ArtifactStore):
         return sorted(key for key in keys if key.split("/", 1)[0] not in RESERVED_TOP_LEVEL)
 
     def age_s(self, key: str) -> float:
-        modified = self._head(key)["LastModified"]
+        modified: datetime = self._head(key)["LastModified"]
         return max(0.0, time.time() - modified.timestamp())
 
-    def staging_leftovers(self, older_than_s: float) -> list[StagingLeftover]:
+    def staging_leftovers(self, older_than_s: float) -> builtins.list[StagingLeftover]:
         """Local staging files, multipart uploads under the prefix started more than `older_than_s` seconds ago
         (their parts cost storage and are invisible to every reader), and old probe objects."""
         found = super().staging_leftovers(older_than_s)
@@ -437,15 +440,16 @@ class S3ArtifactStore(ArtifactStore):
 class _BodyReader:
     """A response body whose read failures (read timeout, connection cut) become the store's one-line error."""
 
-    def __init__(self, body: Any, wrap: Any) -> None:
-        self._body = body
+    def __init__(self, body: Any, wrap: Callable[[Exception], BaseException]) -> None:
+        self._body = body  # botocore's StreamingBody (untyped)
         self._wrap = wrap
 
     def read(self, size: int = -1) -> bytes:
         try:
-            return self._body.read(size)
+            data: bytes = self._body.read(size)
         except (BotoCoreError, OSError) as exc:
             raise self._wrap(exc) from exc
+        return data
 
     def close(self) -> None:
         self._body.close()

@@ -7,13 +7,13 @@ from mass_ops.tasks.catalogue import (
     TaskSplits,
     UnknownTaskError,
     builtin_catalogue_dir,
-    load_catalogue,
 )
 from mass_ops.tasks.importer import (
     MAX_TASK_FILE_BYTES,
     TaskFormatError,
     TaskImportError,
     import_task_dir,
+    load_catalogue,
     validate_task_dir,
 )
 

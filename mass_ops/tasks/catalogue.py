@@ -2,7 +2,8 @@
 
 A catalogue lives in a MASS-format directory (``bare/query<ID>.txt``, ``initial/query<ID>_ourTeam.txt``,
 ``splits.json``, ``teacher_directive.txt``). mass-ops ships its own 12 synthetic tasks in that format; other
-directories are read through :func:`load_catalogue`, which validates them (see :mod:`mass_ops.tasks.importer`).
+directories are read through `mass_ops.tasks.importer.load_catalogue` (also `mass_ops.tasks.load_catalogue`), which
+validates them. This module is the model only: it imports nothing from the importer.
 
 Which catalogue a cycle used is :meth:`TaskCatalogue.identity`: ``builtin``, ``imported:<source>@<digest>`` for a
 directory written by ``mass-ops tasks import`` (its ``provenance.json`` is checked against the files on every load),
@@ -213,17 +214,3 @@ class TaskCatalogue:
 def builtin_catalogue_dir() -> Path:
     """Directory of the catalogue shipped with mass-ops (our 12 synthetic tasks)."""
     return Path(__file__).resolve().parent / "catalogue"
-
-
-def load_catalogue(path: str | Path | None = None, *, max_file_bytes: int | None = None) -> TaskCatalogue:
-    """Read and validate a MASS-format task directory; ``None`` loads the shipped catalogue.
-
-    Raises :class:`mass_ops.tasks.importer.TaskFormatError` listing every problem (file and what is wrong) on
-    malformed input, including an imported directory whose files no longer match its ``provenance.json``.
-    ``max_file_bytes`` caps every file (default :data:`mass_ops.tasks.importer.MAX_TASK_FILE_BYTES`).
-    """
-    # The importer builds Task/TaskCatalogue objects from this module, so it is imported here, not at the top.
-    from mass_ops.tasks.importer import MAX_TASK_FILE_BYTES, validate_task_dir
-
-    root = builtin_catalogue_dir() if path is None else Path(path)
-    return validate_task_dir(root, max_file_bytes=max_file_bytes or MAX_TASK_FILE_BYTES)

@@ -1,4 +1,4 @@
-"""Read, validate and import a MASS-format task directory.
+"""Read, validate, load and import a MASS-format task directory (the catalogue's model is `tasks.catalogue`).
 
 Layout (MASS_SPEC §0): ``splits.json``, ``teacher_directive.txt`` and, per task, the files named by the split file's
 ``task_prompt_pattern`` (``bare/query{task_id}.txt``) and ``initial_workflow_pattern``
@@ -23,7 +23,7 @@ from typing import Any
 from mass_ops import __version__
 from mass_ops.errors import InputError
 from mass_ops.store.untrusted import UntrustedInputError, loads_untrusted
-from mass_ops.tasks.catalogue import CatalogueProvenance, Task, TaskCatalogue, TaskSplits
+from mass_ops.tasks.catalogue import CatalogueProvenance, Task, TaskCatalogue, TaskSplits, builtin_catalogue_dir
 from mass_ops.workflow import (
     END_MARKER,
     START_MARKER,
@@ -152,6 +152,17 @@ def validate_task_dir(path: str | Path, *, max_file_bytes: int = MAX_TASK_FILE_B
     """Read the MASS-format directory at ``path`` and return its catalogue, or raise :class:`TaskFormatError`
     listing every problem found (one line each)."""
     return _check_dir(Path(path), max_file_bytes).catalogue
+
+
+def load_catalogue(path: str | Path | None = None, *, max_file_bytes: int | None = None) -> TaskCatalogue:
+    """Read and validate a MASS-format task directory; ``None`` loads the shipped catalogue.
+
+    Raises :class:`TaskFormatError` listing every problem (file and what is wrong) on malformed input, including an
+    imported directory whose files no longer match its ``provenance.json``. ``max_file_bytes`` caps every file
+    (default :data:`MAX_TASK_FILE_BYTES`).
+    """
+    root = builtin_catalogue_dir() if path is None else Path(path)
+    return validate_task_dir(root, max_file_bytes=max_file_bytes or MAX_TASK_FILE_BYTES)
 
 
 def _check_dir(root: Path, max_file_bytes: int) -> _Checked:

@@ -134,7 +134,7 @@ class MassArtifactHook(BaseHook):
 
     def get_store(self, fallback_url: str) -> ArtifactStore:
         """The artifact store of the connection's URL, else `fallback_url`; use inside `credentials_env()`."""
-        from mass_ops.store.artifacts import open_artifact_store
+        from mass_ops.store.artifact_backends import open_artifact_store
 
         return open_artifact_store(self.get_url() or fallback_url)
 

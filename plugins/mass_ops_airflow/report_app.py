@@ -69,7 +69,7 @@ class StoreUnavailable(RuntimeError):
 def deployment_store() -> ArtifactStore:
     """The artifact store the deployment's tasks write to, opened with the `mass_artifacts` connection's
     credentials exported for the duration of the open."""
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
     from mass_ops_airflow.cycle import cycle_config
     from mass_ops_airflow.hooks import MassArtifactHook
 

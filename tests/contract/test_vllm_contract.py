@@ -35,8 +35,8 @@ from mass_ops.runtime.qwen_install import default_runtime_dir, ensure_qwen_code
 from mass_ops.runtime.settings import AGENT_TOKEN_ENV, qwen_settings
 from tests.compute.test_kubernetes_specs import GPU_VALUES, chart_settings_dir, cluster_config
 from tests.deploy.chart_render import REPO_ROOT
-from tests.export.conftest import qwen3_model, save_checkpoint
 from tests.policy_server import PolicyServer, PolicyServerConfig
+from tests.support.export import qwen3_model, save_checkpoint
 
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 CHECKER = Path(__file__).with_name("vllm_checks.py")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mass_ops.export import ExportError, dequantize_blockwise, export_fp8, merge_lora, quantize_blockwise, verify_fp8
-from tests.export.conftest import lora_state_dict, peft_lora, qwen3_model
+from tests.support.export import lora_state_dict, peft_lora, qwen3_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mass_ops.export import ExportError, merge_lora, read_adapter
-from tests.export.conftest import TARGETS, lora_state_dict, peft_lora, qwen3_model
+from tests.support.export import TARGETS, lora_state_dict, peft_lora, qwen3_model
 
 
 def load_checkpoint(folder: Path) -> dict[str, torch.Tensor]:

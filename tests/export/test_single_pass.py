@@ -21,7 +21,7 @@ from mass_ops.export import (
     quantize_blockwise,
     safetensors_io,
 )
-from tests.export.conftest import lora_state_dict, peft_lora, qwen3_model
+from tests.support.export import lora_state_dict, peft_lora, qwen3_model
 
 INDEX = "model.safetensors.index.json"
 

@@ -10,7 +10,7 @@ from mass_ops_airflow.operators import ExportJobOperator, TrainingJobOperator
 from mass_ops_airflow.triggers import JobCompletionTrigger, TrainJobCompletionTrigger
 
 from mass_ops.compute.kubernetes import job_name
-from mass_ops.store.artifacts import open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
 from tests.plugins.conftest import task_context, use_training_launcher
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "training_nnodes": 3}

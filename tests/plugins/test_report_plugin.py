@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from mass_ops.cli import app as cli_app
 from mass_ops.evaluation.report import Block, render_html
 from mass_ops.layout import report_prefix
-from mass_ops.store.artifacts import ArtifactStore, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import ArtifactStore
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))  # the app serves bytes; they need not decode as an image
 CYCLE = "demo-L0"

@@ -19,7 +19,7 @@ from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.runtime.pool import EpisodePool
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.session_proxy import SessionProxy
-from tests.runtime.conftest import API_KEY, PolicyHost
+from tests.support.runtime import API_KEY, PolicyHost
 
 PUBLISHER_JOIN_S = 120
 

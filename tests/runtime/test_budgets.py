@@ -20,7 +20,7 @@ from mass_ops.runtime.proxy import BUDGET_ERROR_CODE, BUDGET_STATUS, EpisodeBudg
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
 from mass_ops.store.budgets import CYCLE_SCOPE, task_scope
-from tests.runtime.conftest import TASK, PolicyHost, open_episode_cycle, request, runner_environ
+from tests.support.runtime import TASK, PolicyHost, open_episode_cycle, request, runner_environ
 
 MAX_OUTPUT = 256  # the agent's max_tokens per request: what each request may need beyond its prompt
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import MODEL, PolicyHost, cli_process, open_episode_cycle, write_config
+from tests.support.runtime import MODEL, PolicyHost, cli_process, open_episode_cycle, write_config
 
 UNIT = ["--kind", "benchmark", "--task", "tb2_hello-world", "--candidate", "0", "--generation", "L1"]
 

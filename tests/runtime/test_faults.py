@@ -22,7 +22,7 @@ from mass_ops.runtime.pool import EpisodePool
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import ModelNotListedError
 from tests.policy_server import FaultRule
-from tests.runtime.conftest import PolicyHost, open_episode_cycle, request, runner_environ
+from tests.support.runtime import PolicyHost, open_episode_cycle, request, runner_environ
 
 
 @dataclass(frozen=True)

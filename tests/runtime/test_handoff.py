@@ -34,7 +34,8 @@ from mass_ops.runtime.outcome import UsageTotals
 from mass_ops.runtime.qwen_install import QwenInstall
 from tests.fixtures.s3 import MotoS3Server
 from tests.policy_server import PolicyServer
-from tests.runtime.conftest import (
+from tests.runtime.hostile_agent import hostile_findings
+from tests.support.runtime import (
     API_KEY,
     KEY_VAR,
     PolicyHost,
@@ -43,7 +44,6 @@ from tests.runtime.conftest import (
     open_episode_cycle,
     process_alive,
 )
-from tests.runtime.hostile_agent import hostile_findings
 
 REPO = Path(__file__).resolve().parents[2]
 _CLI = (
@@ -1108,8 +1108,8 @@ def test_a_hostile_agent_in_a_pod_reaches_no_proxy_control_and_the_records_stay_
     (its next attempt, a second one for this attempt, another unit), and it forges the runner's close answer and log
     copy with fabricated records and no tokens. Every door is shut, and the row and the published log are the
     proxy's own: four requests, the server's tokens."""
-    from tests.runtime.conftest import MODEL, hostile_prompt, request
     from tests.runtime.pod import run_pod
+    from tests.support.runtime import MODEL, hostile_prompt, request
 
     handoff = tmp_path / "pod" / "handoff"
     slug = EpisodeUnit("episode-test", TASK, "reference", 7).slug
@@ -1199,8 +1199,8 @@ def test_a_pod_s_row_and_published_log_are_the_proxy_s_whatever_the_sandbox_hand
     of fabricated records (the agent shares its container): the row's counts, the status document's usage and the
     published log are what the proxy counted and wrote."""
     from mass_ops.runtime.session_proxy import SessionProxy
-    from tests.runtime.conftest import MODEL
     from tests.runtime.hostile_agent import http
+    from tests.support.runtime import MODEL
 
     proxy_dir = tmp_path / "proxy"
     with policy_host.serve(require_key=API_KEY) as server:
@@ -1406,8 +1406,8 @@ def test_a_session_whose_attempt_is_never_handed_over_is_charged_to_the_budgets_
     publisher charges what the proxy counted to the task and the cycle, once."""
     from mass_ops.runtime.session_proxy import SessionProxy
     from mass_ops.store.budgets import CYCLE_SCOPE, task_scope
-    from tests.runtime.conftest import MODEL
     from tests.runtime.hostile_agent import http
+    from tests.support.runtime import MODEL
 
     proxy_dir = tmp_path / "proxy"
     with policy_host.serve(require_key=API_KEY) as server:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
-from tests.runtime.conftest import PolicyHost, hostile_prompt, open_episode_cycle, request, runner_environ
 from tests.runtime.hostile_agent import hostile_findings
+from tests.support.runtime import PolicyHost, hostile_prompt, open_episode_cycle, request, runner_environ
 
 
 def test_the_hostile_agent_reports_what_its_attack_saw(

@@ -18,8 +18,8 @@ from mass_ops.llm.calls import CallLedger, CallUnit
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
 from mass_ops.store.untrusted import ARCHIVE_LIMITS
-from tests.runtime.conftest import TASK, PolicyHost, hostile_prompt, open_episode_cycle, request, runner_environ
 from tests.runtime.hostile_agent import hostile_findings
+from tests.support.runtime import TASK, PolicyHost, hostile_prompt, open_episode_cycle, request, runner_environ
 
 REPORT_BYTES = 300 << 20  # past the ratio limit's floor, so a ~1000:1 archive of it is refused
 

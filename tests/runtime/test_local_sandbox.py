@@ -30,7 +30,8 @@ from mass_ops.runtime.episode import EpisodeOutcome
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodePreflightError, EpisodeRunner
 from tests.compute.test_egress import PUBLIC_NAME, fake_resolve, origin_policy
-from tests.runtime.conftest import (
+from tests.runtime.hostile_agent import hostile_findings
+from tests.support.runtime import (
     API_KEY,
     KEY_VAR,
     PolicyHost,
@@ -40,7 +41,6 @@ from tests.runtime.conftest import (
     runner_environ,
     write_config,
 )
-from tests.runtime.hostile_agent import hostile_findings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ from mass_ops.config import validate_config
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
 from tests.inner_loop_fakes import open_test_cycle
-from tests.runtime.conftest import HOSTILE_AGENT, request
+from tests.support.runtime import HOSTILE_AGENT, request
 ctx = open_test_cycle(validate_config(json.loads(Path(sys.argv[1]).read_text())))
 install = QwenInstall(node_bin=Path(sys.executable), qwen_entry=HOSTILE_AGENT, version="hostile")
 runner = EpisodeRunner(ctx, install=install, scratch_dir=Path(sys.argv[2]))  # environ: this process's own

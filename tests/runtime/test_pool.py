@@ -22,7 +22,7 @@ from mass_ops.runtime.pool import BudgetStopError, EpisodePool, EpisodePromptCon
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.store.budgets import CYCLE_SCOPE, Refusal, task_scope
 from tests.policy_server import FaultRule
-from tests.runtime.conftest import (
+from tests.support.runtime import (
     PolicyHost,
     cli_process,
     open_episode_cycle,

@@ -13,7 +13,7 @@ from typing import Any
 
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.runtime.pool import EpisodePool, FairScheduler, PoolEvent
-from tests.runtime.conftest import open_episode_cycle, request
+from tests.support.runtime import open_episode_cycle, request
 
 
 def test_a_waiting_search_episode_overtakes_another_task_s_queued_collection() -> None:

@@ -27,8 +27,8 @@ from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
 from mass_ops.runtime.sse import UsageChunkFilter, assemble_sse
 from mass_ops.store.budgets import task_scope
-from tests.runtime.conftest import TASK, hostile_prompt, open_episode_cycle, request, runner_environ
 from tests.runtime.hostile_agent import hostile_findings
+from tests.support.runtime import TASK, hostile_prompt, open_episode_cycle, request, runner_environ
 
 BUDGET = 3000  # the task's tokens
 MAX_OUTPUT = 128  # inference.episode_max_output_tokens: what the proxy holds for a request that sets no cap

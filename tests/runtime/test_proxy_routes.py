@@ -16,8 +16,8 @@ from benchmarks.budget_overshoot import MeteredUpstream
 from mass_ops.runtime.proxy import MODELS_ROUTE, allowed_route
 from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
-from tests.runtime.conftest import hostile_prompt, open_episode_cycle, request, runner_environ
 from tests.runtime.hostile_agent import hostile_findings
+from tests.support.runtime import hostile_prompt, open_episode_cycle, request, runner_environ
 
 BODY_LIMIT = 1024**2  # runtime.proxy_max_request_bytes in these episodes
 

@@ -33,7 +33,7 @@ from mass_ops.store.repository import MetadataRepository
 from tests.policy_server import RequestKind, classify_request
 from tests.policy_server.faults import Fault, FaultRule
 from tests.policy_server.policies import ChatRequest, PolicyReply, ResearchTeamPolicy
-from tests.runtime.conftest import (
+from tests.support.runtime import (
     API_KEY,
     KEY_VAR,
     MODEL,
@@ -286,7 +286,7 @@ def test_the_row_counts_what_the_proxy_counted_not_what_the_agent_left_in_its_lo
 ) -> None:
     """ISSUE #25.6, locally: an agent that can write its attempt's proxy log (no sandbox) truncates it between its
     requests and appends fabricated records; the row's counts are the proxy's own counters all the same."""
-    from tests.runtime.conftest import hostile_prompt
+    from tests.support.runtime import hostile_prompt
 
     attack = f"""
         import json
@@ -749,8 +749,8 @@ def test_in_a_pod_the_operators_lease_stands_until_the_publisher_records_the_att
 ) -> None:
     """The sandbox reaches no store (its repository is the hand-off's stand-in: its lease calls do nothing); the
     operator leased the pod's attempt when it created the pod, and the publisher ends the lease with the row."""
-    from tests.runtime.conftest import fake_qwen_runtime
     from tests.runtime.test_handoff import SEED, base_env, pod_config, run_pod, store_env, unit_args
+    from tests.support.runtime import fake_qwen_runtime
 
     runtime = fake_qwen_runtime(tmp_path / "runtime")
     pod = {"handoff": tmp_path / "handoff", "scratch": tmp_path / "scratch"}

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from mass_ops.runtime.pool import EpisodePool
 from mass_ops.runtime.qwen_install import QwenInstall
 from tests.policy_server import ChatRequest, FaultRule, PolicyReply, RequestKind, ResearchTeamPolicy, ToolCall
-from tests.runtime.conftest import API_KEY, KEY_VAR, PolicyHost, open_episode_cycle, request, runner_environ
+from tests.support.runtime import API_KEY, KEY_VAR, PolicyHost, open_episode_cycle, request, runner_environ
 
 
 class CarelessPolicy(ResearchTeamPolicy):

@@ -27,7 +27,7 @@ import pytest
 from mass_ops.layout import EPISODE_FILES
 from mass_ops.runtime.pool import EpisodePool
 from mass_ops.runtime.qwen_install import QwenInstall
-from tests.runtime.conftest import open_episode_cycle, request, runner_environ
+from tests.support.runtime import open_episode_cycle, request, runner_environ
 
 pytestmark = pytest.mark.slow
 

@@ -6,25 +6,13 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from mass_ops.store import timeouts
+from tests.support.store import SilentServer
 
 SMALL_TIMEOUT_S = "2"  # libpq's smallest connect timeout
-
-
-@dataclass(frozen=True)
-class SilentServer:
-    """Where the silent server listens."""
-
-    host: str
-    port: int
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from mass_ops.errors import InfrastructureError
+from mass_ops.store.artifact_backends import open_artifact_store
 from mass_ops.store.artifacts import (
     ArtifactError,
     ArtifactFormatError,
@@ -28,7 +29,6 @@ from mass_ops.store.artifacts import (
     ArtifactStore,
     ArtifactStoreConfigError,
     UnsafeArchiveError,
-    open_artifact_store,
 )
 from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.s3_artifacts import S3ArtifactStore

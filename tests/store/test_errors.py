@@ -16,14 +16,15 @@ import pytest
 
 from mass_ops.errors import EXIT_FAILURE, exit_code_for
 from mass_ops.store import migrations
-from mass_ops.store.artifacts import ArtifactUnavailableError, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import ArtifactUnavailableError
 from mass_ops.store.errors import StorageError
 from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.metadata import MetadataStore
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.s3_artifacts import S3ArtifactStore
 from tests.fixtures.postgres import admin_url
-from tests.store.conftest import SilentServer
+from tests.support.store import SilentServer
 
 BOUND_S = 90  # a call that has not returned by then hangs: the point of these tests is that none does
 PASSWORD = "s3cr3t-pw"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mass_ops.store import migrations
-from mass_ops.store.artifacts import STORE_MARKER, ArtifactStore, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import STORE_MARKER, ArtifactStore
 from mass_ops.store.gc import GcSettingError, NotAMassOpsStoreError, gc, grace_from_env
 from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.metadata import MetadataStore
@@ -139,7 +140,7 @@ def test_unreferenced_artifacts_are_listed_and_deleted_only_on_request(
 def test_s3_unfinished_uploads_and_probe_objects_are_leftovers(
     s3_artifact_url: str, moto_s3_server: MotoS3Server, repository: MetadataRepository
 ):
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
 
     store = open_artifact_store(s3_artifact_url)
     assert isinstance(store, S3ArtifactStore)

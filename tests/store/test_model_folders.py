@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from mass_ops.store.artifacts import ArtifactInfo, ArtifactIntegrityError, ArtifactStore, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import ArtifactInfo, ArtifactIntegrityError, ArtifactStore
 from mass_ops.store.local_artifacts import LocalArtifactStore
 from mass_ops.store.model_folders import (
     MANIFEST_NAME,

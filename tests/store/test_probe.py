@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from mass_ops.store.artifacts import ArtifactStoreConfigError, open_artifact_store
+from mass_ops.store.artifact_backends import open_artifact_store
+from mass_ops.store.artifacts import ArtifactStoreConfigError
 from mass_ops.store.errors import StorageError
 from mass_ops.store.probe import probe_artifact_store, probe_metadata_store, probe_stores
 from tests.fixtures.s3 import MotoS3Server
-from tests.store.conftest import SilentServer
+from tests.support.store import SilentServer
 
 
 def test_healthy_stores_pass_and_leave_nothing_behind(sqlite_url: str, local_artifact_url: str):

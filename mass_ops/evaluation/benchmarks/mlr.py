@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.context import CycleContext
+from mass_ops.evaluation.benchmarks.errors import BenchmarkError
 from mass_ops.evaluation.benchmarks.scoring import (
-    BenchmarkError,
     BenchmarkTask,
     TaskScore,
     TrialResult,
@@ -101,9 +101,10 @@ def load_overall_rubric(root: str | Path) -> str:
         except SyntaxError as exc:
             raise BenchmarkError(f"MLR-Bench: {module} does not parse ({exc.msg})") from None
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            if any(isinstance(t, ast.Name) and t.id == "OVERALL_RUBRIC" for t in targets):
-                value = node.value  # type: ignore[union-attr]
+            if not isinstance(node, ast.Assign):
+                continue
+            if any(isinstance(t, ast.Name) and t.id == "OVERALL_RUBRIC" for t in node.targets):
+                value = node.value
                 if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value.strip():
                     return value.value.strip()
                 raise BenchmarkError(f"MLR-Bench: OVERALL_RUBRIC in {module} is not a plain string")

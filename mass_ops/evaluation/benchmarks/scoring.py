@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mass_ops.context import CycleContext
-from mass_ops.errors import InputError
+from mass_ops.evaluation.benchmarks.errors import BenchmarkError as BenchmarkError
+from mass_ops.evaluation.benchmarks.errors import EvaluatorNotInstalledError as EvaluatorNotInstalledError
 from mass_ops.evaluation.benchmarks.seeds import SeedSource, check_seeds, store_seed
 from mass_ops.evaluation.efficiency import ScoredEpisode
 from mass_ops.judge.workspaces import StoredWorkspace
@@ -33,17 +34,6 @@ from mass_ops.store.untrusted import JSON_MAX_BYTES, UntrustedInputError, loads_
 logger = logging.getLogger(__name__)
 
 BENCHMARK_KIND = "benchmark"
-# The reference gives seed indices to tb2, sab, ds and mlr only (MASS_SPEC §10); the two benchmarks it never
-# packaged take the next free indices, so their seeds never collide with the others'.
-EXTRA_BENCHMARK_INDEX = {"swe": 4, "asta": 5}
-
-
-class BenchmarkError(InputError):
-    """A benchmark dataset, trial or score set is unusable (missing files, wrong row count, missing judge)."""
-
-
-class EvaluatorNotInstalledError(BenchmarkError):
-    """The benchmark's official evaluator is not installed on this machine."""
 
 
 # The most of one workspace file a grader reads (an answer, a program, a patch, a paper): what the agent wrote is
@@ -97,14 +87,11 @@ class BenchmarkTask:
 
 
 def task_seed(benchmark: str, trial: int, task_index: int) -> int:
-    """The episode seed of a benchmark task: the reference's formula, with `EXTRA_BENCHMARK_INDEX` for the
-    benchmarks it has no index for."""
-    if benchmark in BENCHMARK_INDEX:
-        return benchmark_seed(benchmark, trial, task_index)
-    if benchmark not in EXTRA_BENCHMARK_INDEX:
-        known = sorted({*BENCHMARK_INDEX, *EXTRA_BENCHMARK_INDEX})
-        raise BenchmarkError(f"benchmark {benchmark!r} has no seed index (known: {known})")
-    return 3_100_000 + EXTRA_BENCHMARK_INDEX[benchmark] * 10_000 + trial * 1_000 + task_index
+    """The episode seed of a benchmark task (`seeds.benchmark_seed`); BenchmarkError for a benchmark without a seed
+    index."""
+    if benchmark not in BENCHMARK_INDEX:
+        raise BenchmarkError(f"benchmark {benchmark!r} has no seed index (known: {sorted(BENCHMARK_INDEX)})")
+    return benchmark_seed(benchmark, trial, task_index)
 
 
 def benchmark_condition(benchmark: str, generation: str, trial: int) -> str:

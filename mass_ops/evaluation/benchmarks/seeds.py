@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mass_ops.context import CycleContext
+from mass_ops.evaluation.benchmarks.errors import BenchmarkError
 from mass_ops.runtime.episode import SEED_MAX_BYTES, SEED_MAX_ENTRIES, WorkspaceSeed, workspace_seed_key
 from mass_ops.store.artifacts import file_sha256, write_tarball
 from mass_ops.store.untrusted import ARCHIVE_LIMITS
@@ -46,12 +47,6 @@ class SeedSource(Protocol):
         ...
 
 
-def _error(message: str) -> Exception:
-    from mass_ops.evaluation.benchmarks.scoring import BenchmarkError
-
-    return BenchmarkError(message)
-
-
 # --- files ------------------------------------------------------------------------------------------------------
 
 
@@ -66,14 +61,16 @@ class FileSeed:
     def check(self) -> None:
         missing = [str(source) for _, source in self.files if not source.is_file()]
         if missing:
-            raise _error(f"{self.what}: {missing[0]} is missing ({len(missing)} file(s)); nothing is downloaded")
+            raise BenchmarkError(
+                f"{self.what}: {missing[0]} is missing ({len(missing)} file(s)); nothing is downloaded"
+            )
 
     def write(self, dest: Path) -> None:
         self.check()
         for relative, source in self.files:
             target = dest / relative
             if not _inside(dest, target):
-                raise _error(f"{self.what}: {relative!r} would lie outside the workspace")
+                raise BenchmarkError(f"{self.what}: {relative!r} would lie outside the workspace")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, target)
             if source.stat().st_mode & 0o111:
@@ -90,7 +87,9 @@ class FolderSeed:
 
     def check(self) -> None:
         if not self.folder.is_dir():
-            raise _error(f"{self.what}: {self.folder} is not a folder; put the dataset there (nothing is downloaded)")
+            raise BenchmarkError(
+                f"{self.what}: {self.folder} is not a folder; put the dataset there (nothing is downloaded)"
+            )
 
     def write(self, dest: Path) -> None:
         self.check()
@@ -143,13 +142,13 @@ class GitCheckoutSeed:
             git_dir = Path(found.stdout.decode().strip())
             has = _git(["--git-dir", str(git_dir), "cat-file", "-e", f"{self.commit}^{{commit}}"], check=False)
             if has.returncode != 0:
-                raise _error(
+                raise BenchmarkError(
                     f"{self.where or self.repo}: repository {candidate} has no commit {self.commit}; update that "
                     "clone or mirror (nothing is downloaded)"
                 )
             return git_dir
         names = ", ".join(c.relative_to(self.repos_dir).as_posix() for c in self.candidates)
-        raise _error(
+        raise BenchmarkError(
             f"{self.where or self.repo}: no clone or bare mirror of {self.repo} under {self.repos_dir} (looked for "
             f"{names}); put one there (nothing is downloaded)"
         )
@@ -214,10 +213,10 @@ def _git(
             check=False,
         )
     except FileNotFoundError:
-        raise _error("benchmark workspace seed: git is not installed here") from None
+        raise BenchmarkError("benchmark workspace seed: git is not installed here") from None
     if check and result.returncode != 0:
         problem = result.stderr.decode(errors="replace").strip().splitlines() or ["no output"]
-        raise _error(f"benchmark workspace seed: `git {' '.join(args)}` failed: {problem[-1]}")
+        raise BenchmarkError(f"benchmark workspace seed: `git {' '.join(args)}` failed: {problem[-1]}")
     return result
 
 
@@ -245,7 +244,7 @@ def store_seed(ctx: CycleContext, source: SeedSource | None) -> WorkspaceSeed | 
         entries = sum(1 for _ in tree.rglob("*"))
         size = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file() and not p.is_symlink())
         if entries > SEED_MAX_ENTRIES or size > SEED_MAX_BYTES:
-            raise _error(
+            raise BenchmarkError(
                 f"benchmark workspace seed: {entries} entries, {size} bytes is more than the runner extracts "
                 f"({SEED_MAX_ENTRIES} entries, {SEED_MAX_BYTES} bytes)"
             )
@@ -253,7 +252,7 @@ def store_seed(ctx: CycleContext, source: SeedSource | None) -> WorkspaceSeed | 
         with archive.open("wb") as out:
             write_tarball(tree, out)
         if size > ARCHIVE_LIMITS.budget(archive.stat().st_size):
-            raise _error(
+            raise BenchmarkError(
                 f"benchmark workspace seed: {size} bytes from a {archive.stat().st_size}-byte archive is more per "
                 f"archive byte than the runner extracts ({ARCHIVE_LIMITS.max_ratio:g})"
             )

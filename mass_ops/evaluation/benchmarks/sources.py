@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mass_ops.evaluation.benchmarks.asta import ASTA, AstaE2EHard
 from mass_ops.evaluation.benchmarks.dsbench import DS, DSBench
-from mass_ops.evaluation.benchmarks.scoring import BenchmarkError
+from mass_ops.evaluation.benchmarks.errors import BenchmarkError
 from mass_ops.evaluation.benchmarks.suite import BenchmarkAdapter
 from mass_ops.evaluation.benchmarks.swe import SWE, SWEBench
 from mass_ops.evaluation.benchmarks.tb2 import TB2, TerminalBench2

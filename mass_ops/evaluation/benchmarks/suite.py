@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mass_ops.context import CycleContext
+from mass_ops.evaluation.benchmarks.errors import BenchmarkError
 from mass_ops.evaluation.benchmarks.grading import ContainerRunner, GraderJob, grader_bundle, require_grader_host
 from mass_ops.evaluation.benchmarks.scoring import (
-    BenchmarkError,
     BenchmarkTask,
     TaskScore,
     TrialResult,
@@ -67,10 +67,13 @@ ExecutorFor = Callable[[CycleContext], AbstractContextManager[EpisodeExecutor]]
 
 
 class BenchmarkAdapter(Protocol):
-    """What the suite runner needs from a benchmark."""
+    """What the suite runner needs from a benchmark (its name and container need are read-only)."""
 
-    name: str
-    needs_container: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_container(self) -> bool: ...
 
     def tasks(self) -> list[BenchmarkTask]: ...
 
@@ -94,7 +97,8 @@ def fixed_executor(executor: EpisodeExecutor) -> ExecutorFor:
 
 
 def _as_executor_for(executor: EpisodeExecutor | ExecutorFor) -> ExecutorFor:
-    return fixed_executor(executor) if hasattr(executor, "run") else executor  # type: ignore[arg-type,return-value]
+    # hasattr does not narrow this union for mypy: an object with `run` is the executor, anything else the factory.
+    return fixed_executor(executor) if hasattr(executor, "run") else executor  # type: ignore[arg-type]
 
 
 def instance_prefix(ctx: CycleContext, benchmark: str, generation: str, trial: int) -> str:

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mass_ops.evaluation.benchmarks.errors import BenchmarkError
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END, GraderJob, result_section
-from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, BenchmarkTask, load_json
+from mass_ops.evaluation.benchmarks.scoring import BenchmarkTask, load_json
 from mass_ops.evaluation.benchmarks.seeds import FileSeed
 
 TB2 = "tb2"
@@ -66,6 +67,11 @@ def _number(table: dict[str, Any], key: str, default: float | None, where: str) 
     return float(value)
 
 
+def _seconds(table: dict[str, Any], key: str, default: float, where: str) -> float:
+    seconds = _number(table, key, default, where)
+    return default if seconds is None else seconds
+
+
 def load_tb2_task(path: Path, image_prefix: str = "") -> TB2Task:
     """Read one Harbor task directory; `image_prefix` names the registry holding prebuilt task images when the
     task.toml names none (image ``<prefix><task name>``)."""
@@ -88,8 +94,8 @@ def load_tb2_task(path: Path, image_prefix: str = "") -> TB2Task:
         path=path,
         instruction=instruction.read_text(encoding="utf-8"),
         image=image,
-        agent_timeout_s=_number(config.get("agent") or {}, "timeout_sec", DEFAULT_AGENT_TIMEOUT_S, str(toml_path)),
-        verifier_timeout_s=_number(
+        agent_timeout_s=_seconds(config.get("agent") or {}, "timeout_sec", DEFAULT_AGENT_TIMEOUT_S, str(toml_path)),
+        verifier_timeout_s=_seconds(
             config.get("verifier") or {}, "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S, str(toml_path)
         ),
         cpus=_number(environment, "cpus", None, str(toml_path)),
@@ -211,14 +217,14 @@ def environment_files(task_dir: Path) -> dict[str, Path]:
             copies.append(([p for source in sources for p in _sources(context, source)], target, as_folder))
     root = workdir  # the final WORKDIR: where the agent works, and the verifier unpacks its workspace
     files: dict[str, Path] = {}
-    for sources, target, as_folder in copies:
-        for source in sources:
-            if source.is_dir():
-                entries = [(p, p.relative_to(source).as_posix()) for p in sorted(source.rglob("*"))]
+    for found, target, as_folder in copies:
+        for origin in found:
+            if origin.is_dir():
+                entries = [(p, p.relative_to(origin).as_posix()) for p in sorted(origin.rglob("*"))]
                 placed = [(p, posixpath.join(target, rel)) for p, rel in entries]
             else:
-                into = target if not (as_folder or source == context) else posixpath.join(target, source.name)
-                placed = [(source, into)]
+                into = target if not (as_folder or origin == context) else posixpath.join(target, origin.name)
+                placed = [(origin, into)]
             for path, destination in placed:
                 if not path.is_file() or path.is_symlink():
                     continue

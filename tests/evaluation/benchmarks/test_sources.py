@@ -69,7 +69,7 @@ def test_cli_benchmark_run_stops_in_one_line_and_grader_files_checks_the_hash(tm
 
     from mass_ops.cli import app
     from mass_ops.evaluation.benchmarks.grading import GraderJob, grader_bundle
-    from mass_ops.store.artifacts import open_artifact_store
+    from mass_ops.store.artifact_backends import open_artifact_store
 
     (tmp_path / "swe").mkdir()
     (tmp_path / "swe" / "SWE-bench_Verified.jsonl").write_text(json.dumps(SWE_INSTANCE) + "\n")

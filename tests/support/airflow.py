@@ -1,0 +1,77 @@
+"""Helpers of the Airflow-side tests (DAGs, operators): a stand-in stage API that records calls, the parts of an
+Airflow context operators read, and clearing the host's settings. Conftest modules build their fixtures from them.
+
+Importing this module sets up Airflow's throw-away environment first (`tests.plugins.airflow_env`).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from tests.plugins.airflow_env import HOST_VARIABLES  # first: sets up Airflow's environment before its import
+
+
+class StageRecorder(types.ModuleType):
+    """A stand-in `mass_ops.stages.api`: every stage records (name, args) and returns what the test scripted."""
+
+    def __init__(self) -> None:
+        super().__init__("mass_ops.stages.api")
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.results: dict[str, Any] = {}
+        self.passthrough: dict[str, Any] = {}  # real stage functions, called and not recorded
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self.passthrough:
+            return self.passthrough[name]
+
+        def stage(config: Any, *args: Any) -> Any:
+            self.calls.append((name, (config, *args)))
+            result = self.results.get(name, {"stage": name})
+            return result(config, *args) if callable(result) else result
+
+        return stage
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+def install_stage_recorder(monkeypatch: pytest.MonkeyPatch) -> StageRecorder:
+    """Put a `StageRecorder` in place of `mass_ops.stages.api` for one test; what is not a stage under test (binding
+    a pod to its unit, config arithmetic, budget and lease bookkeeping) passes through to the real functions."""
+    import mass_ops.stages.api as real
+
+    recorder = StageRecorder()
+    recorder.passthrough["bind_episode"] = real.bind_episode
+    recorder.passthrough["next_cycle_overrides"] = real.next_cycle_overrides
+    recorder.passthrough["admit_episode"] = real.admit_episode
+    recorder.passthrough["budget_stop_message"] = real.budget_stop_message
+    recorder.passthrough["lease_episode_pod"] = real.lease_episode_pod
+    recorder.passthrough["end_episode_pod_lease"] = real.end_episode_pod_lease
+    monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
+    import mass_ops.stages
+
+    monkeypatch.setattr(mass_ops.stages, "api", recorder, raising=False)
+    return recorder
+
+
+def clear_host_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset this machine's variables that could point the operators at its cluster settings or storage."""
+    for name in HOST_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def task_context(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The parts of an Airflow context the operators read."""
+    ti = mock.MagicMock(dag_id="mass_cycle", task_id="t", map_index=-1, try_number=1, run_id="manual__1")
+    ti.xcom_push = mock.MagicMock()
+    context = {"params": params, "ti": ti, "task_instance": ti, "run_id": "manual__1", "dag": mock.MagicMock()}
+    context["dag"].parent_dag = None
+    context.update(extra)
+    return context
