@@ -426,7 +426,9 @@ def _checkpoint_rows(ctx: CycleContext, run_id: int) -> list[dict[str, Any]]:
     ]
 
 
-def _training_summary(ctx: CycleContext, run: TrainingRun, *, reused: bool, resumed_from: int | None = None) -> dict:
+def _training_summary(
+    ctx: CycleContext, run: TrainingRun, *, reused: bool, resumed_from: int | None = None
+) -> dict[str, Any]:
     return {
         "run_id": run.id,
         "status": run.status,
@@ -551,7 +553,8 @@ def select_checkpoint(config: CycleConfig) -> dict[str, Any]:
     for row in log:
         if "val_loss" not in row:
             continue
-        step, loss, tokens = row.get("step"), row.get("val_loss"), row.get("val_tokens")
+        # An absent token count reads as 0: refused below as a validation that counted no tokens.
+        step, loss, tokens = row.get("step"), row["val_loss"], row.get("val_tokens", 0)
         if not finite_number(loss):
             raise PostTrainingError(f"select_checkpoint: {log_uri}: validation loss at step {step} is not finite")
         if not finite_number(tokens) or tokens <= 0:

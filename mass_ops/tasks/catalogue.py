@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Literal
 
 from mass_ops.errors import InputError
-from mass_ops.prompts import PromptSet, shipped_prompts
 from mass_ops.workflow import Agent, WorkflowPrompt, bare_task_text, parse_agents, parse_prompt
 
 Split = Literal["train", "test"]
@@ -185,13 +184,6 @@ class TaskCatalogue:
             known = ", ".join(sorted(self.splits.domains))
             raise UnknownTaskError(f"unknown domain {domain!r} (catalogue has {known})")
         return [self.tasks[task_id] for task_id in self.splits.domains[domain]]
-
-    def teacher_prompt(self, retained_prompt: str, *, prompts: PromptSet | None = None) -> str:
-        """Prompt for teacher collection (template ``teacher_prompt.j2``): the retained workflow prompt followed by
-        the teacher directive."""
-        return (prompts or shipped_prompts()).render(
-            "teacher_prompt.j2", retained_prompt=retained_prompt.rstrip(), teacher_directive=self.teacher_directive
-        )
 
     @property
     def digest(self) -> str:

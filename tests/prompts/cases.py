@@ -8,9 +8,12 @@ string-building code (a checkout of the commit before the templates) to produce 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 from mass_ops.judge.evidence import EvidenceBundle, Excerpt
 from mass_ops.judge.prompts import judge_system_prompt, judge_user_prompt
+from mass_ops.prompts import shipped_prompts
 from mass_ops.search.prompt import (
     BestDesign,
     HistoryEntry,
@@ -21,6 +24,7 @@ from mass_ops.search.prompt import (
     optimizer_user_prompt,
     scoreboard_line,
 )
+from mass_ops.stages.collect import teacher_prompt
 from mass_ops.tasks.catalogue import TaskCatalogue, TaskSplits
 from mass_ops.workflow import START_MARKER
 
@@ -183,9 +187,10 @@ def _optimizer_cases() -> dict[str, OptimizerInputs]:
     }
 
 
-def _catalogue(directive: str) -> TaskCatalogue:
-    # The teacher prompt reads only the directive.
-    return TaskCatalogue(tasks={}, splits=TaskSplits((), (), (), {}, {}), teacher_directive=directive)
+def _teacher_ctx(directive: str) -> Any:
+    """What the teacher prompt reads of a cycle: its templates and a catalogue holding only the directive."""
+    catalogue = TaskCatalogue(tasks={}, splits=TaskSplits((), (), (), {}, {}), teacher_directive=directive)
+    return SimpleNamespace(prompts=shipped_prompts(), catalogue=catalogue)
 
 
 def prompt_cases() -> dict[str, Callable[[], str | None]]:
@@ -219,8 +224,8 @@ def prompt_cases() -> dict[str, Callable[[], str | None]]:
     cases["delta_checklist/empty"] = lambda: delta_checklist([])
     cases["delta_checklist/history"] = lambda: delta_checklist([LONG_RATIONALE, "Plot missing.", "Fine.", "x" * 400])
     directive = "Execution requirements\n1. Use sub-agents."
-    cases["teacher_prompt/builtin_like"] = lambda: _catalogue(directive).teacher_prompt(
-        f"{START_MARKER}\n1. Orchestrator\n\n  \n"
+    cases["teacher_prompt/builtin_like"] = lambda: teacher_prompt(
+        _teacher_ctx(directive), f"{START_MARKER}\n1. Orchestrator\n\n  \n"
     )
-    cases["teacher_prompt/empty_directive"] = lambda: _catalogue("").teacher_prompt("retained prompt")
+    cases["teacher_prompt/empty_directive"] = lambda: teacher_prompt(_teacher_ctx(""), "retained prompt")
     return cases

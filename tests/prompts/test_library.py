@@ -8,6 +8,7 @@ import re
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +25,7 @@ from mass_ops.prompts import (
 )
 from mass_ops.prompts.library import TEMPLATE_DIR
 from mass_ops.search.prompt import failure_notice, optimizer_system_prompt
+from mass_ops.stages.collect import teacher_prompt
 from mass_ops.tasks.importer import load_catalogue
 from tests.prompts.cases import prompt_cases
 
@@ -117,7 +119,8 @@ def test_an_override_reaches_the_judge_message_the_teacher_prompt_and_the_optimi
     b = EvidenceBundle(51, "query_51", "b", tree={"root": "rb"})
     assert judge_user_prompt(" t ", "x", "y", a, b, prompts=prompts) == "T=t|x|y\nA@a:ra\nB@b:rb"
     catalogue = load_catalogue()
-    assert catalogue.teacher_prompt("retained  \n", prompts=prompts) == "retained\n\nTheir own directive."
+    ctx = SimpleNamespace(prompts=prompts, catalogue=catalogue)
+    assert teacher_prompt(ctx, "retained  \n") == "retained\n\nTheir own directive."  # type: ignore[arg-type]
     assert failure_notice({"exit_code": 1}, prompts=prompts) == "FAILED"
     assert failure_notice({"exit_code": 0, "trace_has_success_result": True}, prompts=prompts) is None
 

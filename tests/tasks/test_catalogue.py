@@ -7,10 +7,13 @@ import json
 import shutil
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import mass_ops
+from mass_ops.prompts import shipped_prompts
+from mass_ops.stages.collect import teacher_prompt
 from mass_ops.tasks import (
     Task,
     TaskFormatError,
@@ -138,8 +141,10 @@ def test_teacher_directive_has_seven_rules() -> None:
 
 def test_teacher_prompt_appends_the_directive() -> None:
     retained = CATALOGUE.task(51).initial_prompt
-    prompt = CATALOGUE.teacher_prompt(retained + "\n\n  \n")
-    assert prompt == retained.rstrip() + "\n\n" + CATALOGUE.teacher_directive
+    ctx = SimpleNamespace(prompts=shipped_prompts(), catalogue=CATALOGUE)
+    prompt = teacher_prompt(ctx, retained + "\n\n  \n")  # type: ignore[arg-type]
+    # The directive exactly as its file reads, final newline kept (MASS_SPEC §1 collect).
+    assert prompt == retained.rstrip() + "\n\n" + CATALOGUE.teacher_directive + "\n"
     assert prompt.count(CATALOGUE.teacher_directive) == 1
 
 
