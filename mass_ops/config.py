@@ -1453,7 +1453,7 @@ class _StrictYAMLLoader(yaml.SafeLoader):
         self._depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # types-PyYAML leaves Parser.peek_event unannotated
         line = event.start_mark.line + 1
         if isinstance(event, yaml.AliasEvent):
             raise _RefusedInput(f"line {line}: YAML aliases (*{event.anchor}) are not allowed")
@@ -1572,7 +1572,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     YAML at all is taken as a plain string.
     """
     _check_depth(data, "config")
-    result = json.loads(json.dumps(data))
+    result: dict[str, Any] = json.loads(json.dumps(data))
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")

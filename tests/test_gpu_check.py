@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,26 +77,81 @@ def test_vllm_argv_serves_the_fp8_folder_under_the_check_name(tmp_path: Path):
     assert argv[argv.index("--port") + 1] == "8123"
 
 
-def test_throughput_summary_skips_warmup_steps():
-    rows = [{"event": "lora_targets"}] + [
-        {
-            "step": s,
-            "tokens_per_s": 1000.0 * s,
-            "supervised_tokens_per_s": 500.0 * s,
-            "model_tflops_per_gpu": 100.0 * s,
-            "peak_mem_gib": float(s),
-        }
-        for s in range(1, 6)
-    ]
-    summary = gpu_check.throughput_summary(rows, peak_tflops=1000.0)
-    assert summary == {
-        "tokens_per_s": 4000.0,  # median of steps 3, 4, 5
-        "supervised_tokens_per_s": 2000.0,
-        "tflops_per_gpu": 400.0,
-        "mfu": 0.4,
-        "peak_mem_gib": 5.0,
+def _summary(**over: object) -> dict:
+    summary = {
+        "warmup_steps_excluded": [1, 2],
+        "measured_steps": 8,
+        "warmup": [
+            {"step": 1, "step_s": 14.2, "data_s": 0.1, "forward_s": 3.0, "backward_s": 9.0, "optimizer_s": 2.1},
+            {"step": 2, "step_s": 1.5, "data_s": 0.0, "forward_s": 0.5, "backward_s": 0.9, "optimizer_s": 0.1},
+        ],
+        "setup_s": {"data": 1.0, "model": 20.0, "engine": 5.0},
+        "recompiles": None,
+        "step_s_p50": 1.3,
+        "step_s_p95": 1.43,
+        "step_s_p95_over_p50": 1.1,
+        "tokens_per_s": 12600.0,
+        "supervised_tokens_per_s": 6300.0,
+        "mfu": 0.41,
+        "mfu_lora_causal": 0.3,
+        "peak_mem_gib": 60.0,
+        "knobs": {"attention": "flash_attention_2", "activation_checkpointing": "selective"},
     }
-    assert gpu_check.throughput_summary(rows[:3], peak_tflops=1000.0)["tokens_per_s"] is None
+    return {**summary, **over}
+
+
+def test_the_summary_line_names_the_warmup_and_both_mfus():
+    line = gpu_check.summary_line(_summary(), peak_tflops=989.0)
+    assert "after warm-up steps [1, 2]" in line and "step 1 14.2 s (data 0.1, forward 3.0, backward 9.0" in line
+    assert "p50 1.300 s, p95 1.430 s" in line and "12600 tokens/s (6300 supervised)" in line
+    assert "MFU 41.0% ours, 30.0% NeMo LoRA-causal" in line and "Recompiles: none (no torch.compile)" in line
+
+
+def test_sweep_arguments_and_cells():
+    args = gpu_check.parse_args(["--sweep", "--cells", "baseline,mixed-packed", "--tiny"])
+    assert args.sweep and args.tiny and args.sweep_deadline_s == 480
+    for bad in (["--cells", "baseline"], ["--sweep", "--cells", "turbo"], ["--tiny"]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(bad)
+    cells = gpu_check.SWEEP
+    assert next(iter(cells)) == "baseline" and cells["baseline"].knobs["packing"] == "off"
+    assert cells["mixed-packed"].knobs == {**cells["mixed-unpacked"].knobs, "packing": "on"}
+    for cell in cells.values():  # every cell is a valid set of trainer knobs
+        gpu_check.train_args(args, Path("m"), Path("d"), Path("o"), **cell.knobs)
+
+
+def test_the_sweep_table_has_a_row_per_cell_and_says_why_one_has_none():
+    lines = gpu_check.sweep_table(
+        {"baseline": _summary(), "ckpt-off": {"error": "trainer exited 1; see x.log"}}, peak_tflops=989.0
+    )
+    assert lines[0].split()[:3] == ["cell", "knobs", "p50"]
+    assert lines[2].startswith("baseline") and "12600" in lines[2] and "41.0%" in lines[2] and "30.0%" in lines[2]
+    assert lines[3].startswith("ckpt-off") and lines[3].endswith("trainer exited 1; see x.log")
+
+
+@pytest.mark.slow
+def test_the_tiny_sweep_runs_a_packed_cell_on_cpu(tmp_path: Path):
+    done = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "gpu_check.sh"),
+            *("--sweep", "--tiny", "--cells", "mixed-packed", "--steps", "3", "--window", "256"),
+            *("--workdir", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        # The real HOME: DeepSpeed's CPU communication op is built once into its extension cache there.
+        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("mixed-packed"))
+    figures = row.split()[-7:]  # p50, p95, tokens/s, supervised/s, MFU, MFU-NeMo, peak GiB
+    assert float(figures[0]) > 0 and float(figures[2]) > float(figures[3]) > 0 and figures[4] == "n/a"
+    assert lines[-1] == "gpu_check sweep: ok: 1 of 1 cells measured (CPU, tiny random Qwen3, window 256)"
+    (summary,) = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("mixed-packed-*/throughput.json")]
+    assert summary["knobs"]["packing"] is True and summary["knobs"]["grad_accum"] == 4
 
 
 def test_the_script_skips_both_parts_with_a_clear_line_on_this_machine(tmp_path: Path):

@@ -93,11 +93,27 @@ class TrainArgs:
     autocast_bf16: bool = True
     """bf16 compute: the parent, activations and the adapters' working copy in bf16 (DeepSpeed `bf16`), fp32
     master adapters and Adam moments in the optimizer. False: fp32 throughout (debugging only)."""
-    gradient_checkpointing: bool = True
-    """Non-reentrant activation checkpointing of every decoder layer."""
+    gradient_checkpointing: bool | Literal["full", "selective", "off"] = True
+    """Non-reentrant activation checkpointing of decoder layers: `full` (or true) every layer, `selective` every
+    other layer (half the recompute; the other layers keep their activations), `off` (or false) none."""
     peak_tflops_per_gpu: float | None = None
     """Dense BF16 peak of one GPU (TFLOP/s) that MFU is measured against; None: MFU is not reported."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """`auto`: flash_attention_2 on CUDA when the flash_attn package imports, else sdpa (mass_ops.train.efficiency)."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """Pack the windows a rank draws for one optimizer step into as few micro-batches as `pack_tokens` allows, with
+    per-window boundaries (mass_ops.train.packing). `on` refuses a model whose layers cannot see the boundaries;
+    `auto` falls back to one window per micro-batch for such a model; `off` never packs."""
+    pack_tokens: int | None = None
+    """Token budget of a packed micro-batch, every pack padded to it (fixed shapes); None: the longest window."""
+    warmup_measure_steps: int = 2
+    """Steps at the start of this process that the throughput summary names and leaves out of its figures."""
+    zero3_persistence_threshold: int | None = None
+    """ZeRO-3 `stage3_param_persistence_threshold`; None: the largest LoRA tensor + 1 (mass_ops.train.zero)."""
+    zero3_overlap_comm: bool = True
+    """ZeRO `overlap_comm` on accelerators (always off on CPU)."""
+    zero3_prefetch_bucket_size: int = 100_000_000
+    """ZeRO-3 `stage3_prefetch_bucket_size`: parameters gathered ahead of their use (about one 4B decoder layer)."""
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     """DeepSpeed accelerator; `cpu` runs on gloo (tests, the laptop demo)."""
     deepspeed_overrides: dict[str, Any] = field(default_factory=dict)
@@ -168,8 +184,28 @@ class TrainArgs:
         need(self.sampler == "task_role", "sampler", "must be 'task_role'")
         need(self.zero_stage == 3, "zero_stage", "must be 3")
         need(self.accelerator in ("auto", "cpu", "cuda"), "accelerator", "must be auto, cpu or cuda")
-        for name in ("zero3_init", "autocast_bf16", "gradient_checkpointing", "val_at_start"):
+        for name in ("zero3_init", "autocast_bf16", "val_at_start", "zero3_overlap_comm"):
             need(isinstance(getattr(self, name), bool), name, "must be true or false")
+        need(
+            isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing in _CHECKPOINTING,
+            "gradient_checkpointing",
+            "must be true, false, full, selective or off",
+        )
+        need(self.attn_implementation in _ATTENTION, "attn_implementation", f"must be one of {list(_ATTENTION)}")
+        need(self.packing in ("auto", "on", "off"), "packing", "must be auto, on or off")
+        for name in ("pack_tokens", "zero3_persistence_threshold"):
+            value = getattr(self, name)
+            need(value is None or (type(value) is int and value > 0), name, "must be null or a positive int")
+        need(
+            type(self.warmup_measure_steps) is int and self.warmup_measure_steps >= 0,
+            "warmup_measure_steps",
+            "must be a non-negative int",
+        )
+        need(
+            type(self.zero3_prefetch_bucket_size) is int and self.zero3_prefetch_bucket_size >= 0,
+            "zero3_prefetch_bucket_size",
+            "must be a non-negative int",
+        )
         for name in ("model_dir", "train_data", "out_dir"):
             need(isinstance(getattr(self, name), str) and bool(getattr(self, name)), name, "must be a non-empty path")
         need(isinstance(self.deepspeed_overrides, dict), "deepspeed_overrides", "must be an object")
@@ -201,6 +237,12 @@ class TrainArgs:
             raise TrainArgsError(
                 f"target_modules: must be a regex or a non-empty list of module names ({spec!r})"
             ) from None
+
+    @property
+    def checkpointing(self) -> str:
+        """The activation-checkpointing mode: full, selective or off."""
+        value = self.gradient_checkpointing
+        return ("full" if value else "off") if isinstance(value, bool) else value
 
     @property
     def lora_scale(self) -> float:
@@ -248,6 +290,8 @@ class TrainArgs:
 
 
 _REQUIRED = frozenset({"model_dir", "train_data", "out_dir"})
+_CHECKPOINTING = ("full", "selective", "off")
+_ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
 _OWNED_DEEPSPEED_KEYS = frozenset(
     {
         "train_batch_size",

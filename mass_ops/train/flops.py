@@ -17,6 +17,8 @@ The formula (the PaLM paper's convention, appendix B):
   FlashAttention skip masked blocks, so MFU is slightly optimistic on long windows). Linear-attention layers
   (Qwen3.5 / Qwen3-Next gated delta-net) cost O(T) and count only through their projections in N.
 
+NeMo AutoModel's LoRA convention (`lora_causal`, see `FlopsModel.lora_causal_sequence_flops`) is reported beside it.
+
 MFU = achieved model FLOP/s per GPU ÷ the GPU's peak (`training.peak_tflops_per_gpu`; dense BF16 without sparsity:
 989 TFLOP/s on an H100 SXM or H200, 756 on an H100 PCIe).
 """
@@ -59,6 +61,20 @@ class FlopsModel:
     def step_flops(self, window_tokens: Iterable[int]) -> float:
         """Model FLOPs of one optimizer step: the sum over the windows every rank processed."""
         return sum(self.sequence_flops(t) for t in window_tokens)
+
+    def lora_causal_sequence_flops(self, tokens: int, adapter_params: int) -> float:
+        """NeMo AutoModel's LoRA convention, for comparison with their published MFU: frozen weights compute no
+        weight gradients (4 · N · T: forward and input gradient), the `adapter_params` count in full (6 · N_lora · T),
+        the causal mask halves attention (6 · L_attn · H · d · T²); recomputation is not counted."""
+        return (
+            4.0 * self.active_params * tokens
+            + 6.0 * adapter_params * tokens
+            + 6.0 * self.attention_layers * self.attention_heads * self.head_dim * float(tokens) ** 2
+        )
+
+    def lora_causal_step_flops(self, window_tokens: Iterable[int], adapter_params: int) -> float:
+        """`lora_causal_sequence_flops` summed over the windows of one optimizer step."""
+        return sum(self.lora_causal_sequence_flops(t, adapter_params) for t in window_tokens)
 
 
 def _need(config: Mapping[str, Any], key: str) -> int:
@@ -156,21 +172,29 @@ def step_throughput(
     *,
     world_size: int,
     peak_tflops_per_gpu: float | None,
+    adapter_params: int = 0,
 ) -> dict[str, Any]:
     """The throughput fields of one logged training step (one rank = one GPU).
 
     `window_tokens_by_rank`: the token count of every window each rank processed in the step; `supervised_tokens`:
     the loss tokens of the step over all ranks. Tokens/s count every token of a window (context included), the
     supervised rate only the trained ones. Without an architecture (`model` None) the FLOPs fields are None.
+    `*_lora_causal` fields use NeMo's convention with `adapter_params` LoRA parameters.
     """
     per_rank = [sum(window_tokens_by_rank.get(rank, [])) for rank in range(world_size)]
     total = sum(per_rank)
     seconds = step_s if step_s > 0 else float("nan")
-    flops = model.step_flops(t for tokens in window_tokens_by_rank.values() for t in tokens) if model else None
+    windows = [t for tokens in window_tokens_by_rank.values() for t in tokens]
+    flops = model.step_flops(windows) if model else None
+    lora_flops = model.lora_causal_step_flops(windows, adapter_params) if model else None
     return {
         "tokens_per_s": round(total / seconds, 3),
         "tokens_per_s_per_rank": [round(t / seconds, 3) for t in per_rank],
         "supervised_tokens_per_s": round(supervised_tokens / seconds, 3),
         "model_tflops_per_gpu": None if flops is None else round(flops / seconds / world_size / 1e12, 6),
         "mfu": None if flops is None else mfu(flops, step_s, world_size, peak_tflops_per_gpu),
+        "model_tflops_per_gpu_lora_causal": None
+        if lora_flops is None
+        else round(lora_flops / seconds / world_size / 1e12, 6),
+        "mfu_lora_causal": None if lora_flops is None else mfu(lora_flops, step_s, world_size, peak_tflops_per_gpu),
     }

@@ -63,6 +63,13 @@ def train_args_for(
         autocast_bf16=t.autocast_bf16,
         gradient_checkpointing=t.gradient_checkpointing,
         peak_tflops_per_gpu=t.peak_tflops_per_gpu,
+        attn_implementation=t.attention,
+        packing=t.packing,
+        pack_tokens=t.pack_tokens,
+        warmup_measure_steps=t.warmup_measure_steps,
+        zero3_persistence_threshold=t.zero3_persistence_threshold,
+        zero3_overlap_comm=t.zero3_overlap_comm,
+        zero3_prefetch_bucket_size=t.zero3_prefetch_bucket_size,
         accelerator=accelerator,  # type: ignore[arg-type]
         resume_from=str(resume_from) if resume_from is not None else None,
     )

@@ -2,9 +2,9 @@
 
     python -m mass_ops.train.trainer --args args.json      # started by torchrun or the deepspeed launcher
 
-One window per rank per micro-step; each window's loss is its own token mean, DeepSpeed divides it by
-`grad_accum` and averages gradients over ranks, so an optimizer step averages `world_size × grad_accum` per-window
-token-mean losses. The logged step loss is the global token-weighted mean.
+`grad_accum` windows per rank per step, one per micro-batch or packed (mass_ops.train.packing); each window's loss is
+its own token mean ÷ `grad_accum`, DeepSpeed averages ranks: a step averages `world_size × grad_accum` per-window
+token means. The logged loss is the token-weighted mean; throughput.json the steady state (mass_ops.train.metrics).
 
 ZeRO-3 + PEFT details handled here:
 - the parent is loaded under `zero.Init` (via `HfDeepSpeedConfig`, kept alive for the whole run), so no rank ever
@@ -15,7 +15,7 @@ ZeRO-3 + PEFT details handled here:
 - LoRA weights are read from the optimizer's fp32 master partitions with `safe_get_full_fp32_param`, a collective:
   a plain `state_dict()` under ZeRO-3 yields empty (0-element) tensors, so every save asserts non-empty adapters;
 - every rank must run the same number of forward passes (parameter gathers are collectives), so validation pads
-  short ranks with a window it does not count.
+  short ranks with a window it does not count, and packed ranks split packs to match the rank needing most.
 Exact resume: sampler draws are a pure function of (seed, rank, draw), dropout is reseeded from the same triple every
 micro-step, and the DeepSpeed checkpoint restores fp32 master weights, Adam moments and the LR scheduler.
 """
@@ -38,10 +38,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mass_ops.errors import InfrastructureError, InputError
+from mass_ops.errors import InputError
+from mass_ops.train.adapters import AdapterSaveError, gather_lora_fp32, write_adapters
 from mass_ops.train.args import TrainArgs, TrainArgsError
 from mass_ops.train.checkpoints import (
-    ADAPTER_DIR,
     ENGINE_DIR,
     LORA_STATE_FILE,
     TRAIN_LOG_FILE,
@@ -50,10 +50,23 @@ from mass_ops.train.checkpoints import (
     is_complete,
 )
 from mass_ops.train.data import TrainingWindow, WindowDataError, WindowSet, load_windows
+from mass_ops.train.efficiency import apply_checkpointing, choose_attention
 from mass_ops.train.flops import ArchitectureError, FlopsModel, read_flops_model, step_throughput
 from mass_ops.train.lora_targets import LoraTargetError, LoraTargetSummary, summarize_lora_targets
+from mass_ops.train.metrics import PhaseClock, describe, summarize, write_summary
+from mass_ops.train.packing import (
+    PackedBatch,
+    has_linear_attention,
+    model_inputs,
+    pack_windows,
+    packing_enabled,
+    plan_packs,
+    split_to,
+    window_losses,
+)
 from mass_ops.train.sampler import Draw, Exposure, TaskRoleSampler, draw_index
 from mass_ops.train.schedule import lr_at, lr_factor
+from mass_ops.train.zero import deepspeed_config
 
 if TYPE_CHECKING:
     import torch
@@ -91,15 +104,13 @@ _TRAJECTORY_FIELDS = (
     "sampler",
     "p_orch",
     "autocast_bf16",
+    "packing",
+    "pack_tokens",
 )
 
 
 class TrainingError(InputError):
     """A run that cannot start or continue (existing log, mismatched resume, …); the message says why."""
-
-
-class AdapterSaveError(InfrastructureError):
-    """Saved adapters are empty or malformed (the ZeRO-3 + PEFT save pitfall); the checkpoint is not published."""
 
 
 @dataclass(frozen=True)
@@ -111,40 +122,6 @@ class Ranks:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# DeepSpeed configuration
-
-
-def deepspeed_config(args: TrainArgs, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config of a run: ZeRO-3, one window per micro-batch, bf16 with fp32 reduction/accumulation."""
-    zero: dict[str, Any] = {
-        "stage": 3,
-        "stage3_gather_16bit_weights_on_model_save": True,
-        "contiguous_gradients": True,
-        "overlap_comm": False,
-    }
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": args.grad_accum,
-        "train_batch_size": world_size * args.grad_accum,
-        "gradient_clipping": args.max_grad_norm,
-        "bf16": {"enabled": args.autocast_bf16},
-        # The reference all-reduces LoRA gradients in fp32; keep reduction and accumulation in fp32 here too.
-        "communication_data_type": "fp32",
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": zero,
-        # torch AdamW is passed in as the client optimizer (identical update rule on CPU and GPU).
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    overrides = dict(args.deepspeed_overrides)
-    zero.update(overrides.pop("zero_optimization", {}))
-    zero["stage"] = 3
-    config.update(overrides)
-    return config
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -228,8 +205,12 @@ def _vocab_size(model_dir: str) -> int:
     return int(config.get_text_config().vocab_size)
 
 
-def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, torch.Tensor, Any, LoraTargetSummary]:
-    """Load the frozen parent (under zero.Init when `zero3_init`), take out its output projection, add LoRA.
+def build_lora_model(
+    args: TrainArgs, ds_config: dict[str, Any], *, attention: str | None = None
+) -> tuple[Any, torch.Tensor, Any, LoraTargetSummary]:
+    """Load the frozen parent (under zero.Init when `zero3_init`) with the `attention` implementation (default: the
+    args' choice, `auto` read as sdpa), take out its output projection, checkpoint activations per
+    `args.checkpointing`, add LoRA.
 
     Returns (peft model, frozen output-projection weight [V, H], the HfDeepSpeedConfig that must stay alive, what the
     target pattern adapts). Raises `TrainingError` when the pattern adapts nothing or PEFT adapts something else.
@@ -242,9 +223,9 @@ def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, t
     # transformers consults this object (through a weak reference) during from_pretrained: keep it referenced.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero3_init else None
     dtype = torch.bfloat16 if args.autocast_bf16 else torch.float32
-    model = _model_class(args.model_dir).from_pretrained(
-        args.model_dir, dtype=dtype, attn_implementation=args.attn_implementation
-    )
+    if attention is None:
+        attention = "sdpa" if args.attn_implementation == "auto" else args.attn_implementation
+    model = _model_class(args.model_dir).from_pretrained(args.model_dir, dtype=dtype, attn_implementation=attention)
     model.requires_grad_(False)
     model.config.use_cache = False
 
@@ -260,9 +241,7 @@ def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, t
     # The model now returns final hidden states; `chunked_next_token_loss` applies lm_weight chunk by chunk.
     model.set_output_embeddings(torch.nn.Identity())
 
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+    apply_checkpointing(model, args.checkpointing)
 
     pattern = args.target_pattern()
     try:
@@ -301,98 +280,6 @@ def build_lora_model(args: TrainArgs, ds_config: dict[str, Any]) -> tuple[Any, t
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# adapters
-
-
-def gather_lora_fp32(peft_model: Any, ranks: Ranks) -> dict[str, torch.Tensor]:
-    """Full fp32 LoRA tensors (PEFT parameter names) on rank 0; {} elsewhere. Collective: call on every rank."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    out: dict[str, torch.Tensor] = {}
-    for name, param in peft_model.named_parameters():
-        if not param.requires_grad:
-            continue
-        full = safe_get_full_fp32_param(param)
-        if full is None:  # not managed by a ZeRO optimizer (never the case under deepspeed.initialize)
-            full = param.detach()
-        if ranks.is_main:
-            shape = tuple(getattr(param, "ds_shape", param.shape))
-            out[name] = full.detach().to("cpu", torch.float32).reshape(shape).contiguous()
-    return out
-
-
-def assert_adapter_non_empty(
-    tensors: dict[str, torch.Tensor], *, lora_r: int, where: str, expected_tensors: int | None = None
-) -> None:
-    """Refuse an adapter hit by the ZeRO-3 + PEFT save pitfalls: raises `AdapterSaveError` (one line) unless every
-    tensor is 2-D, non-empty and rank-r shaped, A and B come in pairs (`expected_tensors` of them when given), every
-    value is finite and no lora_A is all zeros. lora_B may be zero: PEFT initialises it so (the step-0 adapter is the
-    parent), but lora_A is random from the start, so an all-zero A means the save read placeholders, not weights."""
-    import torch
-
-    if not tensors:
-        raise AdapterSaveError(f"{where}: no LoRA tensors to save")
-    problems = []
-    for name, tensor in tensors.items():
-        shape = tuple(tensor.shape)
-        if tensor.numel() == 0 or len(shape) != 2:
-            problems.append(f"{name} {shape}")
-        elif ".lora_A" in name and shape[0] != lora_r:
-            problems.append(f"{name} {shape} (rank {lora_r} expected first)")
-        elif ".lora_B" in name and shape[1] != lora_r:
-            problems.append(f"{name} {shape} (rank {lora_r} expected last)")
-    n_a = sum(".lora_A" in n for n in tensors)
-    n_b = sum(".lora_B" in n for n in tensors)
-    if n_a == 0 or n_a != n_b:
-        problems.append(f"{n_a} lora_A vs {n_b} lora_B tensors")
-    if expected_tensors is not None and len(tensors) != expected_tensors:
-        problems.append(f"{len(tensors)} tensors where the target pattern adapts {expected_tensors // 2} modules")
-    if problems:
-        raise AdapterSaveError(f"{where}: empty or malformed adapter tensors: {', '.join(problems[:5])}")
-    squares = sum(float(t.detach().double().pow(2).sum()) for t in tensors.values())
-    if not math.isfinite(squares):
-        raise AdapterSaveError(f"{where}: adapter norm is not finite (NaN or inf in the LoRA tensors)")
-    zero_a = sorted(n for n, t in tensors.items() if ".lora_A" in n and not bool(torch.count_nonzero(t)))
-    if zero_a:
-        raise AdapterSaveError(
-            f"{where}: {len(zero_a)} of {n_a} lora_A tensors are all zeros (e.g. {zero_a[0]}); "
-            "the save did not read the trained weights"
-        )
-
-
-def write_adapters(
-    peft_model: Any,
-    tensors: dict[str, torch.Tensor],
-    step_dir: Path,
-    lora_r: int,
-    expected_tensors: int | None = None,
-) -> None:
-    """Write `lora_state_dict.safetensors` (PEFT parameter names) and `adapter/` (PEFT's layout); read both back.
-    Both are checked with `assert_adapter_non_empty` before and after writing."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import load_file, save_file
-
-    assert_adapter_non_empty(tensors, lora_r=lora_r, where=str(step_dir), expected_tensors=expected_tensors)
-    save_file(tensors, str(step_dir / LORA_STATE_FILE), metadata={"format": "pt"})
-    adapter_dir = step_dir / ADAPTER_DIR
-    adapter_dir.mkdir(parents=True, exist_ok=True)
-    # PEFT's key convention (adapter name stripped) from PEFT itself, fed the gathered tensors.
-    adapter_tensors = get_peft_model_state_dict(peft_model, state_dict=tensors)
-    adapter_tensors = {k: v.contiguous() for k, v in adapter_tensors.items()}
-    save_file(adapter_tensors, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_model.peft_config["default"].save_pretrained(str(adapter_dir))
-    for path, expected in (
-        (step_dir / LORA_STATE_FILE, tensors),
-        (adapter_dir / "adapter_model.safetensors", adapter_tensors),
-    ):
-        reloaded = load_file(str(path))
-        assert_adapter_non_empty(reloaded, lora_r=lora_r, where=str(path), expected_tensors=expected_tensors)
-        if len(reloaded) != len(expected):
-            raise AdapterSaveError(f"{path}: {len(reloaded)} tensors written, {len(expected)} expected")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # the run
 
 
@@ -409,6 +296,8 @@ class LoraSftRun:
         self.elapsed_before = 0.0
         self.exposure = Exposure()
         self.last_loss: float | None = None
+        self.setup_s: dict[str, float] = {}
+        self.step_rows: list[dict[str, Any]] = []
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def _check_start(self) -> dict[str, Any] | None:
@@ -443,19 +332,32 @@ class LoraSftRun:
     def setup(self) -> None:
         import deepspeed
         import torch
+        from deepspeed.accelerator import get_accelerator
 
         args, ranks = self.args, self.ranks
         resume_state = self._check_start()
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        clock = time.perf_counter()
 
         # Data first: a bad window file fails in seconds, before the parent is loaded.
         vocab = _vocab_size(args.model_dir)
         self.train_set = load_windows(args.train_data, vocab_size=vocab)
         self.val_set: WindowSet | None = load_windows(args.val_data, vocab_size=vocab) if args.val_data else None
         self.sampler = TaskRoleSampler(self.train_set.tags(), seed=args.seed, p_orch=args.p_orch)
+        self.setup_s["data"] = round(time.perf_counter() - clock, 3)
 
-        self.ds_config = deepspeed_config(args, ranks.world_size)
-        self.peft_model, lm_weight, self._hf_ds_config, self.lora_targets = build_lora_model(args, self.ds_config)
+        clock = time.perf_counter()
+        device_type = get_accelerator().device_name()
+        self.attention = choose_attention(args.attn_implementation, device_type)
+        self.ds_config = deepspeed_config(args, ranks.world_size, on_cpu=device_type == "cpu")
+        self.peft_model, lm_weight, self._hf_ds_config, self.lora_targets = build_lora_model(
+            args, self.ds_config, attention=self.attention
+        )
+        self.setup_s["model"] = round(time.perf_counter() - clock, 3)
+        clock = time.perf_counter()
+        self.packing = packing_enabled(self.peft_model, args.packing, args.grad_accum, device=device_type)
+        self.linear_attention = has_linear_attention(self.peft_model)
+        self.pack_tokens = args.pack_tokens or max(w.n_tokens for w in self.train_set.windows)
         if lm_weight.shape[0] != vocab:
             raise TrainingError(f"{args.model_dir}: output projection has {lm_weight.shape[0]} rows, config {vocab}")
 
@@ -485,6 +387,7 @@ class LoraSftRun:
         on_cpu = torch.device(self.engine.device).type == "cpu"
         self.lm_weight = lm_weight.to(self.engine.device, torch.float32 if on_cpu else lm_weight.dtype)
         self.flops_model, self.peak_tflops_per_gpu = self._flops_reference(on_cpu)
+        self.setup_s["engine"] = round(time.perf_counter() - clock, 3)
 
         if resume_state is not None:
             self._restore(Path(args.resume_from), resume_state)
@@ -493,6 +396,13 @@ class LoraSftRun:
             self._record_lora_targets()
         if ranks.is_main:
             log.info("%s; pattern %s", self.lora_targets.describe(), self.lora_targets.pattern)
+            log.info(
+                "attention %s, activation checkpointing %s, packing %s, setup %s",
+                self.attention,
+                args.checkpointing,
+                f"on ({self.pack_tokens} tokens per micro-batch)" if self.packing else "off",
+                self.setup_s,
+            )
             log.info(
                 "train windows %d (%d label-free dropped), val windows %d, tasks %s, ranks %d × grad_accum %d",
                 len(self.train_set),
@@ -609,6 +519,42 @@ class LoraSftRun:
         labels = torch.from_numpy(window.labels).to(self.engine.device, torch.long)
         hidden = self.engine(input_ids=ids, use_cache=False).logits
         return chunked_next_token_loss(hidden, labels, self.lm_weight, chunk=self.args.ce_chunk, recompute=recompute)
+
+    def _micro_batches(self, step: int) -> list[list[Draw]]:
+        """This rank's draws of `step` grouped into micro-batches: one window each, or packed — then split so every
+        rank runs as many micro-batches as the rank needing most (plans are pure functions of the draws)."""
+        args = self.args
+
+        def draws(rank: int) -> list[Draw]:
+            return self.sampler.draws_for_step(step=step, rank=rank, grad_accum=args.grad_accum)
+
+        mine = draws(self.ranks.rank)
+        if not self.packing:
+            return [[d] for d in mine]
+
+        def plan(ds: list[Draw]) -> list[list[int]]:
+            return plan_packs([self.train_set.windows[d.window].n_tokens for d in ds], self.pack_tokens)
+
+        count = max(len(plan(draws(r))) for r in range(self.ranks.world_size))
+        return [[mine[i] for i in pack] for pack in split_to(plan(mine), count)]
+
+    def _packed_losses(self, draws: list[Draw]) -> tuple[list[tuple[torch.Tensor, int]], int]:
+        """(loss sum, targets) of each window of one packed forward, and the padding tokens it carried."""
+        import torch
+
+        windows = [self.train_set.windows[d.window] for d in draws]
+        batch: PackedBatch = pack_windows([w.input_ids for w in windows], self.pack_tokens, pad_id=0)
+        kwargs = model_inputs(
+            batch,
+            self.attention,
+            device=self.engine.device,
+            dtype=torch.bfloat16 if self.args.autocast_bf16 else torch.float32,
+            linear_attention=self.linear_attention,
+        )
+        hidden = self.engine(**kwargs).logits
+        labels = [w.labels for w in windows]
+        losses = window_losses(hidden, batch, labels, self.lm_weight, chunk=self.args.ce_chunk, recompute=True)
+        return losses, batch.pad
 
     # -- validation ------------------------------------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, Any]:
@@ -746,22 +692,37 @@ class LoraSftRun:
         self.engine.train()
         for step in range(self.start_step, args.steps):
             step_started = time.perf_counter()
-            draws = self.sampler.draws_for_step(step=step, rank=ranks.rank, grad_accum=args.grad_accum)
+            clock = PhaseClock(accelerator.synchronize)
+            with clock.phase("data_s"):
+                micro_batches = self._micro_batches(step)
+            draws = [d for batch in micro_batches for d in batch]
             lr = float(self.optimizer.param_groups[0]["lr"])
-            # Loss sum, loss tokens, input tokens; on the engine's device, where the backend's collectives run
-            # (NCCL has no CPU tensors).
-            local = torch.zeros(3, dtype=torch.float64, device=self.engine.device)
-            for d in draws:
+            # Loss sum, loss tokens, input tokens, padding tokens; on the engine's device, where the backend's
+            # collectives run (NCCL has no CPU tensors).
+            local = torch.zeros(4, dtype=torch.float64, device=self.engine.device)
+            for k, batch in enumerate(micro_batches):
                 # Dropout masks depend only on (seed, rank, draw): a resumed run reproduces them.
-                torch.manual_seed(derived_seed("dropout", args.seed, ranks.rank, d.draw))
-                loss_sum, count = self._window_loss(d.window, self.train_set, recompute=True)
-                self.engine.backward(loss_sum / count)  # per-window token mean; DeepSpeed divides by grad_accum
-                self.engine.step()
-                local += torch.tensor(
-                    [loss_sum.item(), count, self.train_set.windows[d.window].n_tokens],
-                    dtype=torch.float64,
-                    device=local.device,
-                )
+                torch.manual_seed(derived_seed("dropout", args.seed, ranks.rank, batch[0].draw))
+                pad = 0
+                with clock.phase("forward_s"):
+                    if self.packing:
+                        losses, pad = self._packed_losses(batch)
+                    else:
+                        losses = [self._window_loss(batch[0].window, self.train_set, recompute=True)]
+                    # The mean of per-window token means over the step's windows (DeepSpeed then averages ranks).
+                    loss = sum(total / count for total, count in losses) / args.grad_accum
+                with clock.phase("backward_s"):
+                    self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                with clock.phase("optimizer_s"):
+                    self.engine.step()
+                for (total, count), d in zip(losses, batch, strict=True):
+                    local += torch.tensor(
+                        [total.item(), count, self.train_set.windows[d.window].n_tokens, 0],
+                        dtype=torch.float64,
+                        device=local.device,
+                    )
+                local[3] += pad
             dist.all_reduce(local)
             gathered: list[list[dict]] = [[] for _ in range(ranks.world_size)]
             dist.all_gather_object(gathered, [d.__dict__ for d in draws])
@@ -783,24 +744,30 @@ class LoraSftRun:
                     self.flops_model,
                     world_size=ranks.world_size,
                     peak_tflops_per_gpu=self.peak_tflops_per_gpu,
+                    adapter_params=self.lora_targets.adapter_parameters,
                 )
-                _append_jsonl(
-                    self.train_log,
-                    {
-                        "step": done,
-                        "loss": self.last_loss,
-                        "lr": lr,
-                        "grad_norm": None if grad_norm is None else float(grad_norm),
-                        "tokens": int(local[1]),
-                        "input_tokens": int(local[2]),
-                        "windows": len(step_draws),
-                        "step_s": round(step_s, 3),
-                        "elapsed_s": elapsed(),
-                        "peak_mem_gib": round(accelerator.max_memory_allocated() / 2**30, 3),
-                        "peak_reserved_gib": round(accelerator.max_memory_reserved() / 2**30, 3),
-                        **throughput,
-                    },
-                )
+                row = {
+                    "step": done,
+                    "loss": self.last_loss,
+                    "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "tokens": int(local[1]),
+                    "input_tokens": int(local[2]),
+                    "windows": len(step_draws),
+                    "micro_batches": len(micro_batches),
+                    "pad_tokens": int(local[3]),
+                    "step_s": round(step_s, 4),
+                    # The first steps of a process build kernels, caches and lazy optimizer state: named, and left
+                    # out of throughput.json's figures.
+                    "warmup": done <= self.start_step + args.warmup_measure_steps,
+                    "phases": clock.rounded(),
+                    "elapsed_s": elapsed(),
+                    "peak_mem_gib": round(accelerator.max_memory_allocated() / 2**30, 3),
+                    "peak_reserved_gib": round(accelerator.max_memory_reserved() / 2**30, 3),
+                    **throughput,
+                }
+                _append_jsonl(self.train_log, row)
+                self.step_rows.append(row)
                 by_pair: dict[str, int] = defaultdict(int)
                 for d in step_draws:
                     by_pair[f"{d['task']}:{d['role']}"] += 1
@@ -842,6 +809,30 @@ class LoraSftRun:
                 path = self.save(done, lr, elapsed())
                 if ranks.is_main:
                     log.info("saved %s", path)
+        if ranks.is_main:
+            self._write_throughput()
+
+    def _write_throughput(self) -> None:
+        """throughput.json: the steady-state figures of this process's steps (mass_ops.train.metrics)."""
+        args = self.args
+        knobs = {
+            "attention": self.attention,
+            "activation_checkpointing": args.checkpointing,
+            "packing": self.packing,
+            "pack_tokens": self.pack_tokens if self.packing else None,
+            "zero_optimization": {k: v for k, v in self.ds_config["zero_optimization"].items() if k != "stage"},
+            "world_size": self.ranks.world_size,
+            "grad_accum": args.grad_accum,
+        }
+        summary = summarize(
+            self.step_rows,
+            warmup_steps=args.warmup_measure_steps,
+            peak_tflops_per_gpu=self.peak_tflops_per_gpu,
+            setup_s=self.setup_s,
+            knobs=knobs,
+        )
+        write_summary(self.out_dir, summary)
+        log.info("%s", describe(summary))
 
 
 def run(args: TrainArgs) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mass_ops.train.flops import ArchitectureError, flops_model, mfu, read_flops_model, step_throughput
+from mass_ops.train.flops import ArchitectureError, FlopsModel, flops_model, mfu, read_flops_model, step_throughput
 
 TINY_QWEN3 = {  # the embedded profile's tiny model
     "architectures": ["Qwen3ForCausalLM"],
@@ -110,3 +110,16 @@ def test_step_throughput_of_two_ranks():
     assert cpu["mfu"] is None and cpu["tokens_per_s_per_rank"] == [10.0]
     unknown = step_throughput({0: [10]}, 5, 1.0, None, world_size=1, peak_tflops_per_gpu=989.0)
     assert unknown["model_tflops_per_gpu"] is None and unknown["mfu"] is None
+
+
+def test_nemo_lora_causal_convention_by_hand():
+    # N = 1000 frozen, 10 adapter parameters, 2 attention layers × 2 heads × width 4, an 8-token window:
+    # frozen 4·1000·8 = 32 000; adapters 6·10·8 = 480; causal attention 6·2·2·4·8² = 6 144 → 38 624.
+    # Ours on the same window: 6·1000·8 + 12·2·2·4·8² = 48 000 + 12 288 = 60 288.
+    model = FlopsModel(active_params=1000, attention_layers=2, attention_heads=2, head_dim=4)
+    assert model.lora_causal_sequence_flops(8, adapter_params=10) == 38_624
+    assert model.sequence_flops(8) == 60_288
+    assert model.lora_causal_step_flops([8, 8], adapter_params=10) == 2 * 38_624
+    fields = step_throughput({0: [8]}, 4, 1e-9, model, world_size=1, peak_tflops_per_gpu=1.0, adapter_params=10)
+    assert fields["mfu_lora_causal"] == pytest.approx(38_624 / 1e-9 / 1e12)
+    assert fields["mfu"] / fields["mfu_lora_causal"] == pytest.approx(60_288 / 38_624)

@@ -203,6 +203,12 @@ def test_args_round_trip_through_json(tmp_path: Path) -> None:
         ({"target_modules": "(["}, "target_modules: not a valid regex"),
         ({"target_modules": ["q_proj", "a.b"]}, "target_modules: must be a regex or"),
         ({"deepspeed_overrides": {"bf16": {"enabled": False}}}, "deepspeed_overrides: keys ['bf16']"),
+        ({"gradient_checkpointing": "some"}, "gradient_checkpointing: must be true, false, full, selective or off"),
+        ({"attn_implementation": "flash"}, "attn_implementation: must be one of"),
+        ({"packing": "yes"}, "packing: must be auto, on or off"),
+        ({"pack_tokens": 0}, "pack_tokens: must be null or a positive int"),
+        ({"warmup_measure_steps": -1}, "warmup_measure_steps: must be a non-negative int"),
+        ({"zero3_persistence_threshold": 1.5}, "zero3_persistence_threshold: must be null or a positive int"),
     ],
 )
 def test_bad_args_name_the_field(change: dict, message: str) -> None:
@@ -221,3 +227,21 @@ def test_args_files_with_unknown_or_missing_keys(tmp_path: Path) -> None:
     path.write_text("{")
     with pytest.raises(TrainArgsError, match="not valid JSON"):
         TrainArgs.read(path)
+
+
+def test_the_throughput_knobs_travel_from_the_config_to_the_args() -> None:
+    from mass_ops.config import load_config
+    from mass_ops.train.plan import train_args_for
+
+    config = load_config("paper")
+    args = train_args_for(config, model_dir="m", train_data="t", val_data=None, out_dir="o")
+    t = config.training
+    assert (args.attn_implementation, args.packing, args.pack_tokens) == (t.attention, t.packing, t.pack_tokens)
+    assert (args.warmup_measure_steps, args.zero3_overlap_comm, args.zero3_prefetch_bucket_size) == (
+        t.warmup_measure_steps,
+        t.zero3_overlap_comm,
+        t.zero3_prefetch_bucket_size,
+    )
+    assert args.zero3_persistence_threshold == t.zero3_persistence_threshold
+    assert args.checkpointing == "full"  # 49k-token windows: recompute every layer
+    assert TrainArgs(model_dir="m", train_data="t", out_dir="o", gradient_checkpointing=False).checkpointing == "off"

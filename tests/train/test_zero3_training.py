@@ -28,7 +28,15 @@ from tests.train.conftest import window_record, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY, VAL_EVERY, RESUME_AT = 16, 8, 8, 8
-THROUGHPUT_FIELDS = {"tokens_per_s", "tokens_per_s_per_rank", "supervised_tokens_per_s", "model_tflops_per_gpu", "mfu"}
+THROUGHPUT_FIELDS = {
+    "tokens_per_s",
+    "tokens_per_s_per_rank",
+    "supervised_tokens_per_s",
+    "model_tflops_per_gpu",
+    "mfu",
+    "model_tflops_per_gpu_lora_causal",
+    "mfu_lora_causal",
+}
 LORA_R = 16
 LABEL_FREE_TASK = 999
 
@@ -74,7 +82,7 @@ def test_chunked_loss_without_targets_is_a_connected_zero() -> None:
 def test_empty_adapter_tensors_are_refused() -> None:
     import torch
 
-    from mass_ops.train.trainer import AdapterSaveError, assert_adapter_non_empty
+    from mass_ops.train.adapters import AdapterSaveError, assert_adapter_non_empty
 
     # Step 0 as PEFT initialises it: lora_A random, lora_B zero. That is a valid adapter.
     good = {"m.q_proj.lora_A.default.weight": torch.randn(4, 32), "m.q_proj.lora_B.default.weight": torch.zeros(32, 4)}
@@ -93,7 +101,7 @@ def test_empty_adapter_tensors_are_refused() -> None:
 def test_adapters_missing_modules_zero_or_non_finite_are_refused() -> None:
     import torch
 
-    from mass_ops.train.trainer import AdapterSaveError, assert_adapter_non_empty
+    from mass_ops.train.adapters import AdapterSaveError, assert_adapter_non_empty
 
     def pair(module: str, a: torch.Tensor) -> dict[str, torch.Tensor]:
         return {f"{module}.lora_A.default.weight": a, f"{module}.lora_B.default.weight": torch.zeros(32, 4)}
@@ -149,7 +157,7 @@ def test_a_started_run_is_not_overwritten(tmp_path: Path) -> None:
 
 
 def test_deepspeed_config_is_zero3_with_the_run_geometry() -> None:
-    from mass_ops.train.trainer import deepspeed_config
+    from mass_ops.train.zero import deepspeed_config
 
     args = TrainArgs(
         model_dir="m",
@@ -165,6 +173,22 @@ def test_deepspeed_config_is_zero3_with_the_run_geometry() -> None:
     assert config["zero_optimization"]["reduce_bucket_size"] == 1000
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert config["gradient_clipping"] == 1.0 and config["bf16"] == {"enabled": True}
+
+
+def test_zero3_adapter_settings_keep_lora_and_norm_tensors_whole(tiny_qwen3: Path) -> None:
+    from mass_ops.train.zero import deepspeed_config
+
+    args = TrainArgs(model_dir=str(tiny_qwen3), train_data="t", out_dir="o", lora_r=16)
+    zero = deepspeed_config(args, world_size=2)["zero_optimization"]
+    # tiny Qwen3: hidden 128, MLP 384, 4 heads × 64 → widest projection 384; largest LoRA tensor 16 × 384.
+    assert zero["stage3_param_persistence_threshold"] == 16 * 384 + 1
+    assert 128 < zero["stage3_param_persistence_threshold"] < 128 * 128  # norms persist; no frozen projection does
+    assert zero["overlap_comm"] is True and zero["stage3_prefetch_bucket_size"] == 100_000_000
+    assert deepspeed_config(args, world_size=2, on_cpu=True)["zero_optimization"]["overlap_comm"] is False
+    fixed = TrainArgs(model_dir="missing", train_data="t", out_dir="o", zero3_persistence_threshold=10**9)
+    assert deepspeed_config(fixed, world_size=1)["zero_optimization"]["stage3_param_persistence_threshold"] == 10**9
+    unknown = deepspeed_config(replace(fixed, zero3_persistence_threshold=None), world_size=1)
+    assert "stage3_param_persistence_threshold" not in unknown["zero_optimization"]  # DeepSpeed's default
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -278,6 +302,23 @@ def test_train_rows_follow_the_schedule_and_batch_geometry(runs: dict) -> None:
         # Throughput from the architecture; no MFU on CPU (the peak is a GPU figure).
         assert set(r) >= THROUGHPUT_FIELDS and r["tokens_per_s"] > 0 and len(r["tokens_per_s_per_rank"]) == 2
         assert r["model_tflops_per_gpu"] > 0 and r["mfu"] is None
+        assert 0 < r["model_tflops_per_gpu_lora_causal"] < r["model_tflops_per_gpu"]
+        assert r["micro_batches"] == 1 and r["pad_tokens"] == 0  # one window per rank: nothing to pack
+        assert r["warmup"] == (r["step"] <= 2)
+        assert set(r["phases"]) == {"data_s", "forward_s", "backward_s", "optimizer_s"}
+
+
+@pytest.mark.slow
+def test_throughput_summary_names_and_excludes_the_warmup_steps(runs: dict) -> None:
+    summary = json.loads((runs["full"] / "throughput.json").read_text())
+    assert summary["warmup_steps_excluded"] == [1, 2] and summary["measured_steps"] == STEPS - 2
+    assert [w["step"] for w in summary["warmup"]] == [1, 2] and "forward_s" in summary["warmup"][0]
+    assert set(summary["setup_s"]) == {"data", "model", "engine"}
+    assert 0 < summary["step_s_p50"] <= summary["step_s_p95"]
+    assert summary["tokens_per_s"] > summary["supervised_tokens_per_s"] > 0
+    assert summary["mfu"] is None and summary["recompiles"] is None  # CPU: no peak; nothing is torch.compile'd
+    assert summary["knobs"]["attention"] == "sdpa" and summary["knobs"]["packing"] is False
+    assert summary["knobs"]["zero_optimization"]["stage3_param_persistence_threshold"] > LORA_R * 384
 
 
 @pytest.mark.slow
@@ -376,7 +417,8 @@ def test_resume_continues_at_the_right_step_with_identical_draws_and_weights(run
     assert [Path(p).name for p in resume["superseded_checkpoints"]] == ["step_00016"]
     assert sorted(p.name for p in resumed.glob("step_*")) == ["step_00008", "step_00016"]
 
-    volatile = {"elapsed_s", "step_s", "val_seconds", "peak_mem_gib", "peak_reserved_gib"} | THROUGHPUT_FIELDS
+    volatile = {"elapsed_s", "step_s", "val_seconds", "peak_mem_gib", "peak_reserved_gib", "warmup", "phases"}
+    volatile |= THROUGHPUT_FIELDS
 
     def stable(rows: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if k not in volatile} for r in rows]
