@@ -49,7 +49,7 @@ class SelectedCheckpoint:
     checkpoint_dir: Path
     criterion: str = CRITERION
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The reference's `selected_checkpoint.json` fields."""
         return {
             "step": self.step,
@@ -75,7 +75,7 @@ def finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def log_rows(text: str, where: str, *, strict: bool = True, complete_lines_only: bool = False) -> list[dict]:
+def log_rows(text: str, where: str, *, strict: bool = True, complete_lines_only: bool = False) -> list[dict[str, Any]]:
     """The JSON-object rows of a JSONL training log, each with its line number under `_line`; the one reader of
     the trainer's logs. `strict`: a line that is not a JSON object is a CheckpointSelectionError naming `where:line`
     (else it is skipped, for a report that shows what it can). `complete_lines_only`: a last line without its newline
@@ -101,7 +101,7 @@ def log_rows(text: str, where: str, *, strict: bool = True, complete_lines_only:
     return rows
 
 
-def read_train_log(path: str | Path) -> list[dict]:
+def read_train_log(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a JSONL training log; a bad line is an error naming file:line."""
     path = Path(path)
     if not path.is_file():
@@ -109,7 +109,7 @@ def read_train_log(path: str | Path) -> list[dict]:
     return log_rows(path.read_text(encoding="utf-8"), str(path))
 
 
-def _validation_rows(path: Path, rows: list[dict]) -> list[dict]:
+def _validation_rows(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for row in rows:
         if "val_loss" not in row:
@@ -163,7 +163,7 @@ def saved_checkpoints(out_dir: str | Path, train_log_path: str | Path | None = N
     out_dir = Path(out_dir)
     log = Path(train_log_path) if train_log_path is not None else out_dir / TRAIN_LOG_FILE
     train_loss: dict[int, float] = {}
-    validation: dict[int, dict] = {}
+    validation: dict[int, dict[str, Any]] = {}
     if log.is_file():
         for row in read_train_log(log):
             step = row.get("step")

@@ -15,6 +15,7 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 ORCH = "orch"
 NONMAIN = "nonmain"
@@ -111,7 +112,7 @@ class Exposure:
             self.windows[d.window] += 1
             self.draws += 1
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "draws": self.draws,
             "by_task_role": dict(sorted(self.by_task_role.items())),
@@ -119,7 +120,7 @@ class Exposure:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> Exposure:
+    def from_dict(cls, data: dict[str, Any]) -> Exposure:
         return cls(
             by_task_role=Counter({str(k): int(v) for k, v in data.get("by_task_role", {}).items()}),
             windows=Counter({int(k): int(v) for k, v in data.get("windows", {}).items()}),

@@ -184,7 +184,7 @@ def _init_distributed(args: TrainArgs) -> Ranks:
     return Ranks(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank)
 
 
-def _model_class(model_dir: str):
+def _model_class(model_dir: str) -> Any:
     """The architecture named in the parent's config (e.g. Qwen3_5ForConditionalGeneration keeps its
     `language_model` prefix, so LoRA keys match the parent's own tensor names at merge time)."""
     import transformers
@@ -218,10 +218,10 @@ def build_lora_model(
     import deepspeed
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
     # transformers consults this object (through a weak reference) during from_pretrained: keep it referenced.
-    hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero3_init else None
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero3_init else None  # type: ignore[no-untyped-call]
     dtype = torch.bfloat16 if args.autocast_bf16 else torch.float32
     if attention is None:
         attention = "sdpa" if args.attn_implementation == "auto" else args.attn_implementation
@@ -312,7 +312,7 @@ class LoraSftRun:
         step_dir = Path(args.resume_from)
         if not is_complete(step_dir):
             raise TrainingError(f"{step_dir}: not a complete checkpoint (adapters or {TRAIN_STATE_FILE} missing)")
-        state = json.loads((step_dir / TRAIN_STATE_FILE).read_text())
+        state: dict[str, Any] = json.loads((step_dir / TRAIN_STATE_FILE).read_text())
         problems = []
         if state.get("world_size") != self.ranks.world_size:
             problems.append(
@@ -390,6 +390,7 @@ class LoraSftRun:
         self.setup_s["engine"] = round(time.perf_counter() - clock, 3)
 
         if resume_state is not None:
+            assert args.resume_from is not None  # a resume state is only read from it
             self._restore(Path(args.resume_from), resume_state)
         elif ranks.is_main:
             args.write(self.out_dir / ARGS_FILE)
@@ -724,10 +725,10 @@ class LoraSftRun:
                     )
                 local[3] += pad
             dist.all_reduce(local)
-            gathered: list[list[dict]] = [[] for _ in range(ranks.world_size)]
+            gathered: list[list[dict[str, Any]]] = [[] for _ in range(ranks.world_size)]
             dist.all_gather_object(gathered, [d.__dict__ for d in draws])
-            step_draws = [d for part in gathered for d in part]
-            self.exposure.add(Draw(**d) for d in step_draws)
+            step_draws = [drawn for part in gathered for drawn in part]
+            self.exposure.add(Draw(**drawn) for drawn in step_draws)
 
             done = step + 1
             self.last_loss = float(local[0] / local[1])
@@ -735,8 +736,8 @@ class LoraSftRun:
             if ranks.is_main:
                 step_s = time.perf_counter() - step_started
                 window_tokens: dict[int, list[int]] = defaultdict(list)
-                for d in step_draws:
-                    window_tokens[d["rank"]].append(self.train_set.windows[d["window"]].n_tokens)
+                for drawn in step_draws:
+                    window_tokens[drawn["rank"]].append(self.train_set.windows[drawn["window"]].n_tokens)
                 throughput = step_throughput(
                     window_tokens,
                     int(local[1]),
@@ -769,8 +770,8 @@ class LoraSftRun:
                 _append_jsonl(self.train_log, row)
                 self.step_rows.append(row)
                 by_pair: dict[str, int] = defaultdict(int)
-                for d in step_draws:
-                    by_pair[f"{d['task']}:{d['role']}"] += 1
+                for drawn in step_draws:
+                    by_pair[f"{drawn['task']}:{drawn['role']}"] += 1
                 _append_jsonl(
                     self.exposure_log,
                     {

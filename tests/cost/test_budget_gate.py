@@ -16,7 +16,9 @@ from airflow.sdk.execution_time.context import set_current_context
 from mass_ops.errors import InputError
 from mass_ops.stages import api as real_api  # the real module: the `stages` fixture replaces it in sys.modules
 from tests.dags.dag_files import dag_module
-from tests.plugins.conftest import StageRecorder, _no_host_settings, stages  # noqa: F401 - fixtures
+from tests.support.airflow import StageRecorder
+
+pytestmark = pytest.mark.usefixtures("host_settings_cleared")  # no MASS_* setting of this machine reaches the DAG
 
 # The demo preset's own scale estimates ~0.6 M tokens (and no USD: a CPU run has no GPU-hours); 1,000 are exceeded.
 OVER = {"preset": "demo", "overrides": ["budgets.cycle_tokens=1000"]}
@@ -28,7 +30,7 @@ def call_validate(params: dict[str, Any]) -> Any:
         return function(params=params)
 
 
-def test_the_dag_refuses_an_over_budget_run_unless_allowed(stages: StageRecorder) -> None:  # noqa: F811 - fixture
+def test_the_dag_refuses_an_over_budget_run_unless_allowed(stages: StageRecorder) -> None:
     # validate_config runs the real budget gate, then records the call instead of opening stores.
     def validate(config: Any, *args: Any) -> dict[str, Any]:
         summary = real_api.cycle_estimate(config, *args)

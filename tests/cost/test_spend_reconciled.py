@@ -17,23 +17,14 @@ from mass_ops.runtime.qwen_install import QwenInstall
 from mass_ops.runtime.runner import EpisodeRunner
 from mass_ops.store.budgets import BudgetLimits, task_scope
 from tests.policy_server import EventLoopThread, PolicyServer, PolicyServerConfig
-from tests.runtime.conftest import (  # noqa: F401 - fixtures
-    MODEL,
-    TASK,
-    PolicyHost,
-    open_episode_cycle,
-    policy_host,
-    request,
-    runner_environ,
-    stand_in_install,
-)
+from tests.support.runtime import MODEL, TASK, PolicyHost, open_episode_cycle, request, runner_environ
 
 
 @pytest.mark.parametrize("budgets", [{"episode_tokens": 4_000_000}, {}], ids=["demo-budgets", "no-budget"])
 def test_the_cycle_spend_counts_every_episode_and_matches_the_stage_tables(
-    policy_host: PolicyHost,  # noqa: F811 - fixture
+    policy_host: PolicyHost,
     tmp_path: Path,
-    stand_in_install: QwenInstall,  # noqa: F811 - fixture
+    stand_in_install: QwenInstall,
     budgets: dict[str, Any],
 ) -> None:
     with policy_host.serve() as server:

@@ -16,7 +16,7 @@ from mass_ops.llm import LLMClient, LLMEndpoint, SamplingParams
 from mass_ops.llm.calls import CallLedger, CallUnit
 from mass_ops.store.budgets import CYCLE_SCOPE, IN_LOOP_SCOPE, BudgetExhaustedError, BudgetLimits, task_scope
 from tests.policy_server import EventLoopThread, PolicyServer, PolicyServerConfig
-from tests.runtime.conftest import MODEL, open_episode_cycle
+from tests.support.runtime import MODEL, open_episode_cycle
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 64

@@ -1,24 +1,25 @@
-"""Fixtures of the plugin tests: Airflow's environment, a fake Kubernetes API, a stand-in stage module."""
+"""Fixtures of the plugin tests: Airflow's environment, a fake Kubernetes API, the chart's settings, metadata stores;
+the stand-in stage module comes from `tests.support.airflow_fixtures` (helpers: `tests.support.airflow`)."""
 
 from __future__ import annotations
 
 import shutil
-import sys
-import types
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 
-from tests.plugins.airflow_env import HOST_VARIABLES  # first: sets up Airflow's environment before its import
+from tests.plugins.airflow_env import HOST_VARIABLES  # noqa: F401 - first: Airflow's environment before its import
 from tests.plugins.kube_fakes import FakeCluster
+from tests.support.airflow import clear_host_settings
+from tests.support.airflow_fixtures import stages
+
+__all__ = ["chart_settings", "cluster", "cycle_store", "migrated_db", "stages"]
 
 
 @pytest.fixture(autouse=True)
-def _no_host_settings(monkeypatch):
-    for name in HOST_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+def _no_host_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    clear_host_settings(monkeypatch)
 
 
 @pytest.fixture
@@ -48,62 +49,6 @@ def chart_settings(tmp_path, monkeypatch) -> Path:
         (folder / name).write_text(text)
     monkeypatch.setenv("MASS_SETTINGS_DIR", str(folder))
     return folder
-
-
-def use_training_launcher(settings: Path, launcher: str) -> None:
-    """Set the chart's `compute.kubernetes.training_launcher` (a deployment setting, never a trigger's)."""
-    import yaml
-
-    path = settings / "kubernetes.yaml"
-    data = yaml.safe_load(path.read_text())
-    data["compute"]["kubernetes"]["training_launcher"] = launcher
-    path.write_text(yaml.safe_dump(data))
-
-
-class StageRecorder(types.ModuleType):
-    """A stand-in `mass_ops.stages.api`: every stage records (name, args) and returns what the test scripted."""
-
-    def __init__(self) -> None:
-        super().__init__("mass_ops.stages.api")
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.results: dict[str, Any] = {}
-        self.passthrough: dict[str, Any] = {}  # real stage functions, called and not recorded
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name in self.passthrough:
-            return self.passthrough[name]
-
-        def stage(config: Any, *args: Any) -> Any:
-            self.calls.append((name, (config, *args)))
-            result = self.results.get(name, {"stage": name})
-            return result(config, *args) if callable(result) else result
-
-        return stage
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
-
-
-@pytest.fixture
-def stages(monkeypatch) -> StageRecorder:
-    import mass_ops.stages.api as real
-
-    recorder = StageRecorder()
-    # Binding an episode pod to its unit's request is real work the episode operator needs, not a stage under test.
-    recorder.passthrough["bind_episode"] = real.bind_episode
-    recorder.passthrough["next_cycle_overrides"] = real.next_cycle_overrides  # arithmetic on a config
-    # The budget admission before a pod and the budget-stop check of an error read the real ledger (no stage runs).
-    recorder.passthrough["admit_episode"] = real.admit_episode
-    recorder.passthrough["budget_stop_message"] = real.budget_stop_message
-    recorder.passthrough["lease_episode_pod"] = real.lease_episode_pod  # the in-flight lease as a pod is created
-    recorder.passthrough["end_episode_pod_lease"] = real.end_episode_pod_lease  # ... and as it is gone unrecorded
-    monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
-    import mass_ops.stages
-
-    monkeypatch.setattr(mass_ops.stages, "api", recorder, raising=False)
-    return recorder
 
 
 @pytest.fixture(scope="session")
@@ -140,13 +85,3 @@ def cycle_store(migrated_db, tmp_path, monkeypatch):
         return repository
 
     return open_store
-
-
-def task_context(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """The parts of an Airflow context the operators read."""
-    ti = mock.MagicMock(dag_id="mass_cycle", task_id="t", map_index=-1, try_number=1, run_id="manual__1")
-    ti.xcom_push = mock.MagicMock()
-    context = {"params": params, "ti": ti, "task_instance": ti, "run_id": "manual__1", "dag": mock.MagicMock()}
-    context["dag"].parent_dag = None
-    context.update(extra)
-    return context

@@ -16,7 +16,7 @@ from mass_ops_airflow.triggers import JobCompletionTrigger
 
 from mass_ops.compute.kubernetes import GRADER_CONTAINER, JOB_NAME_LABEL, episode_deadline_s
 from mass_ops.evaluation.benchmarks.grading import RESULT_BEGIN, RESULT_END
-from tests.plugins.conftest import task_context
+from tests.support.airflow import task_context
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "generation": "L1", "limit": 2, "data_dir": "/data"}
 LOCAL = {**K8S, "compute_backend": "local"}

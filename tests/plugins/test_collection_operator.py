@@ -14,8 +14,8 @@ from mass_ops_airflow.operators.collection import CollectionPodsFailed
 
 from mass_ops.seeds import collection_seed
 from tests.compute.test_kubernetes_specs import flags
-from tests.plugins.conftest import task_context
 from tests.plugins.test_episode_operator import K8S, LOG, retain_v0
+from tests.support.airflow import task_context
 
 TASK = 202  # a training task of the paper preset
 CANDIDATES = 18  # the paper preset's collection.candidates

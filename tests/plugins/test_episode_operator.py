@@ -21,7 +21,7 @@ from mass_ops_airflow.operators._pod import SandboxPodFailed
 from mass_ops.compute import kubernetes as specs
 from mass_ops.layout import workflow_version_key
 from mass_ops.stages.units import EpisodeUnitError
-from tests.plugins.conftest import task_context
+from tests.support.airflow import task_context
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ['tasks.catalogue="builtin"']}
 

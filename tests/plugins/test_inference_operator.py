@@ -9,7 +9,7 @@ from airflow.sdk.exceptions import TaskDeferred
 from mass_ops_airflow.operators import InferenceServerOperator, InferenceServerTeardownOperator
 from mass_ops_airflow.triggers import InferenceReadinessTrigger
 
-from tests.plugins.conftest import task_context
+from tests.support.airflow import task_context
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes"}
 

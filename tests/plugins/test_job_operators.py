@@ -11,7 +11,7 @@ from mass_ops_airflow.triggers import JobCompletionTrigger, TrainJobCompletionTr
 
 from mass_ops.compute.kubernetes import job_name
 from mass_ops.store.artifact_backends import open_artifact_store
-from tests.plugins.conftest import task_context, use_training_launcher
+from tests.support.airflow import task_context, use_training_launcher
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "training_nnodes": 3}
 TRAINJOB = K8S  # with the chart's training_launcher set to trainjob (`trainjob_repo`)

@@ -25,8 +25,8 @@ from mass_ops_airflow.operators._pod import SandboxPodFailed
 
 from mass_ops.compute.kubernetes import job_name
 from tests.deploy.test_helm_chart import OPERATOR_VERBS
-from tests.plugins.conftest import task_context, use_training_launcher
 from tests.plugins.test_triggers import run_trigger
+from tests.support.airflow import task_context, use_training_launcher
 
 K8S = {"preset": "paper", "compute_backend": "kubernetes", "overrides": ['tasks.catalogue="builtin"']}
 

@@ -252,7 +252,7 @@ def test_the_operator_returns_the_stage_uris_and_the_reported_cycle(stages):
     from mass_ops_airflow.cycle import cycle_config
     from mass_ops_airflow.operators.report import ReportOperator
 
-    from tests.plugins.conftest import task_context
+    from tests.support.airflow import task_context
 
     params = {"preset": "demo"}
     stages.results["report"] = {"markdown": "file:///r/report.md", "html": "file:///r/report.html", "figures": 7}
@@ -268,7 +268,7 @@ def test_the_operator_refuses_a_stage_result_that_is_not_the_report_s(stages):
     from mass_ops_airflow.cycle import StageResultError
     from mass_ops_airflow.operators.report import ReportOperator
 
-    from tests.plugins.conftest import task_context
+    from tests.support.airflow import task_context
 
     stages.results["report"] = ["not", "a", "mapping"]
     with pytest.raises(StageResultError, match="stage report returned list"):

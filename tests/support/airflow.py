@@ -1,5 +1,6 @@
 """Helpers of the Airflow-side tests (DAGs, operators): a stand-in stage API that records calls, the parts of an
-Airflow context operators read, and clearing the host's settings. Conftest modules build their fixtures from them.
+Airflow context operators read, clearing the host's settings and choosing the chart's training launcher. The
+fixtures built from them live in `tests.support.airflow_fixtures`.
 
 Importing this module sets up Airflow's throw-away environment first (`tests.plugins.airflow_env`).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -75,3 +77,14 @@ def task_context(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
     context["dag"].parent_dag = None
     context.update(extra)
     return context
+
+
+def use_training_launcher(settings: Path, launcher: str) -> None:
+    """Set `compute.kubernetes.training_launcher` in the chart settings folder `settings` (a deployment setting,
+    never a trigger's)."""
+    import yaml
+
+    path = settings / "kubernetes.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["compute"]["kubernetes"]["training_launcher"] = launcher
+    path.write_text(yaml.safe_dump(data))
