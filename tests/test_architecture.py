@@ -217,10 +217,7 @@ def test_no_import_cycle_between_two_files_of_mass_ops():
 TESTS = PACKAGE.parent / "tests"
 # Test modules of tests/train (another change is editing that folder) still import its conftest; the lead empties
 # this list once they import their helpers from `tests/support/`.
-CONFTEST_IMPORTERS_ALLOWED = {
-    "train/test_sampler.py",
-    "train/test_zero3_training.py",
-}
+CONFTEST_IMPORTERS_ALLOWED: set[str] = set()
 
 
 def conftest_imports(path: Path) -> list[int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -31,11 +32,16 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 if TYPE_CHECKING:
     from mass_ops.config import CycleConfig
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PRESET_ENV = "MASS_DEFAULT_PRESET"
+# The estimate page of the plugin's app (`report_app`), as the API server serves it.
+ESTIMATE_PATH = "/mass-ops/estimate"
 # Where the deployment registers presets of its own, `<name>.yaml` each (the chart mounts its presets ConfigMap here).
 PRESETS_DIR_ENV = "MASS_PRESETS_DIR"
 DEFAULT_PRESETS_DIR = "/etc/mass-ops/presets"
@@ -49,35 +55,39 @@ _OVERRIDE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*$"
 
 @dataclass(frozen=True)
 class Knob:
-    """A config field exposed in the trigger form under a short param name."""
+    """A config field exposed in the trigger form under a short param name, with the title the form shows."""
 
     param: str
     path: str
     section: str
+    title: str
 
 
 # The knobs an operator sets most; every other key goes through `overrides`. Each Param is copied into every task at
 # parse time, so this list is kept to what the trigger form is for.
 KNOBS: tuple[Knob, ...] = (
-    Knob("cycle_name", "name", "Cycle"),
-    Knob("generation", "generation", "Cycle"),
-    Knob("served_name", "models.served_name", "Cycle"),
-    Knob("parent_model", "models.parent_bf16", "Cycle"),
-    Knob("compute_backend", "compute.backend", "Compute"),
-    Knob("max_concurrent_requests", "inference.max_concurrent_requests", "Compute"),
-    Knob("train_tasks", "tasks.train", "Tasks"),
-    Knob("test_tasks", "tasks.test", "Tasks"),
-    Knob("search_iterations", "search.iterations", "Search and collection"),
-    Knob("candidates", "collection.candidates", "Search and collection"),
-    Knob("training_steps", "training.steps", "Training"),
-    Knob("learning_rate", "training.lr", "Training"),
-    Knob("lora_r", "training.lora_r", "Training"),
-    Knob("training_nnodes", "training.nnodes", "Training"),
-    Knob("gpus_per_node", "training.gpus_per_node", "Training"),
-    Knob("rollout_count", "evaluation.rollout_count", "Evaluation"),
-    Knob("regression_threshold", "evaluation.regression_threshold", "Evaluation"),
+    Knob("cycle_name", "name", "Cycle", "Cycle name"),
+    Knob("generation", "generation", "Cycle", "Generation (k of L(k))"),
+    Knob("served_name", "models.served_name", "Cycle", "Served model name"),
+    Knob("parent_model", "models.parent_bf16", "Cycle", "Parent model (BF16)"),
+    Knob("compute_backend", "compute.backend", "Compute", "Compute backend"),
+    Knob("max_concurrent_requests", "inference.max_concurrent_requests", "Compute", "Concurrent LLM requests"),
+    Knob("train_tasks", "tasks.train", "Tasks", "Training tasks"),
+    Knob("test_tasks", "tasks.test", "Tasks", "Test tasks"),
+    Knob("search_iterations", "search.iterations", "Search and collection", "Search iterations"),
+    Knob("candidates", "collection.candidates", "Search and collection", "Candidates per task"),
+    Knob("training_steps", "training.steps", "Training", "Training steps"),
+    Knob("learning_rate", "training.lr", "Training", "Learning rate"),
+    Knob("lora_r", "training.lora_r", "Training", "LoRA rank"),
+    Knob("training_nnodes", "training.nnodes", "Training", "Training nodes"),
+    Knob("gpus_per_node", "training.gpus_per_node", "Training", "GPUs per node"),
+    Knob("rollout_count", "evaluation.rollout_count", "Evaluation", "Evaluation rollouts"),
+    Knob("regression_threshold", "evaluation.regression_threshold", "Evaluation", "Regression threshold"),
 )
 KNOB_BY_PARAM = {k.param: k for k in KNOBS}
+# Knobs whose running value the deployment may set before the preset (the chart's cluster settings choose the
+# backend): the form leaves them empty, so an explicit choice is never mistaken for "as shown".
+DEPLOYMENT_KNOBS = frozenset({"compute_backend"})
 # Pydantic writes Field bounds of custom-validated floats under these names; JSON Schema spells them differently.
 _BOUND_NAMES = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
 _SCHEMA_KEYS = {
@@ -281,14 +291,71 @@ def generate_form_schema() -> dict[str, Any]:
     knobs: dict[str, dict[str, Any]] = {}
     for knob in KNOBS:
         field = field_schema(knob.path, schema)
-        knobs[knob.param] = {
-            **nullable(field),
-            "title": knob.param.replace("_", " ").capitalize(),
-            "description": f"{field.get('description', field.get('title', knob.path))} (config: {knob.path}; "
-            "empty = the preset's value)",
-            "section": knob.section,
-        }
-    return {"presets": list(PRESET_NAMES), "knobs": knobs}
+        text = _without_reference(str(field.get("description", field.get("title", knob.path))))
+        knobs[knob.param] = {**nullable(field), "title": knob.title, "description": text, "section": knob.section}
+    values = {name: preset_knob_values(name) for name in PRESET_NAMES}
+    return {"presets": list(PRESET_NAMES), "knobs": knobs, "preset_values": values}
+
+
+def _without_reference(text: str) -> str:
+    """A field's description without the paper's value it quotes (the form states the preset's value instead)."""
+    text = re.sub(r"\s*\((?:the )?reference [^)]*\)", "", text.strip().rstrip("."))
+    text = re.sub(r"\.\s*Reference: [^;]*?(?:;\s*(at most \d+))?$", lambda m: f"; {m[1]}" if m[1] else "", text)
+    return re.sub(r"\.\s*Default \S+$", "", text)
+
+
+def preset_knob_values(preset: str) -> dict[str, Any]:
+    """Each knob's value in `preset` (a name `trigger_preset` accepts) once validated, defaults filled in; {} when
+    the preset cannot be read or validated here (the form then leaves its knobs empty: the run still reports it)."""
+    from mass_ops.config import read_config_source, validate_config
+
+    try:
+        dumped = validate_config(read_config_source(trigger_preset(preset))).model_dump(mode="json")
+    except Exception as exc:  # never fail a DAG parse over the form's defaults
+        log.warning("params: the trigger form cannot show preset %s's values: %s", preset[:120], str(exc)[:200])
+        return {}
+    values: dict[str, Any] = {}
+    for knob in KNOBS:
+        node: Any = dumped
+        for part in knob.path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        values[knob.param] = node
+    return values
+
+
+@cache
+def form_preset_values(preset: str) -> dict[str, Any]:
+    """The knob values the form shows for `preset`: the shipped ones from `form_schema.json`, else read once per
+    process (the deployment's own default, a file)."""
+    shipped = form_schema().get("preset_values", {})
+    return dict(shipped[preset]) if preset in shipped else preset_knob_values(preset)
+
+
+def _shown(value: Any) -> str:
+    """A knob value as the help text states it."""
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def knob_param_spec(knob: Knob, spec: Mapping[str, Any], preset: str, value: Any) -> tuple[Any, dict[str, Any]]:
+    """The default and the Param schema of `knob` in a form whose preset is `preset` (its value there: `value`):
+    the preset's value as the default (an empty list shows as an empty field), its value stated in the help text and
+    a dropdown's empty choice labelled in words."""
+    out = copy.deepcopy(dict(spec))
+    label = preset if len(preset) <= 40 else "default"
+    out["description"] = (
+        f"{out.get('description', knob.path)}. The {label} preset sets {_shown(value)}; empty = the chosen preset's "
+        f"value (config: {knob.path})."
+    )
+    if "enum" in out:  # the UI labels each choice by values_display, and its empty choice by the "null" entry
+        out["values_display"] = {**{str(v): str(v) for v in out["enum"] if v is not None}, "null": "the preset's value"}
+    if knob.param in DEPLOYMENT_KNOBS:
+        out["description"] += " The deployment's cluster settings, where it has them, come before the preset."
+        return None, out
+    return (None if value == [] else value), out
 
 
 def write_form_schema(path: Path = FORM_SCHEMA_FILE) -> Path:
@@ -363,20 +430,25 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
     params: dict[str, Any] = {
         "preset": Param(
             preset or default_preset(),
-            type="string",
+            type=["string", "null"],
             minLength=1,
             title="Preset",
-            description=f"A shipped preset ({', '.join(presets)}) or one the deployment registers, by name.",
+            description=f"A shipped preset ({', '.join(presets)}) or one the deployment registers, by name. The "
+            "knobs below show this default's values; with another preset, a knob left at its shown value takes "
+            "that preset's value.",
             examples=list(presets),
             section="Cycle",
         ),
     }
+    shown_preset = preset or default_preset()
+    values = form_preset_values(shown_preset)
     for knob in KNOBS:
         if knob.param in wanted:
-            params[knob.param] = Param(None, **copy.deepcopy(schema["knobs"][knob.param]))
+            default, spec = knob_param_spec(knob, schema["knobs"][knob.param], shown_preset, values.get(knob.param))
+            params[knob.param] = Param(default, **spec)
     params["overrides"] = Param(
         [],
-        type="array",
+        type=["array", "null"],
         items={"type": "string", "pattern": _OVERRIDE},
         title="Overrides",
         description="More experiment settings as KEY.PATH=VALUE lines (values parsed as YAML), applied after the "
@@ -387,20 +459,25 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
         return params
     params["auto_continue"] = Param(
         False,
-        type="boolean",
+        type=["boolean", "null"],
         title="Auto continue",
         description="When the new generation is registered and evaluated, trigger the next cycle on it.",
         section="Advanced",
     )
+    estimate = f"{ESTIMATE_PATH}?preset={quote(str(preset or default_preset()), safe='')}"
     params["allow_over_budget"] = Param(
         False,
-        type="boolean",
+        type=["boolean", "null"],
         title="Allow over budget",
         description=(
-            "Start the run even when its cost estimate exceeds budgets.cycle_cost_usd or budgets.cycle_tokens. The "
-            "estimate per stage for this form's values: open /mass-ops/estimate?preset=NAME with each knob as "
-            "&knob=value and each override as &set=key=value (the same figures as `mass-ops plan --json`; "
-            "validate_config logs it and returns it in XCom)."
+            "Start the run even when its cost estimate exceeds budgets.cycle_cost_usd or budgets.cycle_tokens. "
+            f"The estimate per stage: {estimate}, with each changed knob added as &knob=value and each override "
+            "as &set=key=value."
+        ),
+        description_md=(
+            "Start the run even when its cost estimate exceeds `budgets.cycle_cost_usd` or `budgets.cycle_tokens`. "
+            f"[Open the estimate per stage]({estimate}) for the preset; add each changed knob as `&knob=value` "
+            "and each override as `&set=key=value` to the page's address."
         ),
         section="Advanced",
     )
@@ -484,6 +561,7 @@ def build_config(
             f"params: unknown {unknown}; knobs are {sorted(KNOB_BY_PARAM)} (a DAG's own run params are stripped with "
             "config_params before the config is built)"
         )
+    params = _unshown_knobs(params)
     extra = as_overrides(params.get("overrides") or [])
     from_trigger = [*knob_overrides(params), *extra]
     refused = next(filter(None, map(trigger_override_problem, from_trigger)), None)
@@ -524,6 +602,19 @@ def build_config(
             dumped["inference"]["endpoint"] = endpoint
             config = validate_config(dumped)
     return config
+
+
+def _unshown_knobs(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` with every knob still at the value the form showed (its default preset's) cleared: the form can show
+    one preset's values only, and a knob left as shown means "the chosen preset's value" — with another preset
+    chosen, that preset's. (To force the default's value on another preset, use an override.)"""
+    shown = form_preset_values(default_preset())
+    return {
+        key: None
+        if key in KNOB_BY_PARAM and key not in DEPLOYMENT_KNOBS and shown.get(key) is not None and value == shown[key]
+        else value
+        for key, value in params.items()
+    }
 
 
 def next_cycle_params(params: Mapping[str, Any], config: CycleConfig) -> dict[str, Any]:

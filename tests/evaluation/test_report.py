@@ -477,6 +477,33 @@ def test_the_first_section_shows_spend_against_budget_and_the_estimate_against_t
     assert "No estimate was saved for this cycle" in first
 
 
+def test_the_budget_section_lists_each_budget_alert_the_cycle_raised_or_says_there_was_none(eval_env):
+    from mass_ops.store.budgets import BudgetLedger, BudgetLimits
+
+    data = eval_env.config.model_dump(mode="json")
+    data["name"] = "alerting"
+    data["budgets"] = {"cycle_tokens": 1_000, "task_cost_usd": 2.0}
+    ctx = open_test_cycle(validate_config(data))
+    ledger = BudgetLedger(ctx.repo, ctx.cycle_id, BudgetLimits.from_mapping(ctx.config.budgets.model_dump()))
+    ledger.record(("cycle", "task:51"), tokens=600, cost_usd=0.5)  # 60% of the cycle's tokens; 25% of the task's USD
+    ledger.record(("cycle", "task:51"), tokens=250, cost_usd=1.2)  # 85% of the tokens, 85% of the USD
+
+    first = provenance_section(read(write_report(ctx)["markdown"]).decode())
+    alerts = re.findall(r"^Budget alert: (.*) at \d{4}-\d\d-\d\d \d\d:\d\d UTC\.$", first, re.MULTILINE)
+    assert alerts == [
+        "the cycle passed 50% of budgets.cycle_tokens = 1,000 tokens",
+        "the cycle passed 80% of budgets.cycle_tokens = 1,000 tokens",
+        "task 51 passed 50% of budgets.task_cost_usd = USD 2.00",
+        "task 51 passed 80% of budgets.task_cost_usd = USD 2.00",
+    ]
+    assert "No budget alert" not in first
+
+    quiet = open_test_cycle(validate_config(eval_env.config.model_dump(mode="json") | {"name": "quiet"}))
+    first = provenance_section(read(write_report(quiet)["markdown"]).decode())
+    assert "No budget alert: no spend reached 50% of a budget in this cycle." in first
+    assert "Budget alert:" not in first
+
+
 def test_the_benchmark_table_of_two_generations_cell_by_cell(eval_env):
     """The paper's layout from recorded `benchmark` evaluation rows of L0 and L1 (#18.4)."""
     from mass_ops.evaluation.benchmarks import load_sab_instances, sab_tasks

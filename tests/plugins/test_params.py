@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from airflow.sdk import Param
@@ -10,12 +11,15 @@ from airflow.sdk.definitions.param import ParamsDict
 from mass_ops_airflow import params as form
 from mass_ops_airflow.params import (
     FORM_SCHEMA_FILE,
+    KNOB_BY_PARAM,
     KNOBS,
     MAX_SEARCH_ITERATIONS,
     ParamsError,
     build_config,
     cycle_params,
+    form_preset_values,
     generate_form_schema,
+    knob_param_spec,
     next_cycle_params,
 )
 
@@ -37,7 +41,54 @@ def test_every_knob_is_a_nullable_config_field():
         spec = schema[knob.param]
         accepts_null = "null" in (spec.get("type") or []) or {"type": "null"} in spec.get("anyOf", [])
         assert accepts_null, knob
-        assert knob.path in spec["description"] and spec["section"]
+        assert spec["description"] and spec["section"]
+        assert knob.path in cycle_params()[knob.param].description
+
+
+def test_the_form_shows_the_default_preset_s_values_in_words_people_use(monkeypatch):
+    monkeypatch.setenv("MASS_DEFAULT_PRESET", "paper")
+    form_preset_values.cache_clear()
+    params = cycle_params()
+    paper = load_config("paper")
+    assert params["lora_r"].value == paper.training.lora_r and params["gpus_per_node"].value == 8
+    assert params["train_tasks"].value == paper.tasks.train and params["compute_backend"].value is None
+    assert "The paper preset sets local;" in params["compute_backend"].description
+    assert params["lora_r"].schema["title"] == "LoRA rank"
+    assert params["gpus_per_node"].schema["title"] == "GPUs per node"
+    assert "The paper preset sets 64;" in params["lora_r"].description
+    for name in ("training_steps", "lora_r", "learning_rate", "test_tasks", "candidates", "regression_threshold"):
+        assert not re.search(r"\b[Rr]eference\b|Default \d", params[name].description), name
+    # the UI labels a dropdown's choices by values_display: its empty choice reads in words, never `null`
+    display = params["compute_backend"].schema["values_display"]
+    assert display["null"] == "the preset's value" and "null" not in display.values()
+    # Airflow's form marks a field required when its type excludes null: only what must be given is
+    required = [n for n, p in params.items() if "null" not in (p.schema.get("type") or ["null"])]
+    assert required == [], required
+    link = params["allow_over_budget"].schema["description_md"]
+    assert "](/mass-ops/estimate?preset=paper)" in link
+
+    monkeypatch.setenv("MASS_DEFAULT_PRESET", "demo")
+    demo = cycle_params()
+    assert demo["lora_r"].value == 8 and demo["training_steps"].value == 4
+    assert "The demo preset sets 60;" in demo["test_tasks"].description
+
+
+def test_an_empty_preset_list_shows_an_empty_field_and_knobs_left_as_shown_follow_the_chosen_preset(
+    monkeypatch, tmp_path
+):
+    spec = {"type": ["array", "null"], "description": "Held-out task ids"}
+    default, _ = knob_param_spec(KNOB_BY_PARAM["test_tasks"], spec, "demo", [])
+    assert default is None
+    monkeypatch.setenv("MASS_DEFAULT_PRESET", "demo")
+    form = {name: p.value for name, p in cycle_params().items()}
+    # triggered with another preset but the knobs as the form showed them: the paper preset's own values run
+    config = build_config({**form, "preset": "paper"}, settings_dir=tmp_path, environ={})
+    assert config.training.lora_r == 64 and config.tasks.train == load_config("paper").tasks.train
+    changed = build_config({**form, "preset": "paper", "lora_r": 16}, settings_dir=tmp_path, environ={})
+    assert changed.training.lora_r == 16 and changed.training.steps == load_config("paper").training.steps
+    # with the default preset itself, the form's values are the preset's config, train candidates included
+    same = build_config(form, settings_dir=tmp_path, environ={})
+    assert same.tasks.train_candidates == load_config("demo").tasks.train_candidates
 
 
 def test_search_iterations_bound_covers_every_preset():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+
+from tests.support.train import window_record, write_jsonl  # noqa: F401 - used by the fixtures below
 
 # Short agent turns a 2-layer model can memorise in a few dozen LoRA steps: (task, role, assistant text).
 TURNS: tuple[tuple[int, str, str], ...] = (
@@ -22,26 +22,6 @@ TURNS: tuple[tuple[int, str, str], ...] = (
     (202, "orchestrator", "Stage one: featurize the interfaces. Stage two: train the contact predictor."),
     (202, "worker", "Computed residue contact maps for 96 complexes and saved them to data/contacts.npy."),
 )
-
-
-def window_record(input_ids: list[int], labels: list[int], *, task: int, role: str, episode: str) -> dict:
-    """A MASS_SPEC §7 window record with the fields the trainer reads."""
-    return {
-        "input_ids": list(input_ids),
-        "labels": list(labels),
-        "task": task,
-        "role": role,
-        "is_main": role == "orchestrator",
-        "episode": episode,
-        "condition": f"t{task}_L0",
-        "n_tokens": len(input_ids),
-        "n_loss_tokens": sum(label != -100 for label in labels),
-    }
-
-
-def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="session")

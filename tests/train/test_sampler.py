@@ -11,7 +11,7 @@ import pytest
 
 from mass_ops.train.data import WindowDataError, load_windows
 from mass_ops.train.sampler import NONMAIN, ORCH, Exposure, TaskRoleSampler, WindowTag, draw_index
-from tests.train.conftest import window_record, write_jsonl
+from tests.support.train import window_record, write_jsonl
 
 
 def _tags(spec: dict[int, tuple[int, int]]) -> list[WindowTag]:

@@ -24,7 +24,7 @@ from mass_ops.train.checkpoints import select_checkpoint
 from mass_ops.train.launch import build_launch_command
 from mass_ops.train.sampler import TaskRoleSampler, WindowTag
 from mass_ops.train.schedule import lr_at
-from tests.train.conftest import window_record, write_jsonl
+from tests.support.train import window_record, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY, VAL_EVERY, RESUME_AT = 16, 8, 8, 8

@@ -166,10 +166,10 @@ def _provenance_blocks(data: ReportData) -> list[Block]:
     text = f"Task catalogue: {data.catalogue}"
     record = data.catalogue_import
     if record is not None:
-        files = record.get("files") if isinstance(record.get("files"), dict) else {}
+        files = record.get("files")
         text += (
             f" — imported from a folder named {record.get('source', '?')!s} at {record.get('imported_at', '?')!s} "
-            f"({len(files)} files, each SHA-256 recorded in the cycle row)"
+            f"({len(files) if isinstance(files, dict) else 0} files, each SHA-256 recorded in the cycle row)"
         )
     elif data.catalogue == "builtin":
         text += " — mass-ops' own 12 tasks, not the reference's (`mass-ops tasks import` brings in those)"
@@ -220,9 +220,26 @@ def _reconciliation(data: ReportData) -> Block | None:
     )
 
 
+def _alert_blocks(data: ReportData) -> list[Block]:
+    """One line per budget alert the cycle raised (50% and 80% of a limit), or one line saying there was none."""
+    if not data.budget_alerts:
+        return [Block("p", "No budget alert: no spend reached 50% of a budget in this cycle.")]
+    lines = []
+    for a in data.budget_alerts:
+        scope = "the cycle" if a.scope == "cycle" else a.scope.replace(":", " ").replace("_", "-")
+        if a.limit is None:
+            limit = f"{a.setting} (no longer set)"
+        else:
+            limit = f"{a.setting} = " + (f"USD {a.limit:,.2f}" if a.unit == "USD" else f"{int(a.limit):,} tokens")
+        lines.append(Block("p", f"Budget alert: {scope} passed {a.percent}% of {limit} at {a.at}."))
+    return lines
+
+
 def _cost_control_blocks(data: ReportData) -> list[Block]:
     """Spend against budget and the estimate against the actuals per stage (part of the first section)."""
     blocks = [Block("h3", "Spend against budget")]
+    rows: tuple[tuple[str, ...], ...]  # the two tables below have different widths
+    headers: tuple[str, ...]
     if data.budgets:
         rows = tuple(
             (
@@ -238,6 +255,7 @@ def _cost_control_blocks(data: ReportData) -> list[Block]:
             blocks.append(reconciled)
     else:
         blocks.append(Block("p", "No spend is recorded in the budget ledger of this cycle."))
+    blocks.extend(_alert_blocks(data))
     blocks.append(Block("h3", "Estimate against actual per stage"))
     if data.estimate_source is None:
         blocks.append(Block("p", "No estimate was saved for this cycle (validate_config saves the first one)."))

@@ -21,7 +21,7 @@ from mass_ops.evaluation.benchmarks.scoring import BenchmarkError, TrialResult, 
 from mass_ops.evaluation.benchmarks.table import benchmark_table
 from mass_ops.evaluation.efficiency import Efficiency, score_per_output_token
 from mass_ops.evaluation.position_bias import FlipRate, flip_rates, order_checks
-from mass_ops.evaluation.report.data_cost import cache_shares, cost_control, stage_costs
+from mass_ops.evaluation.report.data_cost import budget_alerts, cache_shares, cost_control, stage_costs
 from mass_ops.evaluation.report.data_training import loss_curves, ran_on_cpu, throughput_curves, training_runs
 from mass_ops.evaluation.report.model import (
     EPISODE_STAGE,
@@ -68,9 +68,9 @@ def _scoreboard(ctx: CycleContext) -> list[TaskScoreboard]:
             found = _ARBITRATION_KEY.match(row.key)
             if found:
                 arbitration[(int(found.group(1)), int(found.group(2)))] = row.verdict
-        row = retained.get(task)
-        if row is not None:
-            champion = row.version if row.beats_reference else None
+        kept = retained.get(task)
+        if kept is not None:
+            champion = kept.version if kept.beats_reference else None
         elif baseline:
             champion = derive_champion(baseline, arbitration, max(baseline)).retained
         else:
@@ -84,7 +84,7 @@ def _scoreboard(ctx: CycleContext) -> list[TaskScoreboard]:
                 champion=champion,
                 executed=executed,
                 planned=config.search.iterations + 1,
-                retained_recorded=row is not None,
+                retained_recorded=kept is not None,
             )
         )
     return boards
@@ -94,16 +94,21 @@ def _provenance(ctx: CycleContext) -> tuple[str, dict[str, Any] | None, list[Pro
     """(catalogue identity, its import record, prompt templates) as the cycle row recorded them at open time."""
     cycle = ctx.repo.get_cycle(ctx.cycle_name)
     recorded = (cycle.provenance if cycle is not None else None) or {}
-    catalogue = recorded.get("catalogue") if isinstance(recorded.get("catalogue"), dict) else {}
+    catalogue = _mapping(recorded.get("catalogue")) or {}
     identity = str(catalogue.get("identity") or "not recorded")
-    imported = catalogue.get("provenance") if isinstance(catalogue.get("provenance"), dict) else None
-    prompts = recorded.get("prompts") if isinstance(recorded.get("prompts"), dict) else {}
+    imported = _mapping(catalogue.get("provenance"))
+    prompts = _mapping(recorded.get("prompts")) or {}
     shipped = shipped_prompts().digests()
     digests = [
         PromptDigest(str(name), str(sha), None if name not in shipped else shipped[name] == sha)
         for name, sha in sorted(prompts.items())
     ]
     return identity, imported, digests
+
+
+def _mapping(value: Any) -> dict[str, Any] | None:
+    """`value` when it is a dict (a JSON object read from a row), else None."""
+    return value if isinstance(value, dict) else None
 
 
 def _judging_stage(ledger: str, key: str) -> str | None:
@@ -361,6 +366,7 @@ def collect_report_data(
     data.throughput = throughput_curves(ctx, runs)
     data.cache_shares = cache_shares(ctx)
     data.budgets, data.estimate_rows, data.estimate_source = cost_control(ctx, data.stages)
+    data.budget_alerts = budget_alerts(ctx)
     if not data.own_evaluations:
         data.notes.append("No pairwise evaluation of this cycle is recorded yet (rollouts → pairs → judges → summary).")
     return data

@@ -15,6 +15,7 @@ from mass_ops.evaluation.report.model import (
     CALL_STAGE,
     EPISODE_STAGE,
     STAGE_ORDER,
+    BudgetAlertLine,
     BudgetLine,
     CacheShare,
     EstimateRow,
@@ -117,10 +118,10 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
     costs["train"] += training_cost(prices, gpus.get("train", 0.0))
     stages = []
     for stage in STAGE_ORDER:
-        bucket = totals.get(stage)
-        if bucket is None and stage not in gpus:
+        recorded = totals.get(stage)
+        if recorded is None and stage not in gpus:
             continue
-        bucket = bucket or {}
+        bucket = recorded or {}
         spans = intervals.get(stage, []) + (train_span if stage == "train" else [])
         stages.append(
             StageCost(
@@ -216,6 +217,26 @@ def cost_control(
     if saved is not None:
         source = f"measured on {saved['lineage_cycle']}" if saved.get("lineage_cycle") else _default_source(saved)
     return budgets, rows, source
+
+
+def budget_alerts(ctx: CycleContext) -> list[BudgetAlertLine]:
+    """The budget alerts the cycle raised (`store.budgets.recorded_alerts`), each with the limit it crossed a share
+    of as the cycle's config sets it now."""
+    from mass_ops.store.budgets import MEASURES, BudgetLimits, recorded_alerts
+
+    limits = BudgetLimits.from_mapping(ctx.config.budgets.model_dump())
+    lines = []
+    for alert in recorded_alerts(ctx.repo, ctx.cycle_id):
+        try:
+            tokens, cost, prefix = limits.for_scope(alert.scope)
+        except ValueError:  # a scope this version no longer knows: still shown, without its limit
+            tokens, cost, prefix = None, None, "budgets." + alert.scope
+        limit = cost if alert.unit == "USD" else tokens
+        at = alert.at if alert.at.tzinfo is None else alert.at.astimezone(UTC)
+        setting = f"{prefix}_{MEASURES.get(alert.unit, alert.unit)}"
+        when = f"{at:%Y-%m-%d %H:%M} UTC"
+        lines.append(BudgetAlertLine(alert.scope, setting, alert.unit, limit, alert.percent, when))
+    return lines
 
 
 def _default_source(saved: Mapping[str, Any]) -> str:

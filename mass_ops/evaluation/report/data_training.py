@@ -80,7 +80,10 @@ def throughput_curves(ctx: CycleContext, runs: Sequence[TrainingRun]) -> list[Th
     """The throughput fields the trainer logs per step (runs whose log has none are left out)."""
     curves = []
     for run in runs:
-        tokens, supervised, mfu, peaks = [], [], [], []
+        tokens: list[tuple[int, float]] = []
+        supervised: list[tuple[int, float]] = []
+        mfu: list[tuple[int, float]] = []
+        peaks: list[float] = []
         for row in _read_log_rows(ctx, run):
             step = row.get("step")
             if not isinstance(step, int) or "val_loss" in row:

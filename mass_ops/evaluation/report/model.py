@@ -203,6 +203,18 @@ class BudgetLine:
 
 
 @dataclass(frozen=True)
+class BudgetAlertLine:
+    """A budget alert the cycle raised: the scope, the limit's config key and value, the share crossed and when."""
+
+    scope: str
+    setting: str  # e.g. budgets.cycle_tokens
+    unit: str  # "tokens" or "USD"
+    limit: float | None  # the limit now configured; None when the config no longer sets it
+    percent: int
+    at: str  # when the share was first crossed, as the report prints it (UTC)
+
+
+@dataclass(frozen=True)
 class EstimateRow:
     """One stage: the estimate saved when the cycle was opened against what its records add up to (actual USD is
     the stage's `StageCost.cost_usd`)."""
@@ -293,6 +305,7 @@ class ReportData:
     cache_shares: list[CacheShare] = field(default_factory=list)
     # spend against budget (ledger) and the saved estimate against the actuals (first section; ISSUE #15)
     budgets: list[BudgetLine] = field(default_factory=list)
+    budget_alerts: list[BudgetAlertLine] = field(default_factory=list)  # in the order they were raised
     estimate_rows: list[EstimateRow] = field(default_factory=list)
     estimate_source: str | None = None
     # the headline's facts besides the evaluation and the stage totals
@@ -313,7 +326,8 @@ class ReportData:
         own = self.own_evaluations
         new, parent = f"L{self.generation + 1}", f"L{self.generation}"
         matching = [e for e in own if (e.generation_a, e.generation_b) == (new, parent)]
-        return (matching or own or [None])[-1]
+        chosen = matching or own
+        return chosen[-1] if chosen else None
 
     @property
     def total_tokens(self) -> int:
