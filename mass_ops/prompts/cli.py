@@ -19,7 +19,7 @@ from mass_ops.prompts.specs import TEMPLATES
 
 prompts_app = typer.Typer(
     no_args_is_help=True,
-    help="Prompt templates: list them, show one, export copies to edit and point prompts.dir at.",
+    help="Prompt templates: list them, show one, export copies to edit (prompts.dir), check the messages they make.",
 )
 
 ConfigOption = Annotated[str, typer.Option("--config", "-c", help="Preset (paper, cycle2, demo) or YAML/JSON file.")]
