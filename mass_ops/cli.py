@@ -21,6 +21,8 @@ from mass_ops.prompts.cli import prompts_app
 from mass_ops.stages.registry import COLLECT, EXPORT, JOBS, RANK, RENDER, REPORT, SEARCH, SELECT, TRAIN, VALIDATE
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mass_ops.cost.estimate import CycleEstimate
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MASS self-improvement cycles as a pipeline.")
@@ -72,7 +74,7 @@ def failure(title: str, exc: BaseException, *, resume_hint: str = "rerun to resu
 HANDLED = (MassOpsError, ValueError, RuntimeError, OSError)
 
 
-def shown_config(cfg: CycleConfig) -> dict:
+def shown_config(cfg: CycleConfig) -> dict[str, Any]:
     """The config as JSON for printing: store URLs with their passwords masked (they come from MASS_METADATA_URL /
     MASS_ARTIFACT_URL and may carry credentials)."""
     from mass_ops.store.urls import mask_url
@@ -409,7 +411,7 @@ def tasks_import(
 TasksOption = Annotated[list[int] | None, typer.Option("--tasks", help="Subset of task ids (repeatable).")]
 
 
-def _summary(title: str, rows: list[dict]) -> None:
+def _summary(title: str, rows: list[dict[str, Any]]) -> None:
     """A Rich table with one row per task (columns from the first row)."""
     if not rows:
         console.print(f"{title}: nothing to do", markup=False)
@@ -423,7 +425,7 @@ def _summary(title: str, rows: list[dict]) -> None:
     console.print(table)
 
 
-def _stage(title: str, call) -> list[dict]:
+def _stage(title: str, call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Run a stage; domain errors (bad input, refused state) are one line and exit 2."""
     try:
         rows = call()

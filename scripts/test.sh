@@ -13,6 +13,5 @@ if ! .venv/bin/python -c "import psycopg2; psycopg2.connect(host='127.0.0.1', us
   fi
 fi
 # Type check before the tests (pyproject's [tool.mypy]: strict, on mass_ops/): a type error fails the command.
-# Disabled until `.venv/bin/mypy` is clean on mass_ops/ (issue #27 item 5); uncomment then.
-# .venv/bin/mypy
+.venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

@@ -1,6 +1,6 @@
 """Evidence bundles and the pairwise judge (MASS_SPEC §5): `evidence` builds what a judge sees of a workspace,
-`prompts` builds the messages (their texts are templates), `verdicts` the verdict schema and its strict and lenient readings,
-`pairwise` makes the calls, `workspaces` says where a judged workspace comes from."""
+`prompts` builds the messages (their texts are templates), `verdicts` holds the verdict schema and its strict and
+lenient readings, `pairwise` makes the calls, `workspaces` says where a judged workspace comes from."""
 
 from mass_ops.judge.evidence import EvidenceBundle, EvidenceCaps, EvidenceError, build_bundle, results_json_appendix
 from mass_ops.judge.pairwise import JudgeOutcome, PairwiseCase, PairwiseJudge

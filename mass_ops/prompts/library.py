@@ -197,7 +197,12 @@ def unsafe_access(tree: nodes.Template) -> str | None:
             name: object = node.attr
         elif isinstance(node, nodes.Getitem):
             name = node.arg.value if isinstance(node.arg, nodes.Const) else None
-        elif node.name == "attr" and node.args and isinstance(node.args[0], nodes.Const):
+        elif (
+            isinstance(node, nodes.Filter)
+            and node.name == "attr"
+            and node.args
+            and isinstance(node.args[0], nodes.Const)
+        ):
             name = node.args[0].value
         else:
             continue

@@ -302,7 +302,7 @@ def rollout(
     label: str | None = None,
 ) -> dict[str, Any]:
     """Bare-task evaluation rollouts of a registered generation (a new label = a new set; never overwritten)."""
-    from mass_ops.stages.evaluate import run_rollouts
+    from mass_ops.evaluation.rollouts import run_rollouts
 
     ctx = attach_cycle(config)
     with episode_executor(ctx) as executor:

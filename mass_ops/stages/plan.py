@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from mass_ops.config import CycleConfig
 from mass_ops.cost.estimate import DEFAULT_TRAIN_STEP_S
@@ -20,7 +20,7 @@ from mass_ops.stages import registry as r
 from mass_ops.train.lora_targets import lora_target_pattern
 
 if TYPE_CHECKING:
-    from mass_ops.cost.estimate import CycleEstimate, StageWork
+    from mass_ops.cost.estimate import CycleEstimate, StageWork, UnitFigures
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,11 @@ class MeasuredThroughput:
     tokens_per_window: float
 
 
+def _positive_number(value: object) -> TypeGuard[int | float]:
+    """Whether `value` is a number above zero (a bool is not a number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 def measured_throughput(cycle: str, run: str, rows: list[dict[str, Any]]) -> MeasuredThroughput | None:
     """The throughput of a training log's step rows (those with `tokens_per_s`, `step_s` and `windows`); None when
     no row has all three (a log written before the trainer recorded throughput)."""
@@ -93,11 +98,11 @@ def measured_throughput(cycle: str, run: str, rows: list[dict[str, Any]]) -> Mea
     windows = steps = 0
     for row in rows:
         rate, step_s, count = row.get("tokens_per_s"), row.get("step_s"), row.get("windows")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (rate, step_s, count)):
+        if not (_positive_number(rate) and _positive_number(step_s) and _positive_number(count)):
             continue
-        tokens += float(rate) * float(step_s)  # type: ignore[arg-type]
-        seconds += float(step_s)  # type: ignore[arg-type]
-        windows += int(count)  # type: ignore[call-overload]
+        tokens += float(rate) * float(step_s)
+        seconds += float(step_s)
+        windows += int(count)
         steps += 1
     if not steps or tokens <= 0:
         return None
@@ -144,7 +149,7 @@ class CyclePlan:
     lora_target_pattern: str = ""
     training_time: TrainingTime | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON output."""
         return asdict(self)
 
@@ -392,7 +397,7 @@ def cycle_estimate(config: CycleConfig, plan: CyclePlan, *, lineage: bool = True
     cannot be read leaves the defaults: `plan` works offline."""
     from mass_ops.cost.estimate import Capacity, estimate_cycle
 
-    measured: dict = {}
+    measured: dict[str, UnitFigures] = {}
     step_s = None
     parent_name = None
     if lineage:
@@ -416,7 +421,7 @@ def cycle_estimate(config: CycleConfig, plan: CyclePlan, *, lineage: bool = True
     )
 
 
-def _lineage_figures(config: CycleConfig) -> tuple[dict, float | None, str | None]:
+def _lineage_figures(config: CycleConfig) -> tuple[dict[str, UnitFigures], float | None, str | None]:
     """(figures, seconds per training step, parent cycle name) of the parent generation's cycle, or empty."""
     from sqlalchemy.exc import SQLAlchemyError
 

@@ -70,6 +70,9 @@ from mass_ops.store.schema import (
 )
 from mass_ops.store.urls import mask_url
 
+# An episode unit: (kind, task, version, candidate, generation).
+UnitKey = tuple[str, str, int | None, int | None, str | None]
+
 FINAL_EPISODE = ("succeeded", "model_failure")
 IN_FLIGHT_NOTE = (
     "in flight = an agent episode whose attempt has started and is not recorded yet (its lease), or a unit with part "
@@ -180,7 +183,8 @@ class CycleStatus:
         data["cost_usd"] = self.cost_usd
         for stage, row in zip(self.stages, data["stages"], strict=True):
             row["tokens"] = stage.tokens
-        return plain(data)
+        result: dict[str, Any] = plain(data)
+        return result
 
 
 # -- reading the cycle ------------------------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ def recorded_config(config: CycleConfig, row: Cycle) -> tuple[CycleConfig, str]:
     return validate_config(data), "the config frozen in the cycle row"
 
 
-def _rows(repo: MetadataRepository, model: type, cycle_id: int) -> list[Any]:
+def _rows(repo: MetadataRepository, model: type[Any], cycle_id: int) -> list[Any]:
     import sqlalchemy as sa
 
     with repo.store.read() as session:
@@ -259,16 +263,16 @@ class _Records:
             now=now or datetime.now(UTC),
         )
 
-    def latest_attempts(self) -> dict[tuple[str, str, int | None, int | None, str | None], Episode]:
+    def latest_attempts(self) -> dict[UnitKey, Episode]:
         """The latest attempt of every episode unit, by (kind, task, version, candidate, generation)."""
-        latest: dict[tuple[str, str, int | None, int | None, str | None], Episode] = {}
+        latest: dict[UnitKey, Episode] = {}
         for e in self.episodes:
             key = (e.kind, e.task_id, e.version, e.candidate, e.generation)
             if key not in latest or e.attempt > latest[key].attempt:
                 latest[key] = e
         return latest
 
-    def running_leases(self, config: CycleConfig) -> dict[tuple[str, str, int | None, int | None, str | None], str]:
+    def running_leases(self, config: CycleConfig) -> dict[UnitKey, str]:
         """The detail of every episode unit in flight, keyed as `latest_attempts`: a fresh lease of an attempt later
         than the unit's latest recorded one (an older attempt's lease outlived its row: its end was lost)."""
         horizon = lease_horizon_s(config)
@@ -329,7 +333,7 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
             if record is not None:
                 units.append(UnitState(SEARCH.name, key, "done", task_id=task, finished_at=record.created_at))
                 continue
-            keys = [("search", str(task), version, None, None)]
+            keys: list[UnitKey] = [("search", str(task), version, None, None)]
             if version == 0:
                 keys.append(("reference", str(task), None, None, None))
             episodes = [latest.get(k) for k in keys]
@@ -353,7 +357,7 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     collected, _ = collected_tasks(config, records.retained)
     for task in collected:
         for candidate in range(config.collection.candidates):
-            unit = ("collection", str(task), None, candidate, None)
+            unit: UnitKey = ("collection", str(task), None, candidate, None)
             units.append(
                 _episode_state(
                     COLLECT.name, f"collection-t{task}-c{candidate}", task, latest.get(unit), running.get(unit)
@@ -365,7 +369,8 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     selected = defaultdict(list)
     for s in records.selections:
         selected[int(s.task_id)].append(s.created_at)
-    ranking_calls = defaultdict(int)  # a task's ranking matches and self-judge calls: its ranking has started
+    # a task's ranking matches and self-judge calls: its ranking has started
+    ranking_calls: defaultdict[int, int] = defaultdict(int)
     for c in records.calls:
         if c.task_id is not None and call_stage(c) == RANK.name:
             ranking_calls[int(c.task_id)] += 1
@@ -387,9 +392,9 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
         units.append(UnitState(RENDER.name, f"render-{split}", state,
                                finished_at=row.created_at if row else None))  # fmt: skip
     run = next((r for r in records.runs if r.key == TRAINING_RUN_KEY), None)
-    states = {RunStatus.SUCCEEDED: "done", RunStatus.FAILED: "failed", RunStatus.RUNNING: "running"}
+    run_states: dict[str, str] = {RunStatus.SUCCEEDED: "done", RunStatus.FAILED: "failed", RunStatus.RUNNING: "running"}
     units.append(
-        UnitState(TRAIN.name, f"train-{TRAINING_RUN_KEY}", states.get(run.status, "pending") if run else "pending",
+        UnitState(TRAIN.name, f"train-{TRAINING_RUN_KEY}", run_states.get(run.status, "pending") if run else "pending",
                   finished_at=run.finished_at if run else None)
     )  # fmt: skip
     new, _ = evaluated_generations(config)
@@ -523,7 +528,7 @@ def _last_record(units: Sequence[UnitState], spend: Mapping[str, _Spend]) -> dat
 def _stage_status(
     stage: str, units: Sequence[UnitState], spend: _Spend | None, now: datetime, note: str
 ) -> StageStatus:
-    counts = defaultdict(int)
+    counts: defaultdict[str, int] = defaultdict(int)
     for unit in units:
         counts[unit.state] += 1
     finished = [u.finished_at for u in units if u.state == "done" and u.finished_at is not None]
@@ -574,9 +579,9 @@ def cycle_status(config: CycleConfig, cycle: str, *, now: datetime | None = None
         RANK: "" if search_final else f"see {COLLECT.name}",
         SELECT: "" if search_final else f"see {COLLECT.name}",
     }
-    by_stage: Mapping[str, list[UnitState]] = defaultdict(list)
+    by_stage: defaultdict[str, list[UnitState]] = defaultdict(list)
     for unit in units:
-        by_stage[unit.stage].append(unit)  # type: ignore[attr-defined]
+        by_stage[unit.stage].append(unit)
     stages = [
         _stage_status(s.name, by_stage.get(s.name, []), spend.get(s.name), now, notes.get(s, "")) for s in TRACKED
     ]

@@ -494,7 +494,7 @@ def _read_task(reader: _Reader, task_id: int, splits: TaskSplits) -> Task:
         problems.extend(exc.problems)
     if problems:
         raise TaskFormatError(problems)
-    assert bare is not None and initial is not None and workflow is not None
+    assert bare is not None and task_text is not None and initial is not None and workflow is not None
     if workflow.task_text != task_text:
         at = _first_difference(workflow.task_text, task_text)
         raise TaskFormatError(

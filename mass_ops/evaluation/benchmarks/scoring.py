@@ -117,8 +117,10 @@ def benchmark_requests(
             generation=generation,
         )
         condition = benchmark_condition(task.benchmark, generation, trial)
-        seed = store_seed(ctx, task.seed) if seeded else None
-        requests.append(EpisodeRequest(unit, condition, task.instruction, generation=generation, workspace_seed=seed))
+        workspace_seed = store_seed(ctx, task.seed) if seeded else None
+        requests.append(
+            EpisodeRequest(unit, condition, task.instruction, generation=generation, workspace_seed=workspace_seed)
+        )
     return requests
 
 
