@@ -6,8 +6,9 @@ Routes (below the mount point `mass_ops_airflow.reports.URL_PREFIX`):
 - `GET /reports/{cycle}/` → that cycle's `report.html`;
 - `GET /reports/{cycle}/figures/{name}.png` → one of its figures;
 - `GET /estimate?preset=…&<knob>=…&set=key=value…` → the cost estimate per stage of the cycle those trigger-form
-  values describe (the same figures as `mass-ops plan --json`'s `estimate`; `&format=json` for that JSON). The
-  trigger form links here: Airflow's form cannot compute, so the page does it from the values the user copies in.
+  values describe (the same figures as `mass-ops plan --json`'s `estimate`; `&format=json` for that JSON), with
+  the values applied echoed and links back to the DAG's page and to the JSON. The trigger form links here:
+  Airflow's form cannot compute, so the page does it from the values the user copies in.
   The values are a trigger's (`mass_ops_airflow.params.build_config`): the preset is a name, overrides are experiment
   settings only, so the caller can neither make the page read a server file (a preset path, a catalogue or prompts
   folder, a SQLite URL) nor open a connection of its choosing (storage and endpoints are the deployment's). A value
@@ -32,18 +33,19 @@ when the API server restarts); a failed open is tried again on the next request.
 
 from __future__ import annotations
 
-import html
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
 from mass_ops.errors import InputError
 from mass_ops.layout import report_prefix
+from mass_ops_airflow import CYCLE_DAG_ID
 from mass_ops_airflow.reports import ReportNameError, check_cycle, check_figure
 
 if TYPE_CHECKING:
@@ -146,28 +148,114 @@ def form_estimate(params: Mapping[str, Any]) -> dict[str, Any]:
     return stage_function("estimate_summary")(cycle_config(params))
 
 
-def estimate_html(summary: Mapping[str, Any]) -> str:
-    """A small self-contained page: one row per stage, then the total and the budget check."""
-    estimate = summary["estimate"]
-    columns = ("stage", "episodes", "llm_calls", "prompt_tokens", "completion_tokens", "serving_gpu_hours",
-               "training_gpu_hours", "wall_clock_s", "cost_usd")  # fmt: skip
+# Where the estimate page links back to, relative to `/mass-ops/estimate` so it holds under any `[api] base_url`:
+# the DAG's page in the Airflow UI, whose Trigger button opens the form (Airflow 3.3's UI has no form URL of its own).
+DAG_PAGE_HREF = f"../dags/{CYCLE_DAG_ID}"
+# An echoed value longer than this (a long task list) is cut: the echo is a reminder, the JSON has everything.
+ECHO_VALUE_MAX_CHARS = 80
+STAGE_HEADERS = ("stage", "episodes", "LLM calls", "prompt tokens", "completion tokens")
+GPU_HEADERS = ("serving GPU-h", "training GPU-h")
+TIME_COST_HEADERS = ("wall-clock h", "USD")
 
-    def cell(value: Any) -> str:
-        text = f"{value:,.2f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
-        return f"<td>{html.escape(text)}</td>"
 
-    rows = [*estimate["stages"], estimate["total"]]
-    body = "".join("<tr>" + "".join(cell(row[c]) for c in columns) + "</tr>" for row in rows)
-    budget = summary["budget"]
-    verdict = "over budget: " + "; ".join(budget["problems"]) if budget["over_budget"] else "within the cycle budget"
-    figures = f"measured on {estimate['lineage_cycle']}" if estimate.get("lineage_cycle") else "documented defaults"
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>mass-ops estimate</title>"
-        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:right}</style></head><body>"
-        f"<h1>Estimate for cycle {html.escape(str(summary['cycle']))}</h1>"
-        f"<p>Per-unit figures: {html.escape(figures)}. {html.escape(verdict)}.</p>"
-        "<table><tr>" + "".join(f"<th>{c}</th>" for c in columns) + f"</tr>{body}</table></body></html>"
+def _echo(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= ECHO_VALUE_MAX_CHARS else text[: ECHO_VALUE_MAX_CHARS - 1] + "…"
+
+
+def applied_line(params: Mapping[str, Any]) -> str:
+    """The values the estimate is for, as the caller gave them: the preset, then each knob and override as key=value."""
+    from mass_ops_airflow.params import default_preset
+
+    preset = f"preset={params['preset']}" if params.get("preset") else f"preset={default_preset()} (the default)"
+    parts = [preset, *(f"{k}={_echo(v)}" for k, v in params.items() if k not in ("preset", "overrides"))]
+    parts += [f"set {_echo(o)}" for o in params.get("overrides", [])]
+    rest = "" if len(parts) > 1 else " (no knob or override changed)"
+    return "Values applied: " + "; ".join(parts) + rest + "."
+
+
+def budget_line(summary: Mapping[str, Any], allow_over_budget: bool = False) -> str:
+    """One sentence on the cycle budget: none set, within it, or over it (each exceeded limit, and whether the run's
+    first step will stop on it: it does unless Allow over budget is checked)."""
+    budget, total = summary["budget"], summary["estimate"]["total"]
+    usd, tokens = budget["cycle_cost_usd"], budget["cycle_tokens"]
+    if usd is None and tokens is None:
+        return "No cycle budget set (budgets.cycle_cost_usd and budgets.cycle_tokens are unset): nothing is checked."
+    spent = total["prompt_tokens"] + total["completion_tokens"]
+    limits = []
+    if usd is not None:
+        limits.append((total["cost_usd"] > usd, f"{total['cost_usd']:,.2f} USD (budget {usd:,.2f} USD)"))
+    if tokens is not None:
+        limits.append((spent > tokens, f"{spent:,} tokens (budget {tokens:,})"))
+    if not budget["over_budget"]:
+        return "Within the cycle budget: " + "; ".join(text for _, text in limits) + "."
+    over = "; ".join(text for exceeded, text in limits if exceeded)
+    outcome = (
+        "Allow over budget is checked, so the run starts anyway."
+        if allow_over_budget
+        else "The run stops at its first step unless Allow over budget is checked."
     )
+    return f"Over the cycle budget: {over}. {outcome}"
+
+
+def _tokens(count: int, sd: int) -> str:
+    return f"{count:,} ± {sd:,}" if sd else f"{count:,}"
+
+
+def stage_table(estimate: Mapping[str, Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Headers and rows (one per stage, then the total): counts with separators, hours with one decimal, USD with
+    two; the GPU-hour columns only when some stage uses GPUs."""
+    rows = [*estimate["stages"], {**estimate["total"], "stage": "total"}]
+    gpus = any(r["serving_gpu_hours"] or r["training_gpu_hours"] for r in rows)
+    headers = STAGE_HEADERS + (GPU_HEADERS if gpus else ()) + TIME_COST_HEADERS
+    table = []
+    for r in rows:
+        counts = (str(r["stage"]), f"{r['episodes']:,}", f"{r['llm_calls']:,}")
+        tokens = (
+            _tokens(r["prompt_tokens"], r["prompt_tokens_sd"]),
+            _tokens(r["completion_tokens"], r["completion_tokens_sd"]),
+        )
+        gpu = (f"{r['serving_gpu_hours']:,.1f}", f"{r['training_gpu_hours']:,.1f}") if gpus else ()
+        table.append((*counts, *tokens, *gpu, f"{r['wall_clock_s'] / 3600:,.1f}", f"{r['cost_usd']:,.2f}"))
+    return headers, table
+
+
+def estimate_html(summary: Mapping[str, Any], params: Mapping[str, Any], json_href: str) -> str:
+    """The page, in the report's look: the values applied, a link back to the DAG, the total and the budget
+    sentence, the table per stage, where the per-unit figures come from, and a link to the same figures as JSON."""
+    from mass_ops.evaluation.report.model import Block
+    from mass_ops.evaluation.report.rendering import render_html
+
+    estimate = summary["estimate"]
+    total = estimate["total"]
+    headers, rows = stage_table(estimate)
+    hours = f"{total['wall_clock_s'] / 3600:,.1f}"
+    tokens = total["prompt_tokens"] + total["completion_tokens"]
+    headline = (
+        f"Total: {total['episodes']:,} episodes, {total['llm_calls']:,} LLM calls, {tokens:,} tokens, "
+        f"{hours} wall-clock hours, {total['cost_usd']:,.2f} USD."
+    )
+    if estimate.get("lineage_cycle"):
+        source = f"measured on the parent cycle {estimate['lineage_cycle']} where it recorded them, else defaults"
+    else:
+        source = f"the {estimate.get('scale') or 'paper'} scale's defaults (no parent cycle's measurements)"
+    blocks = [
+        Block("title", f"Cost estimate: cycle {summary['cycle']}"),
+        Block("p", applied_line(params)),
+        Block("link", f"Back to the {CYCLE_DAG_ID} DAG (its Trigger button opens the form)", href=DAG_PAGE_HREF),
+        Block("p", headline),
+        Block("p", budget_line(summary, params.get("allow_over_budget") is True)),
+        Block("h2", "Per stage"),
+        Block("table", headers=headers, rows=tuple(rows)),
+        Block("p", f"Per-unit figures: {source}. Wall-clock adds up over the stages, which run one after another."),
+    ]
+    if not any(h in headers for h in GPU_HEADERS):
+        blocks.append(Block("p", "GPU-hours: none estimated (no stage serves or trains on GPUs)."))
+    if estimate.get("unpriced_models"):
+        unpriced = ", ".join(estimate["unpriced_models"])
+        blocks.append(Block("note", f"Not priced (no prices.models entry, counted at 0 USD): {unpriced}."))
+    blocks.append(Block("link", "The same figures as JSON", href=json_href))
+    return render_html(blocks, {})
 
 
 def _text(status: int, line: str) -> PlainTextResponse:
@@ -227,6 +315,8 @@ def create_app(open_store: Callable[[], ArtifactStore] = deployment_store) -> Fa
             return _text(400, f"estimate: {_one_line(exc)}")
         if request.query_params.get("format") == "json":
             return JSONResponse(summary, headers=FIGURE_HEADERS)
-        return Response(estimate_html(summary), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+        kept = [(k, v) for k, v in request.query_params.multi_items() if k != "format"]
+        page = estimate_html(summary, params, "estimate?" + urlencode([*kept, ("format", "json")]))
+        return Response(page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
     return app
