@@ -20,17 +20,43 @@ HEADLINE = "L1 against L0: win rate 0.62, 95% interval 0.48 to 0.75 (Wilson).\n\
 WAIT_S = 600  # an upper bound for the run to reach the gate, never a measured duration
 
 
-def _gate_instance() -> Any:
+def _last_run_id() -> int:
+    """The id of the newest run of any DAG in the test database (0 when there is none)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import func, select
+
+    with create_session() as session:
+        return int(session.scalar(select(func.max(DagRun.id))) or 0)
+
+
+def _gate_instance(after_run: int) -> Any:
+    """This test's approval task instance: the one of the cycle run created after run id `after_run` (the database
+    is shared with the other DAG tests, whose runs skipped the gate)."""
+    from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
     with create_session() as session:
-        query = select(TaskInstance).where(
-            TaskInstance.dag_id == "mass_cycle", TaskInstance.task_id == "approve_promotion"
+        query = (
+            select(TaskInstance)
+            .join(DagRun, (DagRun.dag_id == TaskInstance.dag_id) & (DagRun.run_id == TaskInstance.run_id))
+            .where(DagRun.id > after_run, TaskInstance.dag_id == "mass_cycle")
+            .where(TaskInstance.task_id == "approve_promotion")
         )
-        rows = session.scalars(query).all()
-        return max(rows, key=lambda ti: ti.queued_dttm or ti.start_date or 0, default=None) if rows else None
+        return session.scalars(query).first()
+
+
+def _fail_runs_after(after_run: int) -> None:
+    """End this test's run as failed, so `dag.test()` returns instead of waiting for an answer that will not come."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState
+    from sqlalchemy import update
+
+    with create_session() as session:
+        session.execute(update(DagRun).where(DagRun.id > after_run).values(state=DagRunState.FAILED))
 
 
 def _respond(ti_id: Any, option: str) -> dict[str, Any]:
@@ -71,18 +97,20 @@ def test_promote_waits_for_the_approval_which_shows_the_evaluation_headline(airf
     for task in dag.tasks:
         task.retries = 0
     seen: dict[str, Any] = {}
+    before = _last_run_id()
 
     def approver() -> None:
         """A person at the Required Actions page: waits for the parked approval, reads it, approves."""
         deadline = time.monotonic() + WAIT_S
-        gate = _gate_instance()
+        gate = _gate_instance(before)
         while (gate is None or gate.state != "awaiting_input") and time.monotonic() < deadline:
             if gate is not None and gate.state in ("upstream_failed", "failed", "skipped"):
                 break
             time.sleep(0.5)
-            gate = _gate_instance()
+            gate = _gate_instance(before)
         seen["state"] = gate.state if gate is not None else None
         if seen["state"] != "awaiting_input":
+            _fail_runs_after(before)
             return
         seen["before"] = list(stages.names())
         time.sleep(2)  # dag.test keeps polling the parked run meanwhile: still nothing may be promoted
