@@ -23,6 +23,7 @@ import pytest
 from mass_ops_airflow.demo.airflow_home import CYCLE_DAG_ID
 from mass_ops_airflow.demo.ui import AirflowApi
 
+from mass_ops.config import load_config
 from tests.deploy.demo_ui_process import REPO_ROOT, DemoUiProcess, chromium_executable, free_port
 
 ARTIFACTS = REPO_ROOT / "runs" / "test-artifacts" / "browser"
@@ -168,7 +169,8 @@ def test_cycle_triggered_from_the_browser_runs_to_success(tmp_path: Path, chromi
                 expect(form.locator("input[name='element_preset']")).to_have_value(str(ui.cycle_config_file))
                 form.get_by_role("button", name="Search and collection").click()
                 candidates = form.get_by_role("spinbutton", name="Candidates")
-                expect(candidates).to_have_value("")  # empty: the preset's value
+                # The form shows the default preset's own value (the demo cycle's), not a blank field.
+                expect(candidates).to_have_value(str(load_config(str(ui.cycle_config_file)).collection.candidates))
                 candidates.fill(str(CANDIDATES))
                 form.get_by_role("button", name="Advanced", exact=True).click()
                 form.get_by_placeholder("Enter each string on a new line").fill("\n".join(overrides))

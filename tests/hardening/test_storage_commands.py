@@ -56,7 +56,7 @@ def storage_sets(tmp_path: Path, metadata_url: str | None = None, artifact_url: 
     return ["--set", f"storage.metadata_url={meta}", "--set", f"storage.artifact_url={art}"]
 
 
-@pytest.mark.parametrize("command", [["config", "show"], ["plan"], ["plan", "--json"]])
+@pytest.mark.parametrize("command", [["config", "show"], ["plan", "--show-config"], ["plan", "--json"]])
 def test_printed_configs_mask_the_metadata_password(command: list[str], tmp_path: Path):
     url = f"postgresql://mass:{SECRET}@127.0.0.1:5432/mass"
     result = run(*command, "--config", "demo", env={"MASS_METADATA_URL": url})
