@@ -85,14 +85,21 @@ def test_the_judge_user_message_carries_both_bundles_as_raw_data(swapped: Prompt
 
 @pytest.mark.parametrize("case", sorted(_optimizer_cases()))
 def test_the_optimizer_messages(swapped: PromptSet, case: str) -> None:
-    only_variables(optimizer_system_prompt(prompts=swapped))
-    only_variables(optimizer_user_prompt(_optimizer_cases()[case], prompts=swapped))
+    assert only_variables(optimizer_system_prompt(prompts=swapped)) == ["optimizer_system.j2"]
+    inputs = _optimizer_cases()[case]
+    values = only_variables(optimizer_user_prompt(inputs, prompts=swapped))
+    assert values[0] == "optimizer_user.j2"
+    # The task text arrives as data, cut as the reference cuts it (stripped); no Python-made text around it.
+    assert inputs.task_text.strip() in values
 
 
 def test_the_optimizer_parts_called_from_python(swapped: PromptSet) -> None:
-    only_variables(failure_notice({"exit_code": 137, "trace_has_success_result": True}, prompts=swapped))
-    only_variables(scoreboard_line([(0, "B"), (1, "A"), (2, "tie")], 0, prompts=swapped))
-    only_variables(delta_checklist([LONG_RATIONALE, "Plot missing."], prompts=swapped))
+    notice = only_variables(failure_notice({"exit_code": 137, "trace_has_success_result": True}, prompts=swapped))
+    board = only_variables(scoreboard_line([(0, "B"), (1, "A"), (2, "tie")], 0, prompts=swapped))
+    checklist = only_variables(delta_checklist([LONG_RATIONALE, "Plot missing."], prompts=swapped))
+    # Each part is one swapped macro call: its positional and keyword arguments, nothing else.
+    assert len(notice) == len(board) == len(checklist) == 2
+    assert all(isinstance(part[0], list) and isinstance(part[1], dict) for part in (notice, board, checklist))
 
 
 def test_the_teacher_prompt(swapped: PromptSet) -> None:
