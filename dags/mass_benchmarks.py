@@ -71,8 +71,10 @@ with DAG(
         """(benchmark, trial) of every trial of this run."""
         from mass_ops_airflow.cycle import run_stage
 
+        from mass_ops.stages import api
+
         chosen = params or {}
-        units = run_stage("benchmark_units", config_params(chosen), list(chosen["benchmarks"]), chosen["trials"])
+        units = run_stage(api.benchmark_units, config_params(chosen), list(chosen["benchmarks"]), chosen["trials"])
         return [list(unit) for unit in units]
 
     @task(pool=GPU_POOL, execution_timeout=HOUR)
@@ -80,14 +82,18 @@ with DAG(
         """Local backend: serve the generation (on Kubernetes the cycle's evaluation servers serve it)."""
         from mass_ops_airflow.cycle import run_stage
 
-        return run_stage("benchmark_up", config_params(params), (params or {})["generation"])
+        from mass_ops.stages import api
+
+        return run_stage(api.benchmark_up, config_params(params), (params or {})["generation"])
 
     @task(execution_timeout=dt.timedelta(minutes=30))
     def benchmarks_down(params: dict[str, Any] | None = None) -> Any:
         """Stop the local benchmark server (also when a trial failed)."""
         from mass_ops_airflow.cycle import run_stage
 
-        return run_stage("benchmark_down", config_params(params))
+        from mass_ops.stages import api
+
+        return run_stage(api.benchmark_down, config_params(params))
 
     # One trial of one benchmark (instances already scored are skipped). Kubernetes: each instance's grader Job
     # from the benchmark's image is created, waited for in the triggerer and its result recorded (the operator).

@@ -39,6 +39,7 @@ the stage once the pod's episode is recorded. Pools:
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
@@ -108,10 +109,10 @@ def _label(text: str) -> None:
     get_current_context()["unit_label"] = text  # type: ignore[typeddict-unknown-key]
 
 
-def _stage(name: str, params: dict[str, Any], *args: Any) -> Any:
+def _stage(function: Callable[..., Any], params: dict[str, Any], *args: Any) -> Any:
     from mass_ops_airflow.cycle import run_stage
 
-    return run_stage(name, params, *args)
+    return run_stage(function, params, *args)
 
 
 with DAG(
@@ -132,8 +133,10 @@ with DAG(
     def validate_config(params: dict[str, Any] | None = None) -> Any:
         """Check the config against the catalogue and its cost estimate against the cycle budget (refused unless
         `allow_over_budget` is checked), freeze it into the cycle row; the estimate goes to the log and XCom."""
+        from mass_ops.ops import api as ops
+
         params = params or {}
-        result = _stage("validate_config", params, *((True,) if params.get("allow_over_budget") else ()))
+        result = _stage(ops.validate_config, params, *((True,) if params.get("allow_over_budget") else ()))
         if isinstance(result, dict) and "estimate" in result:
             import logging
 
@@ -143,7 +146,9 @@ with DAG(
     @task(execution_timeout=SHORT_TIMEOUT)
     def search_tasks(params: dict[str, Any] | None = None) -> list[int]:
         """The tasks whose workflows RHI searches (train candidates)."""
-        return [int(t) for t in _stage("search_tasks", params or {})]
+        from mass_ops.stages import api
+
+        return [int(t) for t in _stage(api.search_tasks, params or {})]
 
     @task(
         pool=INFERENCE_POOL,
@@ -154,8 +159,10 @@ with DAG(
     )
     def step_v0(task_no: int, params: dict[str, Any] | None = None) -> Any:
         """RHI step 0 of one task: judge v0 against the reference, propose v1 (the episodes ran just before)."""
+        from mass_ops.stages import api
+
         _label(f"search-t{task_no}-v0")
-        return _stage("search_step", params or {}, task_no, 0)
+        return _stage(api.search_step, params or {}, task_no, 0)
 
     @task(
         pool=INFERENCE_POOL,
@@ -167,8 +174,10 @@ with DAG(
     def rank_task(task_no: int, params: dict[str, Any] | None = None) -> Any:
         """Ring tournament + self-judge + Bradley–Terry ranks of one task's trajectories (skipped with its
         collection)."""
+        from mass_ops.stages import api
+
         _label(f"ranking-t{task_no}")
-        return _stage("rank_task", params or {}, task_no)
+        return _stage(api.rank_task, params or {}, task_no)
 
     @task_group(group_id="inner_loop")
     def inner_loop(task_no: int) -> None:
@@ -242,22 +251,30 @@ with DAG(
     @task(execution_timeout=SHORT_TIMEOUT, trigger_rule=TriggerRule.NONE_FAILED)
     def select(params: dict[str, Any] | None = None) -> Any:
         """Ranks 1–15 → train, rank 16 → validation."""
-        return _stage("select", params or {})
+        from mass_ops.stages import api
+
+        return _stage(api.select, params or {})
 
     @task(execution_timeout=4 * HOUR)
     def render(params: dict[str, Any] | None = None) -> Any:
         """Proxy logs → training windows with assistant-only loss masks."""
-        return _stage("render", params or {})
+        from mass_ops.stages import api
+
+        return _stage(api.render, params or {})
 
     @task(execution_timeout=SHORT_TIMEOUT)
     def select_checkpoint(params: dict[str, Any] | None = None) -> Any:
         """Minimum validation loss, step 0 excluded."""
-        return _stage("select_checkpoint", params or {})
+        from mass_ops.stages import api
+
+        return _stage(api.select_checkpoint, params or {})
 
     @task(execution_timeout=SHORT_TIMEOUT)
     def register(params: dict[str, Any] | None = None) -> Any:
         """Register L(k+1) with its lineage (served to its own evaluation; to the rest once promoted)."""
-        return _stage("register", params or {})
+        from mass_ops.stages import api
+
+        return _stage(api.register, params or {})
 
     @task(execution_timeout=SHORT_TIMEOUT)
     def promotion_request(params: dict[str, Any] | None = None) -> dict[str, str]:
@@ -265,7 +282,9 @@ with DAG(
         `promotion.require_approval`."""
         from airflow.sdk.exceptions import AirflowSkipException
 
-        request = _stage("promotion_request", params or {})
+        from mass_ops.stages import api
+
+        request = _stage(api.promotion_request, params or {})
         if not request.get("required"):
             raise AirflowSkipException("promotion.require_approval is off: the new generation is promoted directly")
         return {"subject": f"Promote {request['generation']} over {request['baseline']}?", "body": request["headline"]}
@@ -275,10 +294,12 @@ with DAG(
         """Serve L(k+1) from now on (approved, or no gate) and emit its asset event; skipped when rejected."""
         from airflow.sdk import Asset
 
+        from mass_ops.stages import api
+
         context = get_current_context()
         answer = context["ti"].xcom_pull(task_ids="approve_promotion") or {}
         approved_by = (answer.get("responded_by_user") or {}).get("name")
-        result = _stage("promote", params or {}, *((str(approved_by),) if approved_by else ()))
+        result = _stage(api.promote, params or {}, *((str(approved_by),) if approved_by else ()))
         name = str(result["generation"]) if isinstance(result, dict) and "generation" in result else None
         if name:
             extra = {k: v for k, v in result.items() if isinstance(v, str | int | float | bool)}
@@ -288,15 +309,19 @@ with DAG(
     @task(execution_timeout=SHORT_TIMEOUT)
     def rollout_units(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Bare-task rollouts (generation × task × replicate) of L(k) and L(k+1)."""
+        from mass_ops.stages import api
+
         return [
             {"generation": str(g), "task": int(t), "replicate": int(r)}
-            for g, t, r in _stage("rollout_units", params or {})
+            for g, t, r in _stage(api.rollout_units, params or {})
         ]
 
     @task(execution_timeout=24 * HOUR)
     def evaluate(params: dict[str, Any] | None = None) -> Any:
         """External pairwise judging of the rollouts, judge agreement."""
-        return _stage("evaluate", params or {})
+        from mass_ops.stages import api
+
+        return _stage(api.evaluate, params or {})
 
     @task(retries=0, execution_timeout=SHORT_TIMEOUT)
     def continue_cycle(params: dict[str, Any] | None = None) -> dict[str, Any]:

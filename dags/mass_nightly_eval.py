@@ -96,10 +96,12 @@ with DAG(
         from airflow.sdk.exceptions import AirflowSkipException
         from mass_ops_airflow.cycle import run_stage
 
+        from mass_ops.stages import api
+
         benchmarks, instances, data_dir = _slice(params)
         if benchmarks:  # an empty slice is no work, not even a check
-            run_stage("nightly_benchmark_slice", config_params(params), benchmarks, instances, data_dir)
-        names = [str(name) for name in run_stage("nightly_targets", config_params(params))]
+            run_stage(api.nightly_benchmark_slice, config_params(params), benchmarks, instances, data_dir)
+        names = [str(name) for name in run_stage(api.nightly_targets, config_params(params))]
         if not names:
             raise AirflowSkipException("no registered generation with a parent yet: nothing to evaluate")
         return names
@@ -110,25 +112,31 @@ with DAG(
         from mass_ops_airflow.cycle import cycle_config, run_stage
         from mass_ops_airflow.operators.inference import registered_targets
 
+        from mass_ops.stages import api
+
         config = cycle_config(config_params(params))
         if config.compute.backend != "kubernetes":
             return []
-        return registered_targets(config, run_stage("nightly_serving", config_params(params), list(generations)))
+        return registered_targets(config, run_stage(api.nightly_serving, config_params(params), list(generations)))
 
     @task(pool=INFERENCE_POOL, execution_timeout=12 * HOUR, map_index_template="{{ unit_label }}")
     def nightly_evaluate(generation: str, params: dict[str, Any] | None = None) -> Any:
         """Evaluate one generation on the test split for this logical date (reused when already recorded)."""
         from mass_ops_airflow.cycle import run_stage
 
+        from mass_ops.stages import api
+
         get_current_context()["unit_label"] = generation  # type: ignore[typeddict-unknown-key]
-        return run_stage("nightly_evaluate", config_params(params), generation, _evaluation_date())
+        return run_stage(api.nightly_evaluate, config_params(params), generation, _evaluation_date())
 
     @task(retries=0, execution_timeout=dt.timedelta(minutes=30))
     def check_regression(results: list[Any], params: dict[str, Any] | None = None) -> Any:
         """Compare with the previous results; a regression beyond the threshold fails this task (and the run)."""
         from mass_ops_airflow.cycle import run_stage
 
-        verdict = run_stage("check_regression", config_params(params), list(results))
+        from mass_ops.stages import api
+
+        verdict = run_stage(api.check_regression, config_params(params), list(results))
         regressions = verdict.get("regressions") if isinstance(verdict, dict) else None
         if regressions:
             raise RuntimeError(f"regression beyond evaluation.regression_threshold: {regressions}")
@@ -141,12 +149,14 @@ with DAG(
         from airflow.sdk.exceptions import AirflowSkipException
         from mass_ops_airflow.cycle import run_stage
 
+        from mass_ops.stages import api
+
         benchmarks, instances, data_dir = _slice(params)
         if not benchmarks:
             raise AirflowSkipException("no benchmark slice tonight (benchmark_slice is empty)")
         date = _evaluation_date()
         units = run_stage(
-            "nightly_benchmark_units", config_params(params), list(generations), benchmarks, instances, date, data_dir
+            api.nightly_benchmark_units, config_params(params), list(generations), benchmarks, instances, date, data_dir
         )
         return [dict(unit) for unit in units]
 

@@ -138,7 +138,7 @@ def plan(
     ] = False,
 ) -> None:
     """Print the stage graph with planned counts, the training command, the resources and the cost estimate."""
-    from mass_ops.stages.plan import (
+    from mass_ops.ops.plan import (
         build_plan,
         cycle_estimate,
         frozen_cycle_config,
@@ -439,10 +439,10 @@ def _stage(title: str, call: Callable[[], list[dict[str, Any]]]) -> list[dict[st
 @app.command(VALIDATE.command)
 def validate(config: ConfigOption = "paper", set_: SetOption = None) -> None:
     """Open the cycle: check the catalogue, create/upgrade the schema, freeze the config by hash."""
-    from mass_ops.stages import api as stages
+    from mass_ops.ops import api as ops
 
     cfg = resolve_config(config, set_)
-    _stage(VALIDATE.label, lambda: [stages.validate_config(cfg)])
+    _stage(VALIDATE.label, lambda: [ops.validate_config(cfg)])
 
 
 @app.command(SEARCH.command)
@@ -609,7 +609,7 @@ def status_cmd(
     done / failed / budget-stopped / pending, tokens and cost against budgets, elapsed and ETA."""
     import time
 
-    from mass_ops.stages.status import cycle_status
+    from mass_ops.ops.status import cycle_status
 
     cfg = resolve_config(config, set_)
     shown = 0
@@ -640,7 +640,7 @@ def _duration(seconds: float | None) -> str:
 
 
 def print_status(current: Any) -> None:
-    """A `stages.status.CycleStatus` as tables that fit 80 columns: units per stage, spend and time per stage,
+    """A `ops.status.CycleStatus` as tables that fit 80 columns: units per stage, spend and time per stage,
     then budgets."""
     from mass_ops.console import Column, heading, print_path, print_prose, print_table
 
@@ -703,7 +703,7 @@ def repair_cmd(
 ) -> None:
     """List the missing or failed units of a cycle per stage, the Airflow clear (REST and CLI) and the mass-ops
     commands that redo them; without --dry-run, run those stages (each redoes only its missing units)."""
-    from mass_ops.stages.repair import plan_repair, run_repair
+    from mass_ops.ops.repair import plan_repair, run_repair
 
     cfg = resolve_config(config, set_)
     config_args = ["--config", config, *(arg for value in set_ or [] for arg in ("--set", value))]
@@ -736,7 +736,7 @@ def stage_cmd(
     set_: SetOption = None,
 ) -> None:
     """Run one whole-cycle stage and print its result as one JSON line (what Kubernetes Jobs run)."""
-    from mass_ops.stages.api import STAGE_FUNCTIONS
+    from mass_ops.ops.api import STAGE_FUNCTIONS
 
     stage = next((s for s in JOBS if s.name == name), None)
     if stage is None:
@@ -776,7 +776,7 @@ def demo(
     from mass_ops_airflow.demo import demo_config, run_demo
     from mass_ops_airflow.demo.live import print_summary
 
-    from mass_ops.stages.plan import build_plan
+    from mass_ops.ops.plan import build_plan
     from mass_ops.train.plan import training_command_for
 
     try:

@@ -1,7 +1,7 @@
 """The pre-run estimate of a cycle: per stage, LLM calls, agent episodes, prompt/completion tokens (with their
 spread), GPU-hours of serving and training, wall-clock on the configured capacity, and cost.
 
-Inputs are planned counts (`StageWork`, built by `stages.plan.cycle_work` from `build_plan`) and per-unit figures
+Inputs are planned counts (`StageWork`, built by `ops.plan.cycle_work` from `build_plan`) and per-unit figures
 (`UnitFigures`): measured on the parent generation's cycle when it has records (`cost.lineage`), else the
 documented figures of the preset's own scale (`SCALES`: the paper's, or the demo's on CPU). Everything here is
 arithmetic; nothing reads a store or calls a model.

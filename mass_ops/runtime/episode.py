@@ -126,3 +126,31 @@ class EpisodeExecutor(Protocol):
         the platform will not unpack (over `store.untrusted.ARCHIVE_LIMITS`, or unsafe) raises
         `store.artifacts.UnsafeArchiveError` with nothing left under `dest`."""
         ...
+
+
+class EpisodeIdentity(Protocol):
+    """Which unit of a stage an episode is (what `mass_ops.compute.kubernetes.EpisodeSpec` carries)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def task_id(self) -> int | str: ...
+    @property
+    def version(self) -> int | None: ...
+    @property
+    def candidate(self) -> int | None: ...
+    @property
+    def replicate(self) -> int | None: ...
+    @property
+    def generation(self) -> str | None: ...
+
+
+def describe(identity: EpisodeIdentity) -> str:
+    """`search episode t51 v3`, `rollout episode t60 r2 of L1`: the identity in error messages."""
+    parts = [f"{identity.kind} episode t{identity.task_id}"]
+    for prefix, value in (("v", identity.version), ("c", identity.candidate), ("r", identity.replicate)):
+        if value is not None:
+            parts.append(f"{prefix}{value}")
+    if identity.generation:
+        parts.append(f"of {identity.generation}")
+    return " ".join(parts)

@@ -7,7 +7,7 @@ Family modules are imported inside the functions so that importing this module (
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,6 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.context import attach_cycle, open_cycle
 from mass_ops.errors import InfrastructureError, InputError
-from mass_ops.stages import registry
 
 # The public-benchmark stages (`mass_benchmarks` DAG, `mass-ops benchmark run`), re-exported by name: a whole trial in
 # one process, or one instance at a time around a Kubernetes grader Job (`BenchmarkTrialOperator`).
@@ -26,68 +25,6 @@ from mass_ops.stages.benchmarks import benchmark_trial as benchmark_trial
 from mass_ops.stages.benchmarks import benchmark_trial_record as benchmark_trial_record
 from mass_ops.stages.benchmarks import benchmark_trial_tasks as benchmark_trial_tasks
 from mass_ops.stages.common import episode_executor, jsonable
-
-
-def validate_config(config: CycleConfig, allow_over_budget: bool = False) -> dict[str, Any]:
-    """Check that both stores answer (a silent or read-only store fails here, in the run's first minute, not at its
-    last task), check the config against the catalogue and its cost estimate against the cycle budget (refused
-    unless `allow_over_budget`), create/upgrade the schema, freeze the config into the cycle row and record the
-    estimate in its provenance (the first one made: the report compares the actuals with it)."""
-    from mass_ops.prompts import check_templates
-    from mass_ops.store.probe import probe_stores
-
-    config.require_catalogue()
-    check_templates(config)  # bad input first: nothing is touched, not even a probe object
-    estimate, summary = _budget_gate(config, allow_over_budget)
-    probe_stores(config.storage.metadata_url, config.storage.artifact_url)
-    ctx = open_cycle(config)
-    cycle = ctx.repo.get_cycle(ctx.cycle_name)
-    if cycle is not None and "estimate" not in (cycle.provenance or {}):
-        ctx.repo.set_cycle_provenance(ctx.cycle_id, "estimate", jsonable(estimate.as_dict()))
-    return {"cycle": ctx.cycle_name, "cycle_id": ctx.cycle_id, "config_hash": config.config_hash(), **summary}
-
-
-def _budget_gate(config: CycleConfig, allow_over_budget: bool) -> tuple[Any, dict[str, Any]]:
-    """The cycle's estimate and its small summary for XCom; InputError (one line) when it exceeds
-    `budgets.cycle_cost_usd` or `budgets.cycle_tokens` and `allow_over_budget` is not set."""
-    from mass_ops.cost.estimate import check_budget
-    from mass_ops.stages.plan import build_plan, cycle_estimate
-    from mass_ops.train.plan import training_command_for
-
-    estimate = cycle_estimate(config, build_plan(config, training_command_for(config)))
-    check = check_budget(estimate, config.budgets.cycle_cost_usd, config.budgets.cycle_tokens)
-    if check.over_budget and not allow_over_budget:
-        raise InputError(
-            f"cycle {config.cycle_name}: {'; '.join(check.problems)}; raise the budget, shrink the run, or check "
-            "allow_over_budget in the trigger form"
-        )
-    total = estimate.total
-    summary = {
-        "estimate": {
-            "cost_usd": round(total.cost_usd, 2),
-            "tokens": total.tokens,
-            "gpu_hours": round(total.gpu_hours, 2),
-            "wall_clock_h": round(total.wall_clock_s / 3600, 2),
-            "figures": f"lineage of {estimate.lineage_cycle}" if estimate.lineage_cycle else "defaults",
-            "per_stage_usd": {s.stage: round(s.cost_usd, 2) for s in estimate.stages},
-        },
-        "over_budget": check.over_budget,
-    }
-    return estimate, summary
-
-
-def cycle_estimate(config: CycleConfig, allow_over_budget: bool = False) -> dict[str, Any]:
-    """The cycle's cost estimate summary (what `validate_config` checks and returns), refused over budget unless
-    `allow_over_budget`; touches no store beyond reading the parent cycle's records."""
-    return _budget_gate(config, allow_over_budget)[1]
-
-
-def estimate_summary(config: CycleConfig) -> dict[str, Any]:
-    """`plan --json`'s per-stage `estimate` for `config` and its check against the cycle budget (the trigger form's
-    estimate page); reads only the parent cycle's records."""
-    from mass_ops.stages.plan import estimate_summary as summary
-
-    return jsonable(summary(config))
 
 
 def _server_state_file(config: CycleConfig) -> Path:
@@ -523,59 +460,12 @@ def bind_episode(config: CycleConfig, episode: Any) -> Any:
     return episode.bound(request, publish_prompt(ctx, request))
 
 
-def admit_episode(config: CycleConfig, episode: Any) -> dict[str, Any] | None:
-    """Ask before creating an episode pod whether its task's and the cycle's budgets leave room (a pod's proxy has no
-    store to ask): None when it may start; else the unit is recorded as a not-started `budget_exhausted` attempt and
-    the stop is returned (`message` is one line naming the budget to raise). See `stages.admission`."""
-    from mass_ops.stages.admission import admit_episode as admit
-
-    stop = admit(attach_cycle(config), episode)
-    return None if stop is None else stop.as_dict()
-
-
-def lease_episode_pod(config: CycleConfig, episode: Any, pod: str) -> dict[str, Any] | None:
-    """As an episode pod is created: lease its unit's next attempt on `pod`, so `status` counts it in flight until
-    the pod's publisher records it (see `stages.leases`); None when the unit is final or the store refused the write."""
-    from mass_ops.stages.leases import lease_episode_pod as lease
-
-    return lease(config, episode, pod)
-
-
-def end_episode_pod_lease(config: CycleConfig, episode: Any) -> bool:
-    """An episode pod is gone without its publisher ending its lease (failed, never started, deleted on a kill): end
-    it, so `status` stops counting the unit in flight (see `stages.leases`)."""
-    from mass_ops.stages.leases import end_episode_pod_lease as end
-
-    return end(config, episode)
-
-
 def budget_stop_message(error: BaseException) -> str | None:
     """The one-line message of an error that is a budget stop (`store.budgets.BudgetExhaustedError`: raise the budget
     and rerun, never retry as a fault), else None."""
     from mass_ops.store.budgets import BudgetExhaustedError
 
     return str(error) if isinstance(error, BudgetExhaustedError) else None
-
-
-def next_cycle_overrides(config: CycleConfig) -> dict[str, Any]:
-    """The config keys of the cycle after `config` (L(k+1) as parent, models one generation on, seeds one stride);
-    see `stages.plan.next_cycle_overrides`."""
-    from mass_ops.stages.plan import next_cycle_overrides as following
-
-    return following(config)
-
-
-def status(config: CycleConfig, cycle: str | None = None) -> dict[str, Any]:
-    """Where `cycle` (default: the config's) stands, read from the metadata store only: per stage units planned /
-    done / failed / budget-stopped / pending, tokens and cost, budgets against the ledger, elapsed and ETA (see
-    `stages.status`)."""
-    from mass_ops.stages.status import cycle_status
-
-    return cycle_status(config, cycle or config.cycle_name).as_dict()
-
-
-# The repair of a cycle runs the functions of this module, so it lives beside them, not in here (one import
-# direction): `mass_ops.stages.repair.repair_cycle`.
 
 
 def benchmark_units(config: CycleConfig, benchmarks: Sequence[str], trials: int) -> list[list[Any]]:
@@ -608,30 +498,3 @@ def benchmark_down(config: CycleConfig) -> dict[str, Any]:
 
     del config
     return {"stopped": stop_generations(BENCHMARK_SCOPE)}
-
-
-# The function of every stage of `stages.registry`, by reference (the registry imports nothing, so that everything,
-# this module included, may read it); tests/stages/test_registry.py fails for a stage without one here.
-STAGE_FUNCTIONS: dict[registry.Stage, Callable[..., Any]] = {
-    registry.VALIDATE: validate_config,
-    registry.INFERENCE_UP: inference_up,
-    registry.SEARCH: search,
-    registry.COLLECT: collect,
-    registry.RANK: rank,
-    registry.SELECT: select,
-    registry.INFERENCE_DOWN: inference_down,
-    registry.RENDER: render,
-    registry.TRAIN: train,
-    registry.SELECT_CHECKPOINT: select_checkpoint,
-    registry.EXPORT: export,
-    registry.REGISTER: register,
-    registry.ROLLOUT: evaluate,  # runs the missing rollouts, then judges
-    registry.EVALUATE: evaluate,
-    registry.REPORT: report,
-    registry.PROMOTE: promote,
-    registry.NIGHTLY_EVALUATE: nightly_evaluate,
-    registry.CHECK_REGRESSION: check_regression,
-    registry.NIGHTLY_BENCHMARK: nightly_benchmark_trial,
-    registry.NIGHTLY_REPORT: nightly_report,
-    registry.BENCHMARK: benchmark_trial,
-}

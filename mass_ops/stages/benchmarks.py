@@ -212,14 +212,14 @@ def _episode_pod(served: CycleContext, state: Any, trial: int) -> dict[str, Any]
     import dataclasses
 
     from mass_ops.compute.kubernetes import EpisodeSpec
-    from mass_ops.stages.admission import admit_episode
+    from mass_ops.runtime.admission import admit_episode
     from mass_ops.stages.units import publish_prompt
 
     request = state.request
     unit = request.unit
     spec = EpisodeSpec(kind="benchmark", task_id=unit.task_id, candidate=trial, generation=unit.generation)
     bound = spec.bound(request, publish_prompt(served, request))
-    stop = admit_episode(served, bound)
+    stop = admit_episode(served, bound, lambda: request)
     if stop is not None:
         return {"status": "budget_exhausted", "task": state.task, "message": stop.message}
     fields = {k: v for k, v in dataclasses.asdict(bound).items() if v is not None}

@@ -2,8 +2,9 @@
 
 `STAGES` lists them in the order of a cycle, then the nightly and benchmark DAGs. The CLI, `plan`, `status` and
 `repair` take their stage lists, names, labels and order from here; tests/stages/test_registry.py checks that every
-task of every DAG in dags/ belongs to a stage here (or to `NON_STAGE_TASKS`), that every stage's function exists in
-`mass_ops.stages.api` (bound by reference in `api.STAGE_FUNCTIONS`) and every declared command in the CLI.
+task of every DAG in dags/ belongs to a stage here (or to `NON_STAGE_TASKS`), that every stage's function exists
+in `mass_ops.stages.api` or `mass_ops.ops.api` (bound by reference in `ops.api.STAGE_FUNCTIONS`) and every declared
+command in the CLI.
 
 This module imports nothing of mass_ops: the API, the cost estimate, the report and the DAG files may all read it
 without an import cycle and without loading the platform. Unit kinds are the `store.schema` values

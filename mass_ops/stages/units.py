@@ -17,49 +17,19 @@ content-addressed by its stage) — and refuses an unbound one.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from mass_ops.context import CycleContext
 from mass_ops.errors import InputError
 from mass_ops.evaluation.rollouts import RolloutError
 from mass_ops.layout import EpisodeUnit, episode_prompt_key
-from mass_ops.runtime.episode import EpisodeRequest, WorkspaceSeed, workspace_seed_key
+from mass_ops.runtime.episode import EpisodeIdentity, EpisodeRequest, WorkspaceSeed, describe, workspace_seed_key
 from mass_ops.search.driver import SearchError, reference_request, search_episode_request
 from mass_ops.stages.collect import CollectionError, candidate_request
 from mass_ops.stages.evaluate import rollout_unit_request
 
 
-class EpisodeIdentity(Protocol):
-    """Which unit of a stage an episode is (what `mass_ops.compute.kubernetes.EpisodeSpec` carries)."""
-
-    @property
-    def kind(self) -> str: ...
-    @property
-    def task_id(self) -> int | str: ...
-    @property
-    def version(self) -> int | None: ...
-    @property
-    def candidate(self) -> int | None: ...
-    @property
-    def replicate(self) -> int | None: ...
-    @property
-    def generation(self) -> str | None: ...
-
-
 class EpisodeUnitError(InputError):
     """No request for this unit: its prompt is not known yet (a search version not proposed, a search not finished),
     the task is not collected, or the identity names no unit of the cycle. The message is one line."""
-
-
-def describe(identity: EpisodeIdentity) -> str:
-    """`search episode t51 v3`, `rollout episode t60 r2 of L1`: the identity in error messages."""
-    parts = [f"{identity.kind} episode t{identity.task_id}"]
-    for prefix, value in (("v", identity.version), ("c", identity.candidate), ("r", identity.replicate)):
-        if value is not None:
-            parts.append(f"{prefix}{value}")
-    if identity.generation:
-        parts.append(f"of {identity.generation}")
-    return " ".join(parts)
 
 
 def _required(identity: EpisodeIdentity, field: str) -> int:

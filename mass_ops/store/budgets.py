@@ -15,7 +15,7 @@ overshoot of a budget is bounded by one request's tokens per concurrent request,
 
 On Kubernetes an episode pod's proxy reaches no store: it holds only the episode's own token budget
 (`budgets.episode_tokens`). The task and cycle budgets are held around the pod instead: the operator admits a pod
-only while its scopes are not exhausted (`mass_ops.stages.admission`), and the pod's spend is charged to those scopes
+only while its scopes are not exhausted (`mass_ops.runtime.admission`), and the pod's spend is charged to those scopes
 when its publisher records the episode (`charge_episode`, once per recorded attempt). A pod's spend is therefore
 invisible to the ledger until it ends, so a task or cycle budget can be overshot by at most (pods in flight for that
 scope) x `budgets.episode_tokens` (plus one request's estimate error per pod, the episode budget's own overshoot);

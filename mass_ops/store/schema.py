@@ -590,7 +590,7 @@ class EpisodeLease(Base):
     Kubernetes episode pod — and deleted once the attempt's row is recorded (or the attempt died without one). One
     lease per unit: `unit_key` is the episode's unit key without its attempt (`episode_unit_slug`), so a later attempt
     replaces an earlier one's. A crash leaves its lease behind; readers ignore a lease older than the attempt could
-    run (`mass_ops.stages.leases`). The identity columns mirror `episodes`, so a reader matches a lease to a unit as it
+    run (`mass_ops.ops.leases`). The identity columns mirror `episodes`, so a reader matches a lease to a unit as it
     matches the unit's rows. `host` says where it runs (host and pid, or the pod's name): never a secret."""
 
     __tablename__ = "episode_leases"

@@ -14,7 +14,7 @@ import pytest
 from airflow.sdk.execution_time.context import set_current_context
 
 from mass_ops.errors import InputError
-from mass_ops.stages import api as real_api  # the real module: the `stages` fixture replaces it in sys.modules
+from mass_ops.ops import api as real_api  # the real module: the `stages` fixture replaces it in sys.modules
 from tests.dags.dag_files import dag_module
 from tests.support.airflow import StageRecorder
 
@@ -50,7 +50,7 @@ def test_the_dag_refuses_an_over_budget_run_unless_allowed(stages: StageRecorder
 
 def test_validate_config_refuses_before_touching_a_store(tmp_path: Path) -> None:
     from mass_ops.config import load_config
-    from mass_ops.stages.api import validate_config
+    from mass_ops.ops.api import validate_config
 
     url = f"sqlite:///{tmp_path}/meta.db"
     config = load_config("demo", ["budgets.cycle_tokens=1000", f"storage.metadata_url={url}",

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mass_ops.cli import app
 from mass_ops.config import load_config
 from mass_ops.cost.estimate import DEFAULT_FIGURES, DEFAULT_TRAIN_STEP_S, check_budget
-from mass_ops.stages.plan import build_plan, cycle_estimate
+from mass_ops.ops.plan import build_plan, cycle_estimate
 from mass_ops.train.plan import training_command_for
 from tests.inner_loop_fakes import migrated_sqlite
 

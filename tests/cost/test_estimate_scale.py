@@ -15,7 +15,7 @@ from typing import Any
 
 from mass_ops.config import load_config
 from mass_ops.cost.estimate import CycleEstimate
-from mass_ops.stages.plan import build_plan, cycle_estimate
+from mass_ops.ops.plan import build_plan, cycle_estimate
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.train.plan import training_command_for
 from tests.inner_loop_fakes import migrated_sqlite

@@ -212,8 +212,8 @@ def test_the_report_step_writes_the_run_s_cycle_report_and_links_it(dag):
 
 def test_the_repair_commands_name_tasks_of_this_dag(dag):
     """`mass-ops repair` prints Airflow clear commands by task id; each id must exist here."""
-    from mass_ops.stages import repair
-    from mass_ops.stages.status import UnitState
+    from mass_ops.ops import repair
+    from mass_ops.ops.status import UnitState
 
     named = {task for tasks in repair.AIRFLOW_TASKS.values() for task in tasks}
     broken = [UnitState("search", f"search-t51-v{k}", "failed", task_id=51) for k in (0, MAX_SEARCH_ITERATIONS)]

@@ -18,7 +18,7 @@ def test_run_stage_passes_the_config_and_arguments(stages):
 
 def test_missing_stage_is_named(stages, monkeypatch):
     monkeypatch.setattr(type(stages), "__getattr__", lambda self, name: (_ for _ in ()).throw(AttributeError(name)))
-    with pytest.raises(AttributeError, match=r"mass_ops\.stages\.api has no stage function 'warp'"):
+    with pytest.raises(AttributeError, match=r"nor mass_ops\.ops\.api has a stage function .warp."):
         stage_function("warp")
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from pathlib import Path
 
 import pytest
 
 import tests.plugins.airflow_env as airflow_env  # before Airflow: its home and DAG folder
+from mass_ops.ops import api as ops
 from mass_ops.stages import api, registry
 from mass_ops.stages.registry import NON_STAGE_TASKS, PLANNED, STAGES, TRACKED, stage_of_task
 from mass_ops.store.schema import CallPurpose, EpisodeKind
@@ -59,10 +62,11 @@ def test_every_task_the_registry_names_exists_and_belongs_to_one_stage(dag_tasks
         assert set(tasks) <= set(dag_tasks[dag])
 
 
-def test_every_stage_has_its_function_in_the_stage_api():
-    assert set(api.STAGE_FUNCTIONS) == set(STAGES)
-    for stage, function in api.STAGE_FUNCTIONS.items():
-        assert getattr(api, function.__name__) is function, stage.name
+def test_every_stage_has_its_function_in_the_stage_or_ops_api():
+    assert set(ops.STAGE_FUNCTIONS) == set(STAGES)
+    for stage, function in ops.STAGE_FUNCTIONS.items():
+        module = ops if function.__module__ == ops.__name__ else api
+        assert getattr(module, function.__name__) is function, stage.name
 
 
 def test_every_declared_command_exists_in_the_cli():
@@ -100,7 +104,7 @@ def test_names_are_unique_and_unit_kinds_are_the_store_s():
 
 def test_plan_and_status_follow_the_registry_s_order():
     from mass_ops.config import load_config
-    from mass_ops.stages.plan import build_plan
+    from mass_ops.ops.plan import build_plan
 
     config = load_config("demo", ())
     plan = build_plan(config, ["train"], lineage=False)
@@ -108,3 +112,49 @@ def test_plan_and_status_follow_the_registry_s_order():
     assert [s.name for s in TRACKED] == [
         "search", "collect", "rank", "select", "render", "train", "export", "rollout", "evaluate",
     ]  # fmt: skip
+
+
+def _dag_references(folder: Path) -> list[tuple[str, int, str, str]]:
+    """(file, line, module, name) for every stage function the DAG files reach: `api.X` / `ops.X` attributes after
+    importing the API modules, and the string names given to operators (`stage=`, `local_stage=`, …)."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("api", "ops"):
+                found.append((path.name, node.lineno, node.value.id, node.attr))
+            elif (
+                isinstance(node, ast.keyword)
+                and (node.arg or "").endswith("stage")
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                found.append((path.name, node.lineno, "name", node.value.value))
+    return found
+
+
+def _missing(references: list[tuple[str, int, str, str]]) -> list[str]:
+    from mass_ops_airflow.cycle import stage_function
+
+    def resolves(module: str, name: str) -> bool:
+        if module != "name":
+            return callable(getattr({"api": api, "ops": ops}[module], name, None))
+        try:
+            return callable(stage_function(name))
+        except AttributeError:
+            return False
+
+    return [f"{file}:{line} {module}.{name}" for file, line, module, name in references if not resolves(module, name)]
+
+
+def test_every_stage_function_a_dag_names_exists():
+    """A typo in a DAG's stage reference fails here, not in the middle of a run."""
+    references = _dag_references(Path(__file__).resolve().parents[2] / "dags")
+    assert len(references) >= 25, references  # the reader sees the DAGs' calls
+    assert _missing(references) == []
+
+
+def test_a_misspelt_stage_in_a_dag_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "bad.py").write_text(
+        "from mass_ops.stages import api\nrun_stage(api.serch_tasks, {})\nReportOperator(stage='reprot')\n"
+    )
+    assert _missing(_dag_references(tmp_path)) == ["bad.py:2 api.serch_tasks", "bad.py:3 name.reprot"]

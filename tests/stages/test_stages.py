@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.context import attach_cycle
+from mass_ops.ops import api as ops
 from mass_ops.stages import api as stages
 from tests.inner_loop_fakes import FakeExecutor, inner_loop_fixture  # noqa: F401  (fixture)
 
@@ -28,7 +29,7 @@ def fake_episodes(monkeypatch):
 
 def test_stage_units_run_a_cycle_through_selection_and_rerun_as_no_ops(inner_loop, fake_episodes):
     config = inner_loop.config(iterations=1, candidates=3, train_ranks=1, opponents=2, require_beats_reference=False)
-    opened = stages.validate_config(config)
+    opened = ops.validate_config(config)
     assert opened["cycle"] == config.cycle_name
 
     for task_id in stages.search_tasks(config):
@@ -94,7 +95,7 @@ def test_cli_runs_the_inner_loop_and_refuses_a_changed_config(inner_loop, fake_e
 def test_collect_task_runs_one_tasks_candidates_as_one_unit_and_reruns_as_a_no_op(inner_loop, fake_episodes):
     """The per-task collection unit of the pipelined DAG: every candidate of that task, none of another's."""
     config = inner_loop.config(iterations=1, candidates=3, train_ranks=1, opponents=2, require_beats_reference=False)
-    stages.validate_config(config)
+    ops.validate_config(config)
     for task_id in stages.search_tasks(config):
         for version in range(config.search.iterations + 1):
             stages.search_step(config, task_id, version)

@@ -45,21 +45,25 @@ class StageRecorder(types.ModuleType):
 
 
 def install_stage_recorder(monkeypatch: pytest.MonkeyPatch) -> StageRecorder:
-    """Put a `StageRecorder` in place of `mass_ops.stages.api` for one test; what is not a stage under test (binding
-    a pod to its unit, config arithmetic, budget and lease bookkeeping) passes through to the real functions."""
+    """Put a `StageRecorder` in place of `mass_ops.stages.api` and `mass_ops.ops.api` for one test; what is not a
+    stage under test (binding a pod to its unit, config arithmetic, budget and lease bookkeeping) passes through to
+    the real functions."""
+    import mass_ops.ops.api as real_ops
     import mass_ops.stages.api as real
 
     recorder = StageRecorder()
     recorder.passthrough["bind_episode"] = real.bind_episode
-    recorder.passthrough["next_cycle_overrides"] = real.next_cycle_overrides
-    recorder.passthrough["admit_episode"] = real.admit_episode
     recorder.passthrough["budget_stop_message"] = real.budget_stop_message
-    recorder.passthrough["lease_episode_pod"] = real.lease_episode_pod
-    recorder.passthrough["end_episode_pod_lease"] = real.end_episode_pod_lease
-    monkeypatch.setitem(sys.modules, "mass_ops.stages.api", recorder)
+    recorder.passthrough["next_cycle_overrides"] = real_ops.next_cycle_overrides
+    recorder.passthrough["admit_episode"] = real_ops.admit_episode
+    recorder.passthrough["lease_episode_pod"] = real_ops.lease_episode_pod
+    recorder.passthrough["end_episode_pod_lease"] = real_ops.end_episode_pod_lease
+    import mass_ops.ops
     import mass_ops.stages
 
-    monkeypatch.setattr(mass_ops.stages, "api", recorder, raising=False)
+    for name, package in (("mass_ops.stages.api", mass_ops.stages), ("mass_ops.ops.api", mass_ops.ops)):
+        monkeypatch.setitem(sys.modules, name, recorder)
+        monkeypatch.setattr(package, "api", recorder, raising=False)
     return recorder
 
 

@@ -296,5 +296,5 @@ class EpisodeRecords(RepositoryBase):
             return bool(connection.execute(statement).rowcount)
 
     def episode_leases(self, cycle_id: int) -> list[EpisodeLease]:
-        """Every lease of a cycle (fresh or not: `mass_ops.stages.leases` decides), in the order they were made."""
+        """Every lease of a cycle (fresh or not: `mass_ops.ops.leases` decides), in the order they were made."""
         return self._all(sa.select(EpisodeLease).where(EpisodeLease.cycle_id == cycle_id).order_by(EpisodeLease.id))

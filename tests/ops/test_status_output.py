@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
-from mass_ops.stages.status import UnitState, _Spend, _stage_status, cycle_state
+from mass_ops.ops.status import UnitState, _Spend, _stage_status, cycle_state
 from tests.inner_loop_fakes import InnerLoopEnv, inner_loop_fixture  # noqa: F401
-from tests.stages.test_status import TASK, collected_with_one_failure, config_file
+from tests.ops.test_status import TASK, collected_with_one_failure, config_file
 from tests.test_cli import long_lines, run_cli
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)

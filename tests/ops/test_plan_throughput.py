@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mass_ops.cli import app
 from mass_ops.config import CycleConfig, load_config
 from mass_ops.layout import training_prefix
-from mass_ops.stages.plan import DEFAULT_TRAIN_STEP_S, build_plan, cycle_estimate, measured_throughput
+from mass_ops.ops.plan import DEFAULT_TRAIN_STEP_S, build_plan, cycle_estimate, measured_throughput
 from mass_ops.train.plan import training_command_for
 from tests.inner_loop_fakes import migrated_sqlite, open_test_cycle
 

@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.context import CycleContext
+from mass_ops.ops.status import cycle_status
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest
 from mass_ops.seeds import collection_seed
 from mass_ops.stages.collect import collect_batch
 from mass_ops.stages.evaluate import rollout_units
-from mass_ops.stages.status import cycle_status
 from tests.inner_loop_fakes import FailurePlan, InnerLoopEnv, OpenCycle, inner_loop_fixture  # noqa: F401
 from tests.stages import test_collect
 

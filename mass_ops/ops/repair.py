@@ -2,12 +2,12 @@
 Airflow clear, as a REST call and as the `airflow tasks clear` command, and the equivalent `mass-ops` stage
 commands), and — unless it is a dry run — run the stage functions, which redo only what is missing.
 
-What counts (from `stages.status`): a stage needs repair when it has started (any record) and has units that are not
+What counts (from `ops.status`): a stage needs repair when it has started (any record) and has units that are not
 done — failed on infrastructure, stopped by a budget, or not recorded. Stages that have not started are not a repair:
 they are the rest of the run, listed as such. A budget-stopped unit is redone only after its budget is raised
 (`budgets.*`: not part of the config hash, so the same cycle continues).
 
-An episode an agent is at work on right now (a fresh lease: `stages.leases`) is not redone: it is listed as in
+An episode an agent is at work on right now (a fresh lease: `ops.leases`) is not redone: it is listed as in
 flight. Other partial units (a search step between its episodes and its proposal, a ranking with matches but no
 ranks) cannot be told from interrupted ones: make sure the cycle is not running while repairing them.
 """
@@ -24,9 +24,8 @@ from typing import Any
 from mass_ops.config import CycleConfig
 from mass_ops.console import command_lines
 from mass_ops.errors import InputError
-from mass_ops.stages.api import STAGE_FUNCTIONS
-from mass_ops.stages.registry import CYCLE_DAG, EXPORT, INNER_LOOP, REGISTER, SEARCH, SELECT_CHECKPOINT, TRACKED, Stage
-from mass_ops.stages.status import (
+from mass_ops.ops.api import STAGE_FUNCTIONS
+from mass_ops.ops.status import (
     UnitState,
     _Records,
     cycle_row,
@@ -34,6 +33,7 @@ from mass_ops.stages.status import (
     open_repository,
     recorded_config,
 )
+from mass_ops.stages.registry import CYCLE_DAG, EXPORT, INNER_LOOP, REGISTER, SEARCH, SELECT_CHECKPOINT, TRACKED, Stage
 
 DAG_ID = CYCLE_DAG
 CLEAR_PATH = f"/api/v2/dags/{DAG_ID}/clearTaskInstances"
@@ -108,8 +108,9 @@ class RepairPlan:
             stage = _tracked(repair.stage)
             if stage.command is None:
                 # No `mass-ops` command runs the stage alone (the cycle's evaluation); repair calls its function.
-                function = STAGE_FUNCTIONS[stage].__name__
-                lines.append(f"mass-ops repair {shlex.quote(self.cycle)} {base}  # runs mass_ops.stages.api.{function}")
+                function = STAGE_FUNCTIONS[stage]
+                where = f"{function.__module__}.{function.__name__}"
+                lines.append(f"mass-ops repair {shlex.quote(self.cycle)} {base}  # runs {where}")
                 continue
             lines.append(f"mass-ops {stage.command} {base}{tasks}")
         return list(dict.fromkeys(lines))
@@ -216,7 +217,7 @@ def plan_repair(config: CycleConfig, cycle: str) -> RepairPlan:
 
 def _started_stages(records: _Records, units: Sequence[UnitState]) -> set[str]:
     """Stages with any record: a unit that is not pending, or an episode / call row of the stage."""
-    from mass_ops.stages.status import call_stage, episode_stage
+    from mass_ops.ops.status import call_stage, episode_stage
 
     started = {u.stage for u in units if u.state != "pending"}
     started |= {stage for e in records.episodes if (stage := episode_stage(e.kind)) is not None}

@@ -12,11 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 from mass_ops.cli import app
-from mass_ops.stages import repair
+from mass_ops.ops import repair
+from mass_ops.ops.repair import RepairError, plan_repair, run_repair
 from mass_ops.stages.collect import run_collect
-from mass_ops.stages.repair import RepairError, plan_repair, run_repair
 from tests.inner_loop_fakes import FakeExecutor, InnerLoopEnv, inner_loop_fixture  # noqa: F401
-from tests.stages.test_status import TASK, collected_with_one_failure, config_file
+from tests.ops.test_status import TASK, collected_with_one_failure, config_file
 
 runner = CliRunner()
 

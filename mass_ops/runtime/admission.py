@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from mass_ops.context import CycleContext
-from mass_ops.runtime.episode import EpisodeRequest
-from mass_ops.stages.units import EpisodeIdentity, describe, episode_request
+from mass_ops.runtime.episode import EpisodeIdentity, EpisodeRequest, describe
 from mass_ops.store.budgets import BudgetLedger, BudgetLimits, Refusal, episode_scopes
 from mass_ops.store.schema import Episode
 
@@ -48,9 +48,12 @@ class BudgetStop:
         return {"status": "budget_exhausted", **dataclasses.asdict(self)}
 
 
-def admit_episode(ctx: CycleContext, identity: EpisodeIdentity) -> BudgetStop | None:
+def admit_episode(
+    ctx: CycleContext, identity: EpisodeIdentity, request_of: Callable[[], EpisodeRequest]
+) -> BudgetStop | None:
     """None when the episode may start (no limited scope, room left, or the unit is already final); else record it
-    as a not-started `budget_exhausted` attempt (once per exhausted spell) and return why."""
+    as a not-started `budget_exhausted` attempt (once per exhausted spell) and return why. `request_of` builds the
+    unit's exact request (its stage knows how); it is called only when a budget refuses."""
     limits = BudgetLimits.from_mapping(ctx.config.budgets.model_dump())
     scopes = episode_scopes(identity.task_id)
     if not limits.limited(scopes):
@@ -64,7 +67,7 @@ def admit_episode(ctx: CycleContext, identity: EpisodeIdentity) -> BudgetStop | 
                 describe(identity),
             )
         return None
-    request = episode_request(ctx, identity)
+    request = request_of()
     attempts = ctx.repo.episode_attempts(ctx.cycle_id, **request.unit.identity())
     if any(row.status in FINAL_STATUSES for row in attempts):
         return None  # nothing left to run: the operator reuses the recorded episode

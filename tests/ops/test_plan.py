@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from mass_ops.cli import app
 from mass_ops.config import load_config
-from mass_ops.stages.plan import build_plan, count_checkpoints, count_validations, next_cycle_config
+from mass_ops.ops.plan import build_plan, count_checkpoints, count_validations, next_cycle_config
 from mass_ops.train.plan import train_args_for, training_command_for
 
 runner = CliRunner()
@@ -94,11 +94,11 @@ def test_the_cycle_after_paper_is_cycle2():
 
 
 def test_plan_next_of_reads_the_frozen_cycle_and_prints_how_to_start_the_next(tmp_path):
-    from mass_ops.stages import api as stages
+    from mass_ops.ops import api as ops
 
     storage = [f"storage.metadata_url=sqlite:///{tmp_path}/m.db", f"storage.artifact_url={tmp_path}/a"]
     demo = load_config("demo", storage, environ={})
-    stages.validate_config(demo)
+    ops.validate_config(demo)
     args = ["plan", "--config", "demo", *(x for s in storage for x in ("--set", s))]
     result = runner.invoke(app, [*args, "--next-of", demo.cycle_name])
     assert result.exit_code == 0, result.output

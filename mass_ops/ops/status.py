@@ -6,13 +6,13 @@ writes. A unit is in flight (``running``) when the store holds part of its recor
 search step whose episode is recorded but whose judging and next proposal are not, a task with ranking calls but no
 ranks, a render with one split of two, a training run marked running, evaluation judge calls without the summary.
 An agent episode's row is written only when its attempt ends; while it runs, its unit holds a lease
-(`stages.leases`: written by the local runner, or by the operator that created its pod), and an episode unit with a
+(`ops.leases`: written by the local runner, or by the operator that created its pod), and an episode unit with a
 fresh lease for an attempt later than any recorded one is ``running`` ("attempt 2 started 3m ago on <where>"). A lease
 older than its attempt could run is stale (a crash left it) and ignored (`IN_FLIGHT_NOTE`, printed with the table); a
 unit whose run died half-way also shows as in flight until it is redone. ``pending`` counts every unit neither
 finished nor failed, ``in_flight`` those of them that started.
 
-The unit lists here are also what `stages.repair` redoes: one place decides what a missing or failed unit is.
+The unit lists here are also what `ops.repair` redoes: one place decides what a missing or failed unit is.
 
 Unit states: ``done`` (a final record: a succeeded or model-failed episode — a model failure is data, never
 redone), ``failed`` (the latest attempt failed on infrastructure, or a training run failed), ``budget_exhausted``
@@ -36,8 +36,8 @@ from typing import Any
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.cost.prices import token_cost
 from mass_ops.errors import InputError
+from mass_ops.ops.leases import describe_lease, lease_horizon_s, lease_is_fresh
 from mass_ops.stages.common import TRAINING_RUN_KEY
-from mass_ops.stages.leases import describe_lease, lease_horizon_s, lease_is_fresh
 from mass_ops.stages.registry import (
     COLLECT,
     EVALUATE,
