@@ -620,7 +620,7 @@ def _unshown_knobs(params: Mapping[str, Any]) -> dict[str, Any]:
 def next_cycle_params(params: Mapping[str, Any], config: CycleConfig) -> dict[str, Any]:
     """The params of the cycle after `config` (`mass_ops.ops.plan.next_cycle_overrides`: L(k+1) becomes the parent,
     models move one generation, seeds one stride); the form's own fields carry generation, parent and served name."""
-    from mass_ops.stages.api import next_cycle_overrides
+    from mass_ops.ops.api import next_cycle_overrides
 
     try:
         following = next_cycle_overrides(config)
