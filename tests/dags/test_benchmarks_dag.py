@@ -76,3 +76,11 @@ def test_the_mapped_trial_is_the_benchmark_operator_which_strips_the_run_params(
     name, (config, *args) = stages.calls[-1]
     assert (name, tuple(args)) == ("benchmark_trial", ("swe", "L2", 1, 5, None)) and config.cycle_name
     assert context["unit_label"] == "swe t1"
+
+
+def test_the_dag_offers_exactly_the_registry_suite_in_its_order():
+    """The DAG writes the suite out (parsing stays light); it must stay the benchmark registry's `SUITE`."""
+    from mass_ops.evaluation.benchmarks.sources import SUITE
+
+    assert dag_module("mass_benchmarks").SUITE == list(SUITE)
+    assert dag().params.get_param("benchmarks").schema["items"]["enum"] == list(SUITE)
