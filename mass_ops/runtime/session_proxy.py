@@ -27,23 +27,18 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from mass_ops.runtime.episode_budget import EpisodeBudget
 from mass_ops.runtime.outcome import UsageTotals
-from mass_ops.runtime.proxy import (
+from mass_ops.runtime.proxy import _write_port_file, add_route_arguments, run_proxy_main
+from mass_ops.runtime.proxy_access import (
     DEFAULT_CLIENT_PATH,
-    HANDLER_DRAIN_S,
     MAX_REQUEST_BYTES,
-    EpisodeBudget,
-    LoggingProxy,
     ProxyConfigError,
-    ProxySessionError,
-    _RecordLog,
-    _Session,
-    _write_port_file,
-    add_route_arguments,
     new_agent_token,
-    run_proxy_main,
     upstream_key_from_env,
 )
+from mass_ops.runtime.proxy_records import RecordLog as _RecordLog
+from mass_ops.runtime.proxy_server import HANDLER_DRAIN_S, LoggingProxy, ProxySessionError, _Session
 
 CONTROL_PREFIX = "/_mass_proxy"
 CONTROL_TIMEOUT_S = 30.0

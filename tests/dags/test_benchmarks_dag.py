@@ -82,5 +82,5 @@ def test_the_dag_offers_exactly_the_registry_suite_in_its_order():
     """The DAG writes the suite out (parsing stays light); it must stay the benchmark registry's `SUITE`."""
     from mass_ops.evaluation.benchmarks.sources import SUITE
 
-    assert dag_module("mass_benchmarks").SUITE == list(SUITE)
+    assert list(SUITE) == dag_module("mass_benchmarks").SUITE
     assert dag().params.get_param("benchmarks").schema["items"]["enum"] == list(SUITE)

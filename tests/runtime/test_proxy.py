@@ -12,8 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,98 +20,20 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mass_ops.runtime import proxy as proxy_module
-from mass_ops.runtime.proxy import (
-    CHAT_ROUTE,
-    EpisodeBudget,
-    GenerationRequestError,
-    LoggingProxy,
-    prepare_generation,
-)
+from mass_ops.runtime import record_writer
+from mass_ops.runtime.episode_budget import EpisodeBudget
+from mass_ops.runtime.proxy_access import ProxyConfigError
+from mass_ops.runtime.proxy_server import LoggingProxy
+from mass_ops.runtime.record_writer import RECORD_PROCESS_BYTES, RecordWriter
 from tests.policy_server import Fault, FaultRule, PolicyServer, PolicyServerConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SECRET = "sk-never-log-this-0123456789"
-
-
-def _records(log: Path) -> list[dict[str, Any]]:
-    """Log records in request order (they are appended when each exchange's record is ready, not by `seq`)."""
-    records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
-    return sorted(records, key=lambda record: record["seq"])
-
-
-class EchoUpstream:
-    """An upstream that reports what it received, redirects, streams behind a gate, and counts hits per path (on
-    routes the proxy lets through: generation routes echo, `GET /v1/models/<name>` does the rest)."""
-
-    def __init__(self) -> None:
-        self.hits: dict[str, int] = {}
-        self.seen_headers: dict[str, str] = {}  # kept test-side: echoing a key back would put it in the log body
-        self.gate = asyncio.Event()
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024**2)
-        app.router.add_route("*", "/v1/completions", self._echo)
-        app.router.add_post("/v1/chat/completions", self._echo)
-        app.router.add_get("/v1/models/redirect", self._redirect)
-        app.router.add_get("/elsewhere", self._echo)
-        app.router.add_get("/v1/models/gated-stream", self._gated_stream)
-        app.router.add_get("/v1/models/plain", self._plain)
-        return app
-
-    def _count(self, request: web.Request) -> None:
-        self.hits[request.path] = self.hits.get(request.path, 0) + 1
-
-    async def _echo(self, request: web.Request) -> web.Response:
-        self._count(request)
-        body = await request.read()
-        self.seen_headers = {k.lower(): v for k, v in request.headers.items()}
-        return web.json_response(
-            {
-                "method": request.method,
-                "path_qs": request.path_qs,
-                "body_bytes": len(body),
-                "body_head": body[:64].decode("utf-8", errors="replace"),
-            },
-            headers={"X-Request-Id": "req-42", "X-Upstream-Secret": SECRET},
-        )
-
-    async def _redirect(self, request: web.Request) -> web.Response:
-        self._count(request)
-        raise web.HTTPFound("/elsewhere")
-
-    async def _plain(self, request: web.Request) -> web.Response:
-        return web.Response(text="not json at all", content_type="text/plain")
-
-    async def _gated_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        first = {"id": "c1", "model": "m", "created": 1, "choices": [{"index": 0, "delta": {"content": "first"}}]}
-        await response.write(f"data: {json.dumps(first)}\n\n".encode())
-        await asyncio.wait_for(self.gate.wait(), timeout=10)  # released only after the client saw "first"
-        last = {"id": "c1", "choices": [{"index": 0, "delta": {"content": " second"}, "finish_reason": "stop"}]}
-        await response.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
-        await response.write_eof()
-        return response
-
-
-@asynccontextmanager
-async def _serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+from tests.support.proxy import REPO_ROOT, SECRET, EchoUpstream, records_by_seq, served
 
 
 def _with_echo(test: Callable[[EchoUpstream, LoggingProxy, aiohttp.ClientSession], Awaitable[None]], log: Path) -> None:
     async def scenario() -> None:
         upstream = EchoUpstream()
         async with (
-            _serve(upstream.app()) as upstream_url,
+            served(upstream.app()) as upstream_url,
             LoggingProxy(upstream_url, log) as proxy,
             aiohttp.ClientSession() as client,
         ):
@@ -152,7 +73,7 @@ def test_forwards_request_with_identity_encoding_and_logs_json(tmp_path: Path) -
     assert headers["content-length"] == str(seen["body_bytes"]) and "transfer-encoding" not in headers
     assert seen["client_request_id"] == "req-42"
 
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert SECRET not in log.read_text(encoding="utf-8")  # ...but never logged, nor any other header value
     assert record["method"] == "POST" and record["path"] == "/v1/completions" and record["seq"] == 1
     assert record["request"] == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -181,7 +102,7 @@ def test_non_json_generation_bodies_are_refused_and_logged_raw_and_large_json_bo
         assert upstream.hits == {"/v1/completions": 1}  # the refused body never reached it
 
     _with_echo(test, log)
-    refused, passed, plain = _records(log)
+    refused, passed, plain = records_by_seq(log)
     assert refused["request_bytes"] == len(raw) and refused["request_raw"] == raw.decode()
     assert refused["rejected"] == "bad_generation_request" and "request" not in refused
     assert passed["request"] == large and passed["status"] == 200
@@ -198,7 +119,7 @@ def test_redirects_are_relayed_not_followed(tmp_path: Path) -> None:
         assert upstream.hits == {"/v1/models/redirect": 1}
 
     _with_echo(test, log)
-    assert [r["status"] for r in _records(log)] == [302]
+    assert [r["status"] for r in records_by_seq(log)] == [302]
 
 
 def test_sse_is_relayed_incrementally(tmp_path: Path) -> None:
@@ -214,7 +135,7 @@ def test_sse_is_relayed_incrementally(tmp_path: Path) -> None:
             assert rest.endswith(b"data: [DONE]\n\n")
 
     _with_echo(test, log)
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["stream"] is True
     assert record["response"]["choices"][0]["message"]["content"] == "first second"
     assert record["response"]["done"] is True
@@ -254,7 +175,7 @@ def test_policy_stream_through_proxy_is_byte_identical_and_reassembled(tmp_path:
 
     assert normalise(direct_bytes) == normalise(proxied_bytes)
     assert direct_bytes.count(b"data: ") == proxied_bytes.count(b"data: ") > 5
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["sse_raw"] == proxied_bytes.decode()
     message = record["response"]["choices"][0]["message"]
     (call,) = message["tool_calls"]
@@ -282,7 +203,7 @@ def test_upstream_down_gives_502_and_class_name_only(tmp_path: Path) -> None:
 
     status, payload = asyncio.run(scenario())
     assert status == 502 and payload["error"]["type"] == "proxy_error"
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["status"] == 502
     assert record["proxy_error"] == "ClientConnectorError"
     assert str(dead_port) not in json.dumps({k: v for k, v in record.items() if k != "path"})
@@ -309,7 +230,7 @@ def test_stream_cut_upstream_is_cut_for_the_client_and_recorded(tmp_path: Path) 
 
     received = asyncio.run(scenario())
     assert received.count(b"data: ") == 2 and b"[DONE]" not in received
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["proxy_error"] == "ClientPayloadError"
     assert record["response"]["done"] is False and record["response"]["n_chunks"] == 2
 
@@ -331,7 +252,7 @@ def test_client_disconnect_mid_stream_is_recorded(tmp_path: Path) -> None:
                 await asyncio.sleep(0.05)
 
     asyncio.run(scenario())
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["client_disconnected"] is True
     assert record["response"]["done"] is False
 
@@ -354,7 +275,7 @@ def test_concurrent_records_are_whole_lines_with_unique_seq(tmp_path: Path) -> N
             await asyncio.gather(*(one() for _ in range(24)))
 
     asyncio.run(scenario())
-    records = _records(log)  # json.loads on every line: a torn line would fail here
+    records = records_by_seq(log)  # json.loads on every line: a torn line would fail here
     assert sorted(r["seq"] for r in records) == list(range(1, 25))
     assert all(r["response"]["done"] for r in records)
 
@@ -392,9 +313,76 @@ def test_command_line_entry_point(tmp_path: Path) -> None:
                 assert await asyncio.wait_for(process.wait(), timeout=10) == 0
 
     asyncio.run(scenario())
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["path"] == "/v1/models" and record["status"] == 200
     assert os.stat(log).st_mode & 0o077 == 0  # the log is private to its owner
+
+
+# Every public name the proxy module had before it was split by concern: runner, handoff, benchmarks and the contract
+# tests import them from `mass_ops.runtime.proxy`, which now re-exports them from their modules.
+PROXY_NAMES = [
+    "BEARER",
+    "BUDGET_ERROR_CODE",
+    "BUDGET_STATUS",
+    "CHAT_ROUTE",
+    "COMPLETIONS_ROUTE",
+    "CONNECT_TIMEOUT_S",
+    "CREDENTIAL_HEADERS",
+    "DEFAULT_CLIENT_PATH",
+    "DEFAULT_KEY_VALUE",
+    "EpisodeBudget",
+    "GENERATION_ROUTES",
+    "GenerationRequest",
+    "GenerationRequestError",
+    "HANDLER_DRAIN_S",
+    "HOP_BY_HOP_HEADERS",
+    "LOGGED_RESPONSE_HEADERS",
+    "LoggingProxy",
+    "MAX_REQUEST_BYTES",
+    "MIN_REDACTED_SECRET",
+    "MODELS_ROUTE",
+    "MODEL_ID",
+    "PARSE_PROCESSES",
+    "PARSE_PROCESS_BYTES",
+    "PROMPT_BYTES_PER_TOKEN",
+    "ProxyConfigError",
+    "ProxySessionError",
+    "RECORD_PROCESS_BYTES",
+    "RECORD_WRITER_FLAG",
+    "RECORD_WRITER_NICE",
+    "REDACTION",
+    "RELAY_READ_BUFFER",
+    "RESPONSES_ROUTE",
+    "TOKEN_BYTES",
+    "WHOLE_BODY_BYTES",
+    "add_route_arguments",
+    "allowed_route",
+    "main",
+    "new_agent_token",
+    "prepare_generation",
+    "prepare_generation_off_loop",
+    "run_proxy_main",
+    "upstream_key_from_env",
+    "usage_cost",
+    "usage_tokens",
+]
+
+
+def test_the_proxy_module_still_exports_every_name_it_had() -> None:
+    from mass_ops.runtime import proxy
+
+    assert sorted(set(PROXY_NAMES) - set(proxy.__all__)) == []
+    assert all(hasattr(proxy, name) for name in proxy.__all__)
+    assert proxy.LoggingProxy is LoggingProxy and proxy.RecordWriter is RecordWriter  # the same objects, not copies
+
+
+def test_the_record_writer_answers_on_its_old_command_line_too(tmp_path: Path) -> None:
+    """`python -m mass_ops.runtime.proxy --record-writer` still runs the writer: end of input ends it cleanly."""
+    for module, flags in (("mass_ops.runtime.record_writer", []), ("mass_ops.runtime.proxy", ["--record-writer"])):
+        done = subprocess.run(
+            [sys.executable, "-m", module, *flags], input=b"", capture_output=True, cwd=REPO_ROOT, timeout=60
+        )
+        assert (done.returncode, done.stdout) == (0, b""), (module, done.stderr[-2000:])
 
 
 # --- the proxy holds the key; the agent holds a token (ISSUE #13.4) ------------------------------------------------
@@ -409,7 +397,7 @@ def test_only_the_episode_token_passes_and_the_proxy_adds_the_key(tmp_path: Path
     async def scenario() -> None:
         upstream = EchoUpstream()
         async with (
-            _serve(upstream.app()) as upstream_url,
+            served(upstream.app()) as upstream_url,
             LoggingProxy(upstream_url, log, agent_token=TOKEN, upstream_api_key=SECRET) as proxy,
             aiohttp.ClientSession() as client,
         ):
@@ -437,7 +425,7 @@ def test_only_the_episode_token_passes_and_the_proxy_adds_the_key(tmp_path: Path
     assert seen["authorization"] == f"Bearer {SECRET}"  # the proxy's key, not the agent's token
     assert "x-api-key" not in seen and TOKEN not in json.dumps(seen)
 
-    records = _records(log)
+    records = records_by_seq(log)
     text = log.read_text(encoding="utf-8")
     assert TOKEN not in text and SECRET not in text and "y" * 40 not in text  # no header is ever logged
     refused = [record for record in records if "rejected" in record]
@@ -462,7 +450,7 @@ def test_an_upstream_that_echoes_the_key_is_logged_redacted(tmp_path: Path) -> N
         app = web.Application()
         app.router.add_get("/v1/models/whoami", echo_key)
         async with (
-            _serve(app) as upstream_url,
+            served(app) as upstream_url,
             LoggingProxy(upstream_url, log, agent_token=TOKEN, upstream_api_key=SECRET) as proxy,
             aiohttp.ClientSession() as client,
             client.get(f"{proxy.url}/v1/models/whoami", headers={"Authorization": f"Bearer {TOKEN}"}) as response,
@@ -470,13 +458,11 @@ def test_an_upstream_that_echoes_the_key_is_logged_redacted(tmp_path: Path) -> N
             assert response.status == 200
 
     asyncio.run(scenario())
-    [record] = _records(log)
+    [record] = records_by_seq(log)
     assert record["response"] == {"you_sent": "Bearer [REDACTED]"} and SECRET not in log.read_text()
 
 
 def test_a_key_without_a_token_is_refused() -> None:
-    from mass_ops.runtime.proxy import ProxyConfigError
-
     with pytest.raises(ProxyConfigError, match="needs an agent token"):
         LoggingProxy("http://127.0.0.1:1", "/nonexistent/log", upstream_api_key=SECRET)
 
@@ -526,7 +512,7 @@ def _big_stream_records(
 ) -> None:
     async def run() -> None:
         async with (
-            _serve(BigStreamUpstream().app()) as upstream_url,
+            served(BigStreamUpstream().app()) as upstream_url,
             LoggingProxy(upstream_url, log, budget=budget) as proxy,
             aiohttp.ClientSession() as client,
         ):
@@ -571,18 +557,18 @@ def test_the_record_writer_process_writes_the_record_a_thread_would(
             await response.read()
 
     started = []
-    real_init = proxy_module._RecordWriter.__init__
+    real_init = RecordWriter.__init__
 
     def counting_init(self: Any) -> None:
         started.append(self)
         real_init(self)
 
-    threshold = proxy_module.RECORD_PROCESS_BYTES
-    monkeypatch.setattr(proxy_module._RecordWriter, "__init__", counting_init)
-    monkeypatch.setattr(proxy_module._RecordWriter, "_shared", None)
+    threshold = RECORD_PROCESS_BYTES
+    monkeypatch.setattr(RecordWriter, "__init__", counting_init)
+    monkeypatch.setattr(RecordWriter, "_shared", None)
     _big_stream_records(tmp_path / "writer.jsonl", scenario)
     assert len(started) == 1  # the record really went through the writer process
-    monkeypatch.setattr(proxy_module, "RECORD_PROCESS_BYTES", 1 << 62)
+    monkeypatch.setattr(record_writer, "RECORD_PROCESS_BYTES", 1 << 62)
     _big_stream_records(tmp_path / "thread.jsonl", scenario)
     assert len(started) == 1
     (by_writer,) = _file_order(tmp_path / "writer.jsonl")
@@ -596,8 +582,8 @@ def test_the_record_writer_process_writes_the_record_a_thread_would(
 
 def test_a_dead_record_writer_loses_no_record_and_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "api.jsonl"
-    monkeypatch.setattr(proxy_module._RecordWriter, "_shared", None)
-    dead = proxy_module._RecordWriter.shared()
+    monkeypatch.setattr(RecordWriter, "_shared", None)
+    dead = RecordWriter.shared()
     assert dead is not None
     dead._process.kill()
     dead._process.wait()
@@ -611,7 +597,7 @@ def test_a_dead_record_writer_loses_no_record_and_is_replaced(tmp_path: Path, mo
     records = _file_order(log)
     assert [record["seq"] for record in records] == [1, 2]
     assert all(record["response"]["done"] and record["response"]["n_chunks"] == 4001 for record in records)
-    replacement = proxy_module._RecordWriter._shared
+    replacement = RecordWriter._shared
     assert dead.broken and replacement is not None and replacement is not dead and not replacement.broken
     replacement.close()
 
@@ -622,14 +608,14 @@ def test_a_client_gone_mid_stream_still_gets_a_whole_record_from_the_writer(tmp_
 
     async def run() -> None:
         async with (
-            _serve(upstream.app()) as upstream_url,
+            served(upstream.app()) as upstream_url,
             LoggingProxy(upstream_url, log) as proxy,
             aiohttp.ClientSession() as client,
         ):
             params = {"events": "4000", "hold": "1"}
             response = await client.post(f"{proxy.url}/v1/chat/completions", params=params, json={})
             received = 0
-            while received <= proxy_module.RECORD_PROCESS_BYTES:
+            while received <= RECORD_PROCESS_BYTES:
                 received += len(await response.content.readany())
             response.close()  # gone with the stream unfinished
             upstream.release.set()  # the proxy's next writes find the client gone
@@ -642,7 +628,7 @@ def test_a_client_gone_mid_stream_still_gets_a_whole_record_from_the_writer(tmp_
     (record,) = _file_order(log)
     assert record["client_disconnected"] is True
     assert record["response"]["done"] is False and record["response"]["n_chunks"] >= 1000
-    assert len(record["sse_raw"].encode()) == record["response_bytes"] > proxy_module.RECORD_PROCESS_BYTES
+    assert len(record["sse_raw"].encode()) == record["response_bytes"] > RECORD_PROCESS_BYTES
 
 
 def test_a_record_from_the_writer_settles_the_budget_with_its_usage(tmp_path: Path) -> None:
@@ -673,42 +659,6 @@ def test_the_proxy_process_runs_on_uvloop_where_it_is_installed() -> None:
 # --- server priority (ISSUE #17.2) -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        b'{"model":"m","messages":[{"role":"user","content":"hi"}]}',
-        b"{}",
-        b"{ \n}",
-        b' \n{ "model" : "m" }\n',
-        # "priority" only inside a string
-        json.dumps({"messages": [{"role": "user", "content": 'set "priority" to high'}]}).encode(),
-    ],
-)
-def test_a_priority_is_added_to_a_json_object_body_and_nothing_else_changes(body: bytes) -> None:
-    stamped = prepare_generation(CHAT_ROUTE, body, default_max_tokens=None, priority=7).body
-    document = json.loads(stamped)
-    assert document.pop("priority") == 7
-    assert document == json.loads(body)
-
-
-def test_the_agent_s_own_priority_is_replaced_and_nested_keys_are_kept() -> None:
-    # qwen-code's tools can have a property named priority (a todo list's): only the top-level field is the server's.
-    body = {
-        "priority": -100,
-        "model": "m",
-        "tools": [{"function": {"parameters": {"properties": {"priority": {"type": "string"}}}}}],
-        "messages": [{"role": "user", "content": "ünïcode stays"}],
-    }
-    stamped = prepare_generation(CHAT_ROUTE, json.dumps(body).encode(), default_max_tokens=None, priority=7).body
-    assert json.loads(stamped) == {**body, "priority": 7}
-
-
-@pytest.mark.parametrize("body", [b"", b"[1, 2]", b'{"model": ', b"not json", b'"text"', b'{"a": 1} trailing'])
-def test_a_generation_body_that_is_no_json_object_is_refused(body: bytes) -> None:
-    with pytest.raises(GenerationRequestError, match=r"not JSON|not a JSON object"):
-        prepare_generation(CHAT_ROUTE, body, default_max_tokens=None, priority=7)
-
-
 def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Path) -> None:
     log = tmp_path / "api.jsonl"
     chat = {"model": "policy-stand-in", "priority": -5, "messages": [{"role": "user", "content": "Do the task."}]}
@@ -718,7 +668,7 @@ def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Pat
         upstream = EchoUpstream()
         async with (
             PolicyServer() as server,
-            _serve(upstream.app()) as echo_url,
+            served(upstream.app()) as echo_url,
             aiohttp.ClientSession() as client,
         ):
             async with LoggingProxy(server.base_url, log, request_priority=4) as proxy:
@@ -735,7 +685,7 @@ def test_the_episode_proxy_stamps_its_priority_on_completions_only(tmp_path: Pat
 
     asyncio.run(scenario())
     assert seen["received"] == [4], "the server sees the episode's priority, never the agent's"
-    chat_record, models_record = _records(log)
+    chat_record, models_record = records_by_seq(log)
     assert chat_record["request"] == {**chat, "priority": 4}, "the record holds the body as forwarded"
     assert chat_record["request_bytes"] == len(json.dumps({**chat, "priority": 4}, separators=(",", ":")))
     assert models_record["method"] == "GET" and models_record["request_bytes"] == 0
@@ -755,7 +705,7 @@ def test_a_body_nested_past_the_parser_s_depth_is_refused_and_recorded_not_dropp
         upstream = EchoUpstream()
         budget = EpisodeBudget(episode_tokens=10**9, default_max_tokens=16)
         async with (
-            _serve(upstream.app()) as upstream_url,
+            served(upstream.app()) as upstream_url,
             LoggingProxy(upstream_url, log, budget=budget, request_priority=4) as proxy,
             aiohttp.ClientSession() as client,
             client.post(f"{proxy.url}/v1/chat/completions", data=body) as response,
@@ -768,5 +718,5 @@ def test_a_body_nested_past_the_parser_s_depth_is_refused_and_recorded_not_dropp
     asyncio.run(scenario())
     assert seen["status"] == 400 and seen["echo"]["error"]["code"] == "bad_generation_request"
     assert seen["spent_need"] == 0 and seen["hits"] == {}
-    (record,) = _records(log)
+    (record,) = records_by_seq(log)
     assert record["request_raw"] == body.decode() and record["request_bytes"] == len(body)

@@ -4,8 +4,6 @@ and the published API log — are checked against what the metered upstream real
 
 from __future__ import annotations
 
-import asyncio
-import gzip
 import json
 import textwrap
 from pathlib import Path
@@ -13,22 +11,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks.budget_overshoot import MeteredUpstream
-from mass_ops.runtime.proxy import (
-    CHAT_ROUTE,
-    COMPLETIONS_ROUTE,
-    RESPONSES_ROUTE,
-    EpisodeBudget,
-    GenerationRequestError,
-    prepare_generation,
-    usage_tokens,
-)
+from mass_ops.runtime.generation_request import prepare_generation
+from mass_ops.runtime.proxy_access import CHAT_ROUTE, RESPONSES_ROUTE
 from mass_ops.runtime.qwen_install import QwenInstall
-from mass_ops.runtime.runner import EpisodeRunner
 from mass_ops.runtime.sse import UsageChunkFilter, assemble_sse
-from mass_ops.store.budgets import task_scope
-from tests.runtime.hostile_agent import hostile_findings
-from tests.support.runtime import TASK, hostile_prompt, open_episode_cycle, request, runner_environ
+from tests.support.proxy import run_hostile_episode
 
 BUDGET = 3000  # the task's tokens
 MAX_OUTPUT = 128  # inference.episode_max_output_tokens: what the proxy holds for a request that sets no cap
@@ -56,28 +43,15 @@ def _spend(route: str, body: str) -> str:
 def _run_hostile(tmp_path: Path, install: QwenInstall, attack: str) -> tuple[dict[str, Any], int, int, list[Any]]:
     """Run `attack` as the agent of one episode against a metered upstream under a task budget. Returns the agent's
     findings, the tokens the upstream served, the tokens the ledger counted, and the published API log's records."""
-
-    async def scenario() -> tuple[list[dict[str, Any]], int, int, list[Any]]:
-        async with MeteredUpstream(server_default_tokens=SERVER_DEFAULT) as upstream:
-            options: dict[str, Any] = {"inference": {"episode_max_output_tokens": MAX_OUTPUT}}
-            endpoint = f"{upstream.url}/v1"
-            ctx = open_episode_cycle(
-                tmp_path, endpoint, served_name="metered", budgets={"task_tokens": BUDGET}, **options
-            )
-            runner = EpisodeRunner(ctx, install=install, environ=runner_environ(), scratch_dir=tmp_path / "scratch")
-            outcome = await runner.run_attempt(request(ctx, hostile_prompt(attack)), 1)
-            unit = outcome.request.unit
-            prefix = f"cycles/{unit.cycle}/episodes/{unit.slug}/a1"
-            stream = ctx.artifacts.get_bytes(f"{prefix}/stream.jsonl").decode()
-            log = gzip.decompress(ctx.artifacts.get_bytes(f"{prefix}/api_requests.jsonl.gz")).decode()
-            spend = ctx.repo.budget_spend(ctx.cycle_id)
-            counted = spend[task_scope(TASK)].tokens if task_scope(TASK) in spend else 0
-            records = [json.loads(line) for line in log.splitlines()]
-            return hostile_findings(stream), upstream.served, counted, records
-
-    findings, served, counted, records = asyncio.run(scenario())
-    assert len(findings) == 1 and "error" not in findings[0], findings
-    return findings[0], served, counted, records
+    episode = run_hostile_episode(
+        tmp_path,
+        install,
+        attack,
+        server_default_tokens=SERVER_DEFAULT,
+        budgets={"task_tokens": BUDGET},
+        inference={"episode_max_output_tokens": MAX_OUTPUT},
+    )
+    return episode.findings, episode.served, episode.task_tokens, episode.records
 
 
 def _allowance(route: str, body: dict[str, Any]) -> int:
@@ -167,56 +141,6 @@ def test_an_unreadable_cap_is_refused_with_400_and_never_forwarded(
 # --- the pieces -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("fields", "expected_output"),
-    [
-        ({"max_tokens": 100}, 100),
-        ({"max_tokens": 100.0}, 100),
-        ({"max_tokens": 99.2}, 100),
-        ({"max_tokens": " 100 "}, 100),
-        ({"max_tokens": "1e2"}, 100),
-        ({"max_tokens": 10, "max_completion_tokens": 100}, 100),  # a server may read either: the larger counts
-        ({"max_tokens": 100, "n": 3}, 300),
-        ({"max_tokens": 100, "n": "2", "best_of": 4}, 400),
-        ({}, 512),
-        ({"max_tokens": None}, 512),
-    ],
-)
-def test_the_need_reads_every_cap_and_multiplier(fields: dict[str, Any], expected_output: int) -> None:
-    body = json.dumps({"model": "m", "messages": [], **fields}).encode()
-    prepared = prepare_generation(CHAT_ROUTE, body, default_max_tokens=512, priority=None)
-    assert prepared.need == -(-len(prepared.body) // 4) + expected_output
-    if not any(fields.get(name) is not None for name in ("max_tokens", "max_completion_tokens")):
-        assert json.loads(prepared.body)["max_tokens"] == 512, "the server is held to the allowance"
-
-
-def test_a_completions_batch_multiplies_the_need_and_duplicate_keys_cannot_hide_a_cap() -> None:
-    body = b'{"prompt": ["a", "b", "c"], "max_tokens": 7, "max_tokens": 100, "best_of": 2}'
-    prepared = prepare_generation(COMPLETIONS_ROUTE, body, default_max_tokens=5, priority=3)
-    forwarded = json.loads(prepared.body)
-    assert prepared.body.count(b"max_tokens") == 1 and forwarded["max_tokens"] == 100 and forwarded["priority"] == 3
-    assert prepared.need == -(-len(prepared.body) // 4) + 3 * 2 * 100
-
-
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"max_tokens": "lots"},
-        {"max_tokens": -1},
-        {"max_tokens": 0},
-        {"max_completion_tokens": "0.0"},
-        {"max_tokens": True},
-        {"n": [2]},
-        {"max_tokens": "inf"},
-        {"n": {}},
-        {"n": -2},
-    ],
-)
-def test_an_unreadable_count_is_refused(fields: dict[str, Any]) -> None:
-    with pytest.raises(GenerationRequestError, match="must be a number of at least"):
-        prepare_generation(CHAT_ROUTE, json.dumps(fields).encode(), default_max_tokens=None, priority=None)
-
-
 def test_a_stream_gets_usage_and_the_relay_drops_only_the_chunk_it_added() -> None:
     prepared = prepare_generation(CHAT_ROUTE, b'{"stream": true}', default_max_tokens=None, priority=None)
     assert prepared.usage_added and json.loads(prepared.body)["stream_options"] == {"include_usage": True}
@@ -239,18 +163,3 @@ def test_a_stream_gets_usage_and_the_relay_drops_only_the_chunk_it_added() -> No
         relayed = relay.feed(stream[:cut]) + relay.feed(stream[cut:]) + relay.close()
         assert relayed == content + b"data: [DONE]\n\n", cut
     assert assemble_sse(stream)["usage"]["completion_tokens"] == 1, "the record keeps what the server sent"
-
-
-def test_responses_usage_is_read_from_its_events_and_its_fields() -> None:
-    event = {"type": "response.completed", "response": {"usage": {"input_tokens": 5, "output_tokens": 7}}}
-    usage = assemble_sse(f"data: {json.dumps(event)}\n\n")["usage"]
-    assert usage_tokens(usage) == (12, None)
-    assert usage_tokens({"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 9})[0] == 9
-
-
-def test_a_request_whose_usage_is_unreported_is_charged_its_whole_need() -> None:
-    budget = EpisodeBudget(episode_tokens=1000, default_max_tokens=10)
-    for generated in (True, False):
-        assert budget.admit(300) is None
-        budget.settle(300, None, server_may_have_generated=generated)
-    assert (budget.spent, budget.in_flight) == (300, 0), "charged when the server may have generated, else not"

@@ -4,20 +4,11 @@ bodies far past the limit; the upstream's own list of what reached it and the pu
 
 from __future__ import annotations
 
-import asyncio
-import gzip
-import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from benchmarks.budget_overshoot import MeteredUpstream
-from mass_ops.runtime.proxy import MODELS_ROUTE, allowed_route
 from mass_ops.runtime.qwen_install import QwenInstall
-from mass_ops.runtime.runner import EpisodeRunner
-from tests.runtime.hostile_agent import hostile_findings
-from tests.support.runtime import hostile_prompt, open_episode_cycle, request, runner_environ
+from tests.support.proxy import run_hostile_episode
 
 BODY_LIMIT = 1024**2  # runtime.proxy_max_request_bytes in these episodes
 
@@ -26,26 +17,15 @@ def _run_hostile(
     tmp_path: Path, install: QwenInstall, attack: str, endpoint_path: str = "/v1"
 ) -> tuple[dict[str, Any], list[tuple[str, str]], list[dict[str, Any]]]:
     """Run `attack` as the agent of one episode; returns its findings, what reached the upstream, the API log."""
-
-    async def scenario() -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[dict[str, Any]]]:
-        async with MeteredUpstream(server_default_tokens=64, prefix=endpoint_path) as upstream:
-            ctx = open_episode_cycle(
-                tmp_path,
-                upstream.url + endpoint_path,
-                served_name="metered",
-                proxy_max_request_bytes=BODY_LIMIT,
-            )
-            runner = EpisodeRunner(ctx, install=install, environ=runner_environ(), scratch_dir=tmp_path / "scratch")
-            outcome = await runner.run_attempt(request(ctx, hostile_prompt(attack)), 1)
-            unit = outcome.request.unit
-            prefix = f"cycles/{unit.cycle}/episodes/{unit.slug}/a1"
-            stream = ctx.artifacts.get_bytes(f"{prefix}/stream.jsonl").decode()
-            log = gzip.decompress(ctx.artifacts.get_bytes(f"{prefix}/api_requests.jsonl.gz")).decode()
-            return hostile_findings(stream), list(upstream.seen), [json.loads(line) for line in log.splitlines()]
-
-    findings, seen, records = asyncio.run(scenario())
-    assert len(findings) == 1 and "error" not in findings[0], findings
-    return findings[0], seen, records
+    episode = run_hostile_episode(
+        tmp_path,
+        install,
+        attack,
+        server_default_tokens=64,
+        endpoint_path=endpoint_path,
+        proxy_max_request_bytes=BODY_LIMIT,
+    )
+    return episode.findings, episode.seen, episode.records
 
 
 PROBES = """
@@ -172,63 +152,3 @@ def test_a_body_past_the_limit_is_refused_unread_and_stalls_no_other_request(
     assert len(too_large) == 2 and all(r["status"] == 413 and r["request"] is None for r in too_large)
     assert all(method == "GET" or path == "/v1/chat/completions" for method, path in seen)
     assert len([s for s in seen if s[0] == "POST"]) == len(found["small"]), "no large body reached the upstream"
-
-
-@pytest.mark.parametrize(
-    ("method", "target", "route"),
-    [
-        ("POST", "/v1/chat/completions", "/chat/completions"),
-        ("POST", "/v1/chat/completions?x=1", "/chat/completions"),
-        ("POST", "/v1/completions", "/completions"),
-        ("POST", "/v1/responses", "/responses"),
-        ("GET", "/v1/models", MODELS_ROUTE),
-        ("GET", "/v1/models/Qwen/Qwen3-4B", MODELS_ROUTE),
-        ("GET", "/v1/models/vendor/model:free", MODELS_ROUTE),
-        ("GET", "/v1/models/", None),
-        ("GET", "/v1/models/.hidden", None),
-        ("GET", "/v1/models/a/../b", None),
-        ("GET", "/v1/models/a%2F..%2Fb", None),
-        ("GET", "/v1/models//x", None),
-        ("POST", "/v1/models", None),
-        ("PUT", "/v1/chat/completions", None),
-        ("POST", "/v1/chat/completions/", None),
-        ("POST", "/v2/chat/completions", None),
-        ("POST", "/chat/completions", None),
-        ("GET", "/health", None),
-        ("GET", "http://evil/v1/models", None),
-    ],
-)
-def test_allowed_routes(method: str, target: str, route: str | None) -> None:
-    assert allowed_route(method, target, "/v1") == route
-
-
-def test_an_endpoint_without_a_path_allows_the_routes_at_the_root() -> None:
-    assert allowed_route("POST", "/chat/completions", "") == "/chat/completions"
-    assert allowed_route("POST", "/v1/chat/completions", "") is None
-
-
-def test_a_large_body_is_read_by_a_parser_process_and_a_small_one_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mass_ops.runtime import proxy as proxy_module
-
-    handed_over: list[int] = []
-    submit = proxy_module._BodyParsers.submit
-
-    def counting_submit(call: Any) -> Any:
-        handed_over.append(len(call.args[1]))
-        return submit(call)
-
-    monkeypatch.setattr(proxy_module._BodyParsers, "submit", staticmethod(counting_submit))
-    large = json.dumps({"messages": [{"role": "user", "content": "x" * proxy_module.PARSE_PROCESS_BYTES}]}).encode()
-
-    async def prepare(body: bytes) -> Any:
-        return await proxy_module.prepare_generation_off_loop(
-            "/chat/completions", body, default_max_tokens=8, priority=2
-        )
-
-    prepared = asyncio.run(prepare(large))
-    assert json.loads(prepared.body)["priority"] == 2 and prepared.need is not None
-    small = asyncio.run(prepare(b'{"messages": []}'))
-    assert json.loads(small.body)["max_tokens"] == 8
-    assert handed_over == [len(large)]
-    with pytest.raises(proxy_module.GenerationRequestError, match="not a JSON object"):
-        asyncio.run(prepare(b"[" + b" " * proxy_module.PARSE_PROCESS_BYTES + b"]"))  # the worker's refusal, re-raised

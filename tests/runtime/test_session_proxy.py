@@ -16,14 +16,14 @@ import aiohttp
 import pytest
 
 from mass_ops.runtime.outcome import UsageTotals
-from mass_ops.runtime.proxy import ProxySessionError
+from mass_ops.runtime.proxy_server import ProxySessionError
 from mass_ops.runtime.session_proxy import (
     SessionProxy,
     close_proxy_session,
     open_proxy_session,
 )
 from tests.policy_server import PolicyServer, PolicyServerConfig
-from tests.runtime.test_proxy import REPO_ROOT, SECRET, EchoUpstream, _records, _serve
+from tests.support.proxy import REPO_ROOT, SECRET, EchoUpstream, records_by_seq, served
 
 CHAT = {"model": "policy-stand-in", "messages": [{"role": "user", "content": "Do the task."}]}
 
@@ -40,7 +40,7 @@ def test_session_proxy_gives_each_attempt_a_token_and_a_log_and_sends_the_key_no
 
     async def scenario() -> None:
         upstream = EchoUpstream()
-        async with _serve(upstream.app()) as upstream_url:
+        async with served(upstream.app()) as upstream_url:
             proxy = _proxy(tmp_path, upstream_url, allowed_host_suffixes=[".ns.svc"])
             async with proxy, aiohttp.ClientSession() as client:
                 first = await open_proxy_session(control, sessions)
@@ -72,9 +72,9 @@ def test_session_proxy_gives_each_attempt_a_token_and_a_log_and_sends_the_key_no
     assert seen["counts"] == [(1, 1), (2, 2)] and seen["after_close"] == 401
     assert seen["hits"] == {"/v1/chat/completions": 3}
     first_log, second_log = seen["logs"]
-    assert [r["request"]["probe"] for r in _records(first_log)] == ["a"]
-    assert [r["request"]["probe"] for r in _records(second_log)] == ["b", "c"]
-    [refused] = _records(sessions / "rejected.jsonl")
+    assert [r["request"]["probe"] for r in records_by_seq(first_log)] == ["a"]
+    assert [r["request"]["probe"] for r in records_by_seq(second_log)] == ["b", "c"]
+    [refused] = records_by_seq(sessions / "rejected.jsonl")
     assert refused["status"] == 401 and refused["rejected"] == "wrong_token"
     for path in sessions.iterdir():
         assert SECRET not in path.read_text()
@@ -93,7 +93,7 @@ def test_the_agent_s_listener_has_no_control_route_and_forwards_none_of_its_path
 
     async def scenario() -> dict[str, Any]:
         upstream = EchoUpstream()
-        async with _serve(upstream.app()) as upstream_url:
+        async with served(upstream.app()) as upstream_url:
             proxy = _proxy(tmp_path, upstream_url)
             async with proxy, aiohttp.ClientSession() as client:
                 session = await open_proxy_session(control, tmp_path / "sessions")
@@ -205,7 +205,7 @@ def test_session_proxy_command_line_reads_the_key_from_its_own_environment(tmp_p
 
     received: list[Any] = []
     asyncio.run(scenario())
-    assert _records(sessions / "rejected.jsonl")[0]["rejected"] == "missing_token"
+    assert records_by_seq(sessions / "rejected.jsonl")[0]["rejected"] == "missing_token"
     assert received == [7], "the command line's priority replaced the agent's"
 
 
