@@ -1,18 +1,12 @@
 """
 ### Public benchmarks of one generation
 
-Runs a chosen generation on the public benchmarks (Terminal-Bench 2.0, SWE-bench Verified, DSBench, AstaBench
-E2E-Bench-Hard): one mapped task per (benchmark, trial), each running its benchmark's tasks as episodes on the
-generation's server and grading them with the benchmark's official evaluator. A trial is resumable per instance: a
-cleared or retried task skips every instance whose score is recorded and reuses finished episodes.
+Runs a chosen generation on the public benchmarks (tb2, swe, ds, asta): one mapped task per (benchmark, trial), each
+running the benchmark's tasks as episodes on the generation's server and grading them with the official evaluator.
+Resumable per instance: a cleared or retried task skips every instance whose score is recorded.
 
-Params: `generation` (a registered model, e.g. L2), `benchmarks` (any of tb2, swe, ds, asta), `trials` (the paper
-runs 3), `limit` (the first N tasks of each benchmark; empty for all), `data_dir` (the folder with one dataset
-subfolder per benchmark; empty: `$MASS_BENCHMARK_DATA`), plus the cycle's preset and overrides. Nothing is
-downloaded. A benchmark graded in a container per instance stops before any episode when no engine can run here.
-Episodes hold `mass_inference` slots; the local server of the generation is a setup/teardown pair around the trials.
-On Kubernetes each instance of SWE-bench, Terminal-Bench 2.0 or AstaBench is graded by a Job from the benchmark's
-image (the episode pods' limits and NetworkPolicy) whose result is read back and recorded with the evaluator version.
+Params: `generation`, `benchmarks`, `trials`, `limit`, `data_dir` (empty: `$MASS_BENCHMARK_DATA`), plus the cycle's
+preset and overrides. Nothing is downloaded. Design: docs/architecture.md ("The DAGs").
 """
 
 from __future__ import annotations

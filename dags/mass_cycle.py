@@ -2,38 +2,12 @@
 ### One MASS cycle: L(k) → L(k+1)
 
 Trigger with a preset (`paper`, `cycle2`, `demo` or a config file) and the knobs of the form; every task rebuilds
-the validated config from these params (the config never travels through XCom, which carries ids and URIs only).
+the validated config from these params (XCom carries ids and URIs only).
 
-1. **validate_config** freezes the config into the cycle row (a changed config for the same cycle is refused).
-2. **inference_up** (setup) serves the current model; **inference_down** (teardown) stops it even if work fails.
-3. **inner_loop** — one mapped group per searched task, all tasks in parallel, each task's chain on its own
-   (pipelined: nothing waits for another task until `select`):
-   - the search: one task instance per workflow version (`step_v0` … `step_v11`, in order): the version's episode,
-     then judging and the next proposal; version 0 first runs the reference and v0 episodes side by side. Versions
-     beyond `search.iterations` are skipped;
-   - **collect_task**: as soon as the task's search has retained a workflow, all its teacher candidates in one task
-     instance (clearing it reruns only the candidates that are not final); skipped for a task that is searched only
-     (not in `tasks.train`) or whose retained workflow is not collected;
-   - **rank_task**: as soon as the task is collected, its ring tournament, self-judge and Bradley–Terry ranks.
-   Search steps get a higher priority than collection and ranking, earlier versions higher than later ones (the
-   longer remaining chain first), so the model server's pool slots go to the critical path.
-4. **select** once every task's chain has ended (skipped chains included).
-5. **render** → **train** (GPU Job) → **select_checkpoint** → **export** (GPU Job) → **register** L(k+1).
-6. Evaluation servers up (current + new generation) → **rollout** (mapped) → **evaluate** → servers down →
-   **report** (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`).
-7. **Promotion gate** (with `promotion.require_approval`; skipped otherwise): **promotion_request** writes the
-   evaluation's headline (L(k+1) against L(k): win rate, interval, counts) into **approve_promotion**, Airflow's
-   human-in-the-loop approval (Required Actions in the UI, or the HITL REST API); unanswered for 7 days it rejects.
-   Approved (or no gate) → **promote**: nightly evaluation serves L(k+1) from now on, and the asset event
-   `mass-ops://generations/<name>` goes out through the alias `mass-ops-generations`. Rejected → promote and the
-   next cycle are skipped; L(k) stays served.
-8. **continue_cycle** triggers the next cycle when `auto_continue` is set.
-
-`compute.backend` decides at run time where work runs: `local` calls each stage in the task's process (the stage
-runs its episodes as local processes), `kubernetes` launches episode pods, GPU Jobs and vLLM Deployments and calls
-the stage once the pod's episode is recorded. Pools:
-`mass_inference` bounds requests in flight against the model server, `mass_gpu` bounds GPU jobs (see
-`mass_ops_airflow.pools`). Retries back off exponentially; every task has an execution timeout.
+validate_config → inference_up → inner_loop (per task: search steps → collect_task → rank_task) → select → render →
+train → select_checkpoint → export → register L(k+1) → rollout → evaluate → report → promotion gate → promote →
+continue_cycle. `compute.backend` decides where work runs (`local` or `kubernetes`); pools `mass_inference` and
+`mass_gpu` bound the model server and GPU jobs. Every step in detail: docs/architecture.md ("The DAGs").
 """
 
 from __future__ import annotations

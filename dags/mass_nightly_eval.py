@@ -3,26 +3,10 @@
 
 Every night, evaluate the newest registered generation(s) on the test split, record the results keyed by
 (logical date, generation), and fail loudly when a generation regresses beyond `evaluation.regression_threshold`.
-
-Repair and history: `airflow backfill create --dag-id mass_nightly_eval --from-date … --to-date …` evaluates past
-dates; because results are keyed by logical date and generation, a backfill (or a cleared task) redoes only the
-missing evaluations. `catchup` is off: a paused deployment does not wake up to a burst of old runs.
-
-**Deadline alert**: a night not finished `MASS_NIGHTLY_DEADLINE_HOURS` (default 6, 0 = off) after it was queued
-logs one error line through `mass_ops_airflow.alerts.nightly_deadline_missed` (Airflow's `DeadlineAlert`).
-
-The model servers of the evaluated generations are a setup/teardown pair around the evaluations, so they stop even
-when an evaluation fails. **nightly_report** writes the report of the nightly results' cycle beside the regression
-gate (its "Cycle report" link opens the page the Airflow API server serves at `/mass-ops/reports/<cycle>/`).
-
-**Benchmark slice** (optional): `benchmark_slice` names public benchmarks (tb2, swe, ds, asta; empty = none, the
-default) of which the first `benchmark_slice_instances` instances (default 5) run tonight, one trial, on every
-generation the servers serve (the evaluated ones and their parents), through `BenchmarkTrialOperator` mapped over
-(benchmark, generation) between the same server setup and teardown, holding `mass_inference` slots. The night's trial
-index is 100,000 + the days from 2000-01-01 to the night's UTC day, recorded in the nightly cycle: it never mixes with
-a `mass_benchmarks` run's trials 0..k-1, and a rerun or backfill of the night skips every instance recorded. The
-nightly report shows the slice in its benchmark section. An unknown benchmark (or a dataset folder missing under
-`benchmark_data_dir` / `$MASS_BENCHMARK_DATA`) fails the first task in one line; an empty slice skips its tasks.
+A backfill or a cleared task redoes only the missing evaluations; `catchup` is off. Optional: a deadline alert
+(`MASS_NIGHTLY_DEADLINE_HOURS`) and a public-benchmark slice (`benchmark_slice`, `benchmark_slice_instances`).
+Servers are a setup/teardown pair; **nightly_report** writes the night's report. Design: docs/architecture.md
+("The DAGs").
 """
 
 from __future__ import annotations

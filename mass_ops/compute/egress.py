@@ -1,23 +1,11 @@
 """The sandbox's way out for downloads: an HTTP forward proxy that reaches public internet addresses only (#25.7).
 
-A sandboxed local agent (`mass_ops.compute.sandbox`) has no network of its own. With `runtime.sandbox_egress:
-public` the runner starts one `EgressProxy` per attempt, on a Unix socket in the attempt's private socket folder;
-the sandbox's bridge serves it inside at `127.0.0.1:EGRESS_PORT_IN_SANDBOX`, and the agent's `HTTPS_PROXY`/
-`HTTP_PROXY`/`ALL_PROXY` name that address, so `pip`, `uv`, `npm`, `git` and `curl` download through it.
-
-What it forwards: `CONNECT host:port` (a tunnel: TLS passes through untouched) and absolute-URI `GET`/`HEAD`/`POST
-http://host[:port]/…` (re-sent in origin form with `Connection: close`), to ports in the configured list only.
-
-Policy. The proxy resolves the name itself and connects to the address it checked (a second lookup could answer
-differently: no DNS rebinding). An address is refused (403, one line, logged) unless it is globally routable: not
-loopback, private (RFC 1918, fc00::/7), link-local (169.254/16 with the cloud metadata address, fe80::/10), shared
-CGNAT space (100.64/10), multicast, unspecified or reserved; not an IPv4-mapped, 6to4, Teredo or NAT64 form of
-such an address; and not one of this host's own interface addresses (a public IP of the host would reach services
-bound to 0.0.0.0). Every exchange has timeouts (request head, lookup, connect, idle), tunnels per attempt are capped,
-and the bytes each way are counted (`EgressCounts`, recorded in the attempt's status document).
-
-Why per attempt: the counts, the cap and the lifetime are the attempt's own (nothing of one episode's tunnels
-outlives it or crowds another's), and the proxy costs only a listening socket on the runner's event loop.
+With `runtime.sandbox_egress: public` the runner starts one `EgressProxy` per attempt on a Unix socket that the
+sandbox's bridge serves inside at `127.0.0.1:EGRESS_PORT_IN_SANDBOX` (named by the agent's `HTTPS_PROXY` & co.).
+Contract: forwards `CONNECT host:port` tunnels and absolute-URI `GET`/`HEAD`/`POST http://…` to the configured ports
+only; resolves each name itself and connects to the address it checked; refuses (403, one line, logged) any address
+that is not globally routable or is one of this host's own; bounds every exchange by timeouts and tunnels per
+attempt; counts the bytes each way (`EgressCounts`). Policy and rationale: docs/security.md (`mass_ops.compute.egress`).
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """The local backend's agent sandbox: bubblewrap (`bwrap`) namespaces around one episode's agent (issue #25.7).
 
-Trust model. The agent is untrusted code running model-written shell commands. Locally it runs under bubblewrap in
-its own user, PID, IPC, UTS, mount, cgroup and network namespaces, with every capability dropped and no further user
-namespaces allowed. What it sees:
-
-- read-only: the system folders (`/usr` and the `/bin`, `/lib` … links), a short list of `/etc` entries that
-  programs need to run (name service, TLS roots, time zone, linker cache — not `/etc` as a whole, which may hold
-  `shadow` or service credentials), the runner's Python (its prefix and base prefix) and the agent runtime (node and
-  qwen-code's `node_modules` folders, or a stand-in's files);
-- read-write: its workspace and its home (HOME and QWEN_HOME, with the settings file the runner wrote), both at
-  their host paths, and a private `/tmp` backed by the attempt's own `tmp/` folder (on disk, not RAM);
-- its own `/proc` (only the sandbox's processes: not the runner's environment, not other episodes') and a minimal
-  `/dev`;
-- nothing else: not the repository, `runs/`, the metadata DB, the artifact store, the attempt's `logs/` (the proxy
-  log) or any other episode's folders.
-
-Network: the namespace has only a loopback interface. The attempt's logging proxy listens on a Unix socket in a
-private host folder (`proxy_socket_dir`), which the sandbox sees read-only at `PROXY_DIR_IN_SANDBOX`; inside, the
-bridge (`sandbox_bridge.py`, run by the runner's Python before the agent) serves `127.0.0.1:PROXY_PORT_IN_SANDBOX`
-and relays each connection to that socket. No host service is reachable (a trust-auth Postgres on 127.0.0.1:5432,
-other episodes' proxies, the model server itself): the host's loopback is another namespace's.
-
-Downloads (`runtime.sandbox_egress: public`): the runner also starts the attempt's egress proxy
-(`mass_ops.compute.egress`) on `EGRESS_SOCKET_NAME` in the same folder; the bridge serves it at
-`127.0.0.1:EGRESS_PORT_IN_SANDBOX`, and the agent's `HTTPS_PROXY`/`HTTP_PROXY`/`ALL_PROXY` name it. It forwards
-CONNECT tunnels and plain http:// requests to the configured ports of globally routable addresses only — never
-loopback, private, link-local (cloud metadata), CGNAT or the host's own addresses — resolving each name itself and
-connecting to the address it checked. With `none` (the default) nothing listens there and no proxy is named.
-
-Lifetime: `--die-with-parent` and `--new-session`; the bridge is the sandbox's main process and exits with the agent's
-status. When it exits, bubblewrap's init (PID 1 of the namespace) exits and the kernel kills every process left in
-the namespace — a `setsid` daemon cannot outlive the attempt. Killing the outer `bwrap` kills the whole sandbox.
+Contract: the agent runs in its own user, PID, IPC, UTS, mount, cgroup and network namespaces with every capability
+dropped. It sees read-only system folders, a short list of `/etc` entries, the runner's Python and the agent
+runtime; read-write only its workspace, its home and a private `/tmp`; its own `/proc` and a minimal `/dev`; nothing
+else. Its network is loopback only: the bridge relays `127.0.0.1:PROXY_PORT_IN_SANDBOX` (and, with
+`runtime.sandbox_egress: public`, `EGRESS_PORT_IN_SANDBOX`) to Unix sockets of the attempt. No process can outlive
+the sandbox (`--die-with-parent`, PID namespace). Trust model in full: docs/security.md (`mass_ops.compute.sandbox`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Block-wise FP8 (e4m3) export of a BF16 checkpoint, in the format vLLM and transformers load as ``quant_method: fp8``.
 
-Each quantized ``<module>.weight`` [out, in] becomes ``weight`` (float8_e4m3fn, same shape) plus
-``weight_scale_inv`` (always bf16, shape [ceil(out/128), ceil(in/128)]). Despite its name ``weight_scale_inv`` is the
-dequantisation multiplier: w ≈ q · scale_inv, broadcast over each 128×128 block.
-
-Per block, as the reference quantiser does (MASS_SPEC §9): amax = max|w| (clamped ≥ 1e-12), scale = amax/448 in fp32,
-q = e4m3(clamp(w/scale, ±448)) dividing by that fp32 scale, and only then the scale is stored as bf16 — whatever dtype
-a reference checkpoint keeps its scales in. Error bound (derivation): e4m3 keeps 3 mantissa bits, so for |x| ≥ 2^-6
-(normal range) round-to-nearest errs by at most half a spacing, 2^-4·|x|; below 2^-6 the spacing is 2^-9, so at most
-2^-10. Dequantising multiplies by the bf16-rounded scale, off the fp32 one by at most 2^-9 relative, which adds
-2^-9·|w|(1 + 2^-4). Hence for every element |w − q·scale_bf16| ≤ (2^-4 + 2^-8)·|w| + 2^-10·scale, at most ~amax/15 in
-a block.
-
-A partial block (a dimension not a multiple of 128) takes its amax over the elements it really has; the scale grid is
-ceil-divided, the DeepSeek-V3 convention vLLM uses. Which tensors are quantized: with a reference FP8 checkpoint,
-exactly those with ``<name>_scale_inv`` in it (MASS_SPEC §9), in its shard layout; without one, every 2-D linear weight
-of the decoder except embeddings, lm_head, norms, routers, vision and MTP towers — and except weights with a dimension
-not a multiple of the block: transformers derives the block size from the scale grid when it dequantises (a 200-wide
-weight would be read as two 100-wide blocks) and vLLM's fused qkv/gate_up loaders need whole blocks, so those stay
-BF16 and are listed in ``modules_to_not_convert`` for both loaders.
+Each quantized ``<module>.weight`` [out, in] becomes ``weight`` (float8_e4m3fn) plus ``weight_scale_inv`` (bf16,
+[ceil(out/128), ceil(in/128)]), the dequantisation multiplier of each 128×128 block, computed per block as the
+reference quantiser does (MASS_SPEC §9). Every element: |w − q·scale_bf16| ≤ (2^-4 + 2^-8)·|w| + 2^-10·scale.
+Quantized tensors: with a reference FP8 checkpoint exactly those it quantizes, in its shard layout; without one every
+2-D linear decoder weight whose dimensions are whole blocks (the rest stay BF16, in ``modules_to_not_convert``).
+Error bound derivation and tensor selection: docs/export.md (`mass_ops.export.fp8`).
 """
 
 from __future__ import annotations

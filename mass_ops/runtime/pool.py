@@ -1,38 +1,12 @@
 """EpisodePool: the local `EpisodeExecutor` — many episodes at once within the endpoint's capacity, fair across tasks.
 
-For each request the pool reads the unit's recorded attempts first (ARCHITECTURE "units of work"):
-
-- a `succeeded` or `model_failure` attempt is final: it is returned as it is (`reused=True`) and never rerun; its
-  prompt must equal the request's, else `EpisodePromptConflictError` (MASS_SPEC §1), raised before anything runs;
-- otherwise the next attempt runs (attempt k+1 after k infrastructure failures, same seed, `retry_of_id` linking
-  it to the failed one, whose evidence stays published); an infrastructure failure is retried up to
-  `runtime.max_infra_attempts` attempts per run of the pool, with exponential backoff between them.
-
-Capacity: at most `inference.max_concurrent_requests` attempts use the endpoint at once (its capacity; an attempt
-holds one slot from its preflight until its agent and proxy have stopped — publishing artifacts and the row happen
-after the slot is freed, since they do not load the endpoint; under a task or cycle budget the slot is kept until the
-outcome is known, see Budgets). Priority and fairness: when a slot frees, it goes to
-the waiting episode on the longest remaining chain of its task (`critical_path.chain_priority`: an early search version
-before a late one, any search before collection — a task's search chain is the cycle's critical path, so another task's
-collection must not delay it, ISSUE #17.2); among equals, to the task with the fewest running episodes, then the
-fewest started so far, so a task with 18 candidates cannot starve one with 2.
-Capacity and fairness hold across concurrent `run()` calls too (the RHI search calls `run()` from one thread per
-task): every call is scheduled on the pool's one event loop.
-
-Budgets (ISSUE #15.2): a `budget_exhausted` attempt (its proxy refused a request a budget had no room for) is
-neither final nor retried: the next run of the pool runs the unit as its next attempt. Once a task's budget is
-exhausted its remaining units are not started, and once the cycle's is, none are: before each attempt the pool
-checks the runner's budget ledger (shared by every process of the cycle) and what this pool has seen; an attempt
-under such a budget keeps its slot while it publishes, so that a budget stop is seen before the slot's next
-admission check (the ledger alone may still show room: the proxy refused one request's need). A `run()`
-that stopped for a budget raises `BudgetStopError` (a `BudgetExhaustedError`: which budget, how to raise it) after
-every started attempt has ended and been recorded; `outcomes` holds what finished. Raise the budget and rerun: finished
-units are reused, nothing is redone.
-
-Cancellation: an exception that interrupts `run()` in the calling thread (KeyboardInterrupt from Ctrl-C, the
-exception a SIGTERM handler raises, an Airflow kill) cancels every attempt of that call: qwen-code's process group
-and the proxy are stopped, scratch is removed, and no row is written; then the exception propagates.
-`cancel()` does the same for every call in flight, from any thread.
+Contract: a unit's final attempt (`succeeded`, `model_failure`) is reused, never rerun (a different prompt is
+`EpisodePromptConflictError`); otherwise its next attempt runs, infrastructure failures retried with backoff up to
+`runtime.max_infra_attempts`. At most `inference.max_concurrent_requests` attempts use the endpoint at once, a freed
+slot going to the longest remaining chain, then the task with the fewest running. Exhausted task or cycle budgets stop
+new units and `run()` raises `BudgetStopError` after every started attempt is recorded. An interrupt of `run()` (or
+`cancel()`) stops its attempts without writing rows. Capacity, budgets and cancellation in depth: docs/runtime.md
+(`mass_ops.runtime.pool`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Install the pinned qwen-code agent runtime (and Node 22 when the system Node is older).
 
-Pin: qwen-code **0.21.10**. The paper used 0.20.0, which npm does not serve (`npm view @qwen-code/qwen-code
-versions` lists …, 0.15.10, 0.21.2, 0.21.10, 0.23.0, …). The nearest served minor is 0.21 (the next older served
-release, 0.15.10, is five minors behind); inside 0.21 we take the last patch, 0.21.10, because patch releases only fix
-bugs and this one is known to run on Node 22 against `transformers serve`. The pin lives in `QWEN_CODE_VERSION` only;
-every episode records it in its status.
-
-Layout under the runtime directory (``$MASS_RUNTIME_DIR`` or the user's cache folder, see `runtime.installs`)::
-
-    node/   npm prefix holding node-<os>-<arch>@22 (its package ships the `node` binary), only if needed
-    qwen/   npm prefix holding @qwen-code/qwen-code@<pin>
-
-Each prefix is installed into a staging directory and renamed into place, under an exclusive file lock, so a crash or
-two concurrent callers never leave a half-installed runtime behind. A present install with the right version is reused.
+Pin: qwen-code **0.21.10** (`QWEN_CODE_VERSION`, the one place; every episode records it), the nearest release npm
+serves to the paper's 0.20.0. Under the runtime directory (``$MASS_RUNTIME_DIR`` or the user's cache folder),
+``node/`` holds Node 22 only if needed and ``qwen/`` the pinned package. Each prefix is installed into a staging
+directory and renamed into place under an exclusive file lock, so a crash or concurrent callers never leave a
+half-installed runtime; a present install with the right version is reused.
+Why this pin, and the layout: docs/runtime.md (`mass_ops.runtime.qwen_install`).
 """
 
 from __future__ import annotations

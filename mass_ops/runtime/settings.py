@@ -1,20 +1,11 @@
 """qwen-code's `settings.json` for one episode, generated from the cycle config (MASS_SPEC §4).
 
-The file lives in the episode's own QWEN_HOME and is published with the episode's artifacts. It never holds a
-secret, and the agent never holds the inference key at all: the provider entry's `envKey` names `AGENT_TOKEN_ENV`,
-which carries the episode's random proxy token; the logging proxy accepts only that token and adds the real key
-upstream itself (`mass_ops.runtime.proxy`).
-
-Shape (qwen-code settings `$version` 4)::
-
-    modelProviders.openai = [{id, envKey, baseUrl, generationConfig: {timeout, maxRetries, contextWindowSize,
-                              extra_body, samplingParams}}]
-    security.auth.selectedType = "openai"; model.name; tools.shell.defaultTimeoutMs; telemetry.enabled = false
-
-vLLM gets the reference's sampling params plus the episode seed and `chat_template_kwargs.enable_thinking`;
-OpenRouter gets `reasoning.effort` and `max_tokens` only, as in the reference. Another OpenAI-compatible server
-(`transformers serve` in the embedded profile) gets the same as vLLM minus `top_k` and `repetition_penalty`: those
-are vLLM extensions of the OpenAI schema, and a strict server refuses the whole request when it sees them (HTTP 422).
+The file lives in the episode's own QWEN_HOME and is published with its artifacts. It never holds a secret: the
+provider's `envKey` names `AGENT_TOKEN_ENV`, the episode's random proxy token, and the logging proxy adds the real
+key upstream. Sampling per backend: vLLM gets the reference's sampling params, the episode seed and
+`enable_thinking`; OpenRouter `reasoning.effort` and `max_tokens` only; another OpenAI-compatible server the vLLM set
+minus `top_k` and `repetition_penalty` (a strict server refuses them). The settings shape: docs/runtime.md
+(`mass_ops.runtime.settings`).
 """
 
 from __future__ import annotations

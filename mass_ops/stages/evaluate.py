@@ -1,20 +1,12 @@
 """Evaluation stages of a cycle: L(k+1) against its parent L(k) on held-out rollouts (MASS_SPEC §10; ARCHITECTURE
 step 10), for the CLI and the DAG tasks.
 
-1. `rollout_units` — one unit per (generation, task, replicate) of the rollout pool, for both generations; the DAG
-   maps one task instance over each; `run_rollout_unit` runs one bare-task rollout on that generation's server.
-2. `run_rollouts` — bare-task rollouts of a generation, recorded as a rollout set (see `evaluation.rollouts`).
-3. `pair_rollouts` — two sets paired by (task, replicate); the pairs document is published.
-4. `judge_pairs` — every (pair, judge, presentation seed) judged once and recorded in the ``external`` ledger under
-   ``<pair_id>/<judge>/<seed>``. Resumable: recorded keys are skipped, and a judgment whose call finished but whose
-   row was never written (a kill in between) reuses the stored answer, so no judgment is ever made twice.
-5. `summarize` — win rates with intervals per task / split / judge / overall over exactly these pairs and judges,
-   plus self-judge agreement when self-judgments exist; recorded as an ``evaluations`` row (kind ``pairwise``).
-6. `evaluate` — the cycle's evaluation: records both rollout sets (every episode is already recorded, so nothing
-   runs again), pairs, judges (every external judge, and the new generation's in-loop judge for the agreement
-   table), summarizes. With no external judge configured (the demo has no keys), the parent's in-loop judge stands in
-   as the external judge; the summary says so (`stand_in_judge`).
-7. `write_report` — Markdown + HTML with figures in the artifact store.
+`rollout_units`/`run_rollout_unit`/`run_rollouts` run bare-task rollouts of both generations; `pair_rollouts` pairs
+the two sets by (task, replicate) and publishes the pairs; `judge_pairs` judges every (pair, judge, seed) once into
+the ``external`` ledger, resumably (no judgment is ever made twice); `summarize` records win rates with intervals
+as a ``pairwise`` evaluation; `evaluate` is the whole cycle evaluation (the parent's in-loop judge stands in when no
+external judge is configured); `write_report` writes Markdown + HTML. Each step in depth: docs/evaluation.md
+(`mass_ops.stages.evaluate`).
 """
 
 from __future__ import annotations
@@ -138,32 +130,23 @@ def _side(ref: str) -> str:
     return ref if len(ref) <= 128 else f"{ref[:60]}…{hashlib.sha256(ref.encode()).hexdigest()[:16]}"
 
 
-def judge_pairs(
-    ctx: CycleContext,
-    pairs: Sequence[RolloutPair],
-    judges: Sequence[ReportJudge],
-    seeds: Sequence[int] | None = None,
-    *,
-    max_workers: int = DEFAULT_JUDGE_WORKERS,
-    swap_consistent: bool | None = None,
-    invalid_retries: int | None = None,
-) -> JudgingResult:
-    """Judge every (pair, judge, seed) not yet in the external ledger; concurrent within `max_workers`.
-
-    Raises EvaluationStageError after the batch when some judgments failed (the rest stay recorded; rerun to
-    finish), or TooManyInvalidVerdictsError when the only failures are a judge's invalid verdicts beyond
-    `judge.max_invalid_fraction` of its (pair, seed) judgments. Seeds default to `evaluation.judge_seeds`.
-    """
-    config = ctx.config
-    seeds = list(config.evaluation.judge_seeds if seeds is None else seeds)
+def _checked_judges(judges: Sequence[ReportJudge]) -> None:
+    """Raise EvaluationStageError unless there is at least one judge and their names are unique."""
     if not judges:
         raise EvaluationStageError("judge_pairs: no judges given (configure evaluation.judges)")
     names = [judge.name for judge in judges]
     if len(set(names)) != len(names):
         raise EvaluationStageError(f"judge_pairs: judge names must be unique, got {names}")
-    swap = config.evaluation.swap_consistent if swap_consistent is None else swap_consistent
-    retries = config.judge.invalid_retries if invalid_retries is None else invalid_retries
-    recorded = {row.key: row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.EXTERNAL)}
+
+
+def _invalid_budgets(
+    config: CycleConfig,
+    pairs: Sequence[RolloutPair],
+    judges: Sequence[ReportJudge],
+    seeds: Sequence[int],
+    recorded: dict[str, Comparison],
+) -> dict[str, InvalidVerdictBudget]:
+    """Each judge's invalid-verdict budget over its (pair, seed) judgments, counting those already recorded invalid."""
     budgets: dict[str, InvalidVerdictBudget] = {}
     for judge in judges:
         keys = {ledger_key(pair.pair_id, judge.name, seed) for pair in pairs for seed in seeds}
@@ -173,62 +156,72 @@ def judge_pairs(
             planned=len(keys),
             already_invalid=sum(1 for key in keys if key in recorded and recorded[key].verdict == "invalid"),
         )
-    todo = [
-        (pair, judge, seed)
-        for pair in pairs
-        for judge in judges
-        for seed in seeds
-        if ledger_key(pair.pair_id, judge.name, seed) not in recorded
-    ]
-    result = JudgingResult(skipped=len(pairs) * len(judges) * len(seeds) - len(todo))
-    if not todo:
-        result.invalid = {name: budget.invalid for name, budget in budgets.items()}
-        return result
-    ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
-    caps = EvidenceCaps.local(REPORT_TOKEN_MODEL)
-    texts = {pair.task: ctx.catalogue.task(pair.task).task_text for pair in pairs}
+    return budgets
 
-    def build(root: Path, source: WorkspaceSource) -> EvidenceBundle:
+
+class _ExternalJudging:
+    """Judges one (pair, judge, seed) and records it in the ``external`` ledger; each workspace's evidence is built
+    once (under its neutral alias), and invalid verdicts count against the judge's budget."""
+
+    def __init__(
+        self,
+        ctx: CycleContext,
+        pairs: Sequence[RolloutPair],
+        budgets: dict[str, InvalidVerdictBudget],
+        *,
+        swap_consistent: bool,
+        invalid_retries: int,
+    ) -> None:
+        self.ctx = ctx
+        self.budgets = budgets
+        self.swap_consistent = swap_consistent
+        self.invalid_retries = invalid_retries
+        self.ledger = CallLedger(ctx.repo, ctx.artifacts, ctx.cycle_id, ctx.cycle_name)
+        self.caps = EvidenceCaps.local(REPORT_TOKEN_MODEL)
+        self.texts = {pair.task: ctx.catalogue.task(pair.task).task_text for pair in pairs}
+        self.evidence: EvidenceCache[EvidenceBundle] = EvidenceCache(self._build)
+
+    def _build(self, root: Path, source: WorkspaceSource) -> EvidenceBundle:
         if not isinstance(source, _JudgedWorkspace):
             raise TypeError(f"unexpected workspace source {source!r}")
         task = source.task
         return build_bundle(
             root,
             task_id=task,
-            task_text=texts[task],
+            task_text=self.texts[task],
             location=source.location,
-            caps=caps,
+            caps=self.caps,
             name=source.name,
-            prompts=ctx.prompts,
+            prompts=self.ctx.prompts,
         )
 
-    evidence: EvidenceCache[EvidenceBundle] = EvidenceCache(build)
+    def bundle(self, task: int, ref: str, uri: str) -> EvidenceBundle:
+        stored = StoredWorkspace(self.ctx.artifacts, uri, self.ctx.catalogue.task(task).name)
+        return self.evidence.get(ref, _JudgedWorkspace(stored, workspace_alias(ref), task))
 
-    def bundle(task: int, ref: str, uri: str) -> EvidenceBundle:
-        stored = StoredWorkspace(ctx.artifacts, uri, ctx.catalogue.task(task).name)
-        return evidence.get(ref, _JudgedWorkspace(stored, workspace_alias(ref), task))
-
-    def judge_one(pair: RolloutPair, judge: ReportJudge, seed: int) -> Comparison:
+    def judge_one(self, pair: RolloutPair, judge: ReportJudge, seed: int) -> Comparison:
+        """Judge `pair` with `judge` under presentation `seed` and record the judgment."""
+        ctx, config = self.ctx, self.ctx.config
         key = ledger_key(pair.pair_id, judge.name, seed)
         presented = judge_presentation(
             judge,
-            ledger,
+            self.ledger,
             CallUnit(f"eval/external/{key}", judge.purpose, pair.task),
             task_id=pair.task,
-            task_text=texts[pair.task],
-            bundle_a=bundle(pair.task, pair.a, pair.workspace_a),
-            bundle_b=bundle(pair.task, pair.b, pair.workspace_b),
+            task_text=self.texts[pair.task],
+            bundle_a=self.bundle(pair.task, pair.a, pair.workspace_a),
+            bundle_b=self.bundle(pair.task, pair.b, pair.workspace_b),
             seed=seed,
             prompts=ctx.prompts,
-            invalid_retries=retries,
-            swap_consistent=swap,
+            invalid_retries=self.invalid_retries,
+            swap_consistent=self.swap_consistent,
             position_bias_sample=config.judge.position_bias_sample,
             verdict_parsing=config.judge.verdict_parsing,
         )
         outcome = presented.outcome
         if outcome.verdict == "invalid":
             # Beyond judge.max_invalid_fraction this judgment fails, unrecorded: a rerun judges it again.
-            budgets[judge.name].admit(key, outcome.rationale)
+            self.budgets[judge.name].admit(key, outcome.rationale)
             logger.warning("external judgment %s recorded as invalid (a tie): %s", key, outcome.rationale)
         rationale = outcome.rationale
         if presented.swapped:
@@ -253,11 +246,20 @@ def judge_pairs(
             usage=outcome.usage or None,
         )
 
+
+def _judge_all(
+    judging: _ExternalJudging,
+    todo: Sequence[tuple[RolloutPair, ReportJudge, int]],
+    max_workers: int,
+    result: JudgingResult,
+) -> list[TooManyInvalidVerdictsError]:
+    """Run every judgment of `todo` on a thread pool, counting successes and failures into `result`; returns the
+    failures that were invalid-verdict budget overruns."""
     workers = max(1, min(max_workers, len(todo)))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="external-judge")
     too_many: list[TooManyInvalidVerdictsError] = []
     try:
-        futures = {ledger_key(p.pair_id, j.name, s): pool.submit(judge_one, p, j, s) for p, j, s in todo}
+        futures = {ledger_key(p.pair_id, j.name, s): pool.submit(judging.judge_one, p, j, s) for p, j, s in todo}
         for key, future in futures.items():
             try:
                 future.result()
@@ -271,6 +273,45 @@ def judge_pairs(
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    return too_many
+
+
+def judge_pairs(
+    ctx: CycleContext,
+    pairs: Sequence[RolloutPair],
+    judges: Sequence[ReportJudge],
+    seeds: Sequence[int] | None = None,
+    *,
+    max_workers: int = DEFAULT_JUDGE_WORKERS,
+    swap_consistent: bool | None = None,
+    invalid_retries: int | None = None,
+) -> JudgingResult:
+    """Judge every (pair, judge, seed) not yet in the external ledger; concurrent within `max_workers`.
+
+    Raises EvaluationStageError after the batch when some judgments failed (the rest stay recorded; rerun to
+    finish), or TooManyInvalidVerdictsError when the only failures are a judge's invalid verdicts beyond
+    `judge.max_invalid_fraction` of its (pair, seed) judgments. Seeds default to `evaluation.judge_seeds`.
+    """
+    config = ctx.config
+    seeds = list(config.evaluation.judge_seeds if seeds is None else seeds)
+    _checked_judges(judges)
+    swap = config.evaluation.swap_consistent if swap_consistent is None else swap_consistent
+    retries = config.judge.invalid_retries if invalid_retries is None else invalid_retries
+    recorded = {row.key: row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.EXTERNAL)}
+    budgets = _invalid_budgets(config, pairs, judges, seeds, recorded)
+    todo = [
+        (pair, judge, seed)
+        for pair in pairs
+        for judge in judges
+        for seed in seeds
+        if ledger_key(pair.pair_id, judge.name, seed) not in recorded
+    ]
+    result = JudgingResult(skipped=len(pairs) * len(judges) * len(seeds) - len(todo))
+    if not todo:
+        result.invalid = {name: budget.invalid for name, budget in budgets.items()}
+        return result
+    judging = _ExternalJudging(ctx, pairs, budgets, swap_consistent=swap, invalid_retries=retries)
+    too_many = _judge_all(judging, todo, max_workers, result)
     result.invalid = {name: budget.invalid for name, budget in budgets.items()}
     if result.failures and len(too_many) == len(result.failures):
         raise too_many[0]  # already one line naming the judge, the count, the limit and what to do

@@ -1,20 +1,11 @@
 """Nightly re-evaluation: the newest registered generation against its parent on the test split, every night.
 
-* `nightly_config` gives the nightly runs their own cycle row (``nightly-<hash>``), so they never collide with the
-  training cycles' frozen configs; the same nightly settings always land in the same row.
-* `nightly_targets` — the newest served generation that has a parent (none before the first cycle registered; one
-  awaiting promotion approval, `promotion.require_approval`, is passed over).
-* `nightly_evaluate` — the night's test-split rollouts of the generation and its parent (fresh samples every night:
-  the seed base moves with the logical date's UTC day, `seeds.nightly_rollout_seed_base`), paired and judged like a
-  cycle's evaluation, recorded as a pairwise evaluation labelled with the logical date. Results are keyed by (logical
-  date, generation): a rerun, a cleared task or `airflow backfill create` over past dates does each night's work once
-  (episodes keyed by seed, judgments by pair, judge and seed) and records only the missing nights.
-* `check_regression` — a generation regresses when even the upper end of tonight's 95% Wilson interval of its win
-  rate against its parent is below 0.5 − `evaluation.regression_threshold`, or below the previous night's win rate
-  minus the threshold (sampling noise alone does not fail a night).
-* The benchmark slice (optional) — a few instances of chosen public benchmarks, one trial per night, for each
-  generation tonight's servers serve, recorded in the nightly cycle under the night's trial index `nightly_trial`
-  (see "the benchmark slice" below); `nightly_benchmark_*` are the stages `BenchmarkTrialOperator` runs for it.
+`nightly_config` gives the nightly runs their own cycle row; `nightly_targets` picks the newest served generation
+with a parent (one awaiting promotion approval is passed over); `nightly_evaluate` runs, pairs and judges the night's
+test-split rollouts, keyed by (logical date, generation) so reruns and backfills record only missing nights;
+`check_regression` fails a night whose win rate's upper 95% Wilson bound is below 0.5 − threshold or below the
+previous night's rate minus the threshold. The optional benchmark slice runs under the night's `nightly_trial`.
+Details: docs/evaluation.md (`mass_ops.stages.nightly`).
 """
 
 from __future__ import annotations

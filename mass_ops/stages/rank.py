@@ -115,68 +115,76 @@ def _ranking_caps(config: CycleConfig) -> EvidenceCaps:
     return EvidenceCaps.local(RANKING_TOKEN_MODEL)
 
 
-def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRanking:
-    """Judge the task's missing tournament matches (concurrently within the endpoint's capacity), fit
-    Bradley–Terry and record every candidate's score, interval and rank."""
-    config = ctx.config
+def _tournament_candidates(ctx: CycleContext, task_id: int) -> list[Candidate]:
+    """The task's candidates; raises RankStageError when fewer than validation_rank completed."""
     candidates = ranking_candidates(ctx, task_id)
-    needed = config.collection.validation_rank
+    needed = ctx.config.collection.validation_rank
     if len(candidates) < needed:
         raise RankStageError(
             f"task {task_id}: {len(candidates)} completed collection episodes, need at least validation_rank = "
             f"{needed}; rerun collection for the failed candidates or lower the budget"
         )
-    by_name = {c.name: c for c in candidates}
-    pairs = tournament_pairs(
-        list(by_name), config.ranking.opponents_per_episode, seed=schedule_seed(config.ranking.seed, task_id)
-    )
-    recorded = {row.key: row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.RANKING, task_id=task_id)}
-    scheduled = {match_key(a, b) for a, b in pairs}
-    budget = InvalidVerdictBudget(
-        f"rank task {task_id}",
-        max_fraction=config.judge.max_invalid_fraction,
-        planned=len(pairs),
-        already_invalid=sum(1 for key, row in recorded.items() if key in scheduled and row.verdict == "invalid"),
-    )
-    task_text = ctx.catalogue.task(task_id).task_text
-    caps = _ranking_caps(config)
-    bundles: EvidenceCache[EvidenceBundle] = EvidenceCache(
-        lambda root, source: build_bundle(
-            root,
-            task_id=task_id,
-            task_text=task_text,
-            location=source.location,
-            caps=caps,
-            name=source.name,
-            prompts=ctx.prompts,
+    return candidates
+
+
+class _TaskTournament:
+    """Plays one task's matches with the current model as judge: each candidate's evidence is built once, and
+    invalid verdicts count against the task's budget (shared by the concurrent matches)."""
+
+    def __init__(
+        self,
+        ctx: CycleContext,
+        task_id: int,
+        judge: PairwiseJudge,
+        by_name: dict[str, Candidate],
+        budget: InvalidVerdictBudget,
+    ) -> None:
+        self.ctx = ctx
+        self.task_id = task_id
+        self.judge = judge
+        self.by_name = by_name
+        self.budget = budget
+        self.task_text = ctx.catalogue.task(task_id).task_text
+        caps = _ranking_caps(ctx.config)
+        self.bundles: EvidenceCache[EvidenceBundle] = EvidenceCache(
+            lambda root, source: build_bundle(
+                root,
+                task_id=task_id,
+                task_text=self.task_text,
+                location=source.location,
+                caps=caps,
+                name=source.name,
+                prompts=ctx.prompts,
+            )
         )
-    )
+        self.priority = server_priority(ctx.config, "ranking")
 
-    def bundle(candidate: Candidate) -> EvidenceBundle:
-        return bundles.get(candidate.name, StoredWorkspace(ctx.artifacts, candidate.workspace_uri, candidate.name))
+    def bundle(self, candidate: Candidate) -> EvidenceBundle:
+        source = StoredWorkspace(self.ctx.artifacts, candidate.workspace_uri, candidate.name)
+        return self.bundles.get(candidate.name, source)
 
-    priority = server_priority(config, "ranking")
-
-    def play(index: int, a: str, b: str) -> Comparison:
+    def play(self, index: int, a: str, b: str) -> Comparison:
+        """Judge match `index` (`a` shown as A) and record it in the ranking ledger."""
+        config, task_id = self.ctx.config, self.task_id
         key = match_key(a, b)
         seed = match_seed(config.ranking.seed, task_id, index)
         case = PairwiseCase(
             unit=CallUnit(f"task{task_id}/ranking/{key}", "self_judge", task_id),
             task_id=task_id,
-            task_text=task_text,
+            task_text=self.task_text,
             label_a=CANDIDATE_A_LABEL,
             label_b=CANDIDATE_B_LABEL,
-            bundle_a=bundle(by_name[a]),
-            bundle_b=bundle(by_name[b]),
+            bundle_a=self.bundle(self.by_name[a]),
+            bundle_b=self.bundle(self.by_name[b]),
             seed=seed,
-            priority=priority,
+            priority=self.priority,
         )
-        outcome = judge.judge(case)
+        outcome = self.judge.judge(case)
         if outcome.verdict == "invalid":
             # Beyond judge.max_invalid_fraction the task fails here, unrecorded: a rerun judges the match again.
-            budget.admit(case.unit.key, outcome.rationale)
-        return ctx.repo.record_comparison(
-            ctx.cycle_id,
+            self.budget.admit(case.unit.key, outcome.rationale)
+        return self.ctx.repo.record_comparison(
+            self.ctx.cycle_id,
             task_id,
             Ledger.RANKING.value,
             key,
@@ -184,8 +192,8 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
             side_b=b,
             judge_model=config.models.served_name,
             verdict=outcome.verdict,
-            episode_a_id=by_name[a].episode_id,
-            episode_b_id=by_name[b].episode_id,
+            episode_a_id=self.by_name[a].episode_id,
+            episode_b_id=self.by_name[b].episode_id,
             judge_provider=config.inference.backend,
             seed=seed,
             rationale=outcome.rationale,
@@ -193,13 +201,9 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
             usage=outcome.usage or None,
         )
 
-    todo = [(i, a, b) for i, (a, b) in enumerate(pairs) if match_key(a, b) not in recorded]
-    if todo:
-        workers = min(len(todo), config.inference.max_concurrent_requests)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"rank-t{task_id}") as pool:
-            for future in [pool.submit(play, i, a, b) for i, a, b in todo]:
-                row = future.result()
-                recorded[row.key] = row
+
+def _match_results(pairs: Sequence[tuple[str, str]], recorded: dict[str, Comparison]) -> tuple[list[MatchResult], int]:
+    """Every scheduled match's recorded result (an invalid verdict counts as a tie) and how many were invalid."""
     matches = []
     invalid = 0
     for a, b in pairs:
@@ -209,9 +213,16 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
         if outcome is None:
             raise RankingError(f"match {a} vs {b}: stored verdict {row.verdict!r} is not A, B, tie or invalid")
         matches.append(MatchResult.from_verdict(a, b, outcome))
+    return matches, invalid
+
+
+def _record_scores(
+    ctx: CycleContext, task_id: int, by_name: dict[str, Candidate], matches: Sequence[MatchResult]
+) -> list[RankedEntry]:
+    """Fit Bradley–Terry (with bootstrap intervals when configured) and record each candidate's score and rank."""
+    config = ctx.config
     names = list(by_name)
-    scores = bradley_terry(names, matches)
-    ranked = rank(scores)
+    ranked = rank(bradley_terry(names, matches))
     intervals = {}
     if config.ranking.bootstrap_samples >= 2:
         intervals = bootstrap_intervals(
@@ -231,6 +242,36 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
             ci_low=interval.low if interval else None,
             ci_high=interval.high if interval else None,
         )
+    return ranked
+
+
+def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRanking:
+    """Judge the task's missing tournament matches (concurrently within the endpoint's capacity), fit
+    Bradley–Terry and record every candidate's score, interval and rank."""
+    config = ctx.config
+    candidates = _tournament_candidates(ctx, task_id)
+    by_name = {c.name: c for c in candidates}
+    pairs = tournament_pairs(
+        list(by_name), config.ranking.opponents_per_episode, seed=schedule_seed(config.ranking.seed, task_id)
+    )
+    recorded = {row.key: row for row in ctx.repo.comparisons(ctx.cycle_id, Ledger.RANKING, task_id=task_id)}
+    scheduled = {match_key(a, b) for a, b in pairs}
+    budget = InvalidVerdictBudget(
+        f"rank task {task_id}",
+        max_fraction=config.judge.max_invalid_fraction,
+        planned=len(pairs),
+        already_invalid=sum(1 for key, row in recorded.items() if key in scheduled and row.verdict == "invalid"),
+    )
+    tournament = _TaskTournament(ctx, task_id, judge, by_name, budget)
+    todo = [(i, a, b) for i, (a, b) in enumerate(pairs) if match_key(a, b) not in recorded]
+    if todo:
+        workers = min(len(todo), config.inference.max_concurrent_requests)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"rank-t{task_id}") as pool:
+            for future in [pool.submit(tournament.play, i, a, b) for i, a, b in todo]:
+                row = future.result()
+                recorded[row.key] = row
+    matches, invalid = _match_results(pairs, recorded)
+    ranked = _record_scores(ctx, task_id, by_name, matches)
     if invalid:
         logger.warning("task %s: %d of %d matches had invalid verdicts (counted as ties)", task_id, invalid, len(pairs))
     return TaskRanking(task_id, len(candidates), len(pairs), len(todo), invalid, tuple(ranked))

@@ -1,18 +1,10 @@
 """The episode a stage runs for one unit of its work, as a request an episode pod can run ahead of the stage.
 
-On Kubernetes an episode runs in its own pod before the stage function that uses it (a search step, a teacher
-candidate, an evaluation rollout), and the stage then finds it recorded and reuses it. That works only if the pod
-runs exactly the unit the stage would run: the same identity, seed, condition and prompt. So `episode_request` builds
-no request of its own: it asks the stage's domain module for the request that stage runs —
-`mass_ops.search.driver` for reference and search episodes, `mass_ops.stages.collect` for teacher candidates,
-`mass_ops.stages.evaluate` for rollouts — and `publish_prompt` stores its prompt where the pod's publisher fetches
-it (`mass_ops.layout.episode_prompt_key`, content-addressed).
-
-A benchmark episode's prompt comes from the benchmark's dataset, which only its stage reads (`stages.benchmarks`,
-given the dataset folder): that stage builds the request and binds the pod's spec to it. Asked again for that unit
-(the budget admission records a not-started attempt with it), `episode_request` rebuilds it from the bound identity
-and the prompt stored under its hash, with the workspace seed it was bound with (a benchmark task's inputs, stored
-content-addressed by its stage) — and refuses an unbound one.
+Contract: `episode_request` returns exactly the request the stage itself would run for the unit (same identity, seed,
+condition and prompt) by asking the stage's domain module, so a pod's recorded episode is reused by the stage;
+`publish_prompt` stores its prompt content-addressed for the pod's publisher. A benchmark unit is rebuilt only from
+the identity, prompt and workspace seed its stage bound to the pod; an unbound one is refused.
+Why and how: docs/architecture.md (`mass_ops.stages.units`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Artifact store: immutable blobs by key, on S3 or in a local folder, behind one interface.
 
-Contract shared by every backend:
-
-- A key is a relative POSIX path such as ``cycles/c1/episodes/e3/status.json`` (rules: `validate_key`). The store
-  maps it to a URI under its root: ``s3://bucket/prefix/<key>`` or ``file:///root/<key>``.
-- Every put returns an `ArtifactInfo` whose SHA-256 is computed from the bytes as they stream in and is recorded
-  with the artifact. Reads hash the bytes as they stream out and verify them when they reach the end of the data
-  (`ArtifactIntegrityError` otherwise); a caller holding the hash from a metadata row passes it as ``sha256=`` and
-  the bytes must match it too.
-- A store that cannot be reached or written raises `ArtifactUnavailableError`, a `StorageError` (one line, exit 1);
-  clients get the timeouts and retry policy of `mass_ops.store.timeouts`.
-- `probe()` writes, reads back and deletes a small object under the reserved ``.probe/`` prefix: the check that the
-  store is reachable and writable.
-- A mass-ops store carries its own marker, the reserved object ``.mass-ops-store`` at its root, written by the first
-  `probe()` (what ``validate`` and every cycle's first task run, so the first write of mass-ops to a store) or by
-  `mark()` (``mass-ops store init``, for a store of an older mass-ops). Whatever deletes in bulk (`store gc`)
-  refuses a location without it: a mistyped URL must not turn a home folder or a foreign bucket into garbage.
-- Publishing is atomic: an artifact becomes visible (`exists`, `list`, `get_*`) only when complete. A failed or
-  interrupted put leaves the previous version or nothing, never part of the new one.
-- `put_dir` stores a folder as a deterministic ``tar.gz`` (the same tree always gives the same SHA-256); `get_dir`
-  extracts it atomically and refuses any member or link that would land outside the destination, and any archive
-  over the platform's archive limits (`store.untrusted.extract_tar_gz`, the one extractor of every tar.gz).
-
-`mass_ops.store.artifact_backends.open_artifact_store(url)` turns ``storage.artifact_url`` into a store; this
-module is the interface the backends (`local_artifacts`, `s3_artifacts`) implement and imports neither of them.
+Contract shared by every backend: keys are relative POSIX paths (`validate_key`) mapped to URIs under the root;
+every put returns an `ArtifactInfo` with the SHA-256 of the streamed bytes, and reads verify it
+(`ArtifactIntegrityError`); an unreachable store raises `ArtifactUnavailableError`; publishing is atomic; `put_dir`
+stores a deterministic ``tar.gz`` and `get_dir` extracts it safely within the archive limits; `probe()` checks the
+store and writes its marker ``.mass-ops-store`` (or `mark()`), which bulk deletion requires.
+`mass_ops.store.artifact_backends.open_artifact_store(url)` opens a store; this module imports no backend.
+The contract in full: docs/storage.md (`mass_ops.store.artifacts`).
 """
 
 from __future__ import annotations

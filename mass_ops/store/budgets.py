@@ -1,30 +1,11 @@
 """The budget ledger of a cycle: spend per scope in the metadata store, and the check made before each paid request.
 
-Scopes: ``cycle`` (everything the cycle spends), ``task:<id>`` (the episodes and in-loop calls of one task) and
-``in_loop`` (judge, optimizer, arbitration and self-judge calls). Every process and pod of a cycle adds what its
-requests spent (tokens as the server reports them, server-reported cost in USD) with atomic increments, and reads the
-same rows before sending a request, so concurrent workers share one budget.
-
-The rule (`BudgetLedger.refusal`): a request that needs up to `need` tokens (its prompt estimate plus everything it
-may generate: every sequence of every prompt to its output cap; for agent requests `runtime.proxy.prepare_generation`
-computes it, and the proxy forwards the cap it counted) is refused when spent + in flight here + need would exceed a
-scope's token limit, or when the scope's cost has already reached its limit (a request's cost is only known
-afterwards). Spend is recorded when a response arrives, so requests in flight in other processes are invisible: the
-overshoot of a budget is bounded by one request's tokens per concurrent request, never more
-(`benchmarks/budget_overshoot.py` measures it on every generation path).
-
-On Kubernetes an episode pod's proxy reaches no store: it holds only the episode's own token budget
-(`budgets.episode_tokens`). The task and cycle budgets are held around the pod instead: the operator admits a pod
-only while its scopes are not exhausted (`mass_ops.runtime.admission`), and the pod's spend is charged to those scopes
-when its publisher records the episode (`charge_episode`, once per recorded attempt). A pod's spend is therefore
-invisible to the ledger until it ends, so a task or cycle budget can be overshot by at most (pods in flight for that
-scope) x `budgets.episode_tokens` (plus one request's estimate error per pod, the episode budget's own overshoot);
-without an episode budget a pod's spend is not bounded before it ends.
-
-Alerts (`BudgetAlert`): when a scope's spend first reaches 50% and 80% of a limit, one warning line is logged, the
-alert is recorded in the store (a once-only marker in `budget_charges`, so exactly one process raises it, once per
-cycle; `recorded_alerts` reads them back for reports) and `budgets.alert_callback` is called with it. The ledger checks
-after recording spend and when it checks a scope before a Kubernetes pod (whose spend arrives only as it ends).
+Scopes: ``cycle``, ``task:<id>`` and ``in_loop``; every process adds its spend with atomic increments and reads the
+same rows before a request. `BudgetLedger.refusal`: a request needing `need` tokens is refused when spent + in
+flight + need would exceed a scope's token limit, or when its cost limit is reached; the overshoot is bounded by one
+request per concurrent request. On Kubernetes pods are admitted only while their scopes have room and charged when
+recorded (`charge_episode`). Alerts (`BudgetAlert`) fire once per cycle at 50% and 80% of a limit.
+The rule, its bounds and the Kubernetes case: docs/storage.md (`mass_ops.store.budgets`).
 """
 
 from __future__ import annotations

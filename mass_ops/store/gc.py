@@ -1,23 +1,10 @@
 """Garbage collection of the artifact store: staging leftovers, and artifacts no metadata row references.
 
-Two kinds of garbage, treated differently:
-
-- *Staging leftovers* (``.partial/`` files of killed puts, unfinished S3 multipart uploads, stale ``.probe/``
-  objects, record folders of keys that hold nothing): never visible to a reader, so removing them is always safe
-  once they are older than the grace period — a put in progress keeps writing and stays younger. Removed when
-  ``dry_run=False``.
-- *Unreferenced artifacts*: stored artifacts whose URI no row of the metadata store points to (directly, or
-  through a prefix it lies under — a dataset's shards, a model folder). Only listed, unless ``dry_run=False`` **and**
-  ``delete_unreferenced=True``; even then an artifact younger than the grace period is kept, because stages
-  publish artifacts before they record the row that points to them. Some artifacts are legitimately referenced
-  only from inside other documents (stats, status files), so deleting unreferenced ones is a decision for an
-  operator who has read the list.
-
-Only a mass-ops store is swept: `gc` first requires the store's own marker (`STORE_MARKER`, written by the first
-probe of a run or by ``mass-ops store init``) and refuses any other location before looking at it, so a mistyped
-URL (a home folder, a foreign bucket) is one line, not a deletion.
-
+Staging leftovers older than the grace period are removed when ``dry_run=False``. Unreferenced artifacts are only
+listed, unless ``dry_run=False`` and ``delete_unreferenced=True``, and even then one younger than the grace period is
+kept. Only a store carrying its marker (`STORE_MARKER`) is swept; any other location is refused before it is read.
 `gc(store, repository)` is the whole operation; `GcReport.lines()` is the text a command prints.
+Why the two kinds are treated differently: docs/storage.md (`mass_ops.store.gc`).
 """
 
 from __future__ import annotations

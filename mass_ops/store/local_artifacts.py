@@ -1,29 +1,11 @@
 """Artifact store in a local folder (the embedded default profile).
 
-Layout under the root:
-
-- ``<key>``: the artifact's bytes, so the folder can be browsed and copied with ordinary tools.
-- ``.partial/``: staging files of puts in progress. Publishing is one ``os.replace`` from here to ``<key>`` (same
-  filesystem, so the rename is atomic): a reader sees the old file or the new one, never a half-written one, and
-  `list` never looks in here. A crashed put leaves only an orphan staging file (`mass_ops.store.gc` sweeps them).
-- ``.meta/<h[:2]>/<h>/<sha256>.json`` with ``h = sha256(key)``: one record per version published under the key:
-  its SHA-256 and the inode, device, size and mtime of the file it was computed from.
-- ``.probe/``: objects of `probe()` while it runs.
-- ``.mass-ops-store``: the store's marker (`ArtifactStore.mark`), never listed as an artifact.
-
-Why sidecar records and not extended attributes: xattrs are dropped by many copy tools, archives and network
-filesystems. Naming the records by a hash of the key keeps them out of the key namespace.
-
-Integrity: a record is written before the data rename, so a reader may meet a record whose rename has not happened
-(a put in flight, or one that crashed in between) next to the previous version's file. Hence one record *per
-version* rather than one per key: the previous version keeps its record. Reading a key picks the record that names
-exactly the file being read (the fast, common case) and checks the bytes against its hash while they stream; when
-no record names the file (it was replaced, edited or truncated in place, or the folder was copied elsewhere) the
-bytes must hash to one of the key's recorded versions, else `ArtifactIntegrityError`. So an edit made outside the
-store is refused, never re-recorded; a copied folder still reads. Records of other versions are pruned when a put
-publishes, once older than `RECORD_GRACE_S` (a concurrent writer's record must outlive its rename). A key with no
-record at all (written by another tool, or by a version of mass-ops before records) is hashed and recorded on first
-`info`. Records of the layout before per-version records (``.meta/<h[:2]>/<h>.json``) are still read.
+Layout under the root: ``<key>`` (the bytes, browsable), ``.partial/`` (staging, published by one atomic
+``os.replace``), ``.meta/`` (one SHA-256 record per published version, in sidecar files named by a hash of the key),
+``.probe/`` and the marker ``.mass-ops-store``. Reads check the bytes against the record of the file being read, or
+else against one of the key's recorded versions: an edit made outside the store is refused
+(`ArtifactIntegrityError`), a copied folder still reads. Records of other versions are pruned after
+`RECORD_GRACE_S`. Layout, integrity and why sidecar records: docs/storage.md (`mass_ops.store.local_artifacts`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Engine and session factory of the metadata database (SQLite embedded default, Postgres in production).
 
-`MetadataStore(url)` owns one engine. `read()` and `write()` hand out short-lived sessions that commit (write) or
-roll back (read / on error) when the block ends; objects they load stay usable after the block because sessions
-never expire them on commit.
-
-Failures to reach the database (refused, silent past ``MASS_STORE_CONNECT_TIMEOUT_S``, not a database, a
-connection lost mid-query, a statement over ``MASS_STORE_STATEMENT_TIMEOUT_S``) surface as one-line `StorageError`s
-with the password masked. A query on a table or column the database lacks (a store never migrated, or migrated by
-an older mass-ops) is `SchemaNotReadyError`, one line naming the store and `mass-ops db upgrade`; it stays a
-SQLAlchemy `OperationalError` too, so code that tolerates store failures still does. Other SQL errors (a
-constraint) keep their SQLAlchemy types. Limits: see `mass_ops.store.timeouts`.
-
-SQLite is opened in WAL mode with a busy timeout and foreign keys on. Write transactions start with
-``BEGIN IMMEDIATE`` so that concurrent writers queue on the database lock (and the busy timeout) instead of failing
-with "database is locked" when a read snapshot would have to be upgraded to a write lock. Writers of one process
-also queue on an in-process lock first: SQLite's busy handler polls with sleeps growing to 100 ms, so threads
-contending for the database lock waited up to hundreds of milliseconds for a lock held for one; the in-process
-lock hands over at once, and the busy timeout remains for writers in other processes.
+`MetadataStore(url)` owns one engine; `read()` and `write()` hand out short-lived sessions that roll back or commit
+when the block ends, whose objects stay usable after it. Failures to reach the database are one-line `StorageError`s
+(password masked); a missing table or column is `SchemaNotReadyError` (still an `OperationalError`) naming
+`mass-ops db upgrade`; other SQL errors keep their SQLAlchemy types. Limits: `mass_ops.store.timeouts`.
+SQLite runs in WAL mode, writers queue on ``BEGIN IMMEDIATE`` and an in-process lock. Why: docs/storage.md
+(`mass_ops.store.metadata`).
 """
 
 from __future__ import annotations

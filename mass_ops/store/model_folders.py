@@ -1,20 +1,10 @@
 """Models in the artifact store: a folder of files under a key prefix, made visible by its `manifest.json`.
 
-A published model is every file of a local model folder stored under ``<prefix>/<relative path>``, followed — last —
-by ``<prefix>/manifest.json``::
-
-    {"format": "mass-ops-model/1", "files": [{"name", "sha256", "size"}, ...], "total_size": N, "metadata": {...}}
-
-Readers start from the manifest, so a publish that stopped half-way (files but no manifest) is never mistaken for a
-model, and every file they download is checked against the manifest's SHA-256 and size. Publishing again the same
-files is a no-op; publishing different files where a model is already published is refused.
-
-A model *location* (the `models.*` config values, the URIs recorded in the metadata store) is one of:
-
-- a relative key such as ``models/L0-bf16``: a prefix in the configured artifact store, downloaded by `fetch_model`;
-- an ``s3://`` URI: inside the configured store it is the same as its relative key; elsewhere the URI itself is
-  opened as a store root (credentials from boto3's usual chain) and downloaded the same way;
-- an absolute path or a ``file://`` URI: a local folder, used in place (never copied).
+A published model is every file under ``<prefix>/<relative path>``, then — last — ``<prefix>/manifest.json``
+(format ``mass-ops-model/1``: files with SHA-256 and size, total size, metadata). Readers start from the manifest
+and check every file against it; republishing the same files is a no-op, different files are refused. A model
+location is a relative key, an ``s3://`` URI (another bucket is opened as a store root) or a local folder (absolute
+path or ``file://``, used in place). Manifest format and locations: docs/storage.md (`mass_ops.store.model_folders`).
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Artifact store in an S3 bucket (AWS, MinIO, Ceph RGW, or any S3-compatible endpoint).
 
-Endpoint and credentials come only from the standard AWS chain (botocore's): ``AWS_ENDPOINT_URL_S3`` /
-``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and
-the shared config files, web identity and instance roles. Nothing here accepts, stores, logs or prints a
-credential; the store's repr and URIs hold only the bucket and prefix.
-
-Integrity: the SHA-256 of the bytes is stored as object metadata (``x-amz-meta-sha256``) and checked by every read
-that reaches the end of the object. S3 metadata is fixed when an upload starts, so the hash must be known first:
-a local file is hashed in one pass and uploaded in a second, during which it is hashed again; if the two differ
-(the file changed) the upload is aborted. Streams and folders are staged to a local temp file first. This costs a
-local re-read, which is cheaper than the alternative (upload, then a server-side copy to set the metadata).
-
-Atomicity: an object smaller than the multipart threshold is sent in one PUT, which S3 stores all-or-nothing and
-makes visible only once complete (reads are strongly consistent). A larger one goes through a multipart upload:
-parts uploaded so far are not an object, are invisible to GET/HEAD/LIST, and the object appears only when
-CompleteMultipartUpload succeeds. Any failure before that (a read error, a network cut, an interrupt) aborts the
-upload, so no parts are left behind either; if even the abort fails, the parts are still invisible and a bucket
-lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims them.
-
-Limits: every client gets the connect/read timeouts and the bounded "standard" retry policy of
-`mass_ops.store.timeouts` (``MASS_STORE_CONNECT_TIMEOUT_S``, ``MASS_STORE_READ_TIMEOUT_S``,
-``MASS_STORE_MAX_ATTEMPTS``), so an endpoint that accepts and never answers fails a request within about
-attempts × read timeout. Such failures, refused requests (AccessDenied ...) and bodies cut mid-read are
-`ArtifactUnavailableError`: one line naming the action and the URI.
-
-Optional setting: ``MASS_S3_MULTIPART_THRESHOLD`` (bytes, default 64 MiB) picks multipart above that size.
+Endpoint and credentials come only from the standard AWS chain; nothing here accepts, stores, logs or prints a
+credential. The SHA-256 is stored as object metadata (``x-amz-meta-sha256``) and checked by every full read.
+Objects appear only when complete (one PUT, or a multipart upload aborted on any failure). Every client gets the
+timeouts and bounded retries of `mass_ops.store.timeouts`; failures are `ArtifactUnavailableError`, one line naming
+the action and the URI. ``MASS_S3_MULTIPART_THRESHOLD`` (default 64 MiB) picks multipart uploads.
+Integrity and atomicity in depth: docs/storage.md (`mass_ops.store.s3_artifacts`).
 """
 
 from __future__ import annotations

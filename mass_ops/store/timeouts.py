@@ -1,24 +1,10 @@
 """How long the stores may take to answer, and how often a request is tried: one place, read from the environment.
 
 Every network client of the stores gets these limits, so a server that accepts and never answers fails the command
-within seconds instead of hanging it (or failing after minutes of library defaults).
-
-=================================  =======  ==============================================================
-Variable                           Default  Meaning
-=================================  =======  ==============================================================
-``MASS_STORE_CONNECT_TIMEOUT_S``   5        Opening a connection: Postgres ``connect_timeout`` (libpq,
-                                            whole handshake; libpq treats values under 2 as 2), S3 TCP/TLS.
-``MASS_STORE_READ_TIMEOUT_S``      20       Waiting for the next bytes of an S3 response; the TCP user
-                                            timeout of Postgres connections (unacknowledged data).
-``MASS_STORE_MAX_ATTEMPTS``        3        Total tries of one S3 request (botocore "standard" retry mode,
-                                            exponential backoff with jitter); 1 disables retries.
-``MASS_STORE_STATEMENT_TIMEOUT_S`` 600      Postgres ``statement_timeout`` of every session (0 = none);
-                                            schema migrations lift it for their transaction.
-=================================  =======  ==============================================================
-
-Values are seconds (decimals allowed) or a whole number of attempts; an unusable value is an `InputError` naming
-the variable. The config keys ``storage.connect_timeout_s``, ``storage.read_timeout_s``, ``storage.max_attempts``
-and ``storage.statement_timeout_s`` are meant to mirror these variables.
+within seconds. Variables (defaults): ``MASS_STORE_CONNECT_TIMEOUT_S`` (5), ``MASS_STORE_READ_TIMEOUT_S`` (20),
+``MASS_STORE_MAX_ATTEMPTS`` (3, S3 "standard" retries), ``MASS_STORE_STATEMENT_TIMEOUT_S`` (600, Postgres; 0 = none).
+Values are seconds (decimals allowed) or a whole number of attempts; an unusable value is an `InputError` naming the
+variable. What each limit applies to: docs/storage.md (`mass_ops.store.timeouts`).
 """
 
 from __future__ import annotations

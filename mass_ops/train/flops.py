@@ -1,26 +1,12 @@
 """Model FLOPs of a training step, from the architecture in `config.json`, and model FLOPs utilisation (MFU).
 
-The formula (the PaLM paper's convention, appendix B):
-
     step FLOPs = Σ over windows of  6 · N · T  +  12 · L_attn · H · d · T²
 
-- `N`: parameters a token passes through in matrix multiplies: attention and MLP projections of every layer plus
-  the output projection (vocabulary × hidden); input embeddings are a lookup and do not count. For a mixture of
-  experts only the active parameters count: the router, `num_experts_per_tok` routed experts and any shared expert.
-- `6 · N · T`: 2 FLOPs per parameter per token forward, 4 backward. LoRA freezes the base, so backward computes no
-  weight gradients for it (about 2N instead of 4N), but activation checkpointing recomputes the forward (2N): the
-  hardware does about 6N either way, and MFU stays comparable with full fine-tuning figures. LoRA's own weights
-  (< 1 % of N) are left out.
-- `12 · L_attn · H · d · T²`: the score and value products of softmax attention (Q·Kᵀ and P·V, 2 FLOPs per
-  multiply-add each, × 3 for forward and backward) at the window length T, with L_attn full-attention layers,
-  H query heads of width d. The causal mask's halving is not subtracted (the usual convention; kernels such as
-  FlashAttention skip masked blocks, so MFU is slightly optimistic on long windows). Linear-attention layers
-  (Qwen3.5 / Qwen3-Next gated delta-net) cost O(T) and count only through their projections in N.
-
-NeMo AutoModel's LoRA convention (`lora_causal`, see `FlopsModel.lora_causal_sequence_flops`) is reported beside it.
-
-MFU = achieved model FLOP/s per GPU ÷ the GPU's peak (`training.peak_tflops_per_gpu`; dense BF16 without sparsity:
-989 TFLOP/s on an H100 SXM or H200, 756 on an H100 PCIe).
+(the PaLM paper's convention): `N` the parameters a token passes through in matrix multiplies (active ones for a
+mixture of experts, embeddings excluded), `T` the window length, `L_attn` full-attention layers of `H` query heads
+of width `d`. NeMo AutoModel's LoRA convention (`FlopsModel.lora_causal_sequence_flops`) is reported beside it.
+MFU = achieved model FLOP/s per GPU ÷ `training.peak_tflops_per_gpu`.
+Each term's derivation and conventions: docs/training.md (`mass_ops.train.flops`).
 """
 
 from __future__ import annotations

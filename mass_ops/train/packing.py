@@ -1,18 +1,10 @@
 """Padding-free packing: the windows one rank draws for an optimizer step, several to a micro-batch.
 
-The `grad_accum` windows of a rank's step are laid end to end in micro-batches of at most `budget` tokens (first fit,
-in draw order), each padded to exactly `budget` tokens so every micro-batch has one shape (nothing re-plans or
-recompiles per length). Boundaries: position ids restart at 0 in every window; attention cannot cross a window —
-SDPA and eager get a block-diagonal causal mask, flash_attention_2 gets the varlen boundaries (`cu_seq_lens_*`);
-the padding tail is a segment of its own whose labels are all masked.
-
-The loss is unchanged: each window's loss is computed from its own slice of the hidden states exactly as unpacked
-(chunked CE, its own token mean), so a step still averages per-window token means; only the batching changes.
-
-Linear-attention layers (Qwen3.5 gated delta net) carry a recurrent state and a causal convolution along the
-sequence; they see window boundaries only through `cu_seq_lens_q`, which transformers hands to its kernels.
-`linear_attention_refusal` runs one such layer, built small, on two windows packed and apart: if the installed code
-lets state cross the boundary (the torch fallback ignores it), packing refuses the model instead of training it wrong.
+A rank's `grad_accum` windows are laid end to end (first fit, in draw order) in micro-batches padded to exactly
+`budget` tokens. Position ids restart per window and attention never crosses one (block-diagonal mask, or varlen
+boundaries for flash_attention_2); the padding tail's labels are masked. The loss is unchanged: each window's loss
+is its own token mean, as unpacked. `linear_attention_refusal` refuses a model whose linear-attention layers let
+state cross a window boundary. Details: docs/training.md (`mass_ops.train.packing`).
 """
 
 from __future__ import annotations

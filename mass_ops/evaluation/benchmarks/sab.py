@@ -1,19 +1,11 @@
 """ScienceAgentBench adapter (MASS_SPEC §10): tasks from a user-provided dataset folder, scoring by the official
 evaluator.
 
-Nothing is downloaded. The dataset folder holds the annotation sheet as ``ScienceAgentBench.jsonl`` or
-``ScienceAgentBench.csv`` (fields of the official sheet: instance_id, task_inst, gold_program_name, output_fname and
-optionally domain, domain_knowledge, dataset_folder_tree, dataset_preview, eval_script_name) and the official
-``benchmark/`` folder the evaluator reads. The agent writes its program to ``pred_programs/pred_<gold name>`` and its
-outputs to ``pred_results/`` inside its workspace. Given the dataset folder (`sab_tasks(dataset_root=…)`), an
-instance's agent starts with its dataset at ``benchmark/datasets/<name>/`` in its workspace — the folder the first
-line of its ``dataset_folder_tree`` names, copied from ``benchmark/datasets/`` as the official setup places it.
-
-Scoring runs the official harness (``python -m evaluation.harness.run_evaluation`` from a checkout of the
-ScienceAgentBench repository, with Docker) on the trial's programs: the latest non-empty program per task, a
-missing one replaced by a file holding ``ERROR``, ``/workspace`` rewritten to ``.``. Its log holds one JSON row per
-instance in instance order (valid_program, codebert_score, success_rate); a trial needs exactly one row per task.
-When no checkout is configured the scorer raises `EvaluatorNotInstalledError` instead of inventing a score.
+Nothing is downloaded. The folder holds the annotation sheet (``ScienceAgentBench.jsonl`` or ``.csv``) and the
+official ``benchmark/`` folder; an instance's agent starts with its dataset at ``benchmark/datasets/<name>/`` and
+writes ``pred_programs/pred_<gold name>`` and ``pred_results/``. Scoring runs the official harness from a configured
+checkout (with Docker); without one the scorer raises `EvaluatorNotInstalledError` instead of inventing a score.
+Dataset layout and scoring details: docs/public-benchmarks.md (`mass_ops.evaluation.benchmarks.sab`).
 """
 
 from __future__ import annotations

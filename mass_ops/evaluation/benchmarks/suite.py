@@ -1,36 +1,12 @@
 """A benchmark trial run one instance at a time, resumable per (benchmark, instance, trial) (MASS_SPEC §10).
 
-Every adapter (Terminal-Bench 2.0, SWE-bench Verified, DSBench, AstaBench E2E-Bench-Hard) offers the same
-`BenchmarkAdapter` face: its tasks, its evaluator's version, and `grade` of one task's workspace. `run_benchmark_trial`
-first checks the grader can run here (a container engine or cluster when the benchmark needs one, the evaluator
-installed) — before any agent time — then for each task runs its episode, grades it and records the task's score as
-an artifact; a rerun after an interruption skips every task whose score is recorded (and the episode executor
-reuses finished episodes), so no finished instance runs or is graded twice. The trial's result, with the
-evaluator's version and tasks attempted vs scored, is recorded as the trial's ``evaluations`` row.
-
-Workspace seeds: a task whose benchmark gives its agent files (a repository at its base commit, a task's
-environment files, a dataset) carries a `seeds.SeedSource`; every task's source is checked before any agent time
-(`check_seeds`: a missing repository or commit is one line), and its episode request carries the seed stored
-content-addressed (`EpisodeRequest.workspace_seed`), which the runtime extracts into the fresh workspace — in
-process and in an episode pod alike. Graders see the whole final workspace; SWE-bench's patch is the diff against
-the base commit, so the seed is never counted as the agent's work.
-
-Time limits: each task's episode runs under the benchmark's official agent limit when it sets one
-(`BenchmarkTask.time_limit_s`, e.g. Terminal-Bench's ``[agent] timeout_sec``), or the cycle's
-``runtime.episode_wall_clock_s`` when that is stricter; the limit applied and where it came from are recorded with
-the task's score. The runtime enforces it (it stops the agent at ``runtime.episode_wall_clock_s``), so each task's
-episode runs in an executor built for a context carrying that limit (`ExecutorFor`).
-
-On Kubernetes the container grading of one instance is split in two around a grader Job
-(`prepare_instance` → the Job → `finish_instance`): the adapter's `grade` runs twice on the same stored workspace,
-first with a runner that captures the `GraderJob` it asks for (stored as a pending grading with its file bundle),
-then with a runner that answers that job's log — only when the job is the same one, checked by its SHA-256. The
-adapters' grading code is the one the local Docker runner drives; nothing is graded differently on a cluster.
-
-On Kubernetes the agent runs in its own episode sandbox pod too, before the grading (`instance_episode` → the pod →
-`prepare_instance` with `RecordedEpisodes`): the pod runs `instance_request`, the very request the in-process path
-runs (same unit, seed, condition and prompt, under the same `task_time_limit`), and records it through the pod's
-hand-off; the grading then reads that recorded episode and never runs one — so both paths grade the same workspace.
+Every adapter offers the same `BenchmarkAdapter` face: its tasks, its evaluator's version, and `grade` of one task's
+workspace. `run_benchmark_trial` checks the grader can run here and every task's workspace seed before any agent
+time, then per task runs its episode (under the benchmark's time limit or ``runtime.episode_wall_clock_s``, the
+stricter), grades it and records its score; a rerun skips every task whose score is recorded. The trial's result is
+recorded as its ``evaluations`` row. On Kubernetes the episode pod and the grader Job are split around
+`instance_episode` / `prepare_instance` / `finish_instance`, grading the same workspace the same way.
+Seeds, time limits and the Kubernetes split in depth: docs/public-benchmarks.md (`...benchmarks.suite`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """SWE-bench Verified adapter: instances from a user-provided dataset file, grading by the official `swebench`
 package (its test specs, log parsers and resolution rules) on a log from the instance's own image.
 
-Nothing is downloaded. The folder holds ``SWE-bench_Verified.jsonl``: one instance per line in the `swebench`
-package's format (instance_id, repo, base_commit, problem_statement, version, FAIL_TO_PASS, PASS_TO_PASS, image,
-log_parser, eval_type, eval_script; optional hints_text) — and ``repos/`` holds a clone or bare mirror of each
-instance's repository, named ``<owner>__<name>`` (SWE-bench's own naming) or ``<owner>/<name>``, optionally with
-``.git`` (`repos` overrides that folder). The agent starts with the repository checked out at the instance's
-``base_commit`` in ``repo/`` of its workspace (`seeds.GitCheckoutSeed`; a missing repository or commit is one line
-before any agent time). Its patch is the change of ``repo/`` against ``base_commit`` — committed or not, new files
-included, ``.gitignore``d files not (the way SWE-agent collects it: ``git add -A; git diff --cached <base>``, here
-on a scratch index) — so the seed itself is never part of it; a ``model.patch`` it leaves instead is the fallback.
-
-Grading runs one container per instance from the instance's image (`GraderJob`): the patch is applied the way the
-official harness applies it and the instance's eval script runs; the log goes through
-`swebench.harness.grading.get_eval_report`. A task scores 1 when the instance is resolved, else 0; an empty patch
-scores 0 without a container.
+Nothing is downloaded: the folder holds ``SWE-bench_Verified.jsonl`` and ``repos/`` with each instance's repository.
+The agent starts with the repository at ``base_commit`` in ``repo/``; its patch is the change of ``repo/`` against
+that commit (``model.patch`` as fallback). A task scores 1 when the instance is resolved, else 0; an empty patch
+scores 0 without a container. Dataset layout and grading: docs/public-benchmarks.md (`...benchmarks.swe`).
 """
 
 from __future__ import annotations

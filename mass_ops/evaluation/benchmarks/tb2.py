@@ -1,21 +1,11 @@
 """Terminal-Bench 2.0 adapter: tasks in Harbor's task format from a user-provided folder, graded by each task's
 own verifier in the task's image.
 
-Nothing is downloaded. The folder holds one directory per task, as Harbor lays them out: ``instruction.md`` (the
-agent's prompt), ``task.toml`` (``[agent] timeout_sec``, ``[verifier] timeout_sec``, ``[environment]`` with
-``docker_image`` and optional ``cpus``/``memory_mb``), ``environment/`` and ``tests/`` with ``test.sh``. The task
-index of the seed formula is the position in name order (tb2 is benchmark index 0).
-
-The agent starts with what the task's image puts in its working directory (``WORKDIR``, ``/app``): the files the
-final stage of ``environment/Dockerfile`` copies there from the build context (``COPY``/``ADD`` of local paths,
-``.dockerignore`` applied; `environment_seed`). Never ``tests/`` or ``solution/`` — they are not in the build
-context, the verifier brings ``tests/`` itself. What ``RUN`` steps create, ``COPY --from`` another stage and remote
-``ADD`` sources are not reproduced: the agent's sandbox is not the task's image (see the report of #18).
-
-Grading follows Harbor's verifier contract: the agent's workspace goes to the task's working directory (``/app``)
-in a container from the task's image, ``tests/`` to ``/tests``, ``bash /tests/test.sh`` runs and writes the reward to
-``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}``). The `harbor` package needs
-Python ≥ 3.12 and this project's environment is 3.11, so the format is read here (tomllib) — see the report of #18.
+Nothing is downloaded: one directory per task (``instruction.md``, ``task.toml``, ``environment/``, ``tests/``).
+The agent starts with the files the task image's final stage copies into its working directory (`environment_seed`),
+never ``tests/`` or ``solution/``. Grading follows Harbor's verifier contract: ``bash /tests/test.sh`` in a container
+from the task's image writes the reward. Format, seed limits and grading: docs/public-benchmarks.md
+(`mass_ops.evaluation.benchmarks.tb2`).
 """
 
 from __future__ import annotations
