@@ -17,7 +17,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from mass_ops.compute.kubernetes import JOB_NAME_LABEL
 from mass_ops.compute.readiness import probe_async
-from mass_ops_airflow import kube
+from mass_ops_airflow.kube import MassKubeHook, job_state, trainjob_state
 
 
 class InferenceReadinessTrigger(BaseTrigger):
@@ -69,9 +69,8 @@ class InferenceReadinessTrigger(BaseTrigger):
             return None
 
         def check() -> str | None:
-            clients = kube.kubernetes_clients(spec.get("conn_id"))
-            return kube.pods_problem(
-                clients.core, spec["namespace"], spec["selector"], schedule_timeout_s=spec["schedule_timeout_s"]
+            return MassKubeHook(spec.get("conn_id")).pods_problem(
+                spec["namespace"], spec["selector"], schedule_timeout_s=spec["schedule_timeout_s"]
             )
 
         return await asyncio.to_thread(check)
@@ -106,9 +105,8 @@ class InferenceReadinessTrigger(BaseTrigger):
             return
 
         def delete() -> list[str]:
-            clients = kube.kubernetes_clients(spec.get("conn_id"))
-            return kube.delete_objects(
-                clients, spec["namespace"], deployments=spec.get("deployments", ()), services=spec.get("services", ())
+            return MassKubeHook(spec.get("conn_id")).delete_objects(
+                spec["namespace"], deployments=spec.get("deployments", ()), services=spec.get("services", ())
             )
 
         deleted = await asyncio.to_thread(delete)
@@ -159,15 +157,13 @@ class _CompletionTrigger(BaseTrigger):
     def _observe(self) -> tuple[str, str]:
         raise NotImplementedError
 
-    def _delete(self, clients: Any) -> list[str]:
+    def _delete(self, hook: MassKubeHook) -> list[str]:
         raise NotImplementedError
 
-    def _with_pod_problems(self, state: str, message: str, clients: Any, selector: str) -> tuple[str, str]:
+    def _with_pod_problems(self, state: str, message: str, hook: MassKubeHook, selector: str) -> tuple[str, str]:
         """A running workload whose pods cannot start (unschedulable too long, image pull errors) has failed."""
         if state == "running":
-            problem = kube.pods_problem(
-                clients.core, self.namespace, selector, schedule_timeout_s=self.schedule_timeout_s
-            )
+            problem = hook.pods_problem(self.namespace, selector, schedule_timeout_s=self.schedule_timeout_s)
             if problem:
                 return "failed", problem
         return state, message
@@ -182,7 +178,7 @@ class _CompletionTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         def delete() -> list[str]:
-            return self._delete(kube.kubernetes_clients(self.conn_id))
+            return self._delete(MassKubeHook(self.conn_id))
 
         deleted = await asyncio.to_thread(delete)
         self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
@@ -213,14 +209,13 @@ class JobCompletionTrigger(_CompletionTrigger):
         return {"service_name": self.service_name}
 
     def _observe(self) -> tuple[str, str]:
-        clients = kube.kubernetes_clients(self.conn_id)
-        # The full object carries the status; `jobs/status` is a subresource the launcher Role does not grant.
-        job = clients.batch.read_namespaced_job(name=self.workload_name, namespace=self.namespace)
-        return self._with_pod_problems(*kube.job_state(job), clients, f"{JOB_NAME_LABEL}={self.workload_name}")
+        hook = MassKubeHook(self.conn_id)
+        job = hook.get_job(self.workload_name, self.namespace)  # raises when the Job is gone (unlike a TrainJob)
+        return self._with_pod_problems(*job_state(job), hook, f"{JOB_NAME_LABEL}={self.workload_name}")
 
-    def _delete(self, clients: Any) -> list[str]:
+    def _delete(self, hook: MassKubeHook) -> list[str]:
         services = [self.service_name] if self.service_name else []
-        return kube.delete_objects(clients, self.namespace, jobs=[self.workload_name], services=services)
+        return hook.delete_objects(self.namespace, jobs=[self.workload_name], services=services)
 
 
 class TrainJobCompletionTrigger(_CompletionTrigger):
@@ -245,13 +240,11 @@ class TrainJobCompletionTrigger(_CompletionTrigger):
     def _observe(self) -> tuple[str, str]:
         from mass_ops.compute.kubernetes import JOBSET_NAME_LABEL
 
-        clients = kube.kubernetes_clients(self.conn_id)
-        trainjob = kube.read_trainjob(clients.custom, self.workload_name, self.namespace)
+        hook = MassKubeHook(self.conn_id)
+        trainjob = hook.read_trainjob(self.workload_name, self.namespace)
         if trainjob is None:
             return "failed", f"TrainJob {self.workload_name} disappeared"
-        return self._with_pod_problems(
-            *kube.trainjob_state(trainjob), clients, f"{JOBSET_NAME_LABEL}={self.workload_name}"
-        )
+        return self._with_pod_problems(*trainjob_state(trainjob), hook, f"{JOBSET_NAME_LABEL}={self.workload_name}")
 
-    def _delete(self, clients: Any) -> list[str]:
-        return kube.delete_objects(clients, self.namespace, trainjobs=[self.workload_name])
+    def _delete(self, hook: MassKubeHook) -> list[str]:
+        return hook.delete_objects(self.namespace, trainjobs=[self.workload_name])

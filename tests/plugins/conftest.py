@@ -4,6 +4,7 @@ the stand-in stage module comes from `tests.support.airflow_fixtures` (helpers: 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,22 @@ def _no_host_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def cluster(monkeypatch) -> FakeCluster:
-    """A fake namespace wired into every path the operators and triggers take to the Kubernetes API."""
+def cluster(monkeypatch) -> Iterator[FakeCluster]:
+    """A fake namespace wired into every path the operators and triggers take to the Kubernetes API; after the test,
+    every call made through `MassKubeHook` must have set a request timeout."""
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-    from mass_ops_airflow import kube
+    from mass_ops_airflow.kube import MassKubeHook
 
     fake = FakeCluster()
-    monkeypatch.setattr(kube, "kubernetes_clients", lambda conn_id=None: fake.clients())
-    monkeypatch.setattr(kube, "_watch_factory", fake.watcher)
+    for attribute, client in fake.hook_clients().items():
+        monkeypatch.setattr(MassKubeHook, attribute, property(lambda self, client=client: client))
+    monkeypatch.setattr(MassKubeHook, "_watcher", lambda self: fake.watcher())
     # The provider's pod operator reaches the API through KubernetesHook (patched the way its own tests do).
     monkeypatch.setattr(KubernetesHook, "core_v1_client", property(lambda self: fake.core))
     monkeypatch.setattr(KubernetesHook, "is_in_cluster", property(lambda self: False))
     monkeypatch.setattr(KubernetesHook, "get_namespace", lambda self: None)
-    return fake
+    yield fake
+    assert fake.untimed_calls() == [], "a MassKubeHook call without a request timeout"
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ provider's pod operator call, and the CustomObjectsApi methods for Kubeflow Trai
 `kubernetes.client` model objects (so provider code reading `.status.phase` and friends works unchanged), plain
 dicts for custom objects as that API does, raises the client's own `ApiException` for missing objects, and models
 foreground deletion (a deleted Deployment/Job/Service/TrainJob stays listed until a watch observes its DELETED
-event). The recorded calls are what the RBAC test compares with the Helm chart's Role.
+event). The recorded calls are what the RBAC test compares with the Helm chart's Role. The clients `MassKubeHook`
+gets (`hook_clients`) also record each call's `_request_timeout`, so a test can tell that every call was bounded.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class FakeCluster:
     job_outcome: str | None = None
     # What the workload does when its pod is created (e.g. record its episode in the metadata store).
     on_pod_created: Any = None
+    # (client method, its `_request_timeout`) of every call made through `hook_clients` (None: the call set none).
+    timeouts: list[tuple[str, Any]] = field(default_factory=list)
 
     def record(self, kind: str, verb: str, subresource: str = "") -> None:
         group = KINDS[kind][0]
@@ -177,10 +180,18 @@ class FakeCluster:
     def custom(self) -> FakeCustomObjects:
         return FakeCustomObjects(self)
 
-    def clients(self) -> Any:
-        from mass_ops_airflow.kube import KubeClients
+    def hook_clients(self) -> dict[str, Any]:
+        """`MassKubeHook`'s client attributes, each a `TimedClient` over this namespace."""
+        return {
+            "core_v1_client": TimedClient(self.core, self.timeouts),
+            "apps_v1_client": TimedClient(self.apps, self.timeouts),
+            "batch_v1_client": TimedClient(self.batch, self.timeouts),
+            "custom_object_client": TimedClient(self.custom, self.timeouts),
+        }
 
-        return KubeClients(core=self.core, apps=self.apps, batch=self.batch, custom=self.custom)
+    def untimed_calls(self) -> list[str]:
+        """The calls made through `hook_clients` without a `_request_timeout`."""
+        return [method for method, timeout in self.timeouts if timeout is None]
 
     def set_trainjob_condition(self, name: str, condition: str, message: str = "") -> None:
         """Test helper: the Trainer controller's verdict on a TrainJob."""
@@ -191,6 +202,27 @@ class FakeCluster:
 
     def watcher(self) -> FakeWatch:
         return FakeWatch()
+
+
+class TimedClient:
+    """A fake API client whose every method call appends (method, `_request_timeout` or None) to `timeouts`."""
+
+    def __init__(self, inner: Any, timeouts: list[tuple[str, Any]]) -> None:
+        self._inner = inner
+        self._timeouts = timeouts
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._inner, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._timeouts.append((name, kwargs.get("_request_timeout")))
+            return attribute(*args, **kwargs)
+
+        # `kubernetes.watch.Watch` reads the list function's name to find its return type.
+        call.__name__ = name
+        return call
 
 
 class FakeWatch:

@@ -121,7 +121,7 @@ def test_success_runs_the_sandbox_pod_and_checks_the_store(repo, cluster, pod_wa
 def test_the_pod_is_leased_as_it_is_created_so_status_shows_the_unit_running(repo, cluster, pod_waits):
     """An episode's row comes when its attempt ends: from its pod's creation until then the unit's lease (the next
     attempt after the recorded ones, on the pod) makes `status` count it in flight."""
-    from mass_ops.stages.status import cycle_status
+    from mass_ops.ops.status import cycle_status
 
     record_episode(repo, status="infra_failure")  # attempt 1 failed: the pod runs attempt 2
     seen: list[Any] = []

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from mass_ops.config import CycleConfig
+    from mass_ops_airflow.kube import MassKubeHook
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,10 @@ class BenchmarkTrialOperator(BaseOperator):
             self._runner.on_kill()
         if not self._in_flight:
             return
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
 
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
-        deleted = kube.delete_objects(clients, self._in_flight["namespace"], jobs=[self._in_flight["job"]])
+        hook = MassKubeHook(self.kubernetes_conn_id)
+        deleted = hook.delete_objects(self._in_flight["namespace"], jobs=[self._in_flight["job"]])
         self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
 
     # -- one instance at a time ----------------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ class BenchmarkTrialOperator(BaseOperator):
         """Create (or re-attach to) instance `index`'s grader Job and defer; True when a Job of a previous try had
         already succeeded and its result was recorded here instead."""
         from mass_ops.compute import kubernetes as specs
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook, job_state
         from mass_ops_airflow.triggers import JobCompletionTrigger
 
         job = prepared["job"]
@@ -295,25 +296,25 @@ class BenchmarkTrialOperator(BaseOperator):
             unit=unit,
         )
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         self._in_flight = {"job": name, "namespace": namespace}
-        existing = kube.read_job(clients.batch, name, namespace)
+        existing = hook.read_job(name, namespace)
         if existing is not None:
-            state, _ = kube.job_state(existing)
+            state, _ = job_state(existing)
             if state == "succeeded":
                 self.log.info("Grader Job %s already succeeded in a previous try: reading its result", name)
                 self._collect(context, config, index, name)
                 return True
             if state == "failed":
                 self.log.info("Replacing grader Job %s, which failed in a previous try", name)
-                kube.delete_objects(clients, namespace, jobs=[name])
+                hook.delete_objects(namespace, jobs=[name])
                 selector = specs.scope_selector(config, config.cycle_name, manifest["metadata"]["labels"])
-                kube.wait_gone(clients.batch.list_namespaced_job, namespace, selector, timeout_s=self.delete_timeout_s)
+                hook.wait_jobs_gone(namespace, selector, timeout_s=self.delete_timeout_s)
                 existing = None
             else:
                 self.log.info("Re-attaching to grader Job %s, still running from a previous try", name)
         if existing is None:
-            clients.batch.create_namespaced_job(namespace=namespace, body=manifest)
+            hook.start_job(manifest)
             self.log.info("Created grader Job %s for %s (image %s)", name, run.instance, run.image)
         self.defer(
             trigger=JobCompletionTrigger(
@@ -328,48 +329,44 @@ class BenchmarkTrialOperator(BaseOperator):
         )
         return False  # not reached: defer raises
 
-    def _grader_pods(self, clients: Any, namespace: str, name: str) -> list[Any]:
+    def _grader_pods(self, hook: MassKubeHook, namespace: str, name: str) -> list[Any]:
         from mass_ops.compute.kubernetes import JOB_NAME_LABEL
 
-        pods = clients.core.list_namespaced_pod(namespace=namespace, label_selector=f"{JOB_NAME_LABEL}={name}").items
+        pods = hook.list_pods(namespace, f"{JOB_NAME_LABEL}={name}")
         return sorted(pods, key=lambda p: str(p.metadata.creation_timestamp or ""))
 
     def _collect(self, context: Context, config: CycleConfig, index: int, name: str) -> None:
         """Read the grader container's log of Job `name`, record instance `index`'s score from it, delete the Job."""
         from mass_ops.compute.kubernetes import GRADER_CONTAINER
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
 
         benchmark, trial, generation, _, data_dir = self._choice(context)
         task = self._tasks(context, config)[index]
         namespace = config.compute.kubernetes.namespace
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
-        pods = self._grader_pods(clients, namespace, name)
+        hook = MassKubeHook(self.kubernetes_conn_id)
+        pods = self._grader_pods(hook, namespace, name)
         if not pods:
             raise GraderJobFailed(f"grader Job {name} for {task} succeeded but its pod is gone; clear the task")
-        log = clients.core.read_namespaced_pod_log(
-            name=pods[-1].metadata.name, namespace=namespace, container=GRADER_CONTAINER
-        )
-        if isinstance(log, bytes):
-            log = log.decode("utf-8", errors="replace")
+        log = hook.read_pod_log(pods[-1].metadata.name, namespace, container=GRADER_CONTAINER)
         scored = call_stage(
             self._stage("grader_result"), config, benchmark, generation, trial, task, str(log), data_dir
         )
         self.log.info("%s t%d %s: score %s (%s)", benchmark, trial, task, scored["score"], scored["evaluator"])
-        kube.delete_objects(clients, namespace, jobs=[name])
+        hook.delete_objects(namespace, jobs=[name])
         self._in_flight = None
 
     def _fail(self, config: CycleConfig, name: str, message: str) -> None:
         """Raise `GraderJobFailed` with the grader pod's log tails, after deleting the Job."""
         from mass_ops.compute.kubernetes import GRADER_CONTAINER, GRADER_FETCH_CONTAINER
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import LOG_TAIL_LINES, MassKubeHook
 
         namespace = config.compute.kubernetes.namespace
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         tails = []
-        for pod in self._grader_pods(clients, namespace, name):
+        for pod in self._grader_pods(hook, namespace, name):
             for container in (GRADER_FETCH_CONTAINER, GRADER_CONTAINER):
-                tail = kube.log_tail(clients.core, pod.metadata.name, namespace, container=container)
-                tails.append(f"--- {pod.metadata.name} {container} (last {kube.LOG_TAIL_LINES} lines) ---\n{tail}")
-        kube.delete_objects(clients, namespace, jobs=[name])
+                tail = hook.log_tail(pod.metadata.name, namespace, container=container)
+                tails.append(f"--- {pod.metadata.name} {container} (last {LOG_TAIL_LINES} lines) ---\n{tail}")
+        hook.delete_objects(namespace, jobs=[name])
         self._in_flight = None
         raise GraderJobFailed("\n".join([f"grader Job {name} failed: {message}", *(tails or ["(no pods found)"])]))

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from mass_ops.compute.kubernetes import EpisodeSpec
     from mass_ops.config import CycleConfig
+    from mass_ops_airflow.kube import MassKubeHook
 
 STAGE = "collect_task"
 
@@ -89,7 +90,7 @@ class TaskCollectionOperator(BaseOperator):
         self.poll_interval_s = poll_interval_s
         self._pods: dict[str, _Pod] = {}
         self._namespace: str | None = None
-        self._core: Any = None
+        self._kube: MassKubeHook | None = None
         self._config: CycleConfig | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
@@ -174,10 +175,10 @@ class TaskCollectionOperator(BaseOperator):
     def _run_all(self, config: CycleConfig, pods: list[_Pod]) -> tuple[list[str], str | None]:
         """Run the pods, at most `inference.max_concurrent_requests` at once: (the failures' reports, the budget
         stop's one line or None). A budget stop starts no further pod; the running ones finish."""
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
         from mass_ops_airflow.operators.episode import EpisodePodOperator
 
-        self._core = kube.kubernetes_clients(self.kubernetes_conn_id).core
+        self._kube = MassKubeHook(self.kubernetes_conn_id)
         self._namespace = config.compute.kubernetes.namespace
         self._config = config
         limit = config.inference.max_concurrent_requests
@@ -235,7 +236,7 @@ class TaskCollectionOperator(BaseOperator):
 
             EpisodePodOperator.lease(self._config, pod.episode, pod.name)
         try:
-            self._core.create_namespaced_pod(namespace=self._namespace, body=pod.manifest)
+            self._hook.start_pod(pod.manifest)
         except Exception as exc:
             if getattr(exc, "status", None) == 409:  # the left-over is still terminating: try again next round
                 return False
@@ -243,19 +244,17 @@ class TaskCollectionOperator(BaseOperator):
         self.log.info("Candidate %s: created pod %s", pod.slug, pod.name)
         return True
 
-    def _read(self, name: str) -> Any:
-        from mass_ops_airflow import kube
+    @property
+    def _hook(self) -> MassKubeHook:
+        assert self._kube is not None, "set by _run_all"
+        return self._kube
 
-        try:
-            return self._core.read_namespaced_pod(name=name, namespace=self._namespace)
-        except Exception as exc:
-            if kube.is_not_found(exc):
-                return None
-            raise
+    def _read(self, name: str) -> Any:
+        return self._hook.read_pod(name, str(self._namespace))
 
     def _verdict(self, pod: _Pod, startup_s: float) -> str | None:
         """None while the pod runs; "" when it succeeded; else why it failed, with its containers' log tails."""
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import pod_problem
 
         remote = self._read(pod.name)
         if remote is None:
@@ -266,28 +265,22 @@ class TaskCollectionOperator(BaseOperator):
         if phase == "Failed":
             reason = getattr(remote.status, "reason", None) or getattr(remote.status, "message", None) or "Failed"
             return self._report(pod, f"pod {pod.name} failed ({reason})")
-        problem = kube.pod_problem(remote, schedule_timeout_s=startup_s)
+        problem = pod_problem(remote, schedule_timeout_s=startup_s)
         if problem:
             return self._report(pod, problem)
         return None
 
     def _report(self, pod: _Pod, why: str) -> str:
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import LOG_TAIL_LINES
 
         lines = [f"candidate {pod.slug}: {why}"]
         for container in pod.containers:
-            tail = kube.log_tail(self._core, pod.name, str(self._namespace), container=container)
-            lines.append(f"last {kube.LOG_TAIL_LINES} lines of the pod's log, container {container}:\n{tail}")
+            tail = self._hook.log_tail(pod.name, str(self._namespace), container=container)
+            lines.append(f"last {LOG_TAIL_LINES} lines of the pod's log, container {container}:\n{tail}")
         return "\n".join(lines)
 
     def _delete(self, name: str) -> None:
-        from mass_ops_airflow import kube
-
-        try:
-            self._core.delete_namespaced_pod(name=name, namespace=self._namespace)
-        except Exception as exc:
-            if not kube.is_not_found(exc):
-                raise
+        self._hook.delete_pod(name, str(self._namespace))
 
     def _delete_all(self) -> None:
         """Delete the pods still in flight (a kill, or an error while waiting) and end their leases."""
@@ -307,5 +300,5 @@ class TaskCollectionOperator(BaseOperator):
             EpisodePodOperator.end_lease(self._config, pod.episode)
 
     def on_kill(self) -> None:
-        if self._core is not None:
+        if self._kube is not None:
             self._delete_all()

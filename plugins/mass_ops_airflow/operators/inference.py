@@ -106,14 +106,14 @@ class InferenceServerOperator(BaseOperator):
 
     def _execute_kubernetes(self, config: CycleConfig) -> dict[str, Any]:
         from mass_ops.compute import kubernetes as specs
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
         from mass_ops_airflow.triggers import InferenceReadinessTrigger
 
         settings = specs.load_workload_settings()
         scope = self.scope or config.cycle_name
         namespace = config.compute.kubernetes.namespace
         targets = serving_targets(config, self.serve)
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         cleanup: dict[str, Any] = {
             "conn_id": self.kubernetes_conn_id,
             "namespace": namespace,
@@ -127,8 +127,8 @@ class InferenceServerOperator(BaseOperator):
             service = specs.inference_service(config, settings, target, scope=scope)
             cleanup["deployments"].append(deployment["metadata"]["name"])
             cleanup["services"].append(service["metadata"]["name"])
-            action = kube.apply_deployment(clients.apps, deployment)
-            kube.ensure_service(clients.core, service)
+            action = hook.apply_deployment(deployment)
+            hook.ensure_service(service)
             self.log.info("Deployment %s %s for %s", deployment["metadata"]["name"], action, target.served_name)
             servers.append(
                 {"endpoint": specs.inference_url(config, scope, target.served_name), "served_name": target.served_name}
@@ -169,11 +169,10 @@ class InferenceServerOperator(BaseOperator):
         )
 
     def _delete(self, cleanup: dict[str, Any]) -> None:
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
 
-        clients = kube.kubernetes_clients(cleanup.get("conn_id"))
-        deleted = kube.delete_objects(
-            clients, cleanup["namespace"], deployments=cleanup["deployments"], services=cleanup["services"]
+        deleted = MassKubeHook(cleanup.get("conn_id")).delete_objects(
+            cleanup["namespace"], deployments=cleanup["deployments"], services=cleanup["services"]
         )
         self.log.info("Deleted %s", ", ".join(deleted) or "nothing (already gone)")
 
@@ -223,14 +222,13 @@ class InferenceServerTeardownOperator(BaseOperator):
         if config.compute.backend == "local":
             return {"backend": "local", "result": call_stage(self.local_stage, config)}
         from mass_ops.compute import kubernetes as specs
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
 
         scope = self.scope or config.cycle_name
         settings = specs.load_workload_settings()
         selector = specs.scope_selector(config, scope, settings.labels_for("inference"))
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
-        deleted = kube.delete_selected(
-            clients, config.compute.kubernetes.namespace, selector, timeout_s=self.delete_timeout_s
+        deleted = MassKubeHook(self.kubernetes_conn_id).delete_selected(
+            config.compute.kubernetes.namespace, selector, timeout_s=self.delete_timeout_s
         )
         self.log.info("Deleted %s", ", ".join(deleted) or "nothing (already gone)")
         return {"backend": "kubernetes", "deleted": deleted}

@@ -73,26 +73,25 @@ class GpuJobOperator(BaseOperator):
         if self._uses_trainjob(config):
             return self._execute_trainjob(config)
         from mass_ops.compute import kubernetes as specs
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook, job_state
         from mass_ops_airflow.triggers import JobCompletionTrigger
 
         settings = specs.load_workload_settings()
         job = specs.training_job(config, settings, role=self.role)  # type: ignore[arg-type]
         service = specs.rendezvous_service(config, settings, role=self.role)  # type: ignore[arg-type]
         name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         self._created = {"job": name, "service": service["metadata"]["name"], "namespace": namespace}
-        existing = kube.read_job(clients.batch, name, namespace)
+        existing = hook.read_job(name, namespace)
         if existing is not None:
-            state, _ = kube.job_state(existing)
+            state, _ = job_state(existing)
             if state == "succeeded":
                 self.log.info("Job %s already succeeded in a previous try", name)
                 return self._complete(config, {"status": "succeeded"})
             if state == "failed":
                 self.log.info("Replacing Job %s, which failed in a previous try", name)
-                kube.delete_objects(clients, namespace, jobs=[name])
-                kube.wait_gone(
-                    clients.batch.list_namespaced_job,
+                hook.delete_objects(namespace, jobs=[name])
+                hook.wait_jobs_gone(
                     namespace,
                     specs.scope_selector(config, config.cycle_name, {"mass-ops/job": self.role}),
                     timeout_s=self.delete_timeout_s,
@@ -100,9 +99,9 @@ class GpuJobOperator(BaseOperator):
                 existing = None
             else:
                 self.log.info("Re-attaching to Job %s, still running from a previous try", name)
-        kube.ensure_service(clients.core, service)  # DNS for rendezvous exists before any pod starts
+        hook.ensure_service(service)  # DNS for rendezvous exists before any pod starts
         if existing is None:
-            clients.batch.create_namespaced_job(namespace=namespace, body=job)
+            hook.start_job(job)
             self.log.info("Created Job %s (%s pods)", name, job["spec"]["completions"])
         self.defer(
             trigger=JobCompletionTrigger(
@@ -118,28 +117,28 @@ class GpuJobOperator(BaseOperator):
 
     def _execute_trainjob(self, config: CycleConfig) -> dict[str, Any]:
         from mass_ops.compute import kubernetes as specs
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook, trainjob_state
         from mass_ops_airflow.triggers import TrainJobCompletionTrigger
 
         manifest = specs.training_trainjob(config, specs.load_workload_settings())
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         self._created = {"trainjob": name, "namespace": namespace}
-        existing = kube.read_trainjob(clients.custom, name, namespace)
+        existing = hook.read_trainjob(name, namespace)
         if existing is not None:
-            state, _ = kube.trainjob_state(existing)
+            state, _ = trainjob_state(existing)
             if state == "succeeded":
                 self.log.info("TrainJob %s already succeeded in a previous try", name)
                 return self._complete(config, {"status": "succeeded"})
             if state == "failed":
                 self.log.info("Replacing TrainJob %s, which failed in a previous try", name)
-                kube.delete_objects(clients, namespace, trainjobs=[name])
-                kube.wait_trainjob_gone(clients.custom, name, namespace, timeout_s=self.delete_timeout_s)
+                hook.delete_objects(namespace, trainjobs=[name])
+                hook.wait_trainjob_gone(name, namespace, timeout_s=self.delete_timeout_s)
                 existing = None
             else:
                 self.log.info("Re-attaching to TrainJob %s, still running from a previous try", name)
         if existing is None:
-            kube.create_trainjob(clients.custom, manifest)
+            hook.start_trainjob(manifest)
             self.log.info("Created TrainJob %s (%s nodes)", name, manifest["spec"]["trainer"]["numNodes"])
         self.defer(
             trigger=TrainJobCompletionTrigger(
@@ -158,20 +157,20 @@ class GpuJobOperator(BaseOperator):
 
     def _complete(self, config: CycleConfig, event: dict[str, Any]) -> dict[str, Any]:
         from mass_ops.compute import kubernetes as specs
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
 
         name = specs.job_name(config, self.role)  # type: ignore[arg-type]
         namespace = config.compute.kubernetes.namespace
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         trainjob = self._uses_trainjob(config)
         kind, label = ("TrainJob", specs.JOBSET_NAME_LABEL) if trainjob else ("Job", specs.JOB_NAME_LABEL)
         tails = None
         if event.get("status") != "succeeded":
-            tails = kube.failed_pod_tails(clients.core, namespace, f"{label}={name}")
+            tails = hook.failed_pod_tails(namespace, f"{label}={name}")
         if trainjob:
-            kube.delete_objects(clients, namespace, trainjobs=[name])
+            hook.delete_objects(namespace, trainjobs=[name])
         else:
-            kube.delete_objects(clients, namespace, jobs=[name], services=[name])
+            hook.delete_objects(namespace, jobs=[name], services=[name])
         if tails is not None:
             message = event.get("message") or event.get("status")
             raise RuntimeError(f"{self.role} {kind} {name} failed: {message}\n{tails}")
@@ -180,16 +179,14 @@ class GpuJobOperator(BaseOperator):
     def on_kill(self) -> None:
         if not self._created:
             return
-        from mass_ops_airflow import kube
+        from mass_ops_airflow.kube import MassKubeHook
 
-        clients = kube.kubernetes_clients(self.kubernetes_conn_id)
+        hook = MassKubeHook(self.kubernetes_conn_id)
         created = self._created
         if "trainjob" in created:
-            deleted = kube.delete_objects(clients, created["namespace"], trainjobs=[created["trainjob"]])
+            deleted = hook.delete_objects(created["namespace"], trainjobs=[created["trainjob"]])
         else:
-            deleted = kube.delete_objects(
-                clients, created["namespace"], jobs=[created["job"]], services=[created["service"]]
-            )
+            deleted = hook.delete_objects(created["namespace"], jobs=[created["job"]], services=[created["service"]])
         self.log.info("Task killed: deleted %s", ", ".join(deleted) or "nothing (already gone)")
 
 
