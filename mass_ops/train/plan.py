@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from mass_ops.config import CycleConfig
+from mass_ops.config import CycleConfig, TrainerSettings
 from mass_ops.train.args import TrainArgs
 from mass_ops.train.launch import build_launch_command
 
@@ -37,39 +37,14 @@ def train_args_for(
     accelerator: str = "auto",
     resume_from: str | Path | None = None,
 ) -> TrainArgs:
-    """The TrainArgs of this cycle: every knob from `config.training`, paths from the caller."""
-    t = config.training
+    """The TrainArgs of this cycle: every trainer setting from `config.training`, paths and machine from the caller."""
+    settings = config.training.model_dump(include=set(TrainerSettings.model_fields))
     return TrainArgs(
+        **settings,
         model_dir=str(model_dir),
         train_data=str(train_data),
         val_data=str(val_data) if val_data is not None else None,
         out_dir=str(out_dir),
-        steps=t.steps,
-        lr=t.lr,
-        warmup_steps=t.warmup_steps,
-        min_lr_ratio=t.min_lr_ratio,
-        lora_r=t.lora_r,
-        lora_alpha=t.lora_alpha,
-        lora_dropout=t.lora_dropout,
-        target_modules=list(t.lora_target_modules),
-        grad_accum=t.grad_accum,
-        ce_chunk=t.ce_chunk,
-        seed=t.seed,
-        sampler=t.sampler,
-        p_orch=t.p_orch,
-        save_every=t.save_every,
-        val_every=t.val_every,
-        val_at_start=t.val_at_start,
-        autocast_bf16=t.autocast_bf16,
-        gradient_checkpointing=t.gradient_checkpointing,
-        peak_tflops_per_gpu=t.peak_tflops_per_gpu,
-        attn_implementation=t.attention,
-        packing=t.packing,
-        pack_tokens=t.pack_tokens,
-        warmup_measure_steps=t.warmup_measure_steps,
-        zero3_persistence_threshold=t.zero3_persistence_threshold,
-        zero3_overlap_comm=t.zero3_overlap_comm,
-        zero3_prefetch_bucket_size=t.zero3_prefetch_bucket_size,
         accelerator=accelerator,  # type: ignore[arg-type]
         resume_from=str(resume_from) if resume_from is not None else None,
     )

@@ -5,19 +5,9 @@
 `grad_accum` windows per rank per step, one per micro-batch or packed (mass_ops.train.packing); each window's loss is
 its own token mean ÷ `grad_accum`, DeepSpeed averages ranks: a step averages `world_size × grad_accum` per-window
 token means. The logged loss is the token-weighted mean; throughput.json the steady state (mass_ops.train.metrics).
-
-ZeRO-3 + PEFT details handled here:
-- the parent is loaded under `zero.Init` (via `HfDeepSpeedConfig`, kept alive for the whole run), so no rank ever
-  materialises the whole model;
-- the output projection is gathered once and kept as a plain frozen tensor (the module becomes `Identity`, so the
-  model returns hidden states): the chunked cross-entropy applies it a chunk at a time outside ZeRO's hooks;
-- activation checkpointing is non-reentrant (the reentrant variant loses LoRA gradients when inputs carry none);
-- LoRA weights are read from the optimizer's fp32 master partitions with `safe_get_full_fp32_param`, a collective:
-  a plain `state_dict()` under ZeRO-3 yields empty (0-element) tensors, so every save asserts non-empty adapters;
-- every rank must run the same number of forward passes (parameter gathers are collectives), so validation pads
-  short ranks with a window it does not count, and packed ranks split packs to match the rank needing most.
 Exact resume: sampler draws are a pure function of (seed, rank, draw), dropout is reseeded from the same triple every
-micro-step, and the DeepSpeed checkpoint restores fp32 master weights, Adam moments and the LR scheduler.
+micro-step, and the DeepSpeed checkpoint restores fp32 master weights, Adam moments and the LR scheduler. How ZeRO-3
+and PEFT are made to work together: docs/training.md.
 """
 
 from __future__ import annotations
@@ -97,7 +87,8 @@ _TRAJECTORY_FIELDS = (
     "lora_r",
     "lora_alpha",
     "lora_dropout",
-    "target_modules",
+    "lora_target_modules",
+    "lora_target_regex",
     "grad_accum",
     "ce_chunk",
     "seed",
@@ -224,7 +215,7 @@ def build_lora_model(
     hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero3_init else None  # type: ignore[no-untyped-call]
     dtype = torch.bfloat16 if args.autocast_bf16 else torch.float32
     if attention is None:
-        attention = "sdpa" if args.attn_implementation == "auto" else args.attn_implementation
+        attention = "sdpa" if args.attention == "auto" else args.attention
     model = _model_class(args.model_dir).from_pretrained(args.model_dir, dtype=dtype, attn_implementation=attention)
     model.requires_grad_(False)
     model.config.use_cache = False
@@ -294,6 +285,7 @@ class LoraSftRun:
         self.exposure_log = self.out_dir / EXPOSURE_LOG_FILE
         self.start_step = 0
         self.elapsed_before = 0.0
+        self.train_started = 0.0  # perf_counter when `train` began; `_elapsed` counts from it
         self.exposure = Exposure()
         self.last_loss: float | None = None
         self.setup_s: dict[str, float] = {}
@@ -348,7 +340,7 @@ class LoraSftRun:
 
         clock = time.perf_counter()
         device_type = get_accelerator().device_name()
-        self.attention = choose_attention(args.attn_implementation, device_type)
+        self.attention = choose_attention(args.attention, device_type)
         self.ds_config = deepspeed_config(args, ranks.world_size, on_cpu=device_type == "cpu")
         self.peft_model, lm_weight, self._hf_ds_config, self.lora_targets = build_lora_model(
             args, self.ds_config, attention=self.attention
@@ -420,7 +412,7 @@ class LoraSftRun:
 
         An architecture the FLOPs model cannot read costs the FLOPs fields, never the run. CPU runs log no MFU:
         the peak is a GPU's tensor-core figure. `peak_tflops_per_gpu` comes from `training.peak_tflops_per_gpu`
-        through the args file once `TrainArgs` carries it; until then no MFU is logged (achieved TFLOP/s are).
+        through the args file; null logs no MFU (achieved TFLOP/s are logged either way).
         """
         try:
             model: FlopsModel | None = read_flops_model(self.args.model_dir)
@@ -673,145 +665,165 @@ class LoraSftRun:
 
     # -- training --------------------------------------------------------------------------------------------------
     def train(self) -> None:
+        """Validate at the start when asked, then optimizer steps from `start_step`, validating and saving on the
+        configured cadence (and always at the last step); rank 0 writes throughput.json at the end."""
+        args, ranks = self.args, self.ranks
+        self.train_started = time.perf_counter()
+        if self.val_set is not None and args.val_at_start and self.start_step == 0:
+            self._validate_and_log(0)
+        self.engine.train()
+        for step in range(self.start_step, args.steps):
+            lr = self._optimizer_step(step)
+            done = step + 1
+            last = done == args.steps
+            if self.val_set is not None and (done % args.val_every == 0 or last):
+                self._validate_and_log(done)
+            if done % args.save_every == 0 or last:
+                path = self.save(done, lr, self._elapsed())
+                if ranks.is_main:
+                    log.info("saved %s", path)
+        if ranks.is_main:
+            self._write_throughput()
+
+    def _elapsed(self) -> float:
+        """Training seconds of the whole run: those before a resume plus this process's."""
+        return round(self.elapsed_before + time.perf_counter() - self.train_started, 3)
+
+    def _validate_and_log(self, step: int) -> None:
+        row = self.validate(step)
+        if self.ranks.is_main:
+            _append_jsonl(self.train_log, row)
+            log.info("step %d val_loss %.4f over %d tokens", step, row["val_loss"], row["val_tokens"])
+
+    def _optimizer_step(self, step: int) -> float:
+        """One optimizer step (0-based `step`) over this rank's micro-batches; rank 0 logs it. Returns its lr."""
         import torch
         import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
 
         args, ranks = self.args, self.ranks
-        accelerator = get_accelerator()
-        started = time.perf_counter()
-
-        def elapsed() -> float:
-            return round(self.elapsed_before + time.perf_counter() - started, 3)
-
-        if self.val_set is not None and args.val_at_start and self.start_step == 0:
-            row = self.validate(0)
-            if ranks.is_main:
-                _append_jsonl(self.train_log, row)
-                log.info("step 0 val_loss %.4f over %d tokens", row["val_loss"], row["val_tokens"])
-
-        self.engine.train()
-        for step in range(self.start_step, args.steps):
-            step_started = time.perf_counter()
-            clock = PhaseClock(accelerator.synchronize)
-            with clock.phase("data_s"):
-                micro_batches = self._micro_batches(step)
-            draws = [d for batch in micro_batches for d in batch]
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            # Loss sum, loss tokens, input tokens, padding tokens; on the engine's device, where the backend's
-            # collectives run (NCCL has no CPU tensors).
-            local = torch.zeros(4, dtype=torch.float64, device=self.engine.device)
-            for k, batch in enumerate(micro_batches):
-                # Dropout masks depend only on (seed, rank, draw): a resumed run reproduces them.
-                torch.manual_seed(derived_seed("dropout", args.seed, ranks.rank, batch[0].draw))
-                pad = 0
-                with clock.phase("forward_s"):
-                    if self.packing:
-                        losses, pad = self._packed_losses(batch)
-                    else:
-                        losses = [self._window_loss(batch[0].window, self.train_set, recompute=True)]
-                    # The mean of per-window token means over the step's windows (DeepSpeed then averages ranks).
-                    loss = sum(total / count for total, count in losses) / args.grad_accum
-                with clock.phase("backward_s"):
-                    self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
-                    self.engine.backward(loss, scale_wrt_gas=False)
-                with clock.phase("optimizer_s"):
-                    self.engine.step()
-                for (total, count), d in zip(losses, batch, strict=True):
-                    local += torch.tensor(
-                        [total.item(), count, self.train_set.windows[d.window].n_tokens, 0],
-                        dtype=torch.float64,
-                        device=local.device,
-                    )
-                local[3] += pad
-            dist.all_reduce(local)
-            gathered: list[list[dict[str, Any]]] = [[] for _ in range(ranks.world_size)]
-            dist.all_gather_object(gathered, [d.__dict__ for d in draws])
-            step_draws = [drawn for part in gathered for drawn in part]
-            self.exposure.add(Draw(**drawn) for drawn in step_draws)
-
-            done = step + 1
-            self.last_loss = float(local[0] / local[1])
-            grad_norm = self.engine.get_global_grad_norm()
-            if ranks.is_main:
-                step_s = time.perf_counter() - step_started
-                window_tokens: dict[int, list[int]] = defaultdict(list)
-                for drawn in step_draws:
-                    window_tokens[drawn["rank"]].append(self.train_set.windows[drawn["window"]].n_tokens)
-                throughput = step_throughput(
-                    window_tokens,
-                    int(local[1]),
-                    step_s,
-                    self.flops_model,
-                    world_size=ranks.world_size,
-                    peak_tflops_per_gpu=self.peak_tflops_per_gpu,
-                    adapter_params=self.lora_targets.adapter_parameters,
+        step_started = time.perf_counter()
+        clock = PhaseClock(get_accelerator().synchronize)
+        with clock.phase("data_s"):
+            micro_batches = self._micro_batches(step)
+        draws = [d for batch in micro_batches for d in batch]
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        # Loss sum, loss tokens, input tokens, padding tokens; on the engine's device, where the backend's
+        # collectives run (NCCL has no CPU tensors).
+        local = torch.zeros(4, dtype=torch.float64, device=self.engine.device)
+        for k, batch in enumerate(micro_batches):
+            # Dropout masks depend only on (seed, rank, draw): a resumed run reproduces them.
+            torch.manual_seed(derived_seed("dropout", args.seed, ranks.rank, batch[0].draw))
+            pad = 0
+            with clock.phase("forward_s"):
+                if self.packing:
+                    losses, pad = self._packed_losses(batch)
+                else:
+                    losses = [self._window_loss(batch[0].window, self.train_set, recompute=True)]
+                # The mean of per-window token means over the step's windows (DeepSpeed then averages ranks).
+                loss = sum(total / count for total, count in losses) / args.grad_accum
+            with clock.phase("backward_s"):
+                self.engine.set_gradient_accumulation_boundary(k == len(micro_batches) - 1)
+                self.engine.backward(loss, scale_wrt_gas=False)
+            with clock.phase("optimizer_s"):
+                self.engine.step()
+            for (total, count), d in zip(losses, batch, strict=True):
+                local += torch.tensor(
+                    [total.item(), count, self.train_set.windows[d.window].n_tokens, 0],
+                    dtype=torch.float64,
+                    device=local.device,
                 )
-                row = {
-                    "step": done,
-                    "loss": self.last_loss,
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens": int(local[1]),
-                    "input_tokens": int(local[2]),
-                    "windows": len(step_draws),
-                    "micro_batches": len(micro_batches),
-                    "pad_tokens": int(local[3]),
-                    "step_s": round(step_s, 4),
-                    # The first steps of a process build kernels, caches and lazy optimizer state: named, and left
-                    # out of throughput.json's figures.
-                    "warmup": done <= self.start_step + args.warmup_measure_steps,
-                    "phases": clock.rounded(),
-                    "elapsed_s": elapsed(),
-                    "peak_mem_gib": round(accelerator.max_memory_allocated() / 2**30, 3),
-                    "peak_reserved_gib": round(accelerator.max_memory_reserved() / 2**30, 3),
-                    **throughput,
-                }
-                _append_jsonl(self.train_log, row)
-                self.step_rows.append(row)
-                by_pair: dict[str, int] = defaultdict(int)
-                for drawn in step_draws:
-                    by_pair[f"{drawn['task']}:{drawn['role']}"] += 1
-                _append_jsonl(
-                    self.exposure_log,
-                    {
-                        "step": done,
-                        "draws": [
-                            {
-                                **{k: d[k] for k in ("rank", "micro", "draw", "window", "task", "role", "group")},
-                                "episode": self.train_set.windows[d["window"]].episode,
-                                "tokens": self.train_set.windows[d["window"]].n_tokens,
-                                "loss_tokens": self.train_set.windows[d["window"]].n_loss_tokens,
-                            }
-                            for d in step_draws
-                        ],
-                        "by_task_role": dict(sorted(by_pair.items())),
-                        "loss_tokens": int(local[1]),
-                    },
-                )
-                log.info(
-                    "step %d/%d loss %.4f lr %.3g grad_norm %s tokens/s %.0f mfu %s",
-                    done,
-                    args.steps,
-                    self.last_loss,
-                    lr,
-                    None if grad_norm is None else f"{float(grad_norm):.4f}",
-                    throughput["tokens_per_s"],
-                    "n/a" if throughput["mfu"] is None else f"{throughput['mfu']:.1%}",
-                )
-
-            last = done == args.steps
-            if self.val_set is not None and (done % args.val_every == 0 or last):
-                row = self.validate(done)
-                if ranks.is_main:
-                    _append_jsonl(self.train_log, row)
-                    log.info("step %d val_loss %.4f over %d tokens", done, row["val_loss"], row["val_tokens"])
-            if done % args.save_every == 0 or last:
-                path = self.save(done, lr, elapsed())
-                if ranks.is_main:
-                    log.info("saved %s", path)
+            local[3] += pad
+        dist.all_reduce(local)
+        gathered: list[list[dict[str, Any]]] = [[] for _ in range(ranks.world_size)]
+        dist.all_gather_object(gathered, [d.__dict__ for d in draws])
+        step_draws = [drawn for part in gathered for drawn in part]
+        self.exposure.add(Draw(**drawn) for drawn in step_draws)
+        self.last_loss = float(local[0] / local[1])
+        grad_norm = self.engine.get_global_grad_norm()
         if ranks.is_main:
-            self._write_throughput()
+            step_s = time.perf_counter() - step_started
+            tokens = (int(local[1]), int(local[2]), int(local[3]))
+            self._log_step(step + 1, lr, grad_norm, tokens, step_draws, len(micro_batches), clock, step_s)
+        return lr
+
+    def _log_step(
+        self,
+        done: int,
+        lr: float,
+        grad_norm: Any,
+        tokens: tuple[int, int, int],
+        step_draws: list[dict[str, Any]],
+        micro_batches: int,
+        clock: PhaseClock,
+        step_s: float,
+    ) -> None:
+        """Rank 0: the step's train_log row (loss, throughput, phases, memory), its exposure row and one log line.
+        `tokens` = (loss, input, padding) tokens of the step over every rank."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        windows = self.train_set.windows
+        window_tokens: dict[int, list[int]] = defaultdict(list)
+        for drawn in step_draws:
+            window_tokens[drawn["rank"]].append(windows[drawn["window"]].n_tokens)
+        throughput = step_throughput(
+            window_tokens,
+            tokens[0],
+            step_s,
+            self.flops_model,
+            world_size=self.ranks.world_size,
+            peak_tflops_per_gpu=self.peak_tflops_per_gpu,
+            adapter_params=self.lora_targets.adapter_parameters,
+        )
+        row = {
+            "step": done,
+            "loss": self.last_loss,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens": tokens[0],
+            "input_tokens": tokens[1],
+            "windows": len(step_draws),
+            "micro_batches": micro_batches,
+            "pad_tokens": tokens[2],
+            "step_s": round(step_s, 4),
+            # The first steps of a process build kernels, caches and lazy optimizer state: named, and left
+            # out of throughput.json's figures.
+            "warmup": done <= self.start_step + self.args.warmup_measure_steps,
+            "phases": clock.rounded(),
+            "elapsed_s": self._elapsed(),
+            "peak_mem_gib": round(accelerator.max_memory_allocated() / 2**30, 3),
+            "peak_reserved_gib": round(accelerator.max_memory_reserved() / 2**30, 3),
+            **throughput,
+        }
+        _append_jsonl(self.train_log, row)
+        self.step_rows.append(row)
+        by_pair: dict[str, int] = defaultdict(int)
+        for drawn in step_draws:
+            by_pair[f"{drawn['task']}:{drawn['role']}"] += 1
+        exposure = [
+            {
+                **{k: d[k] for k in ("rank", "micro", "draw", "window", "task", "role", "group")},
+                "episode": windows[d["window"]].episode,
+                "tokens": windows[d["window"]].n_tokens,
+                "loss_tokens": windows[d["window"]].n_loss_tokens,
+            }
+            for d in step_draws
+        ]
+        _append_jsonl(
+            self.exposure_log,
+            {"step": done, "draws": exposure, "by_task_role": dict(sorted(by_pair.items())), "loss_tokens": tokens[0]},
+        )
+        log.info(
+            "step %d/%d loss %.4f lr %.3g grad_norm %s tokens/s %.0f mfu %s",
+            done,
+            self.args.steps,
+            self.last_loss,
+            lr,
+            None if grad_norm is None else f"{float(grad_norm):.4f}",
+            throughput["tokens_per_s"],
+            "n/a" if throughput["mfu"] is None else f"{throughput['mfu']:.1%}",
+        )
 
     def _write_throughput(self) -> None:
         """throughput.json: the steady-state figures of this process's steps (mass_ops.train.metrics)."""

@@ -162,13 +162,16 @@ def test_target_modules_adapt_only_the_language_model() -> None:
     }
     default = TrainArgs(model_dir="m", train_data="t", out_dir="o").target_pattern()
     listed = TrainArgs(
-        model_dir="m", train_data="t", out_dir="o", target_modules=["q_proj", "down_proj", "in_proj_qkv", "out_proj"]
+        model_dir="m",
+        train_data="t",
+        out_dir="o",
+        lora_target_modules=["q_proj", "down_proj", "in_proj_qkv", "out_proj"],
     ).target_pattern()
     for name, adapted in names.items():
         assert bool(re.fullmatch(default, name)) is adapted, name
         assert bool(re.fullmatch(listed, name)) is adapted, name
     # The reference's own regex (Qwen3.5/3.6 layout) is accepted as is.
-    paper = TrainArgs(model_dir="m", train_data="t", out_dir="o", target_modules=PAPER_TARGET_MODULES)
+    paper = TrainArgs(model_dir="m", train_data="t", out_dir="o", lora_target_regex=PAPER_TARGET_MODULES)
     assert re.fullmatch(paper.target_pattern(), "model.language_model.layers.3.mlp.up_proj")
     assert not re.fullmatch(paper.target_pattern(), "model.visual.blocks.0.mlp.linear_fc1")
 
@@ -180,7 +183,7 @@ def test_args_round_trip_through_json(tmp_path: Path) -> None:
         out_dir="o",
         val_data="v",
         steps=30,
-        target_modules=["q_proj"],
+        lora_target_modules=["q_proj"],
         deepspeed_overrides={"zero_optimization": {"reduce_bucket_size": 5}},
     )
     path = args.write(tmp_path / "args.json")
@@ -191,24 +194,33 @@ def test_args_round_trip_through_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"steps": 0}, "steps: must be a positive int"),
-        ({"steps": True}, "steps: must be a positive int"),
-        ({"lr": -1.0}, "lr: must be > 0"),
-        ({"lr": float("nan")}, "lr: must be a finite number"),
-        ({"warmup_steps": 10, "steps": 10}, "warmup_steps: must be below steps"),
-        ({"p_orch": 1.5}, "p_orch: must lie in"),
-        ({"lora_dropout": 1.0}, "lora_dropout: must lie in"),
-        ({"zero_stage": 2}, "zero_stage: must be 3"),
-        ({"sampler": "condition"}, "sampler: must be 'task_role'"),
-        ({"target_modules": "(["}, "target_modules: not a valid regex"),
-        ({"target_modules": ["q_proj", "a.b"]}, "target_modules: must be a regex or"),
+        ({"steps": 0}, "steps: Input should be greater than 0 (got 0)"),
+        ({"steps": True}, "steps: Input should be a valid integer (got True)"),
+        ({"lr": -1.0}, "lr: Input should be greater than 0"),
+        ({"lr": 1.0}, "lr: Input should be less than 1"),  # the config's rule, now the only one
+        ({"lr": float("nan")}, "lr: Input should be greater than 0 (got nan)"),
+        ({"warmup_steps": 10, "steps": 10}, "warmup_steps: 10 must be below steps (10)"),
+        ({"p_orch": 1.5}, "p_orch: Input should be less than or equal to 1"),
+        ({"lora_dropout": 1.0}, "lora_dropout: Input should be less than 1"),
+        ({"zero_stage": 2}, "zero_stage: Input should be 3"),
+        ({"sampler": "condition"}, "sampler: Input should be 'task_role'"),
+        ({"lora_target_regex": "(["}, "lora_target_regex: not a valid regex"),
+        ({"target_modules": "(["}, "lora_target_regex: not a valid regex"),  # an old file's key
+        ({"lora_target_modules": ["q_proj", "a.b"]}, "lora_target_modules: ['a.b'] are not module names"),
+        ({"lora_target_modules": []}, "lora_target_modules: must name at least one module"),
         ({"deepspeed_overrides": {"bf16": {"enabled": False}}}, "deepspeed_overrides: keys ['bf16']"),
-        ({"gradient_checkpointing": "some"}, "gradient_checkpointing: must be true, false, full, selective or off"),
-        ({"attn_implementation": "flash"}, "attn_implementation: must be one of"),
-        ({"packing": "yes"}, "packing: must be auto, on or off"),
-        ({"pack_tokens": 0}, "pack_tokens: must be null or a positive int"),
-        ({"warmup_measure_steps": -1}, "warmup_measure_steps: must be a non-negative int"),
-        ({"zero3_persistence_threshold": 1.5}, "zero3_persistence_threshold: must be null or a positive int"),
+        ({"gradient_checkpointing": "some"}, "Input should be 'full', 'selective' or 'off'"),
+        ({"attention": "flash"}, "attention: Input should be 'auto', 'sdpa', 'eager' or 'flash_attention_2'"),
+        ({"packing": "yes"}, "packing: Input should be 'auto', 'on' or 'off'"),
+        ({"pack_tokens": 0}, "pack_tokens: Input should be greater than 0"),
+        ({"warmup_measure_steps": -1}, "warmup_measure_steps: Input should be greater than or equal to 0"),
+        ({"zero3_persistence_threshold": 1.5}, "zero3_persistence_threshold: Input should be a valid integer"),
+        ({"adam_beta2": 1.0}, "adam_beta2: Input should be less than 1"),
+        ({"adam_eps": float("inf")}, "adam_eps: Input should be a finite number"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm: Input should be greater than or equal to 0"),
+        ({"dist_timeout_s": 0}, "dist_timeout_s: Input should be greater than 0"),
+        ({"accelerator": "tpu"}, "accelerator: Input should be 'auto', 'cpu' or 'cuda'"),
+        ({"model_dir": ""}, "model_dir: String should have at least 1 character"),
     ],
 )
 def test_bad_args_name_the_field(change: dict, message: str) -> None:
@@ -236,7 +248,7 @@ def test_the_throughput_knobs_travel_from_the_config_to_the_args() -> None:
     config = load_config("paper")
     args = train_args_for(config, model_dir="m", train_data="t", val_data=None, out_dir="o")
     t = config.training
-    assert (args.attn_implementation, args.packing, args.pack_tokens) == (t.attention, t.packing, t.pack_tokens)
+    assert (args.attention, args.packing, args.pack_tokens) == (t.attention, t.packing, t.pack_tokens)
     assert (args.warmup_measure_steps, args.zero3_overlap_comm, args.zero3_prefetch_bucket_size) == (
         t.warmup_measure_steps,
         t.zero3_overlap_comm,
@@ -245,3 +257,88 @@ def test_the_throughput_knobs_travel_from_the_config_to_the_args() -> None:
     assert args.zero3_persistence_threshold == t.zero3_persistence_threshold
     assert args.checkpointing == "full"  # 49k-token windows: recompute every layer
     assert TrainArgs(model_dir="m", train_data="t", out_dir="o", gradient_checkpointing=False).checkpointing == "off"
+
+
+def test_an_args_file_written_before_the_shared_names_still_reads(tmp_path: Path) -> None:
+    old = {
+        "model_dir": "m",
+        "train_data": "t",
+        "out_dir": "o",
+        "target_modules": ["q_proj", "v_proj"],
+        "attn_implementation": "sdpa",
+        "gradient_checkpointing": True,
+        "peak_tflops_per_gpu": None,
+    }
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(old))
+    args = TrainArgs.read(path)
+    assert (args.lora_target_modules, args.attention, args.checkpointing) == (["q_proj", "v_proj"], "sdpa", "full")
+    assert args.peak_tflops_per_gpu is None and args.lora_target_regex is None
+    path.write_text(json.dumps({**old, "target_modules": PAPER_TARGET_MODULES}))
+    assert TrainArgs.read(path).target_pattern() == PAPER_TARGET_MODULES
+
+
+def test_every_trainer_setting_is_defined_once_and_documented() -> None:
+    from mass_ops.config import TrainerSettings, TrainingConfig
+
+    shared = set(TrainerSettings.model_fields)
+    assert shared <= set(TrainingConfig.model_fields) and shared <= set(TrainArgs.model_fields)
+    job_local = {"model_dir", "train_data", "val_data", "out_dir", "accelerator", "resume_from", "lora_target_regex"}
+    assert set(TrainArgs.model_fields) - shared == job_local
+    for name, field in TrainArgs.model_fields.items():
+        assert field.description and len(field.description) > 20, f"{name} has no help text"
+
+
+def test_the_trainer_settings_travel_from_the_config_to_the_args() -> None:
+    from mass_ops.config import read_config_source, validate_config
+    from mass_ops.train.plan import train_args_for
+
+    changes = {
+        "adam_beta1": 0.8,
+        "adam_beta2": 0.98,
+        "adam_eps": 1e-6,
+        "weight_decay": 0.01,
+        "max_grad_norm": 0.5,
+        "zero3_init": False,
+        "dist_timeout_s": 600,
+        "deepspeed_overrides": {"zero_optimization": {"reduce_bucket_size": 5}},
+        "lr": 1e-4,
+        "lora_target_modules": ["q_proj"],
+        "attention": "eager",
+    }
+    data = read_config_source("paper")
+    data["training"].update(changes)
+    config = validate_config(data)
+    args = train_args_for(config, model_dir="m", train_data="t", val_data=None, out_dir="o")
+    assert {key: getattr(args, key) for key in changes} == changes
+
+
+def test_the_paper_preset_trains_with_the_reference_constants() -> None:
+    from mass_ops.config import load_config
+    from mass_ops.train.plan import train_args_for
+
+    args = train_args_for(load_config("paper"), model_dir="m", train_data="t", val_data="v", out_dir="o")
+    reference = {  # MASS_SPEC §1 train, §2 training, §8 optimizer and schedule
+        "steps": 1624,
+        "lr": 3e-5,
+        "warmup_steps": 5,
+        "min_lr_ratio": 0.1,
+        "lora_r": 64,
+        "lora_alpha": 128,
+        "lora_dropout": 0.05,
+        "save_every": 50,
+        "val_every": 150,
+        "grad_accum": 1,
+        "ce_chunk": 512,
+        "seed": 1234,
+        "sampler": "task_role",
+        "val_at_start": True,
+        "autocast_bf16": True,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_eps": 1e-8,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+    }
+    assert {key: getattr(args, key) for key in reference} == reference
+    assert args.p_orch == pytest.approx(1 / 3)

@@ -4,7 +4,6 @@ the boundaries is refused with one line."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +90,7 @@ def _lora_model(model_dir: Path, attention: str):
         zero3_init=False,
         autocast_bf16=False,
         gradient_checkpointing=False,
-        attn_implementation=attention,  # type: ignore[arg-type]
+        attention=attention,  # type: ignore[arg-type]
     )
     model, head, _, _ = build_lora_model(args, {})
     torch.manual_seed(1)
@@ -194,4 +193,4 @@ def test_auto_packs_only_when_a_rank_has_several_windows(small_qwen3: Path) -> N
     assert packing_enabled(model, "auto", grad_accum=1) is False
     assert packing_enabled(model, "auto", grad_accum=3) is True
     assert packing_enabled(model, "on", grad_accum=1) is True
-    assert replace(TrainArgs(model_dir="m", train_data="t", out_dir="o"), packing="on").packing == "on"
+    assert TrainArgs(model_dir="m", train_data="t", out_dir="o", packing="on").packing == "on"

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -131,7 +130,7 @@ def test_a_target_pattern_matching_nothing_refuses_to_start(tiny_qwen3: Path, tm
         model_dir=str(tiny_qwen3),
         train_data="t",
         out_dir=str(tmp_path),
-        target_modules=r".*language_model.*\.(q_proj|v_proj)$",  # the multimodal-only layout on a text-only model
+        lora_target_regex=r".*language_model.*\.(q_proj|v_proj)$",  # the multimodal-only layout on a text-only model
         zero3_init=False,
         autocast_bf16=False,
         gradient_checkpointing=False,
@@ -139,7 +138,9 @@ def test_a_target_pattern_matching_nothing_refuses_to_start(tiny_qwen3: Path, tm
     with pytest.raises(TrainingError, match="matches none of its 14 Linear modules") as raised:
         build_lora_model(args, {})
     assert "\n" not in str(raised.value)
-    peft_model, _, _, targets = build_lora_model(replace(args, target_modules=["q_proj", "down_proj"]), {})
+    peft_model, _, _, targets = build_lora_model(
+        args.model_copy(update={"lora_target_regex": None, "lora_target_modules": ["q_proj", "down_proj"]}), {}
+    )
     assert targets.by_kind == {"q_proj": 2, "down_proj": 2} and targets.lora_tensors == 8
     assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == targets.adapter_parameters
 
@@ -151,7 +152,7 @@ def test_a_started_run_is_not_overwritten(tmp_path: Path) -> None:
     args = TrainArgs(model_dir="m", train_data="t.jsonl", out_dir=str(tmp_path), steps=10)
     with pytest.raises(TrainingError, match="already started"):
         LoraSftRun(args, Ranks(rank=0, world_size=1, local_rank=0))._check_start()
-    resume = replace(args, resume_from=str(tmp_path / "step_00005"))
+    resume = args.model_copy(update={"resume_from": str(tmp_path / "step_00005")})
     with pytest.raises(TrainingError, match="not a complete checkpoint"):
         LoraSftRun(resume, Ranks(rank=0, world_size=1, local_rank=0))._check_start()
 
@@ -187,7 +188,7 @@ def test_zero3_adapter_settings_keep_lora_and_norm_tensors_whole(tiny_qwen3: Pat
     assert deepspeed_config(args, world_size=2, on_cpu=True)["zero_optimization"]["overlap_comm"] is False
     fixed = TrainArgs(model_dir="missing", train_data="t", out_dir="o", zero3_persistence_threshold=10**9)
     assert deepspeed_config(fixed, world_size=1)["zero_optimization"]["stage3_param_persistence_threshold"] == 10**9
-    unknown = deepspeed_config(replace(fixed, zero3_persistence_threshold=None), world_size=1)
+    unknown = deepspeed_config(fixed.model_copy(update={"zero3_persistence_threshold": None}), world_size=1)
     assert "stage3_param_persistence_threshold" not in unknown["zero_optimization"]  # DeepSpeed's default
 
 
@@ -252,7 +253,9 @@ def runs(tiny_qwen3: Path, chat_windows: list[dict], tmp_path_factory: pytest.Te
 
     # The "interrupted" run: a copy of the run directory restarted from its step-8 checkpoint, by the other launcher.
     shutil.copytree(root / "full", root / "resumed")
-    resumed = replace(args, out_dir=str(root / "resumed"), resume_from=str(root / "resumed" / f"step_{RESUME_AT:05d}"))
+    resumed = args.model_copy(
+        update={"out_dir": str(root / "resumed"), "resume_from": str(root / "resumed" / f"step_{RESUME_AT:05d}")}
+    )
     resumed_args = resumed.write(root / "resumed.json")
     command = build_launch_command(
         resumed_args, nproc_per_node=2, launcher="deepspeed", python=sys.executable, master_port=_free_port()

@@ -1,0 +1,140 @@
+"""The typed cycle config: the single source of every knob of a MASS cycle.
+
+A `CycleConfig` describes one cycle L(k) → L(k+1). It is loaded from a preset shipped in the package (`paper`,
+`cycle2`, `demo`) or a YAML/JSON file, then `--set a.b=c` overrides and the `MASS_METADATA_URL` /
+`MASS_ARTIFACT_URL` environment variables are applied, and finally every rule is checked. A bad config raises
+`ConfigError` carrying one line per problem (field and rule); nothing is written before validation passes.
+
+The `paper` and `cycle2` presets hold exactly the constants of the reference release (MASS_SPEC §2). One module per
+concern: `section` (base, value types, maxima), the sections by domain (`inference`, `tasks`, `search`, `collection`,
+`training`, `evaluation`, `deployment`, `budgets`), `cycle` (the whole config) and `loading` (files to a config).
+"""
+
+from mass_ops.config.budgets import BudgetsConfig, ModelPrice, PricesConfig, import_callable
+from mass_ops.config.collection import CollectionConfig, RankingConfig
+from mass_ops.config.cycle import PAPER_PRESETS, CycleConfig
+from mass_ops.config.deployment import ComputeConfig, KubernetesConfig, RuntimeConfig, StorageConfig
+from mass_ops.config.evaluation import EvaluationConfig, ExportConfig, ExternalJudgeConfig, PromotionConfig
+from mass_ops.config.inference import (
+    OPENROUTER_ENDPOINT,
+    InferenceConfig,
+    ModelsConfig,
+    PromptsConfig,
+    SamplingConfig,
+    ServerConfig,
+)
+from mass_ops.config.loading import (
+    ARTIFACT_URL_ENV,
+    METADATA_URL_ENV,
+    PRESET_NAMES,
+    PRESETS_DIR,
+    apply_environment,
+    apply_overrides,
+    config_json_schema,
+    format_validation_error,
+    load_config,
+    parse_config_text,
+    preset_path,
+    read_config_source,
+    validate_config,
+)
+from mass_ops.config.search import JudgeConfig, SearchConfig
+from mass_ops.config.section import (
+    CYCLE_NAME,
+    MAX_BOOTSTRAP_SAMPLES,
+    MAX_CANDIDATES,
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_DEPTH,
+    MAX_INT,
+    MAX_JUDGE_INVALID_RETRIES,
+    MAX_JUDGE_SEEDS,
+    MAX_JUDGES,
+    MAX_MAP_ENTRIES,
+    MAX_OPPONENTS,
+    MAX_ROLLOUTS,
+    MAX_SEARCH_ITERATIONS,
+    MAX_TASK_ID,
+    MAX_TASKS,
+    MAX_TRAINING_STEPS,
+    ConfigError,
+    NonNegativeInt,
+    PositiveInt,
+    Probability,
+    StrictFloat,
+    TaskId,
+    TaskList,
+    UsdAmount,
+    validation_problems,
+)
+from mass_ops.config.tasks import CATALOGUE_NOT_CHOSEN, TasksConfig
+from mass_ops.config.training import DEFAULT_LORA_TARGETS, TrainerSettings, TrainingConfig
+
+__all__ = [
+    "ARTIFACT_URL_ENV",
+    "CATALOGUE_NOT_CHOSEN",
+    "CYCLE_NAME",
+    "DEFAULT_LORA_TARGETS",
+    "MAX_BOOTSTRAP_SAMPLES",
+    "MAX_CANDIDATES",
+    "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_INT",
+    "MAX_JUDGES",
+    "MAX_JUDGE_INVALID_RETRIES",
+    "MAX_JUDGE_SEEDS",
+    "MAX_MAP_ENTRIES",
+    "MAX_OPPONENTS",
+    "MAX_ROLLOUTS",
+    "MAX_SEARCH_ITERATIONS",
+    "MAX_TASKS",
+    "MAX_TASK_ID",
+    "MAX_TRAINING_STEPS",
+    "METADATA_URL_ENV",
+    "OPENROUTER_ENDPOINT",
+    "PAPER_PRESETS",
+    "PRESETS_DIR",
+    "PRESET_NAMES",
+    "BudgetsConfig",
+    "CollectionConfig",
+    "ComputeConfig",
+    "ConfigError",
+    "CycleConfig",
+    "EvaluationConfig",
+    "ExportConfig",
+    "ExternalJudgeConfig",
+    "InferenceConfig",
+    "JudgeConfig",
+    "KubernetesConfig",
+    "ModelPrice",
+    "ModelsConfig",
+    "NonNegativeInt",
+    "PositiveInt",
+    "PricesConfig",
+    "Probability",
+    "PromotionConfig",
+    "PromptsConfig",
+    "RankingConfig",
+    "RuntimeConfig",
+    "SamplingConfig",
+    "SearchConfig",
+    "ServerConfig",
+    "StorageConfig",
+    "StrictFloat",
+    "TaskId",
+    "TaskList",
+    "TasksConfig",
+    "TrainerSettings",
+    "TrainingConfig",
+    "UsdAmount",
+    "apply_environment",
+    "apply_overrides",
+    "config_json_schema",
+    "format_validation_error",
+    "import_callable",
+    "load_config",
+    "parse_config_text",
+    "preset_path",
+    "read_config_source",
+    "validate_config",
+    "validation_problems",
+]
