@@ -1,32 +1,23 @@
 """Judges for reporting: external models (OpenAI-compatible, Anthropic) and the in-loop self-judge (MASS_SPEC §5, §10).
 
-External judges are used only for reporting, never for selection. Every judge speaks the chat contract of
-`mass_ops.llm.LLMClient` (`chat(system, user, *, purpose, sampling, json_mode) -> ChatResult`, a `recorder`), so
-the in-loop `PairwiseJudge` drives all of them: same evidence bundles and prompts, bounded retries of unusable
-answers, every attempt in the call ledger, optional swap-consistent judging.
-
-* OpenAI-compatible, ``api: responses`` (the reference's gpt-5.5 judge): `ResponsesClient` on the judge's base URL,
-  ``POST /responses`` with ``reasoning.effort`` and no output cap unless one is configured.
-* OpenAI-compatible, ``api: chat``: `LLMClient` on the judge's base URL; a configured `reasoning_effort` (e.g.
-  ``xhigh``) is sent as the chat-completions ``reasoning_effort`` field.
-* Anthropic: the `anthropic` SDK, ``messages.stream`` with adaptive thinking and ``output_config.effort``;
-  the verdict JSON is taken from the final text (fenced or bare; strict: as the reference reads it).
+External judges are used only for reporting, never for selection. Every judge's client is an `mass_ops.llm.LLMClient`
+(chat completions, `ResponsesClient` or `MessagesClient` by the judge's provider and API), so one retry policy, call
+record and budget gate serve them all and the in-loop `PairwiseJudge` drives them: same evidence bundles and prompts,
+bounded retries of unusable answers, every attempt in the call ledger, optional swap-consistent judging.
 
 Keys are read from the environment variable the config names, at call time, and never stored: not on objects, not
-in call records, not in the ledger. The presentation seed is not a sampling seed for external judges (the reference
-sends none); the self-judge samples with it like any in-loop call.
+in call records, not in the ledger. External judges get no sampling seed (the presentation seed decides the order
+only); the self-judge samples with it like any in-loop call. Routes and request fields: docs/evaluation.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 from mass_ops.config import CycleConfig, ExternalJudgeConfig
 from mass_ops.errors import InputError
@@ -35,29 +26,19 @@ from mass_ops.judge.pairwise import JudgeOutcome, PairwiseCase, PairwiseJudge
 from mass_ops.judge.prompts import CANDIDATE_A_LABEL, CANDIDATE_B_LABEL
 from mass_ops.judge.verdicts import VerdictParsing
 from mass_ops.llm import (
-    CallRecord,
-    CallRecorder,
-    ChatResult,
     JsonMode,
-    JsonParsing,
     LLMClient,
     LLMConfigError,
     LLMEndpoint,
-    LLMOutputError,
-    LLMRequestError,
+    MessagesClient,
     ResponsesClient,
     RetryPolicy,
     SamplingParams,
-    extract_json_object,
-    fenced_json_object,
-    send_with_retries,
 )
 from mass_ops.llm.calls import CallLedger, CallUnit, in_loop_sampling
+from mass_ops.llm.messages import ANTHROPIC_API_URL
 from mass_ops.prompts import PromptSet
 from mass_ops.seeds import presentation_swapped
-
-if TYPE_CHECKING:
-    import anthropic
 
 SELF_JUDGE = "self"
 ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -68,24 +49,8 @@ class ExternalJudgeError(InputError):
     """A report judge is misconfigured (missing key, unknown effort, bad name) or cannot be used."""
 
 
-class ChatClient(Protocol):
-    """What `PairwiseJudge` needs of a client (the `LLMClient` contract)."""
-
-    recorder: CallRecorder | None
-
-    def chat(
-        self,
-        system: str,
-        user: str,
-        *,
-        purpose: str,
-        sampling: SamplingParams | None = None,
-        json_mode: JsonMode | None = None,
-        schema: dict[str, Any] | None = None,
-        json_parsing: JsonParsing = "lenient",
-    ) -> ChatResult: ...
-
-    def close(self) -> None: ...
+# What `PairwiseJudge` needs of a judge's client: every report judge's client is an `LLMClient`.
+ChatClient = LLMClient
 
 
 def read_judge_key(env_name: str, judge: str) -> str:
@@ -127,12 +92,9 @@ class ReasoningEffortClient(LLMClient):
         return request
 
 
-class AnthropicChatClient:
-    """The chat contract over Anthropic's Messages API (streamed, adaptive thinking, effort).
-
-    Transient failures (connection, timeout, 5xx, 529 overloaded) are retried by `retry`; 4xx are not. The SDK's own
-    retries are off (``max_retries=0``) so that every attempt is counted here.
-    """
+class AnthropicChatClient(MessagesClient):
+    """`MessagesClient` for a configured Anthropic judge: its errors name the judge, and its key is read (and
+    checked) by `read_judge_key` at each call. Without `base_url` it calls the Anthropic API."""
 
     def __init__(
         self,
@@ -149,174 +111,16 @@ class AnthropicChatClient:
     ) -> None:
         if effort is not None and effort not in ANTHROPIC_EFFORTS:
             raise ExternalJudgeError(f"judge {judge}: reasoning_effort must be one of {list(ANTHROPIC_EFFORTS)}")
-        self.model = model
-        self.api_key_env = api_key_env
-        self.judge = judge
-        self.base_url = base_url.rstrip("/") if base_url else None
-        self.effort = effort
-        self.request_timeout_s = request_timeout_s
-        self.retry = retry or RetryPolicy()
-        self.recorder: CallRecorder | None = None
-        self._http = http_client
-        self._lock = threading.Lock()
-        self._sleep = sleep
-
-    def __repr__(self) -> str:
-        return f"AnthropicChatClient(model={self.model!r}, base_url={self.base_url!r})"
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-
-    def _sdk(self) -> anthropic.Anthropic:
-        import anthropic  # deferred: the SDK is large and only report judging needs it
-
-        with self._lock:
-            if self._http is None:
-                # No redirects: a redirect could forward the key to another host. One pool for every call.
-                self._http = anthropic.DefaultHttpxClient(follow_redirects=False)
-        # A fresh SDK object per call keeps the key out of long-lived state.
-        return anthropic.Anthropic(
-            api_key=read_judge_key(self.api_key_env, self.judge),
-            base_url=self.base_url,
-            max_retries=0,
-            timeout=self.request_timeout_s,
-            http_client=self._http,
-        )
-
-    def build_request(self, system: str, user: str, sampling: SamplingParams) -> dict[str, Any]:
-        """Keyword arguments of ``messages.stream`` (also what gets recorded; never the key)."""
-        request: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": sampling.max_tokens or 4096,
-            "system": system,
-            "messages": [{"role": "user", "content": user}],
-            "thinking": {"type": "adaptive"},
-        }
-        if self.effort:
-            request["output_config"] = {"effort": self.effort}
-        return request
-
-    def _send(
-        self, sdk: anthropic.Anthropic, request: dict[str, Any], purpose: str
-    ) -> tuple[Any, int, Exception | None]:
-        import anthropic
-        import httpx2  # the SDK's HTTP layer: a stream cut mid-message surfaces as its transport error
-
-        def final_message() -> Any:
-            with sdk.messages.stream(**request) as stream:
-                return stream.get_final_message()
-
-        def classify(error: Exception) -> LLMRequestError | str | None:
-            if isinstance(error, anthropic.APIStatusError):
-                if error.status_code < 500 and error.status_code != 429:  # 429: rate limited, worth a retry
-                    detail = json.dumps(error.body, default=str) if error.body is not None else str(error)
-                    return LLMRequestError(
-                        f"{purpose} rejected: HTTP {error.status_code}: {detail}"[:2000], error.status_code
-                    )
-                return f"HTTP {error.status_code}"
-            if isinstance(error, anthropic.APIConnectionError | httpx2.TransportError):
-                return f"{type(error).__name__}: {error}"
-            return None
-
-        return send_with_retries(
-            final_message, classify, self.retry, self._sleep, what=purpose, where=self.base_url or "the Anthropic API"
-        )
-
-    def chat(
-        self,
-        system: str,
-        user: str,
-        *,
-        purpose: str,
-        sampling: SamplingParams | None = None,
-        json_mode: JsonMode | None = None,
-        schema: dict[str, Any] | None = None,
-        json_parsing: JsonParsing = "lenient",
-    ) -> ChatResult:
-        """One streamed message; JSON calls (`json_mode` set) return the object found in the final text: leniently,
-        or (`json_parsing` strict) as the reference reads it — its text blocks trimmed and joined by newlines, then
-        `fenced_json_object`."""
-        sampling = sampling or SamplingParams()
-        request = self.build_request(system, user, sampling)
-        sdk = self._sdk()
-        started = time.monotonic()
-        message, attempts, error = self._send(sdk, request, purpose)
-        latency = time.monotonic() - started
-        base_url = self.base_url or str(sdk.base_url).rstrip("/")
-
-        def record(status: Literal["ok", "error"], usage: dict[str, Any] | None, raw: Any, failure: str | None) -> None:
-            if self.recorder is not None:
-                self.recorder(
-                    CallRecord(
-                        purpose=purpose,
-                        backend="anthropic",
-                        base_url=base_url,
-                        model=self.model,
-                        seed=None,
-                        status=status,
-                        attempts=attempts,
-                        latency_s=latency,
-                        usage=usage,
-                        cost_usd=None,  # the Messages API reports no price
-                        request=request,
-                        response=raw,
-                        error=failure,
-                    )
-                )
-
-        if error is not None:
-            record("error", None, None, str(error))
-            raise error
-        raw = message.model_dump(mode="json")
-        usage = _anthropic_usage(raw.get("usage") or {})
-        blocks = raw.get("content") or []
-        text = "".join(block.get("text", "") for block in blocks if block.get("type") == "text")
-        thinking = "".join(block.get("thinking", "") for block in blocks if block.get("type") == "thinking") or None
         try:
-            if not text.strip():
-                reason = "output ceiling consumed by thinking" if thinking else "no text block"
-                raise LLMOutputError(f"empty final content: {reason} (stop_reason {raw.get('stop_reason')})")
-            if raw.get("stop_reason") == "refusal":
-                raise LLMOutputError(f"model refused: {text[:500]}")
-            parsed = None
-            if json_mode is not None and json_parsing == "strict":
-                parsed = fenced_json_object(_reference_text(blocks))
-            elif json_mode is not None:
-                parsed = extract_json_object(text)
-        except LLMOutputError as output_error:
-            record("error", usage, raw, str(output_error))
-            raise
-        record("ok", usage, raw, None)
-        return ChatResult(
-            content=text,
-            reasoning_content=thinking,
-            parsed_json=parsed,
-            usage=usage,
-            cost_usd=None,
-            latency_s=latency,
-            model=self.model,
-            served_model=raw.get("model"),
-            attempts=attempts,
-            request=request,
-            finish_reason=raw.get("stop_reason"),
-            provider="anthropic",
-            response_id=raw.get("id"),
-        )
+            endpoint = LLMEndpoint(base_url=base_url or ANTHROPIC_API_URL, model=model, api_key_env=api_key_env,
+                                   backend="anthropic", request_timeout_s=request_timeout_s)  # fmt: skip
+        except LLMConfigError as exc:
+            raise ExternalJudgeError(f"judge {judge}: {exc}") from None
+        super().__init__(endpoint, effort=effort, retry=retry, http_client=http_client, sleep=sleep)
+        self.judge = judge
 
-
-def _reference_text(blocks: list[dict[str, Any]]) -> str:
-    """The reference's answer text of a Messages response: each non-blank text block trimmed, joined by newlines."""
-    texts = (str(block.get("text", "")).strip() for block in blocks if block.get("type") == "text")
-    return "\n".join(text for text in texts if text)
-
-
-def _anthropic_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """Anthropic usage with the OpenAI-style counters the ledger and reports read."""
-    prompt = int(usage.get("input_tokens") or 0)
-    prompt += int(usage.get("cache_read_input_tokens") or 0) + int(usage.get("cache_creation_input_tokens") or 0)
-    completion = int(usage.get("output_tokens") or 0)
-    return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def _api_key(self) -> str:
+        return read_judge_key(self.endpoint.api_key_env, self.judge)
 
 
 @dataclass(frozen=True)
@@ -326,7 +130,7 @@ class ReportJudge:
     name: str
     provider: str
     model: str
-    client: ChatClient
+    client: LLMClient
     purpose: Literal["external_judge", "self_judge"]
     sampling: Callable[[int | None], SamplingParams]
 
@@ -357,7 +161,7 @@ def open_external_judge(
     name = _check_name(judge.name)
     read_judge_key(judge.api_key_env, name)
     ceiling = max_tokens or judge.max_tokens
-    client: ChatClient
+    client: LLMClient
     if judge.provider == "anthropic":
         client = AnthropicChatClient(
             model=judge.model,
@@ -477,7 +281,7 @@ def judge_presentation(
         seed=seed,
     )
     pairwise = PairwiseJudge(
-        judge.client,  # type: ignore[arg-type]  # any ChatClient honours the LLMClient contract
+        judge.client,
         ledger,
         judge.sampling,
         invalid_retries=invalid_retries,

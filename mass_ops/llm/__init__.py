@@ -8,7 +8,8 @@ on objects, in requests, results or call records. Persistence is the caller's bu
 Modules: `errors` (the `LLMError` family; imports no sibling), `settings` (endpoint, sampling), `retries` (policy
 and the retry rule), `request` (context guard, request body per backend), `response` (result, call record, usage,
 output validation), `client` (`LLMClient`), `responses` (`ResponsesClient`: the same contract over the OpenAI
-Responses API, for external judges), `calls` (call ledger: persistence and budgets of in-loop calls).
+Responses API) and `messages` (`MessagesClient`: over Anthropic's Messages API), both for external judges, `calls`
+(call ledger: persistence and budgets of in-loop calls). Design notes: docs/llm.md.
 """
 
 from mass_ops.llm.client import LLMClient
@@ -20,6 +21,7 @@ from mass_ops.llm.errors import (
     LLMRequestError,
     LLMUnavailableError,
 )
+from mass_ops.llm.messages import MessagesClient
 from mass_ops.llm.request import enforce_context_budget, estimate_input_tokens
 from mass_ops.llm.response import (
     CallGate,
@@ -34,7 +36,7 @@ from mass_ops.llm.response import (
     whole_json_object,
 )
 from mass_ops.llm.responses import ResponsesClient
-from mass_ops.llm.retries import RetryPolicy, send_with_retries
+from mass_ops.llm.retries import RetryPolicy, http_failure, send_with_retries
 from mass_ops.llm.settings import (
     BACKENDS,
     LOCAL_PLACEHOLDER_KEY,
@@ -64,6 +66,7 @@ __all__ = [
     "LLMOutputError",
     "LLMRequestError",
     "LLMUnavailableError",
+    "MessagesClient",
     "ResponsesClient",
     "RetryPolicy",
     "SamplingParams",
@@ -72,6 +75,7 @@ __all__ = [
     "estimate_input_tokens",
     "extract_json_object",
     "fenced_json_object",
+    "http_failure",
     "send_with_retries",
     "strict_json_object",
     "whole_json_object",

@@ -1,19 +1,13 @@
 """In-loop LLM calls of a cycle: the endpoint and sampling built from the config, and the call ledger.
 
 Every judge, arbitration, optimizer and self-judge call is a unit of work keyed by a `CallUnit` (e.g.
-``task51/rhi/v1_vs_no_harness``). Each try is one attempt (``…/a1``, ``…/a2``): its prompt and answer are published
-to the artifact store under `layout.llm_call_prefix` first, then one `llm_calls` row is recorded. A rerun asks the
-ledger for a finished attempt and reuses its stored answer instead of calling the model again, so a crash between
-the call and the record that consumes it (a comparison, a workflow version) never costs a second call.
+``task51/rhi/v1_vs_no_harness``); each try is one attempt (``…/a1``, ``…/a2``) whose prompt and answer are published
+to the artifact store under `layout.llm_call_prefix`, then recorded as one `llm_calls` row. A rerun reuses a
+finished attempt's stored answer instead of calling the model again.
 
-Budgets (ISSUE #15.2): the ledger is also the client's `CallGate`. Before each call it checks the cycle's shared
-budget ledger (`mass_ops.store.budgets`, scopes `in_loop`, `cycle` and the call's task) with the call's prompt
-estimate plus its max tokens, and refuses with `BudgetExhaustedError` (one line: which budget, how to raise it) before
-anything is sent; each answer's usage is added to those scopes as soon as it arrives. A reused answer costs nothing
-and checks nothing, so a rerun after raising a budget continues where it stopped.
-
-Nothing secret is stored: the recorded request is what `LLMClient.build_request` sends (model, messages, sampling),
-and endpoints refuse URLs with credentials.
+The ledger is also the client's `CallGate`: before each call it checks the cycle's budgets (`mass_ops.store.budgets`,
+scopes `in_loop`, `cycle` and the call's task) and refuses with `BudgetExhaustedError` before anything is sent; each
+answer's usage is added to those scopes as it arrives. Nothing secret is stored. Design notes: docs/llm.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""`LLMClient`: the sync chat client of one endpoint (request, retries, LM Studio fallback, recording, validation)."""
+"""`LLMClient`: the sync chat client of one endpoint (request, retries, LM Studio fallback, recording, validation).
+
+Other routes (the Responses API, Anthropic's Messages API) subclass it and override only the route: request body,
+transport, SDK errors and the reading of the answer; the retry rule, budget gate and call records stay this class's.
+"""
 
 from __future__ import annotations
 
 import functools
-import json
 import re
 import time
 from collections.abc import Callable
@@ -23,7 +26,7 @@ from mass_ops.llm.response import (
     final_content,
     json_object,
 )
-from mass_ops.llm.retries import RetryPolicy, send_with_retries
+from mass_ops.llm.retries import RetryPolicy, http_failure, send_with_retries
 from mass_ops.llm.settings import JsonMode, LLMEndpoint, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,14 +36,14 @@ if TYPE_CHECKING:
 _LM_STUDIO_FORMAT_REJECTION = re.compile(r"response_format\.type'?\s+must be\s+'json_schema'\s+or\s+'text'")
 
 
-def _status_message(error: openai.APIStatusError) -> str:
-    body = error.body
-    detail = json.dumps(body, default=str) if body is not None else error.message
-    return f"HTTP {error.status_code}: {detail}"[:2000]
-
-
 class LLMClient:
-    """Sync chat client for one endpoint; reuse it across calls (it pools connections) and close it when done."""
+    """Sync chat client for one endpoint; reuse it across calls (it pools connections) and close it when done.
+
+    `http_client` replaces the client's own connection pool (which follows no redirects); it is closed with it.
+    """
+
+    # What `ChatResult.provider` says when the response names no provider.
+    default_provider: str | None = None
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class LLMClient:
         retry: RetryPolicy | None = None,
         recorder: CallRecorder | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        http_client: Any = None,
     ) -> None:
         self.endpoint = endpoint
         self.retry = retry or RetryPolicy()
@@ -59,10 +63,8 @@ class LLMClient:
         self.budget_limits: Any = None
         self._sleep = sleep
         import httpx  # deferred with the SDK; imported here, once, because a first import racing in threads fails
-        import openai  # deferred: the SDK takes seconds to import and DAG files must parse fast
 
-        # No redirects: a redirect could forward the bearer token to another host.
-        self._http = openai.DefaultHttpxClient(follow_redirects=False)
+        self._http = http_client if http_client is not None else self._new_http_pool()
         self._raw_response: type = httpx.Response
 
     def __repr__(self) -> str:
@@ -77,6 +79,13 @@ class LLMClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _new_http_pool(self) -> Any:
+        """The connection pool every call of this client shares."""
+        import openai  # deferred: the SDK takes seconds to import and DAG files must parse fast
+
+        # No redirects: a redirect could forward the bearer token to another host.
+        return openai.DefaultHttpxClient(follow_redirects=False)
 
     def _sdk(self) -> openai.OpenAI:
         # A fresh SDK object per call keeps the key out of long-lived state; the HTTP pool is shared.
@@ -111,16 +120,21 @@ class LLMClient:
         """The keyword arguments of `chat.completions.create` for this backend (also what gets recorded)."""
         return chat_request(self.endpoint, system, user, sampling, json_mode, schema)
 
-    def _send(self, action: Callable[[], Any], what: str) -> tuple[Any, int, Exception | None]:
-        """Run `action`, retrying transient failures; returns (result, attempts, None) or (None, attempts, error)."""
+    def _sdk_errors(self) -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
+        """(HTTP status errors, connection errors, timeouts included) of this client's SDK."""
         import openai
 
+        return (openai.APIStatusError,), (openai.APIConnectionError,)
+
+    def _send(self, action: Callable[[], Any], what: str) -> tuple[Any, int, Exception | None]:
+        """Run `action`, retrying transient failures; returns (result, attempts, None) or (None, attempts, error)."""
+        status_errors, connection_errors = self._sdk_errors()
+
         def classify(error: Exception) -> LLMRequestError | str | None:
-            if isinstance(error, openai.APIStatusError):
-                if error.status_code < 500:
-                    return LLMRequestError(f"{what} rejected: {_status_message(error)}", error.status_code)
-                return _status_message(error)
-            if isinstance(error, openai.APIConnectionError):  # includes timeouts
+            if isinstance(error, status_errors):
+                failed: Any = error  # every SDK's status error carries status_code, body and message
+                return http_failure(what, failed.status_code, failed.body, failed.message)
+            if isinstance(error, connection_errors):
                 return f"{type(error).__name__}: {error}"
             return None
 
@@ -248,7 +262,7 @@ class LLMClient:
         record = functools.partial(
             self._record_call,
             purpose=purpose,
-            seed=sampling.seed,
+            seed=request.get("seed"),  # the seed sent: routes that take none record none
             attempts=attempts,
             latency_s=latency,
             request=recorded_request,
@@ -257,15 +271,14 @@ class LLMClient:
             record(status="error", usage=None, cost=None, response=None, failure=str(error))
             raise error
         try:
-            raw = _response_document(response)
+            raw = self._document(response)
         except LLMOutputError as output_error:
             record(status="error", usage=None, cost=None, response=None, failure=str(output_error))
             raise
         usage = self._usage(raw)
         cost = _reported_cost(usage, e.backend)
         try:
-            content, reasoning, finish = self._final_content(raw)
-            parsed = self._json_object(content, json_parsing) if json_mode is not None else None
+            content, reasoning, finish, parsed = self._read_answer(raw, json_mode, json_parsing)
         except LLMOutputError as output_error:
             record(status="error", usage=usage, cost=cost, response=raw, failure=str(output_error))
             raise
@@ -282,11 +295,20 @@ class LLMClient:
             attempts=attempts,
             request=recorded_request,
             finish_reason=finish,
-            provider=raw.get("provider"),
+            provider=raw.get("provider", self.default_provider),
             response_id=raw.get("id"),
         )
 
+    def _read_answer(
+        self, raw: dict[str, Any], json_mode: JsonMode | None, json_parsing: JsonParsing
+    ) -> tuple[str, str | None, str | None, dict[str, Any] | None]:
+        """(content, reasoning, finish reason, the JSON object of a JSON call) of a response document; an unusable
+        answer is an LLMOutputError."""
+        content, reasoning, finish = self._final_content(raw)
+        return content, reasoning, finish, self._json_object(content, json_parsing) if json_mode is not None else None
+
     # The route's readings of a response document; a client for another route (the Responses API) overrides them.
+    _document = staticmethod(_response_document)
     _final_content = staticmethod(final_content)
     _json_object = staticmethod(json_object)
 

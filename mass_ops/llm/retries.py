@@ -1,9 +1,11 @@
 """The retry rule of every LLM client: transient failures (connection, timeout, 5xx) are retried with exponential
-backoff until the policy's attempts are spent; permanent ones are returned at once.
+backoff until the policy's attempts are spent; permanent ones (any other HTTP status, 429 included) are returned at
+once. `http_failure` is the one reading of an HTTP error status, whichever SDK raised it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,17 @@ class RetryPolicy:
     def backoff_s(self, failures: int) -> float:
         """Delay after the `failures`-th consecutive transient failure (1-based)."""
         return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (failures - 1))
+
+
+def http_failure(what: str, status_code: int, body: object, message: str) -> LLMRequestError | str:
+    """An HTTP error status as `send_with_retries` classifies it: a 5xx is transient (its reason is returned); any
+    other status (4xx, 429 included, and redirects) is a permanent LLMRequestError. The reason carries the response
+    body (JSON), else the SDK's `message`, cut to 2000 characters."""
+    detail = json.dumps(body, default=str) if body is not None else message
+    reason = f"HTTP {status_code}: {detail}"[:2000]
+    if status_code >= 500:
+        return reason
+    return LLMRequestError(f"{what} rejected: {reason}", status_code)
 
 
 def send_with_retries(

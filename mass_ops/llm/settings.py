@@ -13,10 +13,13 @@ from urllib.parse import urlsplit
 
 from mass_ops.llm.errors import LLMConfigError
 
-Backend = Literal["vllm", "openai-compatible", "openrouter"]
+# "anthropic": the Messages API (`mass_ops.llm.messages`), for external judges only; the others speak OpenAI's API.
+Backend = Literal["vllm", "openai-compatible", "openrouter", "anthropic"]
 JsonMode = Literal["json_object", "json_schema"]
 
-BACKENDS: tuple[str, ...] = ("vllm", "openai-compatible", "openrouter")
+BACKENDS: tuple[str, ...] = ("vllm", "openai-compatible", "openrouter", "anthropic")
+# Hosted providers: a call needs a real key (local servers take a placeholder).
+_KEYED_BACKENDS = ("openrouter", "anthropic")
 REASONING_EFFORTS: tuple[str, ...] = ("low", "medium", "high")
 # vLLM's own default when a server runs without --api-key.
 LOCAL_PLACEHOLDER_KEY = "EMPTY"
@@ -86,10 +89,11 @@ class LLMEndpoint:
         return self.model
 
     def read_api_key(self) -> str:
-        """The key from the environment, read now. Local servers accept a placeholder; OpenRouter needs a real key."""
+        """The key from the environment, read now. Local servers accept a placeholder; hosted providers (OpenRouter,
+        Anthropic) need a real key."""
         key = os.environ.get(self.api_key_env, "")
         if not key:
-            if self.backend == "openrouter":
+            if self.backend in _KEYED_BACKENDS:
                 raise LLMConfigError(f"LLM endpoint: environment variable {self.api_key_env} is empty or unset")
             return LOCAL_PLACEHOLDER_KEY
         if any(ch.isspace() for ch in key):

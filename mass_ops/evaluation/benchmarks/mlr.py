@@ -231,7 +231,7 @@ def request_review(judge: ReportJudge, ledger: CallLedger, unit: CallUnit, user:
     stored = ledger.finished(unit)
     if stored is not None:
         return parse_review(stored.parsed)
-    ledger.bind(judge.client)  # type: ignore[arg-type]  # any ChatClient honours the LLMClient contract
+    ledger.bind(judge.client)
     while len(ledger.invalid_attempts(unit)) < REVIEW_ATTEMPTS:
         review = None
         try:
