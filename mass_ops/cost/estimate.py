@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from mass_ops.config import PricesConfig
 from mass_ops.cost.prices import is_priced, serving_cost, token_cost, training_cost
+from mass_ops.cost.records import CarriesUsage, StageUsage
 
 
 @dataclass(frozen=True)
@@ -125,29 +126,36 @@ class Capacity:
 
 
 @dataclass(frozen=True)
-class StageEstimate:
-    """The estimate of one stage; `*_sd` are standard deviations of the totals (independent units)."""
+class StageEstimate(CarriesUsage):
+    """The estimate of one stage: its expected `usage` (GPU-hours of serving and training, wall-clock on the
+    configured capacity), the units behind it, and `*_sd`, the standard deviations of its token totals (independent
+    units)."""
 
     stage: str
+    usage: StageUsage = field(default_factory=StageUsage)
     episodes: int = 0
     llm_calls: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
     prompt_tokens_sd: int = 0
     completion_tokens_sd: int = 0
-    serving_gpu_hours: float = 0.0
-    training_gpu_hours: float = 0.0
-    wall_clock_s: float = 0.0
-    cost_usd: float = 0.0
     source: str = "default"
 
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    @property
-    def gpu_hours(self) -> float:
-        return self.serving_gpu_hours + self.training_gpu_hours
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data, flat: the keys `plan --json` prints and the cycle's provenance keeps (the report reads them)."""
+        usage = self.usage
+        return {
+            "stage": self.stage,
+            "episodes": self.episodes,
+            "llm_calls": self.llm_calls,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "prompt_tokens_sd": self.prompt_tokens_sd,
+            "completion_tokens_sd": self.completion_tokens_sd,
+            "serving_gpu_hours": usage.serving_gpu_hours,
+            "training_gpu_hours": usage.training_gpu_hours,
+            "wall_clock_s": usage.wall_clock_s,
+            "cost_usd": usage.cost_usd,
+            "source": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,14 @@ class CycleEstimate:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON (`plan --json`, XCom, the cycle's provenance)."""
-        return asdict(self)
+        return {
+            "cycle": self.cycle,
+            "stages": [stage.as_dict() for stage in self.stages],
+            "total": self.total.as_dict(),
+            "lineage_cycle": self.lineage_cycle,
+            "scale": self.scale,
+            "unpriced_models": list(self.unpriced_models),
+        }
 
     def stage(self, name: str) -> StageEstimate | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -222,36 +237,35 @@ def estimate_stage(
     if work.train_steps:
         sources.add(train_source)
     cost += serving_cost(prices, serving_h) + training_cost(prices, training_h)
+    usage = StageUsage(round(prompt), round(completion), cost, serving_h, training_h, wall + train_s)
     return StageEstimate(
         stage=work.stage,
+        usage=usage,
         episodes=episodes,
         llm_calls=calls,
-        prompt_tokens=round(prompt),
-        completion_tokens=round(completion),
         prompt_tokens_sd=round(math.sqrt(prompt_var)),
         completion_tokens_sd=round(math.sqrt(completion_var)),
-        serving_gpu_hours=serving_h,
-        training_gpu_hours=training_h,
-        wall_clock_s=wall + train_s,
-        cost_usd=cost,
         source="+".join(sorted(sources)) or "default",
     )
 
 
 def total_of(stages: Sequence[StageEstimate]) -> StageEstimate:
     """The sum of stage estimates (wall-clock adds up: the stages run one after another; spreads add in variance)."""
-    return StageEstimate(
-        stage="total",
-        episodes=sum(s.episodes for s in stages),
-        llm_calls=sum(s.llm_calls for s in stages),
+    usage = StageUsage(
         prompt_tokens=sum(s.prompt_tokens for s in stages),
         completion_tokens=sum(s.completion_tokens for s in stages),
-        prompt_tokens_sd=round(math.sqrt(sum(s.prompt_tokens_sd**2 for s in stages))),
-        completion_tokens_sd=round(math.sqrt(sum(s.completion_tokens_sd**2 for s in stages))),
+        cost_usd=sum(s.cost_usd for s in stages),
         serving_gpu_hours=sum(s.serving_gpu_hours for s in stages),
         training_gpu_hours=sum(s.training_gpu_hours for s in stages),
         wall_clock_s=sum(s.wall_clock_s for s in stages),
-        cost_usd=sum(s.cost_usd for s in stages),
+    )
+    return StageEstimate(
+        stage="total",
+        usage=usage,
+        episodes=sum(s.episodes for s in stages),
+        llm_calls=sum(s.llm_calls for s in stages),
+        prompt_tokens_sd=round(math.sqrt(sum(s.prompt_tokens_sd**2 for s in stages))),
+        completion_tokens_sd=round(math.sqrt(sum(s.completion_tokens_sd**2 for s in stages))),
         source="+".join(sorted({part for s in stages for part in s.source.split("+")})),
     )
 

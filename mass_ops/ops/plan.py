@@ -7,6 +7,7 @@ reference; arbitration calls only happen when two versions beat it). Window coun
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -180,29 +181,7 @@ def count_checkpoints(steps: int, save_every: int) -> int:
 def build_plan(config: CycleConfig, training_command: list[str], *, lineage: bool = True) -> CyclePlan:
     """Compute the plan of one cycle from its config; with `lineage`, the training time uses the tokens/s measured
     on the parent generation's cycle when this config's metadata store holds its finished training run."""
-    tasks = config.tasks
-    search_tasks = list(tasks.train_candidates)
-    versions = config.search.iterations + 1
-    rhi_episodes = len(search_tasks) * (1 + versions)
-    baseline_judgements = len(search_tasks) * versions
-    arbitration_max = len(search_tasks) * config.search.iterations
-    proposals = len(search_tasks) * config.search.iterations
-
-    collect_tasks = list(tasks.train)
-    collection_episodes = len(collect_tasks) * config.collection.candidates
-    comparisons_per_task = {q: ranking_pairs_per_task(config, q) for q in collect_tasks}
-    ranking_calls = sum(comparisons_per_task.values())
-    train_traj = len(collect_tasks) * config.collection.train_ranks
-    val_traj = len(collect_tasks)
-
-    t = config.training
-    windows_per_step = t.effective_windows_per_step
-    rollout_tasks = config.rollout_tasks()
-    rollouts = len(rollout_tasks) * config.evaluation.rollout_count
-    pairs = rollouts
-    external = pairs * len(config.evaluation.judges) * len(config.evaluation.judge_seeds)
-
-    per_task = sorted(set(comparisons_per_task.values()))
+    comparisons = {q: ranking_pairs_per_task(config, q) for q in config.tasks.train}
     timing = training_time(config, parent_training_throughput(config) if lineage else None)
     # Each planned stage's counts; the order (and a stage with nothing to count) comes from the registry.
     details = {
@@ -210,51 +189,86 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
         r.INFERENCE_UP: StagePlan(
             r.INFERENCE_UP.name, {"served_name": config.models.served_name, "backend": config.inference.backend}
         ),
-        r.SEARCH: StagePlan(
-            r.SEARCH.name,
-            {
-                "tasks": len(search_tasks),
-                "versions_per_task": versions,
-                "episodes": rhi_episodes,
-                "baseline_judge_calls": baseline_judgements,
-                "arbitration_calls_max": arbitration_max,
-                "optimizer_calls": proposals,
-            },
-        ),
+        r.SEARCH: _search_plan(config),
+        **_collection_plans(config, comparisons),
+        **_training_plans(config, timing),
+        r.EVALUATE: _evaluation_plan(config),
+    }
+    return CyclePlan(
+        cycle=config.cycle_name,
+        generation=config.generation,
+        stages=[details.get(stage, StagePlan(stage.name, {})) for stage in r.PLANNED],
+        training_command=training_command,
+        windows_per_step=config.training.effective_windows_per_step,
+        resources=_resources(config),
+        totals=_totals(details, comparisons),
+        lora_target_pattern=lora_target_pattern(config.training.lora_target_modules),
+        training_time=timing,
+    )
+
+
+def _search_plan(config: CycleConfig) -> StagePlan:
+    """RHI: per task, a reference episode and one per version; a baseline judgement per version, an arbitration
+    (at most) and a proposal per iteration."""
+    tasks = len(config.tasks.train_candidates)
+    iterations = config.search.iterations
+    versions = iterations + 1
+    counts: dict[str, int | str] = {
+        "tasks": tasks,
+        "versions_per_task": versions,
+        "episodes": tasks * (1 + versions),
+        "baseline_judge_calls": tasks * versions,
+        "arbitration_calls_max": tasks * iterations,
+        "optimizer_calls": tasks * iterations,
+    }
+    return StagePlan(r.SEARCH.name, counts)
+
+
+def _collection_plans(config: CycleConfig, comparisons: Mapping[int, int]) -> dict[r.Stage, StagePlan]:
+    """Collection, ranking and selection over the training tasks: upper bounds, as a task only goes on when its
+    retained workflow qualifies. `comparisons`: the ranking pairs of each task."""
+    tasks = len(config.tasks.train)
+    candidates = config.collection.candidates
+    per_task = sorted(set(comparisons.values()))
+    ranked: dict[str, int | str] = {
+        "comparisons_per_task": per_task[0] if len(per_task) == 1 else "/".join(map(str, per_task)),
+        "self_judge_calls": sum(comparisons.values()),
+    }
+    selected: dict[str, int | str] = {
+        "train_trajectories": tasks * config.collection.train_ranks,
+        "val_trajectories": tasks,
+    }
+    return {
         r.COLLECT: StagePlan(
-            r.COLLECT.name,
-            {"tasks": len(collect_tasks), "candidates": config.collection.candidates, "episodes": collection_episodes},
-            upper_bound=True,
+            r.COLLECT.name, {"tasks": tasks, "candidates": candidates, "episodes": tasks * candidates}, upper_bound=True
         ),
-        r.RANK: StagePlan(
-            r.RANK.name,
-            {
-                "comparisons_per_task": per_task[0] if len(per_task) == 1 else "/".join(map(str, per_task)),
-                "self_judge_calls": ranking_calls,
-            },
-            upper_bound=True,
-        ),
-        r.SELECT: StagePlan(
-            r.SELECT.name, {"train_trajectories": train_traj, "val_trajectories": val_traj}, upper_bound=True
-        ),
+        r.RANK: StagePlan(r.RANK.name, ranked, upper_bound=True),
+        r.SELECT: StagePlan(r.SELECT.name, selected, upper_bound=True),
+    }
+
+
+def _training_plans(config: CycleConfig, timing: TrainingTime) -> dict[r.Stage, StagePlan]:
+    """Render, train (steps, validations, checkpoints and the planned time), checkpoint selection, export and
+    registration."""
+    t = config.training
+    windows_per_step = t.effective_windows_per_step
+    train: dict[str, int | str] = {
+        "steps": t.steps,
+        "windows_per_step": windows_per_step,
+        "windows_drawn": t.steps * windows_per_step,
+        "validations": count_validations(t.steps, t.val_every, t.val_at_start),
+        "checkpoints": count_checkpoints(t.steps, t.save_every),
+        "tokens_per_step": round(timing.tokens_per_step),
+        "tokens_per_s": round(timing.tokens_per_s),
+        "wall_clock_h": f"{timing.wall_clock_h:.2f}",
+        "gpu_hours": f"{timing.gpu_hours:.2f}",
+        "throughput": timing.source,
+    }
+    return {
         r.RENDER: StagePlan(
             r.RENDER.name, {"window": t.window, "context_overlap": t.context_overlap, "windows": "after render"}
         ),
-        r.TRAIN: StagePlan(
-            r.TRAIN.name,
-            {
-                "steps": t.steps,
-                "windows_per_step": windows_per_step,
-                "windows_drawn": t.steps * windows_per_step,
-                "validations": count_validations(t.steps, t.val_every, t.val_at_start),
-                "checkpoints": count_checkpoints(t.steps, t.save_every),
-                "tokens_per_step": round(timing.tokens_per_step),
-                "tokens_per_s": round(timing.tokens_per_s),
-                "wall_clock_h": f"{timing.wall_clock_h:.2f}",
-                "gpu_hours": f"{timing.gpu_hours:.2f}",
-                "throughput": timing.source,
-            },
-        ),
+        r.TRAIN: StagePlan(r.TRAIN.name, train),
         r.SELECT_CHECKPOINT: StagePlan(
             r.SELECT_CHECKPOINT.name, {"criterion": "minimum validation loss, step 0 excluded"}
         ),
@@ -262,19 +276,28 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
             r.EXPORT.name, {"formats": "+".join(config.export.formats), "fp8_block": config.export.fp8_block_size}
         ),
         r.REGISTER: StagePlan(r.REGISTER.name, {"generation": config.generation + 1}),
-        r.EVALUATE: StagePlan(
-            r.EVALUATE.name,
-            {
-                "rollout_tasks": len(rollout_tasks),
-                "rollouts_per_generation": rollouts,
-                "pairs": pairs,
-                "external_judgements": external,
-                "self_judge_calls": pairs,
-            },
-        ),
     }
-    stages = [details.get(stage, StagePlan(stage.name, {})) for stage in r.PLANNED]
-    resources = ResourcePlan(
+
+
+def _evaluation_plan(config: CycleConfig) -> StagePlan:
+    """Rollouts of both generations on the rollout tasks, one pair per rollout, each judged by every external judge
+    and seed and by the self-judge."""
+    rollout_tasks = config.rollout_tasks()
+    rollouts = len(rollout_tasks) * config.evaluation.rollout_count
+    judges = len(config.evaluation.judges) * len(config.evaluation.judge_seeds)
+    counts: dict[str, int | str] = {
+        "rollout_tasks": len(rollout_tasks),
+        "rollouts_per_generation": rollouts,
+        "pairs": rollouts,
+        "external_judgements": rollouts * judges,
+        "self_judge_calls": rollouts,
+    }
+    return StagePlan(r.EVALUATE.name, counts)
+
+
+def _resources(config: CycleConfig) -> ResourcePlan:
+    t = config.training
+    return ResourcePlan(
         inference_gpus=config.inference.server.gpus,
         inference_capacity=config.inference.max_concurrent_requests,
         episode_concurrency=config.inference.max_concurrent_requests,
@@ -283,25 +306,26 @@ def build_plan(config: CycleConfig, training_command: list[str], *, lineage: boo
         training_gpus=t.replicas,
         reference_training_gpus=t.replicas * t.gpus_per_rank,
     )
-    totals = {
-        "rhi_episodes": rhi_episodes,
-        "collection_episodes": collection_episodes,
-        "comparisons_per_ranked_task": max(per_task) if per_task else 0,
-        "train_trajectories": train_traj,
-        "val_trajectories": val_traj,
-        "episodes_total": rhi_episodes + collection_episodes + 2 * rollouts,
+
+
+def _totals(details: Mapping[r.Stage, StagePlan], comparisons: Mapping[int, int]) -> dict[str, int]:
+    """The plan's totals, read from its stages' counts (episodes: two generations roll out)."""
+
+    def count(stage: r.Stage, key: str) -> int:
+        value = details[stage].counts[key]
+        if not isinstance(value, int):
+            raise TypeError(f"{stage.name}.{key} is not a count: {value!r}")
+        return value
+
+    rhi, collection = count(r.SEARCH, "episodes"), count(r.COLLECT, "episodes")
+    return {
+        "rhi_episodes": rhi,
+        "collection_episodes": collection,
+        "comparisons_per_ranked_task": max(comparisons.values(), default=0),
+        "train_trajectories": count(r.SELECT, "train_trajectories"),
+        "val_trajectories": count(r.SELECT, "val_trajectories"),
+        "episodes_total": rhi + collection + 2 * count(r.EVALUATE, "rollouts_per_generation"),
     }
-    return CyclePlan(
-        cycle=config.cycle_name,
-        generation=config.generation,
-        stages=stages,
-        training_command=training_command,
-        windows_per_step=windows_per_step,
-        resources=resources,
-        totals=totals,
-        lora_target_pattern=lora_target_pattern(config.training.lora_target_modules),
-        training_time=timing,
-    )
 
 
 def next_cycle_overrides(config: CycleConfig) -> dict[str, Any]:

@@ -1,27 +1,15 @@
-"""Where a cycle stands, read from the metadata store only: per stage, units planned / done / failed / stopped by a
-budget / in flight, tokens and cost so far, budgets against the ledger, elapsed wall-clock and an ETA.
+"""Where a cycle stands, read from the metadata store only (a cycle run from the CLI and one run from Airflow alike):
+per stage, units planned / done / failed / stopped by a budget / in flight, tokens and cost so far
+(`cost.records.StageUsage`), budgets against the ledger, elapsed wall-clock and an ETA.
 
-It works the same for a cycle run from the CLI and from Airflow because it reads nothing but the rows every stage
-writes. A unit is in flight (``running``) when the store holds part of its records and not the one that ends it: a
-search step whose episode is recorded but whose judging and next proposal are not, a task with ranking calls but no
-ranks, a render with one split of two, a training run marked running, evaluation judge calls without the summary.
-An agent episode's row is written only when its attempt ends; while it runs, its unit holds a lease
-(`ops.leases`: written by the local runner, or by the operator that created its pod), and an episode unit with a
-fresh lease for an attempt later than any recorded one is ``running`` ("attempt 2 started 3m ago on <where>"). A lease
-older than its attempt could run is stale (a crash left it) and ignored (`IN_FLIGHT_NOTE`, printed with the table); a
-unit whose run died half-way also shows as in flight until it is redone. ``pending`` counts every unit neither
-finished nor failed, ``in_flight`` those of them that started.
+Unit states: ``done`` (a final record; a model failure is data, never redone), ``failed`` (on infrastructure),
+``budget_exhausted`` (raise the budget, then redo), ``running`` (part of its records, or a fresh episode lease of a
+later attempt; `IN_FLIGHT_NOTE`) and ``pending`` (nothing recorded). ``pending`` counts every unit neither finished
+nor failed, ``in_flight`` those of them that started. The cycle is ``finished`` once every unit is done, ``in
+progress`` once any has a record, else ``not started``; a row marked succeeded or failed says so.
 
-The unit lists here are also what `ops.repair` redoes: one place decides what a missing or failed unit is.
-
-Unit states: ``done`` (a final record: a succeeded or model-failed episode — a model failure is data, never
-redone), ``failed`` (the latest attempt failed on infrastructure, or a training run failed), ``budget_exhausted``
-(the latest attempt was stopped by a budget: raise it, then redo), ``running`` (in flight: started, not finished) and
-``pending`` (nothing of it recorded).
-
-The cycle's state is read from its units as well: ``finished`` once every unit is done (its elapsed time and each
-stage's then stop at the last finished record), ``in progress`` once any has a record, else ``not started``; a cycle
-row marked succeeded or failed says so.
+The unit lists here are also what `ops.repair` redoes: one place decides what a missing or failed unit is. How each
+stage's units are told in flight, and how leases and clocks are read: docs/operations.md, "Unit states".
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.cost.prices import token_cost
+from mass_ops.cost.records import StageUsage
 from mass_ops.errors import InputError
 from mass_ops.ops.leases import describe_lease, lease_horizon_s, lease_is_fresh
 from mass_ops.stages.common import TRAINING_RUN_KEY
@@ -112,16 +101,37 @@ class StageStatus:
     pending: int  # not finished, not failed: in flight or not started
     in_flight: int  # of those, the started ones (state ``running``: see IN_FLIGHT_NOTE)
     started: bool
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
-    elapsed_s: float | None = None
+    usage: StageUsage = field(default_factory=StageUsage)  # tokens and cost so far (status reads no GPU-hours)
+    elapsed_s: float | None = None  # the stage's clock: to now while it has units left
     eta_s: float | None = None
     note: str = ""
 
     @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens
+
+    @property
+    def cost_usd(self) -> float:
+        return self.usage.cost_usd
+
+    @property
     def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+        return self.usage.tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data with the usage's tokens and cost in the row, where `status --json` has always had them."""
+        row: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if key == "usage":
+                row.update({name: value[name] for name in ("prompt_tokens", "completion_tokens", "cost_usd")})
+            else:
+                row[key] = value
+        row["tokens"] = self.tokens
+        return row
 
 
 @dataclass(frozen=True)
@@ -181,8 +191,7 @@ class CycleStatus:
         data["units"] = [u for u in data["units"] if u["state"] != "done"]
         data["tokens"] = self.tokens
         data["cost_usd"] = self.cost_usd
-        for stage, row in zip(self.stages, data["stages"], strict=True):
-            row["tokens"] = stage.tokens
+        data["stages"] = [stage.as_dict() for stage in self.stages]
         result: dict[str, Any] = plain(data)
         return result
 
@@ -316,16 +325,27 @@ def collected_tasks(config: CycleConfig, retained: Sequence[RetainedWorkflow]) -
 
 def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     """Every unit of every stage with its state, in stage order."""
-    from mass_ops.stages.evaluate import evaluated_generations, rollout_units
-
     latest = records.latest_attempts()
     running = records.running_leases(config)
-    units: list[UnitState] = []
-    # search: step k is done once it proposed v(k+1), the last step once the task's retained workflow is recorded;
-    # its episode's latest attempt tells a failed step from one not run.
+    collected, _ = collected_tasks(config, records.retained)
+    return [
+        *_search_units(config, records, latest, running),
+        *_collection_units(config, collected, latest, running),
+        *_ranking_units(records, collected),
+        *_training_units(config, records),
+        *_evaluation_units(config, records, latest, running),
+    ]
+
+
+def _search_units(
+    config: CycleConfig, records: _Records, latest: Mapping[UnitKey, Episode], running: Mapping[UnitKey, str]
+) -> list[UnitState]:
+    """Search step k of each task: done once it proposed v(k+1), the last step once the task's retained workflow is
+    recorded; its episodes' latest attempts tell a failed step from one not run."""
     proposed = {(int(v.task_id), v.version): v for v in records.versions}
     retained = {int(r.task_id): r for r in records.retained}
     last = config.search.iterations
+    units = []
     for task in config.tasks.train_candidates:
         for version in range(last + 1):
             key = f"search-t{task}-v{version}"
@@ -336,33 +356,54 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
             keys: list[UnitKey] = [("search", str(task), version, None, None)]
             if version == 0:
                 keys.append(("reference", str(task), None, None, None))
-            episodes = [latest.get(k) for k in keys]
-            states = [
-                _episode_state(SEARCH.name, key, task, latest.get(k), running.get(k))
-                for k in keys
-                if k in latest or k in running
-            ]
-            broken = [u for u in states if u.state in ("failed", "budget_exhausted")]
-            leased = [u for u in states if u.state == "running"]
-            if broken:
-                units.append(broken[0])
-            elif leased:  # an episode of the step is running
-                units.append(leased[0])
-            elif states:  # an episode of the step is recorded, its judging and proposal are not (yet)
-                what = "episodes recorded" if len(states) == len(episodes) else "an episode recorded"
-                detail = f"{what}; {'the retained workflow' if version == last else f'v{version + 1}'} not yet"
-                units.append(UnitState(SEARCH.name, key, "running", detail, task))
-            else:
-                units.append(UnitState(SEARCH.name, key, "pending", task_id=task))
-    collected, _ = collected_tasks(config, records.retained)
+            next_record = "the retained workflow" if version == last else f"v{version + 1}"
+            units.append(_search_step(key, task, keys, next_record, latest, running))
+    return units
+
+
+def _search_step(
+    key: str,
+    task: int,
+    keys: Sequence[UnitKey],
+    next_record: str,
+    latest: Mapping[UnitKey, Episode],
+    running: Mapping[UnitKey, str],
+) -> UnitState:
+    """A search step not done yet, from its episodes (`keys`): failed or budget-stopped, running under a lease, in
+    flight with an episode recorded and `next_record` not, or pending."""
+    states = [
+        _episode_state(SEARCH.name, key, task, latest.get(k), running.get(k))
+        for k in keys
+        if k in latest or k in running
+    ]
+    broken = [u for u in states if u.state in ("failed", "budget_exhausted")]
+    leased = [u for u in states if u.state == "running"]
+    if broken:
+        return broken[0]
+    if leased:  # an episode of the step is running
+        return leased[0]
+    if states:  # an episode of the step is recorded, its judging and proposal are not (yet)
+        what = "episodes recorded" if len(states) == len(keys) else "an episode recorded"
+        return UnitState(SEARCH.name, key, "running", f"{what}; {next_record} not yet", task)
+    return UnitState(SEARCH.name, key, "pending", task_id=task)
+
+
+def _collection_units(
+    config: CycleConfig, collected: Sequence[int], latest: Mapping[UnitKey, Episode], running: Mapping[UnitKey, str]
+) -> list[UnitState]:
+    """One unit per teacher candidate of each collected task."""
+    units = []
     for task in collected:
         for candidate in range(config.collection.candidates):
             unit: UnitKey = ("collection", str(task), None, candidate, None)
-            units.append(
-                _episode_state(
-                    COLLECT.name, f"collection-t{task}-c{candidate}", task, latest.get(unit), running.get(unit)
-                )
-            )
+            key = f"collection-t{task}-c{candidate}"
+            units.append(_episode_state(COLLECT.name, key, task, latest.get(unit), running.get(unit)))
+    return units
+
+
+def _ranking_units(records: _Records, collected: Sequence[int]) -> list[UnitState]:
+    """Ranking and selection of each collected task: done once its rows are written; a ranking with calls recorded
+    and no ranks is in flight."""
     ranked = defaultdict(list)
     for r in records.rankings:
         ranked[int(r.task_id)].append(r.created_at)
@@ -374,6 +415,7 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
     for c in records.calls:
         if c.task_id is not None and call_stage(c) == RANK.name:
             ranking_calls[int(c.task_id)] += 1
+    units = []
     for stage, rows, what in ((RANK.name, ranked, "rank"), (SELECT.name, selected, "select")):
         for task in collected:
             done = rows.get(task)
@@ -385,6 +427,12 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
                 UnitState(stage, f"{what}-t{task}", "done" if done else "pending", task_id=task,
                           finished_at=max(done) if done else None)
             )  # fmt: skip
+    return units
+
+
+def _training_units(config: CycleConfig, records: _Records) -> list[UnitState]:
+    """The render's two splits, the training run and the new generation's registration."""
+    units = []
     datasets = {d.split: d for d in records.datasets}
     for split in ("train", "val"):
         row = datasets.get(split)
@@ -397,20 +445,32 @@ def cycle_units(config: CycleConfig, records: _Records) -> list[UnitState]:
         UnitState(TRAIN.name, f"train-{TRAINING_RUN_KEY}", run_states.get(run.status, "pending") if run else "pending",
                   finished_at=run.finished_at if run else None)
     )  # fmt: skip
+    from mass_ops.stages.evaluate import evaluated_generations
+
     new, _ = evaluated_generations(config)
     registered = next((g for g in records.generations if g.name == new), None)
     units.append(UnitState(EXPORT.name, f"register-{new}", "done" if registered else "pending",
                            finished_at=registered.registered_at if registered else None))  # fmt: skip
+    return units
+
+
+def _evaluation_units(
+    config: CycleConfig, records: _Records, latest: Mapping[UnitKey, Episode], running: Mapping[UnitKey, str]
+) -> list[UnitState]:
+    """Each rollout episode, then the pairwise evaluation: in flight while judge calls are recorded without its
+    summary."""
+    from mass_ops.stages.evaluate import rollout_units
+
+    units = []
     for generation, task, replicate in rollout_units(config):
-        unit = ("rollout", str(task), None, replicate, generation)
+        unit: UnitKey = ("rollout", str(task), None, replicate, generation)
         key = f"rollout-{generation}-t{task}-r{replicate}"
         units.append(_episode_state(ROLLOUT.name, key, task, latest.get(unit), running.get(unit)))
     evaluation = next((e for e in records.evaluations if e.kind == "pairwise"), None)
     judged = sum(call_stage(c) == EVALUATE.name for c in records.calls)
     if evaluation is None and judged:
-        units.append(
-            UnitState(EVALUATE.name, "evaluate-pairwise", "running", f"{judged} judge calls recorded; no summary")
-        )
+        detail = f"{judged} judge calls recorded; no summary"
+        units.append(UnitState(EVALUATE.name, "evaluate-pairwise", "running", detail))
     else:
         units.append(UnitState(EVALUATE.name, "evaluate-pairwise", "done" if evaluation else "pending",
                                finished_at=evaluation.created_at if evaluation else None))  # fmt: skip
@@ -438,9 +498,9 @@ def call_stage(call: LLMCall) -> str:
 
 @dataclass
 class _Spend:
-    prompt: int = 0
-    completion: int = 0
-    cost: float = 0.0
+    """A stage's tokens and cost (`usage`), added row by row, and the times of its activity."""
+
+    usage: StageUsage = field(default_factory=StageUsage)
     starts: list[datetime] = field(default_factory=list)
     ends: list[datetime] = field(default_factory=list)
 
@@ -454,23 +514,20 @@ def stage_spend(config: CycleConfig, records: _Records) -> dict[str, _Spend]:
         if stage is None:
             continue
         bucket = spend[stage]
-        bucket.prompt += e.prompt_tokens or 0
-        bucket.completion += e.completion_tokens or 0
-        bucket.cost += token_cost(
-            config.prices, e.model or "", e.prompt_tokens or 0, e.completion_tokens or 0, e.cached_prompt_tokens or 0
-        )
+        prompt, completion = e.prompt_tokens or 0, e.completion_tokens or 0
+        cost = token_cost(config.prices, e.model or "", prompt, completion, e.cached_prompt_tokens or 0)
+        bucket.usage += StageUsage(prompt, completion, cost)
         bucket.starts += [t for t in (e.started_at,) if t is not None]
         bucket.ends += [t for t in (e.finished_at,) if t is not None]
     for c in records.calls:
         bucket = spend[call_stage(c)]
-        bucket.prompt += c.prompt_tokens or 0
-        bucket.completion += c.completion_tokens or 0
-        if c.cost_usd is not None:
-            bucket.cost += c.cost_usd
-        else:
-            bucket.cost += token_cost(
-                config.prices, c.model, c.prompt_tokens or 0, c.completion_tokens or 0, c.cached_prompt_tokens or 0
-            )
+        prompt, completion = c.prompt_tokens or 0, c.completion_tokens or 0
+        cost = (
+            c.cost_usd
+            if c.cost_usd is not None  # what the server reported, else the price table's
+            else token_cost(config.prices, c.model, prompt, completion, c.cached_prompt_tokens or 0)
+        )
+        bucket.usage += StageUsage(prompt, completion, cost)
         if c.created_at is not None:
             bucket.ends.append(c.created_at)
             bucket.starts.append(datetime.fromtimestamp(c.created_at.timestamp() - (c.latency_s or 0.0), UTC))
@@ -553,9 +610,7 @@ def _stage_status(
         pending=counts["pending"] + counts["running"],
         in_flight=counts["running"],
         started=started,
-        prompt_tokens=spend.prompt if spend else 0,
-        completion_tokens=spend.completion if spend else 0,
-        cost_usd=spend.cost if spend else 0.0,
+        usage=spend.usage if spend else StageUsage(),
         # A stage with nothing left stops its clock at its last record, however long ago that was.
         elapsed_s=_elapsed(starts, now if remaining or not ends else max(ends)) if started else None,
         eta_s=eta,

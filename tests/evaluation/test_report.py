@@ -543,6 +543,7 @@ def test_the_benchmark_table_of_two_generations_cell_by_cell(eval_env):
 
 def _demo_like_data(**changes: object):
     """ReportData as a demo cycle leaves it: L0's own judge stood in, every verdict a tie, CPU only."""
+    from mass_ops.cost.records import StageUsage
     from mass_ops.evaluation import report
     from mass_ops.evaluation.agreement import Agreement
     from mass_ops.evaluation.stats import PairwiseSummary, WinRate
@@ -557,9 +558,9 @@ def _demo_like_data(**changes: object):
         judges=["in-loop-0"], seeds=[42], summary=summary, agreement={"L1": agreement},
     )  # fmt: skip
     stages = [
-        report.StageCost("search", calls=12, call_prompt_tokens=20_000, call_completion_tokens=700, cost_usd=0.0,
-                         episodes=6, agent_prompt_tokens=190_000, agent_completion_tokens=384, span_s=600.0),
-        report.StageCost("train", cost_usd=0.0, span_s=120.0),
+        report.StageCost("search", StageUsage(prompt_tokens=210_000, completion_tokens=1_084, wall_clock_s=600.0),
+                         calls=12, episodes=6),
+        report.StageCost("train", StageUsage(wall_clock_s=120.0)),
     ]  # fmt: skip
     values: dict = dict(
         cycle="demo-L0", preset="demo", generation=0, served_model="m", config_hash="h", generated_at="now",

@@ -11,6 +11,7 @@ from typing import Any
 
 from mass_ops.context import CycleContext
 from mass_ops.cost.prices import serving_cost, token_cost, training_cost
+from mass_ops.cost.records import StageUsage
 from mass_ops.evaluation.report.model import (
     CALL_STAGE,
     EPISODE_STAGE,
@@ -75,8 +76,8 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
         bucket = totals[stage]
         prompt, completion = call.prompt_tokens or 0, call.completion_tokens or 0
         bucket["calls"] += 1
-        bucket["call_prompt_tokens"] += prompt
-        bucket["call_completion_tokens"] += completion
+        bucket["prompt_tokens"] += prompt
+        bucket["completion_tokens"] += completion
         bucket["busy_s"] += call.latency_s or 0.0
         unbudgeted += 0 if call.purpose in BUDGETED_PURPOSES else prompt + completion
         reported = call.cost_usd
@@ -90,8 +91,8 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
         stage = EPISODE_STAGE.get(episode.kind, episode.kind)
         bucket = totals[stage]
         bucket["episodes"] += 1
-        bucket["agent_prompt_tokens"] += episode.prompt_tokens or 0
-        bucket["agent_completion_tokens"] += episode.completion_tokens or 0
+        bucket["prompt_tokens"] += episode.prompt_tokens or 0
+        bucket["completion_tokens"] += episode.completion_tokens or 0
         bucket["busy_s"] += episode.duration_s or 0.0
         costs[stage] += token_cost(
             prices,
@@ -123,19 +124,22 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
             continue
         bucket = recorded or {}
         spans = intervals.get(stage, []) + (train_span if stage == "train" else [])
+        hours = gpus.get(stage, 0.0)  # the training ranks' for the train stage, the inference server's for the others
+        usage = StageUsage(
+            prompt_tokens=int(bucket.get("prompt_tokens", 0)),
+            completion_tokens=int(bucket.get("completion_tokens", 0)),
+            cost_usd=costs.get(stage, 0.0),
+            serving_gpu_hours=0.0 if stage == "train" else hours,
+            training_gpu_hours=hours if stage == "train" else 0.0,
+            wall_clock_s=_span(spans),
+        )
         stages.append(
             StageCost(
                 stage=stage,
+                usage=usage,
                 calls=int(bucket.get("calls", 0)),
-                call_prompt_tokens=int(bucket.get("call_prompt_tokens", 0)),
-                call_completion_tokens=int(bucket.get("call_completion_tokens", 0)),
-                cost_usd=costs.get(stage, 0.0),
                 episodes=int(bucket.get("episodes", 0)),
-                agent_prompt_tokens=int(bucket.get("agent_prompt_tokens", 0)),
-                agent_completion_tokens=int(bucket.get("agent_completion_tokens", 0)),
                 busy_s=float(bucket.get("busy_s", 0.0)),
-                span_s=_span(spans),
-                gpu_hours=gpus.get(stage, 0.0),
             )
         )
     every = [span for spans in intervals.values() for span in spans] + train_span
@@ -197,26 +201,28 @@ def cost_control(
     ]
     cycle = ctx.repo.get_cycle(ctx.cycle_name)
     saved = (cycle.provenance or {}).get("estimate") if cycle is not None else None
-    estimated = {s["stage"]: s for s in (saved or {}).get("stages", [])}
-    actual = {s.stage: s for s in stages}
-    rows = []
-    for stage in [*estimated, *(s for s in actual if s not in estimated)]:
-        e, a = estimated.get(stage), actual.get(stage)
-        rows.append(
-            EstimateRow(
-                stage,
-                e["prompt_tokens"] + e["completion_tokens"] if e else None,
-                a.prompt_tokens + a.completion_tokens if a else 0,
-                e["serving_gpu_hours"] + e["training_gpu_hours"] if e else None,
-                a.gpu_hours if a else 0.0,
-                e["cost_usd"] if e else None,
-                (a.cost_usd or 0.0) if a else 0.0,
-            )
-        )
+    estimated = {s["stage"]: _saved_usage(s) for s in (saved or {}).get("stages", [])}
+    actual = {s.stage: s.usage for s in stages}
+    rows = [
+        EstimateRow(stage, estimated.get(stage), actual.get(stage, StageUsage()))
+        for stage in [*estimated, *(s for s in actual if s not in estimated)]
+    ]
     source = None
     if saved is not None:
         source = f"measured on {saved['lineage_cycle']}" if saved.get("lineage_cycle") else _default_source(saved)
     return budgets, rows, source
+
+
+def _saved_usage(stage: Mapping[str, Any]) -> StageUsage:
+    """A stage of the saved estimate (`cost.estimate.StageEstimate.as_dict`) as the usage it expected."""
+    return StageUsage(
+        prompt_tokens=stage["prompt_tokens"],
+        completion_tokens=stage["completion_tokens"],
+        cost_usd=stage["cost_usd"],
+        serving_gpu_hours=stage["serving_gpu_hours"],
+        training_gpu_hours=stage["training_gpu_hours"],
+        wall_clock_s=stage.get("wall_clock_s", 0.0),
+    )
 
 
 def budget_alerts(ctx: CycleContext) -> list[BudgetAlertLine]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mass_ops.cost.records import CarriesUsage, StageUsage
 from mass_ops.evaluation.agreement import Agreement
 from mass_ops.evaluation.benchmarks.table import BenchmarkCell
 from mass_ops.evaluation.efficiency import Efficiency
@@ -111,30 +112,21 @@ class LossCurve:
 
 
 @dataclass(frozen=True)
-class StageCost:
-    """Token, cost and time totals of one stage. `cost_usd`: what the stage cost at `config.prices` — each call's
-    server-reported cost (else its model's per-token price), the agents' tokens at a priced model's per-token price,
-    and the stage's GPU-hours at the serving or training price (none on a CPU run)."""
+class StageCost(CarriesUsage):
+    """What one stage used, read from its records. `usage.cost_usd`: what the stage cost at `config.prices` — each
+    call's server-reported cost (else its model's per-token price), the agents' tokens at a priced model's per-token
+    price, and the stage's GPU-hours at the serving or training price (none on a CPU run); `usage.wall_clock_s`: its
+    span (time with at least one of its units running); `busy_s`: its units' summed time."""
 
     stage: str
+    usage: StageUsage = field(default_factory=StageUsage)
     calls: int = 0
-    call_prompt_tokens: int = 0
-    call_completion_tokens: int = 0
-    cost_usd: float | None = None
     episodes: int = 0
-    agent_prompt_tokens: int = 0
-    agent_completion_tokens: int = 0
     busy_s: float = 0.0
-    span_s: float = 0.0
-    gpu_hours: float = 0.0
 
     @property
-    def prompt_tokens(self) -> int:
-        return self.call_prompt_tokens + self.agent_prompt_tokens
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.call_completion_tokens + self.agent_completion_tokens
+    def span_s(self) -> float:
+        return self.usage.wall_clock_s
 
 
 @dataclass(frozen=True)
@@ -216,16 +208,36 @@ class BudgetAlertLine:
 
 @dataclass(frozen=True)
 class EstimateRow:
-    """One stage: the estimate saved when the cycle was opened against what its records add up to (actual USD is
-    the stage's `StageCost.cost_usd`)."""
+    """One stage: the usage estimated when the cycle was opened (None: the saved estimate has no such stage) against
+    the usage its records add up to (its `StageCost.usage`; none recorded: all zero)."""
 
     stage: str
-    estimated_tokens: int | None
-    actual_tokens: int
-    estimated_gpu_hours: float | None
-    actual_gpu_hours: float
-    estimated_usd: float | None
-    actual_usd: float
+    estimated: StageUsage | None
+    actual: StageUsage
+
+    @property
+    def estimated_tokens(self) -> int | None:
+        return None if self.estimated is None else self.estimated.tokens
+
+    @property
+    def actual_tokens(self) -> int:
+        return self.actual.tokens
+
+    @property
+    def estimated_gpu_hours(self) -> float | None:
+        return None if self.estimated is None else self.estimated.gpu_hours
+
+    @property
+    def actual_gpu_hours(self) -> float:
+        return self.actual.gpu_hours
+
+    @property
+    def estimated_usd(self) -> float | None:
+        return None if self.estimated is None else self.estimated.cost_usd
+
+    @property
+    def actual_usd(self) -> float:
+        return self.actual.cost_usd
 
     @property
     def token_ratio(self) -> float | None:
@@ -335,7 +347,7 @@ class ReportData:
 
     @property
     def total_cost_usd(self) -> float:
-        return sum(s.cost_usd or 0.0 for s in self.stages)
+        return sum(s.cost_usd for s in self.stages)
 
     @property
     def total_gpu_hours(self) -> float:
