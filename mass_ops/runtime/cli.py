@@ -10,14 +10,8 @@ Exit status: 0 when every unit ended as `succeeded` or `model_failure` (a model 
 for a recorded unit, an endpoint that does not serve the model); 130 on Ctrl-C, 143 on SIGTERM — in both cases the
 agents and proxies are stopped and nothing is recorded for the interrupted attempts.
 
-`--handoff DIR` (the sandbox container of a Kubernetes episode pod): the run reaches neither the artifact store nor
-the metadata DB; it hands every attempt to `mass-ops episode publish --handoff DIR` running beside it, which holds
-the credentials (`mass_ops.runtime.handoff`) and, given `--proxy-control SOCKET --proxy-sessions DIR`, alone opens
-and closes the attempts' sessions on the pod's episode proxy. The prompt then comes from `--prompt-file`; a prompt
-file in the hand-off folder (`DIR/prompt.txt`) is the one the publisher delivers (`episode publish --prompt-uri URI
---prompt-sha256 H`: fetched from the store and checked against the hash), and the run waits for it. `episode publish`
-exits 0 when everything handed over was published, 1 when something could not be, 2 for a prompt it cannot deliver
-or a hand-off that ended without its marker or holds something it must not (nothing of that is published).
+`--handoff DIR` (a Kubernetes episode pod's sandbox container) reaches no store: every attempt goes to `mass-ops
+episode publish --handoff DIR` beside it, which holds the credentials (docs/runtime.md, "The episode command").
 """
 
 from __future__ import annotations
@@ -244,11 +238,9 @@ def _run(
     progress: bool | None,
     options: RunOptions | None = None,
 ) -> None:
+    """`episode run`: check the unit, read its prompt, run one attempt per seed, print one line per outcome."""
     options = options or RunOptions()
-    try:
-        cfg = load_config(config, set_ or ())
-    except ConfigError as exc:
-        raise _fail("\n".join(exc.problems)) from None
+    cfg = _load_config(config, set_)
     try:
         task_id = _check_unit(cfg, task, kind, version, seed, candidate=candidate, generation=generation)
         options.check(kind)
@@ -257,31 +249,9 @@ def _run(
     except EpisodeInputError as exc:
         raise _fail(str(exc)) from None
 
-    from mass_ops.context import attach_cycle
     from mass_ops.runtime.handoff import HandoffError
-    from mass_ops.runtime.pool import EpisodeBatchError, EpisodePool, EpisodePromptConflictError
-    from mass_ops.runtime.runner import EpisodePreflightError
 
-    try:
-        if handoff is not None:
-            # The stores are the publisher's: the cycle, recorded attempts and a rollout's server come in its ledger.
-            if prompt_uri is not None:
-                raise EpisodeInputError("--prompt-uri: a --handoff run reads no artifact store; use --prompt-file")
-            if prompt_file is not None:
-                handoff.await_prompt(prompt_file)  # the publisher's to write when it lies in the hand-off folder
-            prompt = _read_prompt(None, prompt_file, None)
-        else:
-            ctx = attach_cycle(cfg)
-            if kind == "rollout" and generation:
-                # A rollout runs on the server of the generation it evaluates (the cycle's evaluation servers).
-                from mass_ops.serving import evaluation_scope, generation_server, serving_context
-
-                ctx = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(cfg)))
-            prompt = _read_prompt(ctx.artifacts, prompt_file, prompt_uri)
-    except (EpisodeInputError, ValueError) as exc:
-        raise _fail(str(exc)) from None
-    except HandoffError as exc:
-        raise _fail(str(exc), 1) from None
+    ctx, prompt = _context_and_prompt(cfg, handoff, kind, generation, prompt_file, prompt_uri)
     chosen_condition = condition or default_condition(cfg, kind, cast(int, task_id), version)
     unit_kind = cast(EpisodeKind, kind)  # checked by _check_unit
     requests = [
@@ -309,12 +279,68 @@ def _run(
             raise _fail(str(exc), 1) from None
         pool_options["sink"] = handoff.sink
         pool_options["proxy_sessions"] = handoff.proxy_sessions  # None unless the publisher opens them
-    ctx = options.applied(ctx, generation)
+    assert ctx is not None  # attached, or opened by the hand-off
+    outcomes = _run_pool(options.applied(ctx, generation), requests, pool_options, progress)
+    for outcome in outcomes:
+        print(json.dumps(outcome_line(outcome)), flush=True)
+    if any(outcome.status == "infra_failure" for outcome in outcomes):
+        raise typer.Exit(EXIT_INFRA_FAILURE)
+
+
+def _load_config(config: str, set_: list[str] | None) -> CycleConfig:
+    """The cycle config, or exit 2 with every problem it has."""
+    try:
+        return load_config(config, set_ or ())
+    except ConfigError as exc:
+        raise _fail("\n".join(exc.problems)) from None
+
+
+def _context_and_prompt(
+    cfg: CycleConfig,
+    handoff: SandboxHandoff | None,
+    kind: str,
+    generation: str | None,
+    prompt_file: Path | None,
+    prompt_uri: str | None,
+) -> tuple[CycleContext | None, str]:
+    """The attached cycle (None in a hand-off, whose publisher opens it later) and the episode's prompt."""
+    from mass_ops.context import attach_cycle
+    from mass_ops.runtime.handoff import HandoffError
+
+    try:
+        if handoff is not None:
+            # The stores are the publisher's: the cycle, recorded attempts and a rollout's server come in its ledger.
+            if prompt_uri is not None:
+                raise EpisodeInputError("--prompt-uri: a --handoff run reads no artifact store; use --prompt-file")
+            if prompt_file is not None:
+                handoff.await_prompt(prompt_file)  # the publisher's to write when it lies in the hand-off folder
+            return None, _read_prompt(None, prompt_file, None)
+        ctx = attach_cycle(cfg)
+        if kind == "rollout" and generation:
+            # A rollout runs on the server of the generation it evaluates (the cycle's evaluation servers).
+            from mass_ops.serving import evaluation_scope, generation_server, serving_context
+
+            ctx = serving_context(ctx, generation_server(ctx, generation, evaluation_scope(cfg)))
+        return ctx, _read_prompt(ctx.artifacts, prompt_file, prompt_uri)
+    except (EpisodeInputError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    except HandoffError as exc:
+        raise _fail(str(exc), 1) from None
+
+
+def _run_pool(
+    ctx: CycleContext, requests: list[EpisodeRequest], pool_options: dict[str, Any], progress: bool | None
+) -> list[EpisodeOutcome]:
+    """Run the requests through an `EpisodePool`; every failure of the run becomes its one-line exit."""
+    from mass_ops.runtime.handoff import HandoffError
+    from mass_ops.runtime.pool import EpisodeBatchError, EpisodePool, EpisodePromptConflictError
+    from mass_ops.runtime.preflight import EpisodePreflightError
+
     display = _Display(len(requests), enabled=progress if progress is not None else _err.is_terminal)
     previous_handler = _install_sigterm()
     try:
         with display, EpisodePool(ctx, on_event=display.on_event, **pool_options) as pool:
-            outcomes = pool.run(requests)
+            return pool.run(requests)
     except Terminated:
         raise _fail(f"episode run: terminated (SIGTERM); {_STOPPED}", EXIT_TERMINATED) from None
     except KeyboardInterrupt:
@@ -330,10 +356,6 @@ def _run(
         raise _fail(str(exc), 1) from None
     finally:
         _restore_sigterm(previous_handler)
-    for outcome in outcomes:
-        print(json.dumps(outcome_line(outcome)), flush=True)
-    if any(outcome.status == "infra_failure" for outcome in outcomes):
-        raise typer.Exit(EXIT_INFRA_FAILURE)
 
 
 @episode_app.command("publish")
