@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -257,6 +257,19 @@ UrlOption = Annotated[str | None, typer.Option("--url", help="Metadata URL; defa
 OptionalConfig = Annotated[str | None, typer.Option("--config", "-c", help="Preset or file naming the storage.")]
 
 
+def _migrate(direction: Literal["upgrade", "downgrade"], revision: str, target: str) -> None:
+    """Move the schema at `target` to `revision` and print where it now stands; a failure exits as `db <direction>`."""
+    from mass_ops.store.metadata import mask_url
+    from mass_ops.store.migrations import current, downgrade, upgrade
+
+    step = upgrade if direction == "upgrade" else downgrade
+    try:
+        step(target, revision)
+        console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+    except HANDLED as exc:
+        raise failure(f"db {direction}", exc, resume_hint="fix the store and run it again") from None
+
+
 @db_app.command("upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Argument()] = "head",
@@ -265,15 +278,7 @@ def db_upgrade(
     url: UrlOption = None,
 ) -> None:
     """Create the metadata schema or upgrade it to REVISION (default head); Postgres or SQLite."""
-    from mass_ops.store.metadata import mask_url
-    from mass_ops.store.migrations import current, upgrade
-
-    target = _metadata_url(config, set_, url)
-    try:
-        upgrade(target, revision)
-        console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
-    except HANDLED as exc:
-        raise failure("db upgrade", exc, resume_hint="fix the store and run it again") from None
+    _migrate("upgrade", revision, _metadata_url(config, set_, url))
 
 
 @db_app.command("downgrade")
@@ -284,15 +289,7 @@ def db_downgrade(
     url: UrlOption = None,
 ) -> None:
     """Take the metadata schema down to REVISION."""
-    from mass_ops.store.metadata import mask_url
-    from mass_ops.store.migrations import current, downgrade
-
-    target = _metadata_url(config, set_, url)
-    try:
-        downgrade(target, revision)
-        console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
-    except HANDLED as exc:
-        raise failure("db downgrade", exc, resume_hint="fix the store and run it again") from None
+    _migrate("downgrade", revision, _metadata_url(config, set_, url))
 
 
 @db_app.command("current")

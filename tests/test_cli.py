@@ -46,6 +46,22 @@ def test_db_upgrade_and_downgrade_on_sqlite(tmp_path):
     assert current(url) is None
 
 
+def test_db_upgrade_and_downgrade_report_where_the_schema_stands_or_fail_in_one_line(tmp_path):
+    url = f"sqlite:///{tmp_path}/m.db"
+    upgraded = runner.invoke(app, ["db", "upgrade", "--url", url]).stdout
+    assert " ".join(upgraded.split()) == f"{url} at revision {current(url)}"  # rich wraps long lines
+    downgraded = runner.invoke(app, ["db", "downgrade", "base", "--url", url]).stdout
+    assert " ".join(downgraded.split()) == f"{url} at revision None"
+
+    unopenable = f"sqlite:///{tmp_path}"  # a folder, not a database file
+    for command in (["upgrade"], ["downgrade", "base"]):
+        result = runner.invoke(app, ["db", *command, "--url", unopenable])
+        assert result.exit_code == 1
+        assert result.stderr.startswith(f"db {command[0]} failed: ")
+        assert result.stderr.rstrip().endswith("fix the store and run it again")
+        assert result.stderr.strip().count("\n") == 0
+
+
 def test_tasks_import_copies_a_valid_directory_and_refuses_a_broken_one(tmp_path):
     dest = tmp_path / "imported"
     result = runner.invoke(app, ["tasks", "import", str(builtin_catalogue_dir()), "--dest", str(dest)])

@@ -13,9 +13,9 @@ a bearer header.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -108,20 +108,68 @@ def auth_headers(api_key_env: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def _models_payload(response: httpx.Response) -> Any:
-    if response.status_code != 200:
-        return {"error": response.status_code}
-    try:
-        return response.json()
-    except ValueError:
-        return None
-
-
 def _json_or_none(response: httpx.Response) -> Any:
     try:
         return response.json()
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One request of a probe; `failure` starts the problem line when it cannot be sent or answered."""
+
+    method: Literal["GET", "POST"]
+    url: str
+    failure: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _probe_calls(
+    endpoint: str, served_name: str, headers: dict[str, str], smoke: bool, smoke_timeout_s: float
+) -> Generator[_Call, httpx.Response, str | None]:
+    """The probe's requests in order, each sent back its response; returns the problem (None when ready)."""
+    health = (yield _Call("GET", health_url(endpoint), "/health unreachable")).status_code
+    payload: Any = None
+    if health == 200:
+        models = yield _Call("GET", models_url(endpoint), "/v1/models unreachable", {"headers": headers})
+        if models.status_code != 200:
+            return f"/v1/models answered HTTP {models.status_code}"
+        payload = _json_or_none(models)
+    problem = readiness_problem(health, payload, served_name)
+    if problem is None and smoke:
+        options = {"json": smoke_request(served_name), "headers": headers, "timeout": smoke_timeout_s}
+        answer = yield _Call("POST", smoke_url(endpoint), "smoke generation failed", options)
+        problem = smoke_problem(answer.status_code, _json_or_none(answer))
+    return problem
+
+
+class _ProbeRun:
+    """One probe without its transport, so `probe` and `probe_async` share every step and message: send `call`
+    (None once done), pass its response or transport error to `answer`, then read `report()`."""
+
+    def __init__(
+        self, endpoint: str, served_name: str, api_key_env: str | None, smoke: bool, smoke_timeout_s: float
+    ) -> None:
+        self.endpoint, self.served_name = endpoint, served_name
+        self._calls = _probe_calls(endpoint, served_name, auth_headers(api_key_env), smoke, smoke_timeout_s)
+        self.call: _Call | None = next(self._calls)
+        self._problem: str | None = None
+
+    def answer(self, outcome: httpx.Response | httpx.HTTPError) -> None:
+        call = self.call
+        if call is None:
+            raise RuntimeError("the probe is done: no call awaits an answer")
+        if isinstance(outcome, httpx.HTTPError):
+            self.call, self._problem = None, f"{call.failure} ({type(outcome).__name__})"
+            return
+        try:
+            self.call = self._calls.send(outcome)
+        except StopIteration as done:
+            self.call, self._problem = None, done.value
+
+    def report(self) -> ReadinessReport:
+        return ReadinessReport(self.endpoint, self.served_name, self._problem)
 
 
 def probe(
@@ -134,31 +182,16 @@ def probe(
     smoke_timeout_s: float = SMOKE_TIMEOUT_S,
 ) -> ReadinessReport:
     """Probe a server once (blocking); `smoke=False` skips the generation (liveness only)."""
-    headers = auth_headers(api_key_env)
+    run = _ProbeRun(endpoint, served_name, api_key_env, smoke, smoke_timeout_s)
     with httpx.Client(timeout=timeout_s) as client:
-        try:
-            health = client.get(health_url(endpoint)).status_code
-        except httpx.HTTPError as exc:
-            return ReadinessReport(endpoint, served_name, f"/health unreachable ({type(exc).__name__})")
-        payload: Any = None
-        if health == 200:
+        while (call := run.call) is not None:
             try:
-                response = client.get(models_url(endpoint), headers=headers)
-                if response.status_code != 200:
-                    return ReadinessReport(endpoint, served_name, f"/v1/models answered HTTP {response.status_code}")
-                payload = _models_payload(response)
+                response = client.request(call.method, call.url, **call.options)
             except httpx.HTTPError as exc:
-                return ReadinessReport(endpoint, served_name, f"/v1/models unreachable ({type(exc).__name__})")
-        problem = readiness_problem(health, payload, served_name)
-        if problem is None and smoke:
-            try:
-                answer = client.post(
-                    smoke_url(endpoint), json=smoke_request(served_name), headers=headers, timeout=smoke_timeout_s
-                )
-            except httpx.HTTPError as exc:
-                return ReadinessReport(endpoint, served_name, f"smoke generation failed ({type(exc).__name__})")
-            problem = smoke_problem(answer.status_code, _json_or_none(answer))
-    return ReadinessReport(endpoint, served_name, problem)
+                run.answer(exc)
+            else:
+                run.answer(response)
+    return run.report()
 
 
 async def probe_async(
@@ -171,28 +204,13 @@ async def probe_async(
     smoke_timeout_s: float = SMOKE_TIMEOUT_S,
 ) -> ReadinessReport:
     """Probe a server once without blocking the event loop (used by the Airflow triggerer)."""
-    headers = auth_headers(api_key_env)
+    run = _ProbeRun(endpoint, served_name, api_key_env, smoke, smoke_timeout_s)
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        try:
-            health = (await client.get(health_url(endpoint))).status_code
-        except httpx.HTTPError as exc:
-            return ReadinessReport(endpoint, served_name, f"/health unreachable ({type(exc).__name__})")
-        payload: Any = None
-        if health == 200:
+        while (call := run.call) is not None:
             try:
-                response = await client.get(models_url(endpoint), headers=headers)
-                if response.status_code != 200:
-                    return ReadinessReport(endpoint, served_name, f"/v1/models answered HTTP {response.status_code}")
-                payload = _models_payload(response)
+                response = await client.request(call.method, call.url, **call.options)
             except httpx.HTTPError as exc:
-                return ReadinessReport(endpoint, served_name, f"/v1/models unreachable ({type(exc).__name__})")
-        problem = readiness_problem(health, payload, served_name)
-        if problem is None and smoke:
-            try:
-                answer = await client.post(
-                    smoke_url(endpoint), json=smoke_request(served_name), headers=headers, timeout=smoke_timeout_s
-                )
-            except httpx.HTTPError as exc:
-                return ReadinessReport(endpoint, served_name, f"smoke generation failed ({type(exc).__name__})")
-            problem = smoke_problem(answer.status_code, _json_or_none(answer))
-    return ReadinessReport(endpoint, served_name, problem)
+                run.answer(exc)
+            else:
+                run.answer(response)
+    return run.report()

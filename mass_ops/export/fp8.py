@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 
+from mass_ops.export.merge import MERGE_INFO_NAME  # a merged reference's record: never copied into the FP8 folder
 from mass_ops.export.safetensors_io import (
     DTYPE_CODES,
     INDEX_NAME,
@@ -49,7 +50,6 @@ _ROUNDS_WITHIN_RANGE = 464.0
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 QUANT_INFO_NAME = "quant_info.json"
-MERGE_INFO_NAME = "merge_info.json"
 
 _FLOAT_CODES = {"BF16", "F16", "F32"}
 # Module path segments that are not decoder linears worth quantizing (embeddings, output head, vision, MTP).

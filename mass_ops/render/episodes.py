@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from mass_ops.render.errors import RenderError
 from mass_ops.render.masks import ChatRenderer, Segment, vllm_messages
@@ -143,41 +143,33 @@ class RenderOptions:
         }
 
 
+class RenderKnobs(TypedDict, total=False):
+    """`RenderOptions`' fields as the keyword arguments of `render_episode` and `render_dataset` (the defaults are
+    `RenderOptions`' own)."""
+
+    window: int
+    overlap: int
+    strict: bool
+    require_success: bool
+    max_header_frac: float
+    keep_truncated_final: bool
+    substitute: bool
+    sent_forms: Mapping[str, str] | None
+
+
 def task_from_condition(condition: str) -> int | None:
     """The task id of a `t<q>_…` condition name, or None."""
     found = _TASK_IN_CONDITION.match(condition)
     return int(found.group(1)) if found else None
 
 
-def render_episode(
-    source: EpisodeSource,
-    tokenizer: Any,
-    *,
-    window: int = DEFAULT_WINDOW,
-    overlap: int = DEFAULT_OVERLAP,
-    strict: bool = False,
-    require_success: bool = False,
-    max_header_frac: float = 0.9,
-    keep_truncated_final: bool = False,
-    substitute: bool = True,
-    sent_forms: Mapping[str, str] | None = None,
-) -> EpisodeRender:
+def render_episode(source: EpisodeSource, tokenizer: Any, **options: Unpack[RenderKnobs]) -> EpisodeRender:
     """Render one episode's proxy log into training windows (MASS_SPEC §7); options as in `RenderOptions`.
 
     `require_success` skips an unsuccessful episode (no windows; the stats say why). With `strict`, the first
     problem (thread error, skipped block, no main thread) is raised as `RenderError`.
     """
-    options = RenderOptions(
-        window=window,
-        overlap=overlap,
-        strict=strict,
-        require_success=require_success,
-        max_header_frac=max_header_frac,
-        keep_truncated_final=keep_truncated_final,
-        substitute=substitute,
-        sent_forms=sent_forms,
-    )
-    return _render_episode(source, ChatRenderer(tokenizer), options)
+    return _render_episode(source, ChatRenderer(tokenizer), RenderOptions(**options))
 
 
 def _render_episode(source: EpisodeSource, renderer: ChatRenderer, options: RenderOptions) -> EpisodeRender:
@@ -418,31 +410,16 @@ def render_dataset(
     episodes: Sequence[EpisodeSource],
     tokenizer: Any,
     *,
-    window: int = DEFAULT_WINDOW,
-    overlap: int = DEFAULT_OVERLAP,
-    strict: bool = False,
-    require_success: bool = False,
     require_windows: bool = False,
-    max_header_frac: float = 0.9,
-    keep_truncated_final: bool = False,
-    substitute: bool = True,
-    sent_forms: Mapping[str, str] | None = None,
+    **knobs: Unpack[RenderKnobs],
 ) -> tuple[list[TrainingWindow], dict[str, Any]]:
-    """Render every episode; return all windows and the stats document {args, aggregate, episodes}.
+    """Render every episode; return all windows and the stats document {args, aggregate, episodes}; options as in
+    `RenderOptions`.
 
     `require_windows` applies `ensure_every_episode_has_windows` (the render stage's final check). For paper-sized
     datasets prefer `iter_episode_renders`, which does not hold every window in memory at once.
     """
-    options = RenderOptions(
-        window=window,
-        overlap=overlap,
-        strict=strict,
-        require_success=require_success,
-        max_header_frac=max_header_frac,
-        keep_truncated_final=keep_truncated_final,
-        substitute=substitute,
-        sent_forms=sent_forms,
-    )
+    options = RenderOptions(**knobs)
     windows: list[TrainingWindow] = []
     rows: list[dict[str, Any]] = []
     for result in iter_episode_renders(episodes, tokenizer, options):

@@ -4,6 +4,11 @@ key as a bearer header."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -123,3 +128,55 @@ def test_the_smoke_generation_carries_the_key(monkeypatch):
         assert probe(endpoint_of(server), "L1", api_key_env="PROBE_KEY").ready
     finally:
         server.shutdown()
+
+
+def _slow_generation_server(name: str, delay_s: float) -> ThreadingHTTPServer:
+    """Healthy and listing `name`, but answering a generation only after `delay_s`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send({"status": "ok"} if self.path == "/health" else {"data": [{"id": name}]})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            time.sleep(delay_s)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the probe stopped waiting
+                self._send({"choices": [{"index": 0, "message": {"content": "yes"}}]})
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_both_probes_bound_the_smoke_generation_by_its_own_timeout():
+    server = _slow_generation_server("L1", delay_s=1.0)
+    try:
+        for report in (
+            probe(endpoint_of(server), "L1", timeout_s=5, smoke_timeout_s=0.2),
+            asyncio.run(probe_async(endpoint_of(server), "L1", timeout_s=5, smoke_timeout_s=0.2)),
+        ):
+            assert report.problem == "smoke generation failed (ReadTimeout)"
+        assert probe(endpoint_of(server), "L1", timeout_s=0.2, smoke_timeout_s=5).ready  # the status calls are quick
+    finally:
+        server.shutdown()
+
+
+def test_both_probes_name_the_unreachable_health_endpoint():
+    server = serve_in_thread("L1")
+    server.shutdown()
+    server.server_close()
+    assert probe(endpoint_of(server), "L1", timeout_s=1).problem == "/health unreachable (ConnectError)"
+    assert asyncio.run(probe_async(endpoint_of(server), "L1", timeout_s=1)).problem == (
+        "/health unreachable (ConnectError)"
+    )

@@ -21,6 +21,7 @@ from mass_ops.compute.kubernetes.common import (
     WorkloadSettings,
     _config_volume,
     _empty_dir,
+    _pod_base,
     _resources,
     _store_client_container,
     config_document,
@@ -149,9 +150,7 @@ def benchmark_grader_job(
     fetch = _fetch_container(config, settings, input_mount, bundle_uri, bundle_sha256)
     grader = _grader_container(config, settings, job, input_mount)
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": settings.service_account,
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
+        **_pod_base(config, settings),
         # Pod-level: only what holds for both containers; who runs as whom is set per container.
         "securityContext": {"fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"}},
         "restartPolicy": "Never",

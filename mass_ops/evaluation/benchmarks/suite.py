@@ -213,14 +213,25 @@ class InstanceEpisode:
     time_limit: TimeLimit
 
 
+def _recorded_score(ctx: CycleContext, key: str) -> TaskScore | None:
+    """The score recorded under `key`, or None: an instance is scored once, and every step returns a recorded score
+    as is."""
+    return TaskScore.from_dict(ctx.artifacts.get_json(key)) if ctx.artifacts.exists(key) else None
+
+
+def _record_score(ctx: CycleContext, key: str, scored: TaskScore) -> TaskScore:
+    ctx.artifacts.put_json(key, scored.as_dict())
+    return scored
+
+
 def instance_episode(
     ctx: CycleContext, adapter: BenchmarkAdapter, generation: str, trial: int, task: BenchmarkTask
 ) -> TaskScore | InstanceEpisode | None:
     """Where one instance stands before its grading, running nothing: its recorded score; None when its episode is
     recorded (grade it: `prepare_instance` with `RecordedEpisodes`); else the `InstanceEpisode` to run first."""
     key = instance_key(ctx, adapter.name, generation, trial, task.name)
-    if ctx.artifacts.exists(key):
-        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    if (recorded := _recorded_score(ctx, key)) is not None:
+        return recorded
     if recorded_episode(ctx, instance_request(ctx, task, generation, trial, seeded=False)) is not None:
         return None
     return InstanceEpisode(task.name, instance_request(ctx, task, generation, trial), task_time_limit(ctx, task))
@@ -321,14 +332,12 @@ def run_instance(
 ) -> TaskScore:
     """Run, grade here and record one task (the recorded score when it has one)."""
     key = instance_key(ctx, adapter.name, generation, trial, task.name)
-    if ctx.artifacts.exists(key):
-        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    if (recorded := _recorded_score(ctx, key)) is not None:
+        return recorded
     outcome, limit = _run_episode(ctx, executor_for, task, generation, trial)
     with materialized_workspaces(ctx, [outcome]) as roots:
         score, details = adapter.grade(task, roots.get(task.name), runner)
-    scored = _score(task, score, details, outcome.episode_id, outcome.status, limit)
-    ctx.artifacts.put_json(key, scored.as_dict())
-    return scored
+    return _record_score(ctx, key, _score(task, score, details, outcome.episode_id, outcome.status, limit))
 
 
 def prepare_instance(
@@ -343,8 +352,8 @@ def prepare_instance(
     adapter grades without a container (DSBench; an empty SWE-bench patch), else the `PendingGrading` whose job a
     grader Job must run (stored, with its bundle, so `finish_instance` can end it in another process)."""
     key = instance_key(ctx, adapter.name, generation, trial, task.name)
-    if ctx.artifacts.exists(key):
-        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    if (recorded := _recorded_score(ctx, key)) is not None:
+        return recorded
     outcome, limit = _run_episode(ctx, executor_for, task, generation, trial)
     with materialized_workspaces(ctx, [outcome]) as roots:
         try:
@@ -352,9 +361,7 @@ def prepare_instance(
         except _GraderRequested as requested:
             job = requested.job
         else:
-            scored = _score(task, score, details, outcome.episode_id, outcome.status, limit)
-            ctx.artifacts.put_json(key, scored.as_dict())
-            return scored
+            return _record_score(ctx, key, _score(task, score, details, outcome.episode_id, outcome.status, limit))
     bundle = grader_bundle(job)
     digest = job_sha256(job)
     # Content-addressed: a retry that prepares the same job stores nothing new.
@@ -382,8 +389,8 @@ def finish_instance(
     """Grade one task from its grader Job's log and record the score once (a recorded score is returned as is).
     The log is stored beside the score as the evidence."""
     key = instance_key(ctx, adapter.name, generation, trial, task.name)
-    if ctx.artifacts.exists(key):
-        return TaskScore.from_dict(ctx.artifacts.get_json(key))
+    if (recorded := _recorded_score(ctx, key)) is not None:
+        return recorded
     where = pending_key(ctx, adapter.name, generation, trial, task.name)
     if not ctx.artifacts.exists(where):
         raise BenchmarkError(f"{adapter.name} {task.name} trial {trial}: no grading is pending (prepare it first)")
@@ -402,8 +409,7 @@ def finish_instance(
         score, details = adapter.grade(task, workspace, runner)
     details = {**details, "grader_log": log_info.uri}
     scored = _score(task, score, details, pending.get("episode_id"), str(pending.get("episode_status")), limit)
-    ctx.artifacts.put_json(key, scored.as_dict())
-    return scored
+    return _record_score(ctx, key, scored)
 
 
 @contextlib.contextmanager

@@ -229,10 +229,7 @@ class EpisodeRecords(RepositoryBase):
             "candidate": candidate,
             "generation": generation,
         }
-        slug = episode_unit_slug(
-            task_id=task, kind=member, seed=seed, version=version, candidate=candidate, generation=generation
-        )
-        key = {"cycle_id": cycle_id, "unit_key": slug}
+        key = {"cycle_id": cycle_id, "unit_key": _lease_key(task, member, seed, version, candidate, generation)}
         values = {
             **identity,
             "attempt": attempt,
