@@ -96,10 +96,11 @@ with DAG(
         from mass_ops_airflow.cycle import cycle_config, run_stage
         from mass_ops_airflow.operators.inference import registered_targets
 
+        from mass_ops.compute.backend import backend_for
         from mass_ops.stages import api
 
         config = cycle_config(config_params(params))
-        if config.compute.backend != "kubernetes":
+        if backend_for(config).runs_in_process:
             return []
         return registered_targets(config, run_stage(api.nightly_serving, config_params(params), list(generations)))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mass_ops.compute.backend import LocalBackend, ModelRequest, backend_for
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
@@ -86,43 +87,22 @@ def serve_generations(ctx: CycleContext, names: Sequence[str], scope: str) -> li
     Each server listens on a port that is free when it starts (on the endpoint's host): the in-loop endpoint's port
     may still be taken (by your own server, or a stand-in in tests), and the state file records where each one is.
     """
-    from urllib.parse import urlsplit, urlunsplit
-
-    from mass_ops.compute.local import (
-        free_port,
-        is_alive,
-        read_state,
-        start_server,
-        transformers_serve_argv,
-        wait_ready,
-    )
-
     config = ctx.config
-    if config.compute.backend != "local":
+    backend = backend_for(config)
+    if not backend.runs_in_process:
         raise ServingError("serve_generations runs the local backend only; Kubernetes uses the inference operator")
-    base = urlsplit(config.inference.endpoint)
-    host = base.hostname or "127.0.0.1"
-    servers, states = [], []
+    servers, started = [], []
     try:
         for name in dict.fromkeys(names):
-            folder = local_weights(ctx, registered(ctx, name))
-            path = state_file(scope, name)
-            state = read_state(path)
-            if state is None or not is_alive(state) or state.served_name != str(folder):
-                port = free_port(host)
-                endpoint = urlunsplit((base.scheme, f"{host}:{port}", base.path, "", ""))
-                argv = transformers_serve_argv(
-                    str(folder), port=port, host=host, extra=["--device", "cpu", "--dtype", "float32"]
-                )
-                state = start_server(
-                    argv, state_file=path, endpoint=endpoint, served_name=str(folder), log_path=path.with_suffix(".log")
-                )
-            states.append(state)
-            servers.append(GenerationServer(name, state.endpoint, state.served_name))
-        for state in states:
-            wait_ready(
-                state, timeout_s=config.inference.server.readiness_timeout_s, api_key_env=config.inference.api_key_env
+            folder = str(local_weights(ctx, registered(ctx, name)))
+            request = ModelRequest(
+                folder, folder, config.inference.endpoint, state_file(scope, name), reuse="served_name"
             )
+            server = backend.start_model(config, request)
+            started.append(server)
+            servers.append(GenerationServer(name, server.endpoint, server.served_name))
+        for server in started:
+            backend.wait_ready(config, server)
     except BaseException:
         stop_generations(scope)
         raise
@@ -131,12 +111,10 @@ def serve_generations(ctx: CycleContext, names: Sequence[str], scope: str) -> li
 
 def stop_generations(scope: str) -> list[str]:
     """Local backend: stop every server of `scope` (a no-op for servers already gone); returns the generations."""
-    from mass_ops.compute.local import stop_server
-
     folder = SERVERS_DIR / _slug(scope)
     stopped = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        stop_server(path)
+        LocalBackend().stop_model(path)  # what the local backend recorded (none on Kubernetes)
         stopped.append(path.stem)
     return stopped
 
@@ -144,30 +122,20 @@ def stop_generations(scope: str) -> list[str]:
 def generation_server(ctx: CycleContext, name: str, scope: str) -> GenerationServer:
     """Where generation `name` is served in `scope` on the configured backend; ServingError when it is not
     registered (on either backend: no server serves an unregistered generation) or, locally, was never started."""
-    config = ctx.config
     row = registered(ctx, name)
-    if config.compute.backend == "kubernetes":
-        from mass_ops.compute.kubernetes import inference_url
-
-        served = row.served_name or name
-        return GenerationServer(name, inference_url(config, scope, served), served)
-    from mass_ops.compute.local import read_state
-
-    state = read_state(state_file(scope, name))
-    if state is None:
+    found = backend_for(ctx.config).locate_model(
+        ctx.config, scope=scope, served_name=row.served_name or name, state_file=state_file(scope, name)
+    )
+    if found is None:
         raise ServingError(f"no local server of {name} was started in scope {scope!r}; start the evaluation servers")
-    return GenerationServer(name, state.endpoint, state.served_name)
+    return GenerationServer(name, found.endpoint, found.served_name)
 
 
 def serving_config(config: CycleConfig, server: GenerationServer) -> CycleConfig:
-    """`config` with its endpoint and served model pointed at `server`. On the local backend that server is
-    `transformers serve` whatever the in-loop endpoint is, so the config also says so: an OpenAI-compatible
-    backend (no vLLM sampling extensions, which it refuses with HTTP 422) scheduling first come, first served (no
-    `priority` field). Nothing else changes."""
-    update: dict[str, Any] = {"endpoint": server.endpoint}
-    if config.compute.backend == "local":
-        update["backend"] = "openai-compatible"
-        update["server"] = config.inference.server.model_copy(update={"scheduling_policy": "fcfs"})
+    """`config` with its endpoint and served model pointed at `server`, and the inference fields that server's
+    backend dictates (`ComputeBackend.serving_update`: locally `transformers serve`, an OpenAI-compatible backend
+    scheduling first come, first served, whatever the in-loop endpoint is). Nothing else changes."""
+    update: dict[str, Any] = {"endpoint": server.endpoint, **backend_for(config).serving_update(config)}
     inference = config.inference.model_copy(update=update)
     models = config.models.model_copy(update={"served_name": server.served_name})
     return config.model_copy(update={"inference": inference, "models": models})

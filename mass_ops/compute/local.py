@@ -8,7 +8,6 @@ file written atomically. Starting again with the same argv reuses a live server;
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mass_ops.compute.processes import proc_stat, signal_group, start_in_session, stop_group
 from mass_ops.compute.readiness import probe
 from mass_ops.errors import InfrastructureError
 
@@ -102,13 +102,8 @@ def read_state(state_file: str | Path) -> ServerState | None:
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) from /proc/<pid>/stat; None without /proc or process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its closing parenthesis.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
+    stat = proc_stat(pid)
+    return None if stat is None else (stat[0], stat[2])
 
 
 def is_alive(state: ServerState) -> bool:
@@ -164,16 +159,8 @@ def start_server(
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         try:
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives the starting process and gets its own process group
-                close_fds=True,
-                env=dict(env) if env is not None else None,
-                cwd=cwd,
-            )
+            # Its own session: it survives the starting process, and its process group is stopped as one.
+            process = start_in_session(argv, stdout=out, env=env, cwd=cwd)
         except OSError as exc:
             raise LocalServerError(f"cannot start {argv[0]}: {exc}") from None
     stat = _proc_stat(process.pid)
@@ -231,30 +218,11 @@ def stop_server(state_file: str | Path, *, grace_s: float = 30.0) -> bool:
         return False
     stopped = False
     if is_alive(state):
-        _signal_group(state, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while is_alive(state) and time.monotonic() < deadline:
-            _reap(state.pid)
-            time.sleep(0.1)
-        if is_alive(state):
-            _signal_group(state, signal.SIGKILL)
-            while is_alive(state) and time.monotonic() < deadline + 10:
-                _reap(state.pid)
-                time.sleep(0.1)
+        # Judged by `is_alive` (the recorded start time), not the group: the pid may belong to another process now.
+        stop_group(state.pgid, grace_s=grace_s, running=lambda: is_alive(state), leader=state.pid)
         stopped = True
     path.unlink(missing_ok=True)
     return stopped
-
-
-def _signal_group(state: ServerState, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(state.pgid, sig)
-
-
-def _reap(pid: int) -> None:
-    # When the server is our own child (started in this process), collect its exit status so it is not a zombie.
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
 
 
 def run_command(
@@ -272,17 +240,7 @@ def run_command(
     """
     argv = list(argv)
     tail: deque[str] = deque(maxlen=tail_lines)
-    process = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=dict(env) if env is not None else None,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
+    process = start_in_session(argv, stdout=subprocess.PIPE, env=env, cwd=cwd, text=True)
     assert process.stdout is not None
     stream = process.stdout
     # A reader thread drains the pipe so a chatty command never blocks on it while we wait with a timeout.
@@ -291,8 +249,7 @@ def run_command(
     try:
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGKILL)
         process.wait()
         raise TimeoutError(f"{argv[0]} did not finish within {timeout_s:g} s") from None
     finally:

@@ -22,6 +22,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from mass_ops.compute.backend import backend_for
 from mass_ops.config import CycleConfig
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import LEASE_LAPSE_S, EpisodeLease
@@ -39,10 +40,8 @@ def lease_horizon_s(config: CycleConfig) -> float | None:
     wall_clock = config.runtime.episode_wall_clock_s
     if wall_clock is None:
         return None
-    horizon = wall_clock + LEASE_MARGIN_S
-    if config.compute.backend == "kubernetes":
-        horizon += config.compute.kubernetes.startup_timeout_s  # leased at pod creation, before the pod is scheduled
-    return float(horizon)
+    # A pod is leased at its creation, before it is scheduled: the backend says how long that may take.
+    return float(wall_clock + LEASE_MARGIN_S + backend_for(config).launch_delay_s(config))
 
 
 def lease_is_fresh(lease: EpisodeLease, horizon_s: float | None, now: datetime) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
+from mass_ops.compute.limits import EndpointSlots
 from mass_ops.context import CycleContext
 from mass_ops.critical_path import chain_priority, episode_phase
 from mass_ops.errors import InfrastructureError, InputError
@@ -111,26 +112,31 @@ class PoolEvent:
 
 
 class FairScheduler:
-    """`capacity` slots; waiting episodes are granted highest priority first, then per task, fewest running first,
-    then fewest started."""
+    """`capacity` slots of the endpoint (`compute.limits.EndpointSlots`); waiting episodes are granted highest
+    priority first, then per task, fewest running first, then fewest started."""
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"episode pool capacity must be ≥ 1 (got {capacity})")
-        self.capacity = capacity
+        self.slots = EndpointSlots(capacity)
         self.running: collections.Counter[int] = collections.Counter()
         self.started: collections.Counter[int] = collections.Counter()
-        self.peak = 0
         self._waiting: dict[tuple[int, int], collections.deque[asyncio.Future[None]]] = {}  # (task, priority)
         self._arrival: dict[tuple[int, int], int] = {}
 
     @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    @property
+    def peak(self) -> int:
+        return self.slots.peak
+
+    @property
     def in_use(self) -> int:
-        return sum(self.running.values())
+        return self.slots.in_use
 
     async def acquire(self, task_id: int, priority: int = 0) -> None:
         """Wait for a slot for an episode of `task_id` with `priority` (`critical_path.chain_priority`; cancellable)."""
-        if self.in_use < self.capacity and not any(self._waiting.values()):
+        if not any(self._waiting.values()) and self.slots.try_acquire():
             self._grant(task_id)
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -148,20 +154,22 @@ class FairScheduler:
 
     def release(self, task_id: int) -> None:
         self.running[task_id] -= 1
+        self.slots.release()
         self._dispatch()
 
     def _grant(self, task_id: int) -> None:
+        """Account a slot already taken from `slots` to `task_id`."""
         self.running[task_id] += 1
         self.started[task_id] += 1
-        self.peak = max(self.peak, self.in_use)
 
     def _dispatch(self) -> None:
-        while self.in_use < self.capacity:
+        while self.slots.free > 0:
             ready = [key for key, queue in self._waiting.items() if queue]
             if not ready:
                 return
             task, priority = min(ready, key=lambda k: (-k[1], self.running[k[0]], self.started[k[0]], self._arrival[k]))
             future = self._waiting[(task, priority)].popleft()
+            self.slots.try_acquire()
             self._grant(task)
             future.set_result(None)
 

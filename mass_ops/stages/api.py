@@ -39,9 +39,10 @@ def inference_up(config: CycleConfig, *, model_dir: str | None = None) -> dict[s
     `/v1/models` lists the served name (on Kubernetes the inference-server operator does this instead)."""
     from urllib.parse import urlsplit
 
-    from mass_ops.compute.local import start_server, transformers_serve_argv, wait_ready
+    from mass_ops.compute.backend import ModelRequest, backend_for
 
-    if config.compute.backend != "local":
+    backend = backend_for(config)
+    if not backend.runs_in_process:
         raise InputError("inference_up runs the local backend only; the DAG uses the inference-server operator")
     if config.compute.local_inference == "external":
         # Someone else serves the model (a vLLM of yours, a hosted endpoint): only its readiness is checked.
@@ -52,25 +53,24 @@ def inference_up(config: CycleConfig, *, model_dir: str | None = None) -> dict[s
             raise InfrastructureError(f"inference endpoint {config.inference.endpoint} is not ready: {report.problem}")
         return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": None}
     port = urlsplit(config.inference.endpoint).port or config.inference.server.port
-    model = model_dir or config.models.served_name
-    argv = transformers_serve_argv(model, port=port, extra=["--device", "cpu", "--dtype", "float32"])
-    state_file = _server_state_file(config)
-    state = start_server(
-        argv,
-        state_file=state_file,
-        endpoint=config.inference.endpoint,
+    request = ModelRequest(
+        model=model_dir or config.models.served_name,
         served_name=config.models.served_name,
-        log_path=state_file.with_suffix(".log"),
+        endpoint=config.inference.endpoint,
+        state_file=_server_state_file(config),
+        port=port,
     )
-    wait_ready(state, timeout_s=config.inference.server.readiness_timeout_s, api_key_env=config.inference.api_key_env)
-    return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": state.pid}
+    server = backend.start_model(config, request)
+    backend.wait_ready(config, server)
+    return {"endpoint": config.inference.endpoint, "served_name": config.models.served_name, "pid": server.pid}
 
 
 def inference_down(config: CycleConfig) -> dict[str, Any]:
     """Stop the local model server (a no-op when none is recorded); runs even when upstream stages failed."""
-    from mass_ops.compute.local import stop_server
+    from mass_ops.compute.backend import LocalBackend
 
-    return {"stopped": stop_server(_server_state_file(config))}
+    # What the local backend recorded, whatever the config's backend now (a teardown stops what was started).
+    return {"stopped": LocalBackend().stop_model(_server_state_file(config))}
 
 
 def search_tasks(config: CycleConfig) -> list[int]:
@@ -484,9 +484,10 @@ def benchmark_units(config: CycleConfig, benchmarks: Sequence[str], trials: int)
 
 def benchmark_up(config: CycleConfig, generation: str) -> dict[str, Any]:
     """Local backend: serve `generation` for the benchmark trials (found running when it already is)."""
+    from mass_ops.compute.backend import backend_for
     from mass_ops.serving import serve_generations
 
-    if config.compute.backend != "local":
+    if not backend_for(config).runs_in_process:
         return {"servers": []}  # on Kubernetes the trials use the cycle's evaluation servers (evaluation_scope)
     ctx = attach_cycle(config)
     return {"servers": [server.as_dict() for server in serve_generations(ctx, [generation], BENCHMARK_SCOPE)]}

@@ -37,10 +37,12 @@ def _check_limit(benchmark: str, limit: int | None) -> None:
 def _served(config: CycleConfig, generation: str) -> CycleContext:
     """The cycle's context pointed at `generation`'s server (local: the benchmarks' own; Kubernetes: the cycle's
     evaluation servers)."""
+    from mass_ops.compute.backend import backend_for
     from mass_ops.serving import evaluation_scope, generation_server, serving_context
 
     ctx = attach_cycle(config)
-    scope = BENCHMARK_SCOPE if config.compute.backend == "local" else evaluation_scope(config)
+    # Locally the benchmark stages serve the generation themselves; on the cluster the operator's servers do.
+    scope = BENCHMARK_SCOPE if backend_for(config).runs_in_process else evaluation_scope(config)
     return serving_context(ctx, generation_server(ctx, generation, scope))
 
 
@@ -102,13 +104,15 @@ def trial_on(
     data_dir: str | None,
 ) -> dict[str, Any]:
     """`benchmark_trial` in the context `served_on` gives (shared by the full suite and the nightly slice)."""
+    from mass_ops.compute.backend import backend_for
     from mass_ops.evaluation.benchmarks.grading import local_runner, require_grader_host
     from mass_ops.evaluation.benchmarks.sources import benchmark_adapter
     from mass_ops.evaluation.benchmarks.suite import run_benchmark_trial
 
     _check_limit(benchmark, limit)
     adapter = benchmark_adapter(benchmark, data_dir)
-    runner = local_runner() if config.compute.backend == "local" else None
+    # In-process the grader runs here (a container engine); on the cluster `benchmark_grader_job` runs it.
+    runner = local_runner() if backend_for(config).runs_in_process else None
     require_grader_host(adapter.name, needs_container=adapter.needs_container, runner=runner)
     served = served_on(config, generation)
     result = run_benchmark_trial(served, adapter, _executor_for, generation, trial, runner=runner, limit=limit)

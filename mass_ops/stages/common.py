@@ -32,7 +32,8 @@ def refuse_remote(config: CycleConfig, stage: str) -> None:
 
 @contextmanager
 def episode_executor(ctx: CycleContext) -> Iterator[EpisodeExecutor]:
-    """The executor of the configured compute backend: local qwen-code processes behind an EpisodePool."""
+    """The cycle's episode executor: local qwen-code processes behind an EpisodePool. On a backend that runs episodes
+    in pods (`ComputeBackend.episode_pod`), the pods ran them first and the pool finds them recorded (reused)."""
     from mass_ops.runtime.pool import EpisodePool
 
     with EpisodePool(ctx) as pool:

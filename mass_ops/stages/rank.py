@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from mass_ops.compute.limits import EndpointSlots
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.critical_path import server_priority
@@ -265,7 +266,7 @@ def rank_task(ctx: CycleContext, task_id: int, judge: PairwiseJudge) -> TaskRank
     tournament = _TaskTournament(ctx, task_id, judge, by_name, budget)
     todo = [(i, a, b) for i, (a, b) in enumerate(pairs) if match_key(a, b) not in recorded]
     if todo:
-        workers = min(len(todo), config.inference.max_concurrent_requests)
+        workers = EndpointSlots.of(config).workers(len(todo))  # the endpoint's limit, as for episodes
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"rank-t{task_id}") as pool:
             for future in [pool.submit(tournament.play, i, a, b) for i, a, b in todo]:
                 row = future.result()

@@ -8,6 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from mass_ops.compute.backend import backend_for
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.report.model import LossCurve, ThroughputCurve
 from mass_ops.layout import training_prefix
@@ -104,7 +105,7 @@ def ran_on_cpu(ctx: CycleContext, runs: Sequence[TrainingRun]) -> bool:
     """Whether the cycle ran on CPUs (the laptop demo), so it has no GPU-hours: a training log row naming its
     `device`, else the trainer's own sign — it drops the GPU peak on a CPU, so its steps log achieved TFLOP/s but no
     MFU although `training.peak_tflops_per_gpu` is set. Clusters (the kubernetes backend) always run on GPUs."""
-    if ctx.config.compute.backend != "local":
+    if not backend_for(ctx.config).cpu_possible:
         return False
     peak_set = ctx.config.training.peak_tflops_per_gpu is not None
     for run in runs:

@@ -1,9 +1,10 @@
 """Operators of mass-ops cycles: model servers, episode sandboxes, a task's teacher collection, training and export
 Jobs, the report.
 
-Each decides at run time, from the run's config (`compute.backend`), whether to launch Kubernetes workloads or to
-call the stage function in-process (the report is always written in-process); the same DAG serves the laptop and the
-cluster.
+Each asks the run's compute backend (`mass_ops.compute.backend.backend_for(config)`) at run time: a backend that runs
+work in process (local) has the stage function called here; otherwise the operator launches the workloads the
+backend's specs describe (Kubernetes). The report is always written in-process; the same DAG serves the laptop and
+the cluster.
 """
 
 from mass_ops_airflow.operators.collection import TaskCollectionOperator

@@ -1,15 +1,15 @@
-"""One benchmark trial: in-process on the local backend; on Kubernetes one instance at a time, each graded by a
-grader Job from the benchmark's image.
+"""One benchmark trial: in-process when the run's compute backend runs work in process (local); otherwise
+(Kubernetes) one instance at a time, each graded by a grader Job from the benchmark's image.
 
-Local backend: the `benchmark_trial` stage runs the whole trial here (a benchmark whose grader needs a container
+In process: the `benchmark_trial` stage runs the whole trial here (a benchmark whose grader needs a container
 engine and finds none stops in one line before any agent time). Kubernetes: the stages drive one instance at a time
 — `benchmark_trial_tasks` checks the dataset and the evaluator first; `benchmark_instance` runs the instance's
 episode (reused when finished) and either scores it (DSBench, an empty SWE-bench patch, an instance already
-recorded) or returns the grader job to run; the operator then creates that grader Job
-(`mass_ops.compute.kubernetes.benchmark_grader_job`: the episode pods' limits and NetworkPolicy) and defers to the
-triggerer (`JobCompletionTrigger`, which fails fast when the pod cannot be scheduled or its image pulled). When the
-Job succeeds, the `grader` container's log — the result the grader prints between its markers — goes to
-`benchmark_grader_result`, which grades it with the benchmark's official grading, stores the log as evidence and
+recorded) or returns the grader job to run; the operator then creates that grader Job (the backend's
+`grader_job`, `mass_ops.compute.kubernetes.benchmark_grader_job`: the episode pods' limits and NetworkPolicy) and
+defers to the triggerer (`JobCompletionTrigger`, which fails fast when the pod cannot be scheduled or its image
+pulled). When the Job succeeds, the `grader` container's log — the result the grader prints between its markers —
+goes to `benchmark_grader_result`, which grades it with the benchmark's official grading, stores the log as evidence and
 records the score with the evaluator's version once; the Job is deleted and the next instance starts. When every
 instance has a score, `benchmark_trial_record` writes the trial's row.
 
@@ -130,11 +130,14 @@ class BenchmarkTrialOperator(BaseOperator):
     # -- entry points ------------------------------------------------------------------------------------------------
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from mass_ops.compute.backend import backend_for
+
         benchmark, trial, generation, limit, data_dir = self._choice(context)
         config = cycle_config(self.config_params(context["params"]))
-        if config.compute.backend == "local":
+        backend = backend_for(config)
+        if backend.runs_in_process:
             result = call_stage(self._stage("trial"), config, benchmark, generation, trial, limit, data_dir)
-            return {"backend": "local", "result": result}
+            return {"backend": backend.name, "result": result}
         return self._advance(context, config, 0)  # its first call checks the dataset and evaluator
 
     def execute_complete(self, context: Context, event: dict[str, Any], index: int = 0) -> dict[str, Any]:
@@ -197,8 +200,10 @@ class BenchmarkTrialOperator(BaseOperator):
                 continue
             if self._grade(context, config, index, prepared):
                 continue  # a grader Job of a previous try had succeeded: its result is recorded now
+        from mass_ops.compute.backend import backend_for
+
         result = call_stage(self._stage("trial_record"), config, benchmark, generation, trial, limit, data_dir)
-        return {"backend": "kubernetes", "result": result}
+        return {"backend": backend_for(config).name, "result": result}
 
     def _instance(self, context: Context, config: CycleConfig, task: str) -> dict[str, Any]:
         """`<prefix>_instance` of `task`: on Kubernetes its episode runs in a pod, never in this task."""
@@ -211,6 +216,7 @@ class BenchmarkTrialOperator(BaseOperator):
         """The pod runner of an instance's episode (`benchmark_instance`'s ``episode`` answer), the config of the
         cycle it is recorded in (the nightly slice records in its own), and its spec."""
         from mass_ops.compute import kubernetes as specs
+        from mass_ops.compute.backend import backend_for, to_launch
         from mass_ops_airflow.operators._pod import sandbox_runner
 
         # The stage names the cycle; its config differs from the run's by the name only (stages.nightly).
@@ -218,13 +224,13 @@ class BenchmarkTrialOperator(BaseOperator):
         pod_config = config if cycle == config.cycle_name else config.model_copy(update={"name": cycle})
         spec = specs.EpisodeSpec(**episode["episode"])
         server = episode.get("server")
-        manifest = specs.episode_pod(
+        pod = backend_for(pod_config).episode_pod(
             pod_config,
-            specs.load_workload_settings(),
             spec,
             wall_clock_s=episode.get("wall_clock_s"),
             server=specs.EpisodeServer(**server) if server else None,
         )
+        manifest = to_launch(pod, f"episode {spec.slug}")
         self._runner = sandbox_runner(
             task_id=self.task_id,
             manifest=manifest,
@@ -281,20 +287,17 @@ class BenchmarkTrialOperator(BaseOperator):
         """Create (or re-attach to) instance `index`'s grader Job and defer; True when a Job of a previous try had
         already succeeded and its result was recorded here instead."""
         from mass_ops.compute import kubernetes as specs
+        from mass_ops.compute.backend import backend_for, to_launch
         from mass_ops_airflow.kube import MassKubeHook, job_state
         from mass_ops_airflow.triggers import JobCompletionTrigger
 
         job = prepared["job"]
         run = GraderRun(job["benchmark"], job["instance"], job["image"], job["script"], float(job["timeout_s"]))
         unit = self._unit_label(context)
-        manifest = specs.benchmark_grader_job(
-            config,
-            specs.load_workload_settings(),
-            run,
-            bundle_uri=prepared["bundle_uri"],
-            bundle_sha256=prepared["bundle_sha256"],
-            unit=unit,
+        grader = backend_for(config).grader_job(
+            config, run, bundle_uri=prepared["bundle_uri"], bundle_sha256=prepared["bundle_sha256"], unit=unit
         )
+        manifest = to_launch(grader, f"grader of {run.instance}")
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
         hook = MassKubeHook(self.kubernetes_conn_id)
         self._in_flight = {"job": name, "namespace": namespace}

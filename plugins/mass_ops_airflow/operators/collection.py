@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from mass_ops.compute.kubernetes import EpisodeSpec
+    from mass_ops.compute.limits import EndpointSlots
     from mass_ops.config import CycleConfig
     from mass_ops_airflow.kube import MassKubeHook
 
@@ -92,10 +93,12 @@ class TaskCollectionOperator(BaseOperator):
         self._namespace: str | None = None
         self._kube: MassKubeHook | None = None
         self._config: CycleConfig | None = None
+        self._slots: EndpointSlots | None = None  # held by the pods in `_pods`
 
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowSkipException
 
+        from mass_ops.compute.backend import backend_for
         from mass_ops_airflow.cycle import call_stage
 
         config = cycle_config(context["params"])
@@ -104,13 +107,13 @@ class TaskCollectionOperator(BaseOperator):
         context["unit_label"] = label  # type: ignore[typeddict-unknown-key]  # map_index_template
         if task_no not in config.tasks.train:
             raise AirflowSkipException(f"task {task_no} is searched only (not in tasks.train): no teacher collection")
-        backend = config.compute.backend
-        if backend == "kubernetes":
+        backend = backend_for(config)
+        if not backend.runs_in_process:  # else the stage runs the candidates in its own episode pool
             self._run_pods(config, task_no)
         result = call_stage(STAGE, config, task_no)
         if isinstance(result, dict) and result.get("decision") == "skip":
             raise AirflowSkipException(f"task {task_no}: {result.get('reason')}")
-        return {"backend": backend, "task": task_no, "result": result}
+        return {"backend": backend.name, "task": task_no, "result": result}
 
     # -- Kubernetes -----------------------------------------------------------------------------------------------
 
@@ -135,7 +138,7 @@ class TaskCollectionOperator(BaseOperator):
         return True
 
     def _run_pods(self, config: CycleConfig, task_no: int) -> None:
-        from mass_ops.compute import kubernetes as specs
+        from mass_ops.compute.backend import backend_for, to_launch
         from mass_ops.errors import InputError
         from mass_ops_airflow.checks import StageOutputMissing
         from mass_ops_airflow.operators.episode import EpisodePodOperator
@@ -153,8 +156,8 @@ class TaskCollectionOperator(BaseOperator):
             # episode in any of these cases (it stops on the same task-level check first).
             self.log.info("No candidate pod for task %s: %s", task_no, exc)
             return
-        settings = specs.load_workload_settings()
-        pods = [_Pod(episode.slug, specs.episode_pod(config, settings, episode), episode) for episode in bound]
+        backend = backend_for(config)
+        pods = [_Pod(e.slug, to_launch(backend.episode_pod(config, e), f"candidate {e.slug}"), e) for e in bound]
         failures, budget_stop = self._run_all(config, pods)
         if budget_stop is not None:
             raise EpisodePodOperator.budget_failure(
@@ -173,25 +176,27 @@ class TaskCollectionOperator(BaseOperator):
             )
 
     def _run_all(self, config: CycleConfig, pods: list[_Pod]) -> tuple[list[str], str | None]:
-        """Run the pods, at most `inference.max_concurrent_requests` at once: (the failures' reports, the budget
-        stop's one line or None). A budget stop starts no further pod; the running ones finish."""
+        """Run the pods, at most `inference.max_concurrent_requests` at once (one endpoint slot each): (the failures'
+        reports, the budget stop's one line or None). A budget stop starts no further pod; the running ones finish."""
+        from mass_ops.compute.limits import EndpointSlots
         from mass_ops_airflow.kube import MassKubeHook
         from mass_ops_airflow.operators.episode import EpisodePodOperator
 
         self._kube = MassKubeHook(self.kubernetes_conn_id)
         self._namespace = config.compute.kubernetes.namespace
         self._config = config
-        limit = config.inference.max_concurrent_requests
+        self._slots = slots = EndpointSlots.of(config)
         startup_s = config.compute.kubernetes.startup_timeout_s
         queue = list(pods)
         failures: list[str] = []
         budget_stop: str | None = None
         try:
             while queue or self._pods:
-                while queue and len(self._pods) < limit:
+                while queue and slots.try_acquire():
                     pod = queue.pop(0)
                     stop = None if self._read(pod.name) is not None else EpisodePodOperator.admit(config, pod.episode)
                     if stop is not None:  # recorded budget_exhausted (not started); launch nothing more
+                        slots.release()
                         budget_stop = f"candidate {pod.slug}: no pod created: {stop['message']}"
                         self.log.error("%s", budget_stop)
                         queue.clear()
@@ -211,7 +216,7 @@ class TaskCollectionOperator(BaseOperator):
                     else:
                         self.log.info("Candidate %s: pod %s succeeded", pod.slug, pod.name)
                     self._delete(pod.name)
-                    del self._pods[pod.name]
+                    self._forget(pod.name)
                 if queue or self._pods:
                     self._sleep()
         finally:
@@ -291,7 +296,12 @@ class TaskCollectionOperator(BaseOperator):
                 self.log.exception("Could not delete pod %s", name)
             if pod.created:
                 self._end_lease(pod)
-            self._pods.pop(name, None)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """`name`'s pod is no longer this task's: its endpoint slot is free again."""
+        if self._pods.pop(name, None) is not None and self._slots is not None:
+            self._slots.release()
 
     def _end_lease(self, pod: _Pod) -> None:
         if self._config is not None:

@@ -1,4 +1,5 @@
-"""One episode per task instance: a sandbox pod on Kubernetes, nothing to launch on the local backend.
+"""One episode per task instance: the sandbox pod the run's compute backend gives (`ComputeBackend.episode_pod`, on
+Kubernetes), or nothing to launch when the backend runs episodes in process (local).
 
 On Kubernetes the pod runs `mass-ops episode run …` (see `mass_ops.compute.kubernetes.episode_pod`): non-root, no
 service-account token, CPU/memory limits, the label the sandbox NetworkPolicy selects, and of the Secrets only the
@@ -149,12 +150,12 @@ class EpisodePodOperator(BaseOperator):
         return AirflowFailException(message)
 
     def _build_runner(self, config: CycleConfig, episode: EpisodeSpec) -> Any:
-        from mass_ops.compute import kubernetes as specs
+        from mass_ops.compute.backend import backend_for, to_launch
         from mass_ops_airflow.operators._pod import sandbox_runner
 
         # A re-entry binds again: the request is deterministic and the prompt artifact content-addressed.
         bound = self.bound_episode(config, episode)
-        manifest = specs.episode_pod(config, specs.load_workload_settings(), bound)
+        manifest = to_launch(backend_for(config).episode_pod(config, bound), f"episode {episode.slug}")
         self._leased = (bound, str(manifest["metadata"]["name"]))
         self._runner = sandbox_runner(
             task_id=self.task_id,
@@ -167,15 +168,18 @@ class EpisodePodOperator(BaseOperator):
         return self._runner
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from mass_ops.compute.backend import backend_for
+
         config = cycle_config(context["params"])
+        backend = backend_for(config)
         episode = self.episode()
         context["episode_label"] = episode.slug  # type: ignore[typeddict-unknown-key]  # map_index_template
         if episode.kind == "search" and (episode.version or 0) > config.search.iterations:
             from airflow.sdk.exceptions import AirflowSkipException
 
             raise AirflowSkipException(f"search.iterations is {config.search.iterations}: no version {episode.version}")
-        if config.compute.backend == "local":
-            return self._local(config, episode)
+        if backend.runs_in_process:  # the stage function runs the episode in its own episode pool
+            return self._in_process(config, episode)
         if self.check_outputs and (done := self._recorded(config, episode)) is not None:
             # A retry or a cleared task after the episode was recorded: nothing to launch (units are idempotent).
             self.log.info("Episode %s is already recorded (%s): no pod", episode.slug, done)
@@ -217,9 +221,9 @@ class EpisodePodOperator(BaseOperator):
                 self.end_lease(config, self._leased[0])
             raise
 
-    def _local(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
+    def _in_process(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
         self.log.info("Local backend: episode %s runs inside the stage task that follows", episode.slug)
-        return {"backend": "local", "episode": episode.slug}
+        return {"backend": _backend_name(config), "episode": episode.slug}
 
     @staticmethod
     def _recorded(config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any] | None:
@@ -242,7 +246,7 @@ class EpisodePodOperator(BaseOperator):
         return self._after_pod(config, episode, check)
 
     def _after_pod(self, config: CycleConfig, episode: EpisodeSpec, check: dict[str, Any]) -> dict[str, Any]:
-        return {"backend": "kubernetes", "episode": episode.slug, **check}
+        return {"backend": _backend_name(config), "episode": episode.slug, **check}
 
     def on_kill(self) -> None:
         if self._runner is not None:
@@ -278,7 +282,7 @@ class EpisodeStageOperator(EpisodePodOperator):
             return (episode.generation, episode.task_id, episode.replicate)
         raise ValueError(f"a {episode.kind} episode has no stage of its own; use EpisodePodOperator")
 
-    def _run_stage(self, config: CycleConfig, episode: EpisodeSpec, backend: str) -> dict[str, Any]:
+    def _run_stage(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
         from mass_ops_airflow.cycle import call_stage, stage_function
 
         try:
@@ -288,10 +292,17 @@ class EpisodeStageOperator(EpisodePodOperator):
             if message is None:
                 raise
             raise self.budget_failure(f"episode {episode.slug}: {message}") from exc
-        return {"backend": backend, "episode": episode.slug, "result": result}
+        return {"backend": _backend_name(config), "episode": episode.slug, "result": result}
 
-    def _local(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
-        return self._run_stage(config, episode, "local")
+    def _in_process(self, config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any]:
+        return self._run_stage(config, episode)
 
     def _after_pod(self, config: CycleConfig, episode: EpisodeSpec, check: dict[str, Any]) -> dict[str, Any]:
-        return self._run_stage(config, episode, "kubernetes")
+        return self._run_stage(config, episode)
+
+
+def _backend_name(config: CycleConfig) -> str:
+    """The run's compute backend, as results report it."""
+    from mass_ops.compute.backend import backend_for
+
+    return backend_for(config).name

@@ -1,10 +1,10 @@
-"""Bring the cycle's model server(s) up and down.
+"""Bring the cycle's model server(s) up and down, asking the run's compute backend (`mass_ops.compute.backend`).
 
-Kubernetes backend: one vLLM Deployment + ClusterIP Service per served model (`mass_ops.compute.kubernetes`), then a
-deferred wait until every server is ready (`InferenceReadinessTrigger`). A readiness failure deletes what was created
-before the task fails — a failed setup task's teardown does not run — and so does killing the task.
-Local backend: the `inference_up` / `inference_down` stage functions (a detached `transformers serve`), with the
-same readiness rule.
+A backend that runs in process (local): the `inference_up` / `inference_down` stage functions (a detached
+`transformers serve`). Otherwise (Kubernetes) the backend's `model_workloads` — one vLLM Deployment + ClusterIP
+Service per served model — are applied here, then a deferred wait until every server is ready
+(`InferenceReadinessTrigger`). A readiness failure deletes what was created before the task fails — a failed setup
+task's teardown does not run — and so does killing the task. The same readiness rule holds on both.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mass_ops_airflow.cycle import call_stage, cycle_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
+    from mass_ops.compute.backend import ComputeBackend
     from mass_ops.compute.kubernetes import ServingTarget
     from mass_ops.config import CycleConfig
 
@@ -75,12 +76,15 @@ class InferenceServerOperator(BaseOperator):
         self._created: dict[str, Any] | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
-        config = cycle_config(context["params"])
-        if config.compute.backend == "local":
-            return self._execute_local(config)
-        return self._execute_kubernetes(config)
+        from mass_ops.compute.backend import backend_for
 
-    def _execute_local(self, config: CycleConfig) -> dict[str, Any]:
+        config = cycle_config(context["params"])
+        backend = backend_for(config)
+        if backend.runs_in_process:
+            return self._execute_in_process(config, backend)
+        return self._launch(config, backend)
+
+    def _execute_in_process(self, config: CycleConfig, backend: ComputeBackend) -> dict[str, Any]:
         from mass_ops_airflow.triggers import InferenceReadinessTrigger
 
         result = call_stage(self.local_stage, config) or {}
@@ -89,11 +93,11 @@ class InferenceServerOperator(BaseOperator):
         else:
             servers = [{"endpoint": config.inference.endpoint, "served_name": config.models.served_name}]
         if not servers:
-            return {"backend": "local", "servers": []}
+            return {"backend": backend.name, "servers": []}
         if all(_ready_now(server, config.inference.api_key_env) for server in servers):
             # The local stages wait for readiness themselves; deferring a task that is already done only meets
             # Airflow's race between a fast trigger and the deferral (apache/airflow#67287).
-            return {"backend": "local", "servers": servers}
+            return {"backend": backend.name, "servers": servers}
         self.defer(
             trigger=InferenceReadinessTrigger(
                 servers=servers,
@@ -104,15 +108,14 @@ class InferenceServerOperator(BaseOperator):
             method_name="execute_complete",
         )
 
-    def _execute_kubernetes(self, config: CycleConfig) -> dict[str, Any]:
-        from mass_ops.compute import kubernetes as specs
+    def _launch(self, config: CycleConfig, backend: ComputeBackend) -> dict[str, Any]:
+        from mass_ops.compute.backend import to_launch
         from mass_ops_airflow.kube import MassKubeHook
         from mass_ops_airflow.triggers import InferenceReadinessTrigger
 
-        settings = specs.load_workload_settings()
         scope = self.scope or config.cycle_name
         namespace = config.compute.kubernetes.namespace
-        targets = serving_targets(config, self.serve)
+        workloads = to_launch(backend.model_workloads(config, serving_targets(config, self.serve), scope), "serve")
         hook = MassKubeHook(self.kubernetes_conn_id)
         cleanup: dict[str, Any] = {
             "conn_id": self.kubernetes_conn_id,
@@ -122,17 +125,14 @@ class InferenceServerOperator(BaseOperator):
         }
         self._created = cleanup
         servers = []
-        for target in targets:
-            deployment = specs.inference_deployment(config, settings, target, scope=scope)
-            service = specs.inference_service(config, settings, target, scope=scope)
+        for workload in workloads:
+            deployment, service = workload.deployment, workload.service
             cleanup["deployments"].append(deployment["metadata"]["name"])
             cleanup["services"].append(service["metadata"]["name"])
             action = hook.apply_deployment(deployment)
             hook.ensure_service(service)
-            self.log.info("Deployment %s %s for %s", deployment["metadata"]["name"], action, target.served_name)
-            servers.append(
-                {"endpoint": specs.inference_url(config, scope, target.served_name), "served_name": target.served_name}
-            )
+            self.log.info("Deployment %s %s for %s", deployment["metadata"]["name"], action, workload.served_name)
+            servers.append({"endpoint": workload.endpoint, "served_name": workload.served_name})
         k8s = config.compute.kubernetes
         self.defer(
             trigger=InferenceReadinessTrigger(
@@ -143,7 +143,7 @@ class InferenceServerOperator(BaseOperator):
                 kubernetes={
                     "conn_id": self.kubernetes_conn_id,
                     "namespace": namespace,
-                    "selector": specs.scope_selector(config, scope, settings.labels_for("inference")),
+                    "selector": backend.model_selector(config, scope),
                     "schedule_timeout_s": k8s.startup_timeout_s,
                 },
                 cleanup=cleanup,
@@ -153,14 +153,17 @@ class InferenceServerOperator(BaseOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the readiness wait: the servers, or a clear failure (after deleting what was created)."""
+        from mass_ops.compute.backend import backend_for
+
+        config = cycle_config(context["params"])
+        backend = backend_for(config)
         cleanup = event.get("cleanup")
         if event.get("status") == "ready":
-            return {"backend": "kubernetes" if cleanup else "local", "servers": event["servers"]}
-        config = cycle_config(context["params"])
+            return {"backend": backend.name, "servers": event["servers"]}
         # A failed setup task's teardown does not run: stop what this task started before failing.
         if cleanup:
             self._delete(cleanup)
-        elif config.compute.backend == "local":
+        elif backend.runs_in_process:
             call_stage(self.local_teardown_stage, config)
         timeout = config.inference.server.readiness_timeout_s
         what = "not ready within" if event.get("status") == "timeout" else "failed to start within"
@@ -218,20 +221,20 @@ class InferenceServerTeardownOperator(BaseOperator):
         self.delete_timeout_s = delete_timeout_s
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from mass_ops.compute.backend import backend_for
+
         config = cycle_config(context["params"])
-        if config.compute.backend == "local":
-            return {"backend": "local", "result": call_stage(self.local_stage, config)}
-        from mass_ops.compute import kubernetes as specs
+        backend = backend_for(config)
+        selector = backend.model_selector(config, self.scope or config.cycle_name)
+        if selector is None:  # nothing was launched: the stage function stops the server it started
+            return {"backend": backend.name, "result": call_stage(self.local_stage, config)}
         from mass_ops_airflow.kube import MassKubeHook
 
-        scope = self.scope or config.cycle_name
-        settings = specs.load_workload_settings()
-        selector = specs.scope_selector(config, scope, settings.labels_for("inference"))
         deleted = MassKubeHook(self.kubernetes_conn_id).delete_selected(
             config.compute.kubernetes.namespace, selector, timeout_s=self.delete_timeout_s
         )
         self.log.info("Deleted %s", ", ".join(deleted) or "nothing (already gone)")
-        return {"backend": "kubernetes", "deleted": deleted}
+        return {"backend": backend.name, "deleted": deleted}
 
 
 def registered_targets(config: CycleConfig, names: Sequence[str]) -> list[dict[str, str]]:

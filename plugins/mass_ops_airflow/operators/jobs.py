@@ -1,4 +1,5 @@
-"""Training and export as Kubernetes Jobs on GPU nodes (or the stage function, on the local backend).
+"""Training and export as Kubernetes Jobs on GPU nodes — the run's compute backend's `job_workload` — or, when the
+backend runs work in process (local), the stage function.
 
 Training runs as an indexed Job: `training.nnodes` pods with `training.gpus_per_node` GPUs each, node rank = the
 completion index, rendezvous through a headless Service named like the Job (`mass_ops.compute.kubernetes`) — or,
@@ -25,6 +26,7 @@ from mass_ops_airflow.cycle import call_stage, cycle_config
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
+    from mass_ops.compute.backend import JobWorkload
     from mass_ops.config import CycleConfig
 
 
@@ -60,26 +62,29 @@ class GpuJobOperator(BaseOperator):
         return type(self).post_check(config)
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from mass_ops.compute.backend import backend_for
+
         config = cycle_config(context["params"])
-        if config.compute.backend == "local":
+        backend = backend_for(config)
+        workload = backend.job_workload(config, self.role)  # type: ignore[arg-type]
+        if workload is None:
             # In-process the stage's own return is the outcome; the post-check guards what a pod's exit cannot tell.
-            return {"backend": "local", "result": call_stage(self.local_stage, config)}
-        return self._execute_kubernetes(config)
+            return {"backend": backend.name, "result": call_stage(self.local_stage, config)}
+        if workload.kind == "TrainJob":
+            return self._execute_trainjob(config, workload)
+        return self._execute_job(config, workload)
 
     def _uses_trainjob(self, config: CycleConfig) -> bool:
         return self.role == "train" and config.compute.kubernetes.training_launcher == "trainjob"
 
-    def _execute_kubernetes(self, config: CycleConfig) -> dict[str, Any]:
-        if self._uses_trainjob(config):
-            return self._execute_trainjob(config)
+    def _execute_job(self, config: CycleConfig, workload: JobWorkload) -> dict[str, Any]:
         from mass_ops.compute import kubernetes as specs
         from mass_ops_airflow.kube import MassKubeHook, job_state
         from mass_ops_airflow.triggers import JobCompletionTrigger
 
-        settings = specs.load_workload_settings()
-        job = specs.training_job(config, settings, role=self.role)  # type: ignore[arg-type]
-        service = specs.rendezvous_service(config, settings, role=self.role)  # type: ignore[arg-type]
-        name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+        job, service = workload.manifest, workload.service
+        assert service is not None, "a Job comes with its rendezvous Service"
+        name, namespace = workload.name, workload.namespace
         hook = MassKubeHook(self.kubernetes_conn_id)
         self._created = {"job": name, "service": service["metadata"]["name"], "namespace": namespace}
         existing = hook.read_job(name, namespace)
@@ -115,13 +120,12 @@ class GpuJobOperator(BaseOperator):
             method_name="execute_complete",
         )
 
-    def _execute_trainjob(self, config: CycleConfig) -> dict[str, Any]:
-        from mass_ops.compute import kubernetes as specs
+    def _execute_trainjob(self, config: CycleConfig, workload: JobWorkload) -> dict[str, Any]:
         from mass_ops_airflow.kube import MassKubeHook, trainjob_state
         from mass_ops_airflow.triggers import TrainJobCompletionTrigger
 
-        manifest = specs.training_trainjob(config, specs.load_workload_settings())
-        name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        manifest = workload.manifest
+        name, namespace = workload.name, workload.namespace
         hook = MassKubeHook(self.kubernetes_conn_id)
         self._created = {"trainjob": name, "namespace": namespace}
         existing = hook.read_trainjob(name, namespace)
@@ -157,6 +161,7 @@ class GpuJobOperator(BaseOperator):
 
     def _complete(self, config: CycleConfig, event: dict[str, Any]) -> dict[str, Any]:
         from mass_ops.compute import kubernetes as specs
+        from mass_ops.compute.backend import backend_for
         from mass_ops_airflow.kube import MassKubeHook
 
         name = specs.job_name(config, self.role)  # type: ignore[arg-type]
@@ -174,7 +179,7 @@ class GpuJobOperator(BaseOperator):
         if tails is not None:
             message = event.get("message") or event.get("status")
             raise RuntimeError(f"{self.role} {kind} {name} failed: {message}\n{tails}")
-        return {"backend": "kubernetes", "job": name, "check": self._check(config)}
+        return {"backend": backend_for(config).name, "job": name, "check": self._check(config)}
 
     def on_kill(self) -> None:
         if not self._created:
