@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mass_ops.compute.processes import signal_group
 from mass_ops.compute.sandbox import proxy_socket_dir, runtime_paths, sandboxed_argv
 from mass_ops.runtime.agent_environment import SCOPE_ENV
 from mass_ops.runtime.attempt_folder import AttemptPaths
@@ -34,12 +35,6 @@ class AgentRun:
     exit_code: int | None
     terminated_by: str | None
     duration_s: float
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    """Send `sig` to the process group `pgid`, if it is still there and ours to signal."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def kill_scope(scope: str) -> int:
