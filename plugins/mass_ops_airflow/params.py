@@ -465,15 +465,12 @@ def cycle_params(*, preset: str | None = None, knobs: Sequence[str] | None = Non
         section="Advanced",
     )
     estimate = f"{ESTIMATE_PATH}?preset={quote(str(preset or default_preset()), safe='')}"
+    # Markdown only: Airflow's form shows a plain `description` when there is one, and renders `description_md`
+    # (here with the link to the estimate page) only without it.
     params["allow_over_budget"] = Param(
         False,
         type=["boolean", "null"],
         title="Allow over budget",
-        description=(
-            "Start the run even when its cost estimate exceeds budgets.cycle_cost_usd or budgets.cycle_tokens. "
-            f"The estimate per stage: {estimate}, with each changed knob added as &knob=value and each override "
-            "as &set=key=value."
-        ),
         description_md=(
             "Start the run even when its cost estimate exceeds `budgets.cycle_cost_usd` or `budgets.cycle_tokens`. "
             f"[Open the estimate per stage]({estimate}) for the preset; add each changed knob as `&knob=value` "

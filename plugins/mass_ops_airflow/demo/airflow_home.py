@@ -36,6 +36,10 @@ WAITING_NOTE = "waiting: %d unfinished task instances, none runnable yet"
 
 # The `dags/` folder of the clone this package is installed from (an editable install: plugins/mass_ops_airflow/).
 CHECKOUT_DAGS = Path(__file__).resolve().parents[3] / "dags"
+# Where a wheel of mass-ops puts the DAG files (pyproject's `data-files`), below its install scheme's data folder:
+# the environment's prefix, or ~/.local for `pip install --user`. Found through the distribution's file list.
+DAGS_DISTRIBUTION = "mass-ops"
+INSTALLED_DAGS = ("share", "mass-ops", "dags")
 
 
 class DemoAirflowError(InputError):
@@ -55,18 +59,33 @@ class WaitingNote(logging.Filter):
         return True
 
 
+def installed_dags(path: list[str] | None = None) -> Path | None:
+    """The DAG folder an installed (non-editable) mass-ops wheel carries, from its RECORD; None when no installed
+    distribution lists the cycle DAG there. `path`: where to look for distributions (default `sys.path`)."""
+    from importlib.metadata import distributions
+
+    wanted = (*INSTALLED_DAGS, f"{CYCLE_DAG_ID}.py")
+    for dist in distributions(name=DAGS_DISTRIBUTION, path=sys.path if path is None else path):
+        for file in dist.files or ():
+            if file.parts[-len(wanted) :] == wanted:
+                return Path(str(dist.locate_file(file))).resolve().parent
+    return None
+
+
 def dags_folder(environ: Mapping[str, str] | None = None) -> Path:
-    """The folder of the DAG files the demo's Airflow loads: `$MASS_DAGS_DIR` when set; else `dags/` of the working
-    directory when it holds the cycle DAG (a clone of mass-ops); else the `dags/` of the clone this package is
-    installed from, so the demo runs from any folder (its `runs/demo/` is made there). A wheel carries no DAG files:
-    then `use_demo_airflow` names `MASS_DAGS_DIR`."""
+    """The folder of the DAG files the demo's Airflow loads, the first that holds the cycle DAG of: `$MASS_DAGS_DIR`
+    when set (taken as is); `dags/` of the working directory (a clone of mass-ops); the `dags/` of the clone this
+    package is installed from (editable), so the demo runs from any folder (its `runs/demo/` is made there); the
+    DAG files an installed wheel carries (`installed_dags`). None holds it: `./dags`, and `use_demo_airflow` names
+    `MASS_DAGS_DIR`."""
     configured = (os.environ if environ is None else environ).get(DAGS_DIR_ENV)
     if configured:
         return Path(configured).expanduser().resolve()
     here = Path("dags").resolve()
-    if (here / f"{CYCLE_DAG_ID}.py").is_file() or not (CHECKOUT_DAGS / f"{CYCLE_DAG_ID}.py").is_file():
-        return here
-    return CHECKOUT_DAGS
+    for candidate in (here, CHECKOUT_DAGS):
+        if (candidate / f"{CYCLE_DAG_ID}.py").is_file():
+            return candidate
+    return installed_dags() or here
 
 
 def quiet_waiting_notes() -> None:
@@ -101,8 +120,8 @@ def use_demo_airflow(home: Path = DEMO_AIRFLOW_HOME, environ: Mapping[str, str] 
     """Export the demo's Airflow environment into this process; refuse when Airflow is already imported elsewhere."""
     if not (dags_folder() / f"{CYCLE_DAG_ID}.py").is_file():
         raise DemoAirflowError(
-            f"no {CYCLE_DAG_ID}.py in {dags_folder()} (this install carries no DAG files); set {DAGS_DIR_ENV} to "
-            "the dags/ folder of a mass-ops clone"
+            f"no {CYCLE_DAG_ID}.py in {dags_folder()} (no clone's or installed DAG files found); set {DAGS_DIR_ENV} "
+            "to the dags/ folder of a mass-ops clone"
         )
     env = airflow_environment(home)
     if "airflow" in sys.modules and os.environ.get("AIRFLOW_HOME") != env["AIRFLOW_HOME"]:
