@@ -135,6 +135,10 @@ class ComputeBackend(Protocol):
         """Where a model served in `scope` answers; None when it was never started (local)."""
         ...
 
+    def in_loop_endpoint(self, config: CycleConfig) -> str | None:
+        """The endpoint the cycle's in-loop server answers at when the backend decides it; None: the config's own."""
+        ...
+
     def model_workloads(
         self, config: CycleConfig, targets: Sequence[ServingTarget], scope: str
     ) -> list[ModelWorkload] | None:
@@ -241,6 +245,9 @@ class LocalBackend:
         state = read_state(state_file)
         return None if state is None else ModelServer(state.endpoint, state.served_name, state)
 
+    def in_loop_endpoint(self, config: CycleConfig) -> str | None:
+        return None  # the local server listens where the config says
+
     def model_workloads(
         self, config: CycleConfig, targets: Sequence[ServingTarget], scope: str
     ) -> list[ModelWorkload] | None:
@@ -311,6 +318,11 @@ class KubernetesBackend:
         from mass_ops.compute.kubernetes import inference_url
 
         return ModelServer(inference_url(config, scope, served_name), served_name)
+
+    def in_loop_endpoint(self, config: CycleConfig) -> str | None:
+        from mass_ops.compute.kubernetes import inference_url
+
+        return inference_url(config, config.cycle_name, config.models.served_name)  # the cycle's Service
 
     def model_workloads(
         self, config: CycleConfig, targets: Sequence[ServingTarget], scope: str

@@ -548,7 +548,7 @@ def build_config(
     Airflow connections, see `hooks`) wins over MASS_METADATA_URL / MASS_ARTIFACT_URL. With the Kubernetes backend
     the endpoint becomes the in-cluster Service of the cycle's inference server.
     """
-    from mass_ops.compute.kubernetes import inference_url
+    from mass_ops.compute.backend import backend_for
     from mass_ops.compute.kubernetes import settings_dir as default_settings_dir
     from mass_ops.config import ConfigError, apply_environment, apply_overrides, read_config_source, validate_config
 
@@ -592,12 +592,11 @@ def build_config(
                 "version steps the cycle DAG lays out"
             ]
         )
-    if config.compute.backend == "kubernetes":
-        endpoint = inference_url(config, config.cycle_name, config.models.served_name)
-        if config.inference.endpoint != endpoint:
-            dumped = config.model_dump(mode="json")
-            dumped["inference"]["endpoint"] = endpoint
-            config = validate_config(dumped)
+    endpoint = backend_for(config).in_loop_endpoint(config)
+    if endpoint is not None and config.inference.endpoint != endpoint:
+        dumped = config.model_dump(mode="json")
+        dumped["inference"]["endpoint"] = endpoint
+        config = validate_config(dumped)
     return config
 
 

@@ -145,3 +145,14 @@ def test_local_backend_serves_reuses_and_stops_a_model(laptop, tmp_path, monkeyp
 def test_local_backend_runs_a_job_as_a_supervised_process(tmp_path):
     result = LocalBackend().run_job([sys.executable, "-c", "print('done')"], cwd=Path(tmp_path))
     assert result.returncode == 0 and result.tail == "done"
+
+
+def test_only_kubernetes_decides_the_in_loop_endpoint():
+    from mass_ops.compute.kubernetes import inference_url
+    from mass_ops.config import load_config
+
+    local = load_config("demo", environ={})
+    cluster = load_config("paper", ["compute.backend=kubernetes"], environ={})
+    assert backend_for(local).in_loop_endpoint(local) is None
+    expected = inference_url(cluster, cluster.cycle_name, cluster.models.served_name)
+    assert backend_for(cluster).in_loop_endpoint(cluster) == expected
