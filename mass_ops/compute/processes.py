@@ -32,6 +32,7 @@ class GroupStop:
 
     signals: list[str] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)
+    described: list[str] = field(default_factory=list)  # `describe` of each killed pid, read before the SIGKILL
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -151,10 +152,11 @@ def stop_group(
     term_signals: int = 1,
     running: Callable[[], bool] | None = None,
     leader: int | None = None,
+    describe: Callable[[int], str] | None = None,
 ) -> GroupStop:
     """Stop group `pgid`: SIGTERM `term_signals` times (each followed by an equal share of `grace_s`), then SIGKILL
     what still runs and wait up to `kill_wait_s`. `running` says whether it still runs (default: its leader lives);
-    `leader` is a pid of ours to reap while waiting (default: `pgid`)."""
+    `leader` is a pid of ours to reap while waiting (default: `pgid`); `describe` names what SIGKILL had to end."""
     alive = running or (lambda: group_alive(pgid))
     pid = pgid if leader is None else leader
     sent: list[str] = []
@@ -166,9 +168,10 @@ def stop_group(
         if _wait(alive, pid, grace_s / max(1, term_signals)):
             return GroupStop(sent, [])
     killed = group_members(pgid)
+    described = [describe(member) for member in killed] if describe else []  # while /proc still shows them
     signal_group(pgid, signal.SIGKILL)
     _wait(alive, pid, kill_wait_s)
-    return GroupStop([*sent, signal.SIGKILL.name], killed)
+    return GroupStop([*sent, signal.SIGKILL.name], killed, described)
 
 
 def stop_child(process: subprocess.Popen[Any], *, grace_s: float) -> GroupStop:

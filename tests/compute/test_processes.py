@@ -46,9 +46,10 @@ def test_a_command_leads_its_own_group_and_stop_group_kills_every_member():
     try:
         assert os.getpgid(process.pid) == process.pid != os.getpgid(0)
         assert {process.pid, grandchild} <= set(group_members(process.pid))
-        stopped = stop_group(process.pid, grace_s=0.5, kill_wait_s=5)
+        stopped = stop_group(process.pid, grace_s=0.5, kill_wait_s=5, describe=lambda pid: f"member {pid}")
         assert stopped.signals == ["SIGTERM", "SIGKILL"]
         assert process.pid in stopped.killed
+        assert f"member {process.pid}" in stopped.described  # named before the SIGKILL took it
         assert process.poll() is not None  # reaped while waiting: no zombie left
         assert wait_until(lambda: not running(grandchild))
         assert not group_alive(process.pid)

@@ -39,6 +39,7 @@ import httpx
 import yaml
 from rich.console import Console
 
+from mass_ops.compute import processes
 from mass_ops.compute.local import SERVERS_DIR
 from mass_ops.config import CycleConfig
 from mass_ops_airflow.demo import DEMO_STORAGE_ENV
@@ -256,16 +257,7 @@ def start_standalone(
         try:
             # Own process group: the stop signals reach the standalone parent and every component it started,
             # and a Ctrl-C in this terminal reaches only this process, which stops the group in order.
-            return subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(env),
-                start_new_session=True,
-                close_fds=True,
-                pass_fds=tuple(pass_fds),
-            )
+            return processes.start_in_session(argv, stdout=out, env=env, pass_fds=pass_fds)
         except OSError as exc:
             raise DemoUiError(f"cannot start {argv[0]}: {exc.strerror}") from None
 
@@ -278,29 +270,7 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid` (from /proc; where it is missing, [pgid] while the
-    group answers signal 0)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the command name (which may hold spaces): state, ppid, pgrp, ...
-        fields = raw[raw.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
+group_members = processes.group_members  # live members of a process group (the one supervisor's)
 
 
 @dataclass(frozen=True)
@@ -331,15 +301,6 @@ def _group_gone(process: subprocess.Popen[bytes], pgid: int) -> bool:
     return process.poll() is not None and not group_members(pgid)
 
 
-def _wait_group_gone(process: subprocess.Popen[bytes], pgid: int, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while not _group_gone(process, pgid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> GroupStop:
     """Stop `process` and its whole process group within about `grace_s` + `KILL_WAIT_S`: SIGTERM to every member at
     once; a second SIGTERM to what still runs after half the grace; SIGKILL to what still runs after the grace (named
@@ -351,21 +312,15 @@ def stop_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) 
     signal already stopped, otherwise sleeps out its 10 s escalation delay before it notices.
     """
     pgid = process.pid  # the session leader's pid is its group id
-    sent: list[str] = []
-    for sig, wait_s in ((signal.SIGTERM, grace_s / 2), (signal.SIGTERM, grace_s / 2)):
-        if _group_gone(process, pgid):
-            return GroupStop(signals=sent, killed=[])
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-        sent.append(sig.name)
-        _wait_group_gone(process, pgid, wait_s)
-    if _group_gone(process, pgid):
-        return GroupStop(signals=sent, killed=[])
-    killed = [describe_process(pid) for pid in group_members(pgid)]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    _wait_group_gone(process, pgid, KILL_WAIT_S)
-    return GroupStop(signals=[*sent, "SIGKILL"], killed=killed)
+    stopped = processes.stop_group(
+        pgid,
+        grace_s=grace_s,
+        kill_wait_s=KILL_WAIT_S,
+        term_signals=2,
+        running=lambda: not _group_gone(process, pgid),
+        describe=describe_process,
+    )
+    return GroupStop(signals=stopped.signals, killed=stopped.described)
 
 
 def stop_model_servers(since: float, servers_dir: Path = MODEL_SERVERS_DIR) -> list[str]:
