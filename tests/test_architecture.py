@@ -351,3 +351,82 @@ def test_the_size_check_sees_a_long_function(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "long.py").write_text(f"def long():\n{body}\n")
     assert oversized([tmp_path / "long.py"]) == [f"{tmp_path / 'long.py'}:1 long: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+# -- SQL lives in the repository --------------------------------------------------------------------------------------
+
+# Modules outside `mass_ops/store/` that still build SQL or open a metadata session, each with why. Shrink, never grow.
+SQL_OUTSIDE_STORE_ALLOWED = {
+    "mass_ops/evaluation/report/data_training.py": "another change is editing it; `repo.training_runs` is its query",
+    "mass_ops/cost/lineage.py": "not this change's file; `repo.get_cycle_by_id` and `repo.get_training_run` are its "
+    "queries",
+    "plugins/mass_ops_airflow/checks.py": "not this change's file; `repo.training_runs` is its query",
+    "plugins/mass_ops_airflow/demo/airflow_home.py": "reads Airflow's own database (XCom) through Airflow's session",
+    "plugins/mass_ops_airflow/demo/live.py": "reads Airflow's own database (DAG runs, task instances)",
+    "plugins/mass_ops_airflow/demo/task_logs.py": "reads Airflow's own database (task instances)",
+}
+# What a module may take from SQLAlchemy without building SQL: its errors, and the URL parser.
+SQLALCHEMY_WITHOUT_SQL = {"sqlalchemy.exc": None, "sqlalchemy.engine": {"make_url"}}
+SESSION_CALLS = {"execute", "exec_driver_sql", "scalars", "scalar", "query"}
+
+
+def sql_builders(path: Path) -> list[str]:
+    """`line: what` for each place `path` builds SQL: a SQLAlchemy import other than its errors and URL parser (a
+    plain ``import sqlalchemy as sa`` counts where it uses more than ``sa.exc``), a metadata session opened with
+    ``….store.read()`` / ``….store.write()``, or a query run on something named a session or connection."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "sqlalchemy":
+            allowed = SQLALCHEMY_WITHOUT_SQL.get(node.module or "", set())
+            if allowed is not None and not {a.name for a in node.names} <= allowed:
+                found.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "sqlalchemy"}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in aliases and node.attr != "exc":
+            found.append(f"{node.lineno}: {owner.id}.{node.attr}")
+        elif node.attr in {"read", "write"} and isinstance(owner, ast.Attribute) and owner.attr == "store":
+            found.append(f"{node.lineno}: a metadata session (store.{node.attr})")
+        elif node.attr in SESSION_CALLS:
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if "session" in name or name in {"conn", "connection"}:
+                found.append(f"{node.lineno}: {name}.{node.attr}")
+    return sorted(set(found), key=lambda item: (int(item.split(":")[0]), item))
+
+
+def sql_outside_store() -> dict[str, list[str]]:
+    modules = [p for p in sorted(PACKAGE.rglob("*.py")) if (PACKAGE / "store") not in p.parents]
+    modules += sorted((REPO / "plugins").rglob("*.py")) + sorted((REPO / "dags").rglob("*.py"))
+    return {p.relative_to(REPO).as_posix(): places for p in modules if (places := sql_builders(p))}
+
+
+def test_no_module_outside_the_store_builds_sql():
+    """Queries are named methods of the repository (`mass_ops/store/repository/<aggregate>.py`)."""
+    builders = {path: places for path, places in sql_outside_store().items() if path not in SQL_OUTSIDE_STORE_ALLOWED}
+    assert builders == {}, "move these queries into the repository aggregate they read"
+
+
+def test_the_sql_allow_list_names_only_modules_that_still_build_sql():
+    assert sorted(set(SQL_OUTSIDE_STORE_ALLOWED) - set(sql_outside_store())) == []
+
+
+def test_the_sql_check_sees_a_query_and_spares_errors_and_urls(tmp_path):
+    module = tmp_path / "reader.py"
+    module.write_text(
+        "import sqlalchemy as sa\nfrom sqlalchemy.exc import SQLAlchemyError\nfrom sqlalchemy.engine import make_url\n"
+        "def rows(repo, model):\n"
+        "    try:\n"
+        "        with repo.store.read() as session:\n"
+        "            return session.scalars(sa.select(model)).all()\n"
+        "    except sa.exc.OperationalError:\n"
+        "        return make_url('sqlite://')\n"
+        "def run(runner, context):\n"
+        "    return runner.execute(context)\n"
+    )
+    assert sql_builders(module) == ["6: a metadata session (store.read)", "7: sa.select", "7: session.scalars"]
+    module.write_text("from sqlalchemy import select, text\n")
+    assert sql_builders(module) == ["1: from sqlalchemy import select, text"]

@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from mass_ops import stage_registry as r
 from mass_ops.config import CycleConfig
 from mass_ops.cost.estimate import DEFAULT_TRAIN_STEP_S
 from mass_ops.errors import InputError
 from mass_ops.layout import next_generation_key, training_prefix
 from mass_ops.seeds import next_cycle_seed_base
-from mass_ops.stages import registry as r
 from mass_ops.train.lora_targets import lora_target_pattern
 
 if TYPE_CHECKING:
@@ -378,7 +378,8 @@ def frozen_cycle_config(config: CycleConfig, cycle: str) -> CycleConfig:
 
 def cycle_work(config: CycleConfig, plan: CyclePlan) -> list[StageWork]:
     """The planned work of the stages that cost something (model calls, episodes, GPU time), from `plan`'s counts:
-    what `cost.estimate` prices. Counts that are upper bounds (arbitration, collection) stay upper bounds."""
+    what `cost.estimate` prices, one line per cost category of the stage registry, in its order. Counts that are upper
+    bounds (arbitration, collection) stay upper bounds."""
     from mass_ops.cost.estimate import StageWork, WorkItem
 
     counts = {stage.stage: stage.counts for stage in plan.stages}
@@ -391,7 +392,7 @@ def cycle_work(config: CycleConfig, plan: CyclePlan) -> list[StageWork]:
     ]
     return [
         StageWork(
-            r.SEARCH.name,
+            r.cost_category(r.SEARCH),
             (
                 WorkItem("episode", int(search["episodes"]), served, episode=True, chain=versions),
                 WorkItem("judge", int(search["baseline_judge_calls"]) + int(search["arbitration_calls_max"]), served),
@@ -399,12 +400,18 @@ def cycle_work(config: CycleConfig, plan: CyclePlan) -> list[StageWork]:
             ),
         ),
         StageWork(
-            r.COLLECT.name, (WorkItem("episode", int(counts[r.COLLECT.name]["episodes"]), served, episode=True),)
+            r.cost_category(r.COLLECT),
+            (WorkItem("episode", int(counts[r.COLLECT.name]["episodes"]), served, episode=True),),
         ),
-        StageWork(r.RANK.name, (WorkItem("judge", int(counts[r.RANK.name]["self_judge_calls"]), served),)),
-        StageWork(r.TRAIN.name, train_steps=config.training.steps, train_gpus=plan.resources.training_gpus, servers=0),
+        StageWork(r.cost_category(r.RANK), (WorkItem("judge", int(counts[r.RANK.name]["self_judge_calls"]), served),)),
         StageWork(
-            r.EVALUATE.name,
+            r.cost_category(r.TRAIN),
+            train_steps=config.training.steps,
+            train_gpus=plan.resources.training_gpus,
+            servers=0,
+        ),
+        StageWork(
+            r.cost_category(r.EVALUATE),
             (
                 WorkItem("episode", 2 * int(evaluate["rollouts_per_generation"]), served, episode=True),
                 WorkItem("judge", int(evaluate["self_judge_calls"]), served),
@@ -486,7 +493,7 @@ def parent_training_throughput(config: CycleConfig) -> MeasuredThroughput | None
     from mass_ops.store.artifact_backends import open_artifact_store
     from mass_ops.store.errors import StorageError
     from mass_ops.store.repository import MetadataRepository
-    from mass_ops.store.schema import RunStatus, TrainingRun
+    from mass_ops.store.schema import RunStatus
     from mass_ops.train.checkpoints import log_rows
 
     url = config.storage.metadata_url
@@ -501,8 +508,7 @@ def parent_training_throughput(config: CycleConfig) -> MeasuredThroughput | None
         parent = parent_cycle(repo, config.generation)
         if parent is None:
             return None
-        with repo.store.read() as session:
-            run = session.query(TrainingRun).filter_by(cycle_id=parent.id, key=TRAINING_RUN_KEY).one_or_none()
+        run = repo.get_training_run(parent.id, TRAINING_RUN_KEY)
         if run is None or run.status != RunStatus.SUCCEEDED:
             return None
         artifacts = open_artifact_store(config.storage.artifact_url)

@@ -26,8 +26,7 @@ from mass_ops.cost.prices import token_cost
 from mass_ops.cost.records import StageUsage
 from mass_ops.errors import InputError
 from mass_ops.ops.leases import describe_lease, lease_horizon_s, lease_is_fresh
-from mass_ops.stages.common import TRAINING_RUN_KEY
-from mass_ops.stages.registry import (
+from mass_ops.stage_registry import (
     COLLECT,
     EVALUATE,
     EXPORT,
@@ -40,6 +39,7 @@ from mass_ops.stages.registry import (
     TRAIN,
     stage_of_episode,
 )
+from mass_ops.stages.common import TRAINING_RUN_KEY
 from mass_ops.store.budgets import BudgetLimits
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import (
@@ -231,13 +231,6 @@ def recorded_config(config: CycleConfig, row: Cycle) -> tuple[CycleConfig, str]:
     return validate_config(data), "the config frozen in the cycle row"
 
 
-def _rows(repo: MetadataRepository, model: type[Any], cycle_id: int) -> list[Any]:
-    import sqlalchemy as sa
-
-    with repo.store.read() as session:
-        return list(session.scalars(sa.select(model).where(model.cycle_id == cycle_id).order_by(model.id)).all())
-
-
 @dataclass
 class _Records:
     """The rows of one cycle that decide its units (read once per status)."""
@@ -260,14 +253,14 @@ class _Records:
         return cls(
             episodes=repo.episodes(cycle_id),
             calls=repo.llm_calls(cycle_id),
-            versions=_rows(repo, WorkflowVersion, cycle_id),
+            versions=repo.cycle_workflow_versions(cycle_id),
             retained=repo.retained_workflows(cycle_id),
-            rankings=_rows(repo, Ranking, cycle_id),
-            selections=_rows(repo, Selection, cycle_id),
-            datasets=_rows(repo, Dataset, cycle_id),
-            runs=_rows(repo, TrainingRun, cycle_id),
-            generations=_rows(repo, ModelGeneration, cycle_id),
-            evaluations=_rows(repo, Evaluation, cycle_id),
+            rankings=repo.cycle_rankings(cycle_id),
+            selections=repo.cycle_selections(cycle_id),
+            datasets=repo.datasets(cycle_id),
+            runs=repo.training_runs(cycle_id),
+            generations=repo.cycle_generations(cycle_id),
+            evaluations=repo.evaluations(cycle_id=cycle_id),
             leases=repo.episode_leases(cycle_id),
             now=now or datetime.now(UTC),
         )

@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
-
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.layout import (
@@ -75,10 +73,8 @@ _PUBLISHED_CHECKPOINT = re.compile(r"step_(\d{5})/" + re.escape(MANIFEST_NAME))
 
 
 def _training_run(ctx: CycleContext) -> TrainingRun | None:
-    # The repository offers ensure_training_run only; reading must not create a run as a side effect.
-    statement = sa.select(TrainingRun).where(TrainingRun.cycle_id == ctx.cycle_id, TrainingRun.key == TRAINING_RUN_KEY)
-    with ctx.repo.store.read() as session:
-        return session.scalars(statement).one_or_none()
+    # Read, never `ensure_training_run`: looking at the run must not create it as a side effect.
+    return ctx.repo.get_training_run(ctx.cycle_id, TRAINING_RUN_KEY)
 
 
 def rendered_datasets(ctx: CycleContext, stage: str) -> dict[str, Dataset]:

@@ -119,3 +119,16 @@ def test_the_training_args_carry_the_gpu_peak_for_mfu():
     config = load_config("paper", ["training.peak_tflops_per_gpu=756"], environ={})
     args = train_args_for(config, model_dir="model", train_data="train.jsonl", val_data="val.jsonl", out_dir="out")
     assert args.peak_tflops_per_gpu == 756
+
+
+def test_the_estimate_has_one_line_per_cost_category_of_the_registry_in_its_order():
+    """The estimate's lines are what the report sets its actuals beside: the registry's cost categories."""
+    from mass_ops.ops.plan import cycle_work
+    from mass_ops.stage_registry import COST_CATEGORIES
+
+    config = load_config("paper")
+    lines = [work.stage for work in cycle_work(config, build_plan(config, training_command_for(config)))]
+    assert lines == [category for category in COST_CATEGORIES if category in lines]
+    assert set(COST_CATEGORIES) - set(lines) == {"benchmark"}  # benchmark trials run outside a cycle
+    estimate = _plan_json("--config", "paper")["estimate"]
+    assert [stage["stage"] for stage in estimate["stages"]] == lines

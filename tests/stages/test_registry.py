@@ -158,3 +158,36 @@ def test_a_misspelt_stage_in_a_dag_is_caught(tmp_path: Path) -> None:
         "from mass_ops.stages import api\nrun_stage(api.serch_tasks, {})\nReportOperator(stage='reprot')\n"
     )
     assert _missing(_dag_references(tmp_path)) == ["bad.py:2 api.serch_tasks", "bad.py:3 name.reprot"]
+
+
+def test_the_stage_layer_s_registry_is_the_floor_s():
+    """`mass_ops.stages.registry` re-exports `mass_ops.stage_registry`: one set of declarations, two addresses."""
+    from mass_ops import stage_registry
+
+    assert registry.STAGES is stage_registry.STAGES and registry.SEARCH is stage_registry.SEARCH
+    assert set(registry.__all__) >= {name for name in vars(stage_registry) if name.isupper()}
+
+
+def test_cost_categories_of_stages_episodes_and_calls():
+    from mass_ops.stage_registry import (
+        COST_CATEGORIES,
+        call_cost_category,
+        cost_category,
+        episode_cost_category,
+    )
+
+    assert COST_CATEGORIES == ("search", "collect", "rank", "train", "evaluate", "benchmark")
+    assert cost_category(registry.ROLLOUT) == "evaluate"
+    with pytest.raises(ValueError, match="select"):
+        cost_category(registry.SELECT)
+    assert [episode_cost_category(kind) for kind in ("reference", "collection", "rollout", "benchmark", "x")] == [
+        "search",
+        "collect",
+        "evaluate",
+        "benchmark",
+        None,
+    ]
+    assert call_cost_category("task51/ranking/m1/a1", "self_judge") == "rank"
+    assert call_cost_category("eval/self/x/a1", "self_judge") == "evaluate"  # the evaluation's own judge
+    assert call_cost_category("task51/rhi/v1/a1", "optimizer") == "search"
+    assert call_cost_category("task51/x/a1", "unknown") is None

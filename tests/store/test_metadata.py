@@ -603,3 +603,40 @@ def test_malformed_artifact_hashes_are_refused(repo: MetadataRepository, cycle_i
     with pytest.raises(InvalidRecordError, match="artifacts the episode does not have: api_log"):
         _episode(repo, cycle_id, artifacts={"stream": "s3://b/s"}, artifact_sha256={"api_log": "0" * 64})
     assert _count(repo, Episode) == 0
+
+
+def test_a_cycle_s_rows_are_read_per_aggregate_in_the_order_recorded(repo: MetadataRepository, cycle_id: int):
+    """The reads `status` and the training stages use: every row of one cycle (another cycle's are left out), in the
+    order recorded; reading a training run never creates it."""
+    other = repo.ensure_cycle("paper-L1", CONFIG, HASH, generation=1, preset="paper", parent_model="L1").id
+    for cycle in (other, cycle_id):
+        repo.record_workflow_version(cycle, 202, 0, design="d")
+        repo.record_workflow_version(cycle, 51, 0, design="d")
+        for split in ("val", "train"):
+            repo.record_dataset(cycle, split, f"s3://b/{cycle}/{split}", episodes=1, windows=1, loss_tokens=1,
+                                total_tokens=2)  # fmt: skip
+    pool = [_episode(repo, cycle_id, kind="collection", version=None, candidate=i, seed=715100 + i) for i in range(2)]
+    repo.record_ranking(cycle_id, pool[1].id, score=1.0, rank=1)
+    repo.record_ranking(cycle_id, pool[0].id, score=0.5, rank=2)
+    repo.record_selection(cycle_id, pool[1].id, "val", rank=1)
+    repo.record_selection(cycle_id, pool[0].id, "train", rank=2)
+    assert repo.get_training_run(cycle_id, "sft") is None and repo.training_runs(cycle_id) == []
+    second = repo.ensure_training_run(cycle_id, "sft-b", {"steps": 2})
+    first = repo.ensure_training_run(cycle_id, "sft", {"steps": 1})
+    base = repo.register_generation("L0", 0, bf16_uri="s3://m/L0")
+    child = repo.register_generation("L1", 1, bf16_uri="s3://m/L1", parent_id=base.id, cycle_id=cycle_id)
+    mine = repo.record_evaluation("e1", "pairwise", generation_id=child.id, cycle_id=cycle_id, results={})
+    repo.record_evaluation("e2", "pairwise", generation_id=child.id, cycle_id=other, results={})
+
+    assert [(v.task_id, v.cycle_id) for v in repo.cycle_workflow_versions(cycle_id)] == [
+        ("202", cycle_id),
+        ("51", cycle_id),
+    ]
+    assert [d.split for d in repo.datasets(cycle_id)] == ["val", "train"]
+    assert [r.episode_id for r in repo.cycle_rankings(cycle_id)] == [pool[1].id, pool[0].id]
+    assert [s.split for s in repo.cycle_selections(cycle_id)] == ["val", "train"]
+    assert [r.key for r in repo.training_runs(cycle_id)] == ["sft-b", "sft"] and repo.training_runs(other) == []
+    assert repo.get_training_run(cycle_id, "sft").id == first.id != second.id
+    assert [g.name for g in repo.cycle_generations(cycle_id)] == ["L1"]
+    assert [e.id for e in repo.evaluations(cycle_id=cycle_id)] == [mine.id]
+    assert repo.get_cycle_by_id(cycle_id).name == "paper-L0" and repo.get_cycle_by_id(-1) is None

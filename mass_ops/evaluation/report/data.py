@@ -24,8 +24,8 @@ from mass_ops.evaluation.position_bias import FlipRate, flip_rates, order_checks
 from mass_ops.evaluation.report.data_cost import budget_alerts, cache_shares, cost_control, stage_costs
 from mass_ops.evaluation.report.data_training import loss_curves, ran_on_cpu, throughput_curves, training_runs
 from mass_ops.evaluation.report.model import (
-    EPISODE_STAGE,
     JUDGING_STAGES,
+    TRAIN_STAGE,
     DagRun,
     JudgeValidity,
     PairwiseEvaluation,
@@ -34,6 +34,7 @@ from mass_ops.evaluation.report.model import (
     ReportData,
     TaskScoreboard,
     TrainingData,
+    episode_stage,
 )
 from mass_ops.evaluation.stats import LedgerKeyError, PairwiseSummary, parse_ledger_key
 from mass_ops.layout import PAIRWISE_KIND, episode_name, teacher_condition
@@ -305,9 +306,9 @@ def _failed_stages(ctx: CycleContext, runs: list[TrainingRun]) -> list[str]:
     failed: dict[str, int] = defaultdict(int)
     for episode in latest.values():
         if episode.status in _UNFINISHED:
-            failed[EPISODE_STAGE.get(episode.kind, episode.kind)] += 1
+            failed[episode_stage(episode.kind)] += 1
     lines = [f"{stage} ({count} episode(s) failed or stopped)" for stage, count in sorted(failed.items())]
-    lines += [f"train (run {run.key} {run.status})" for run in runs if run.status == RunStatus.FAILED]
+    lines += [f"{TRAIN_STAGE} (run {run.key} {run.status})" for run in runs if run.status == RunStatus.FAILED]
     return lines
 
 

@@ -13,20 +13,22 @@ from mass_ops.context import CycleContext
 from mass_ops.cost.prices import serving_cost, token_cost, training_cost
 from mass_ops.cost.records import StageUsage
 from mass_ops.evaluation.report.model import (
-    CALL_STAGE,
-    EPISODE_STAGE,
+    IN_LOOP_PURPOSES,
     STAGE_ORDER,
+    TRAIN_STAGE,
     BudgetAlertLine,
     BudgetLine,
     CacheShare,
     EstimateRow,
     StageCost,
+    call_stage,
+    episode_stage,
 )
 from mass_ops.store.schema import TrainingRun
 
 # Calls whose client carries the cycle's budgets (`llm.calls.open_client`): the in-loop judge, optimizer and self-judge
 # calls. An external judge's client has its own provider and no budget scope, so the ledger never counts its tokens.
-BUDGETED_PURPOSES = frozenset(CALL_STAGE)
+BUDGETED_PURPOSES = IN_LOOP_PURPOSES
 
 
 def _span(intervals: Iterable[tuple[datetime, datetime]]) -> float:
@@ -71,8 +73,8 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
     unbudgeted = 0
     for call in ctx.repo.llm_calls(ctx.cycle_id):
         # External judges run elsewhere and cost us no GPU time; every other call is served by our model.
-        in_loop = call.purpose in CALL_STAGE
-        stage = "evaluate" if call.unit_key.startswith("eval/") else CALL_STAGE.get(call.purpose, "evaluate")
+        in_loop = call.purpose in IN_LOOP_PURPOSES
+        stage = call_stage(call.unit_key, call.purpose)
         bucket = totals[stage]
         prompt, completion = call.prompt_tokens or 0, call.completion_tokens or 0
         bucket["calls"] += 1
@@ -88,7 +90,7 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
             if in_loop:
                 on_server[stage].append((start, call.created_at))
     for episode in ctx.repo.episodes(ctx.cycle_id):
-        stage = EPISODE_STAGE.get(episode.kind, episode.kind)
+        stage = episode_stage(episode.kind)
         bucket = totals[stage]
         bucket["episodes"] += 1
         bucket["prompt_tokens"] += episode.prompt_tokens or 0
@@ -113,24 +115,24 @@ def stage_costs(ctx: CycleContext, runs: Sequence[TrainingRun], *, cpu_run: bool
     for run in runs:
         if run.started_at is not None and run.finished_at is not None:
             wall = (run.finished_at - run.started_at).total_seconds()
-            totals["train"]["busy_s"] += wall
-            gpus["train"] += 0.0 if cpu_run else wall / 3600 * config.training.replicas
+            totals[TRAIN_STAGE]["busy_s"] += wall
+            gpus[TRAIN_STAGE] += 0.0 if cpu_run else wall / 3600 * config.training.replicas
             train_span.append((run.started_at, run.finished_at))
-    costs["train"] += training_cost(prices, gpus.get("train", 0.0))
+    costs[TRAIN_STAGE] += training_cost(prices, gpus.get(TRAIN_STAGE, 0.0))
     stages = []
     for stage in STAGE_ORDER:
         recorded = totals.get(stage)
         if recorded is None and stage not in gpus:
             continue
         bucket = recorded or {}
-        spans = intervals.get(stage, []) + (train_span if stage == "train" else [])
+        spans = intervals.get(stage, []) + (train_span if stage == TRAIN_STAGE else [])
         hours = gpus.get(stage, 0.0)  # the training ranks' for the train stage, the inference server's for the others
         usage = StageUsage(
             prompt_tokens=int(bucket.get("prompt_tokens", 0)),
             completion_tokens=int(bucket.get("completion_tokens", 0)),
             cost_usd=costs.get(stage, 0.0),
-            serving_gpu_hours=0.0 if stage == "train" else hours,
-            training_gpu_hours=hours if stage == "train" else 0.0,
+            serving_gpu_hours=0.0 if stage == TRAIN_STAGE else hours,
+            training_gpu_hours=hours if stage == TRAIN_STAGE else 0.0,
             wall_clock_s=_span(spans),
         )
         stages.append(
@@ -172,10 +174,9 @@ def cache_shares(ctx: CycleContext) -> list[CacheShare]:
             prompt[stage] += prompt_tokens
 
     for call in ctx.repo.llm_calls(ctx.cycle_id):
-        stage = "evaluate" if call.unit_key.startswith("eval/") else CALL_STAGE.get(call.purpose, "evaluate")
-        add(stage, _cached_tokens(call, call.usage), call.prompt_tokens)
+        add(call_stage(call.unit_key, call.purpose), _cached_tokens(call, call.usage), call.prompt_tokens)
     for episode in ctx.repo.episodes(ctx.cycle_id):
-        add(EPISODE_STAGE.get(episode.kind, episode.kind), _cached_tokens(episode, None), episode.prompt_tokens)
+        add(episode_stage(episode.kind), _cached_tokens(episode, None), episode.prompt_tokens)
     if not any(reporting.values()):
         return []
     order = {stage: i for i, stage in enumerate(STAGE_ORDER)}

@@ -1,8 +1,9 @@
 """The report's vocabulary, at the bottom of the package: it imports none of its siblings.
 
-`FIGURES` names every figure in document order; `EPISODE_STAGE`, `CALL_STAGE`, `STAGE_ORDER` and `JUDGING_STAGES`
-place records in the report's stages; the frozen records are what the readers return, `ReportData` holds them all,
-and a `Block` is one unit of the document that both renderers draw.
+`FIGURES` names every figure in document order. The report's stages are the cost categories of the stage registry
+(`mass_ops.stage_registry`), in its order (`STAGE_ORDER`): `episode_stage` and `call_stage` place a record in one,
+`JUDGING_STAGES` names the judging of each ledger. The frozen records are what the readers return, `ReportData`
+holds them all, and a `Block` is one unit of the document that both renderers draw.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from mass_ops.evaluation.benchmarks.table import BenchmarkCell
 from mass_ops.evaluation.efficiency import Efficiency
 from mass_ops.evaluation.position_bias import FlipRate
 from mass_ops.evaluation.stats import PairwiseSummary
-from mass_ops.store.schema import Ledger
+from mass_ops.stage_registry import COST_CATEGORIES, TRAIN, call_cost_category, cost_category, episode_cost_category
+from mass_ops.store.schema import CallPurpose, EpisodeKind, Ledger
 
 FIGURES = (
     ("rhi_scoreboard", "RHI scoreboard per task"),
@@ -31,18 +33,36 @@ FIGURES = (
     ("wallclock_gpu", "Wall-clock and GPU-hours per stage"),
     ("benchmark_table", "Public benchmarks by generation: score and score per output token vs L0"),
 )
-EPISODE_STAGE = {
-    "reference": "search",
-    "search": "search",
-    "collection": "collect",
-    "rollout": "evaluate",
-    "benchmark": "benchmark",
-}
-CALL_STAGE = {"judge": "search", "optimizer": "search", "arbitration": "search", "self_judge": "rank"}
-STAGE_ORDER = ("search", "collect", "rank", "train", "evaluate", "benchmark")
+STAGE_ORDER = COST_CATEGORIES
+TRAIN_STAGE = cost_category(TRAIN)  # the training runs' GPU time and wall-clock
+# An external judge's calls run elsewhere: every other purpose is served by our inference server (in-loop).
+IN_LOOP_PURPOSES = frozenset(p.value for p in CallPurpose if p is not CallPurpose.EXTERNAL_JUDGE)
+_EXTERNAL_STAGE = call_cost_category("", CallPurpose.EXTERNAL_JUDGE.value)
+
+
+def episode_stage(kind: str) -> str:
+    """The report's stage of an episode of `kind`: the registry's cost category, else the kind itself."""
+    return episode_cost_category(kind) or kind
+
+
+def call_stage(unit_key: str, purpose: str) -> str:
+    """The report's stage of a model call (the registry's cost category of its key or purpose); a call the registry
+    does not place counts with the external judges."""
+    return call_cost_category(unit_key, purpose) or _EXTERNAL_STAGE or purpose
+
+
+# The mappings as tables (part of the package's interface): every episode kind, and the in-loop purposes.
+EPISODE_STAGE = {kind.value: episode_stage(kind.value) for kind in EpisodeKind}
+CALL_STAGE = {purpose: call_stage("", purpose) for purpose in sorted(IN_LOOP_PURPOSES)}
 # Judging stages by ledger, in the order of the cycle; evaluation rows are per judge ("evaluate: <judge>").
-JUDGING_STAGES = {Ledger.RHI: "search: vs reference", Ledger.CHAMPION: "search: arbitration", Ledger.RANKING:
-                  "rank: self-judge"}  # fmt: skip
+JUDGING_STAGES = {
+    ledger: f"{call_stage('', purpose)}: {what}"
+    for ledger, purpose, what in (
+        (Ledger.RHI, CallPurpose.JUDGE, "vs reference"),
+        (Ledger.CHAMPION, CallPurpose.ARBITRATION, "arbitration"),
+        (Ledger.RANKING, CallPurpose.SELF_JUDGE, "self-judge"),
+    )
+}
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class CycleRecords(RepositoryBase):
     def get_cycle(self, name: str) -> Cycle | None:
         return self._one(sa.select(Cycle).where(Cycle.name == name))
 
+    def get_cycle_by_id(self, cycle_id: int) -> Cycle | None:
+        return self._one(sa.select(Cycle).where(Cycle.id == cycle_id))
+
     def set_cycle_provenance(self, cycle_id: int, key: str, value: Any) -> Cycle:
         """Record what the cycle ran with under `key` of its provenance (the task catalogue's identity, the SHA-256 of
         each prompt template, …). A key once recorded never changes: a different value is a UnitConflictError (the

@@ -87,6 +87,10 @@ class DatasetRecords(RepositoryBase):
             )
         )
 
+    def datasets(self, cycle_id: int) -> list[Dataset]:
+        """The rendered datasets of a cycle (one per split), in the order they were recorded."""
+        return self._all(sa.select(Dataset).where(Dataset.cycle_id == cycle_id).order_by(Dataset.id))
+
     def record_windows(self, dataset_id: int, windows: Iterable[Mapping[str, Any]]) -> int:
         """Index a dataset's windows in one transaction; windows already indexed (same position) are skipped.
 

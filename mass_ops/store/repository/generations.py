@@ -76,6 +76,12 @@ class GenerationRecords(RepositoryBase):
             .limit(1)
         )
 
+    def cycle_generations(self, cycle_id: int) -> list[ModelGeneration]:
+        """The generations a cycle registered, in the order they were registered."""
+        return self._all(
+            sa.select(ModelGeneration).where(ModelGeneration.cycle_id == cycle_id).order_by(ModelGeneration.id)
+        )
+
     def lineage(self, generation_id: int) -> list[ModelGeneration]:
         """The generation and its ancestors, newest first, down to the base model (one recursive query)."""
         chain = (
@@ -118,8 +124,14 @@ class GenerationRecords(RepositoryBase):
             Evaluation, {"key": key}, values, must_match=("kind", "generation_id", "baseline_generation_id")
         )
 
-    def evaluations(self, *, generation_id: int | None = None, kind: str | None = None) -> list[Evaluation]:
+    def evaluations(
+        self, *, generation_id: int | None = None, kind: str | None = None, cycle_id: int | None = None
+    ) -> list[Evaluation]:
+        """Evaluations in the order they were recorded: those of (or against) `generation_id`, of `kind`, written
+        by `cycle_id`; each filter left None matches all."""
         statement = sa.select(Evaluation).order_by(Evaluation.id)
+        if cycle_id is not None:
+            statement = statement.where(Evaluation.cycle_id == cycle_id)
         if generation_id is not None:
             statement = statement.where(
                 sa.or_(Evaluation.generation_id == generation_id, Evaluation.baseline_generation_id == generation_id)

@@ -60,6 +60,10 @@ class SelectionRecords(RepositoryBase):
             .order_by(Ranking.rank)
         )
 
+    def cycle_rankings(self, cycle_id: int) -> list[Ranking]:
+        """Every task's ranking rows of a cycle, in the order they were recorded."""
+        return self._all(sa.select(Ranking).where(Ranking.cycle_id == cycle_id).order_by(Ranking.id))
+
     def record_selection(
         self, cycle_id: int, episode_id: int, split: str, *, rank: int | None = None, weight: float = 1.0
     ) -> Selection:
@@ -81,3 +85,7 @@ class SelectionRecords(RepositoryBase):
             .where(Selection.cycle_id == cycle_id, Selection.split == _member(DataSplit, split, "data split"))
             .order_by(Selection.task_id, Selection.rank, Selection.id)
         )
+
+    def cycle_selections(self, cycle_id: int) -> list[Selection]:
+        """Every selection of a cycle, both splits, in the order they were recorded."""
+        return self._all(sa.select(Selection).where(Selection.cycle_id == cycle_id).order_by(Selection.id))

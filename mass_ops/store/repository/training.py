@@ -93,6 +93,14 @@ class TrainingRecords(RepositoryBase):
                     setattr(checkpoint, field, value)
             return checkpoint
 
+    def training_runs(self, cycle_id: int) -> list[TrainingRun]:
+        """Every training run of a cycle, in the order they were created."""
+        return self._all(sa.select(TrainingRun).where(TrainingRun.cycle_id == cycle_id).order_by(TrainingRun.id))
+
+    def get_training_run(self, cycle_id: int, key: str) -> TrainingRun | None:
+        """The cycle's training run `key`, or None; reading never creates it (unlike `ensure_training_run`)."""
+        return self._one(sa.select(TrainingRun).where(TrainingRun.cycle_id == cycle_id, TrainingRun.key == key))
+
     def checkpoints(self, run_id: int) -> list[Checkpoint]:
         return self._all(sa.select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step))
 

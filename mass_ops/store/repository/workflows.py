@@ -51,6 +51,12 @@ class WorkflowRecords(RepositoryBase):
             .order_by(WorkflowVersion.version)
         )
 
+    def cycle_workflow_versions(self, cycle_id: int) -> list[WorkflowVersion]:
+        """Every workflow version of a cycle, all tasks, in the order they were recorded."""
+        return self._all(
+            sa.select(WorkflowVersion).where(WorkflowVersion.cycle_id == cycle_id).order_by(WorkflowVersion.id)
+        )
+
     def record_retained_workflow(
         self,
         cycle_id: int,
