@@ -357,10 +357,6 @@ def test_the_size_check_sees_a_long_function(tmp_path):
 
 # Modules outside `mass_ops/store/` that still build SQL or open a metadata session, each with why. Shrink, never grow.
 SQL_OUTSIDE_STORE_ALLOWED = {
-    "mass_ops/evaluation/report/data_training.py": "another change is editing it; `repo.training_runs` is its query",
-    "mass_ops/cost/lineage.py": "not this change's file; `repo.get_cycle_by_id` and `repo.get_training_run` are its "
-    "queries",
-    "plugins/mass_ops_airflow/checks.py": "not this change's file; `repo.training_runs` is its query",
     "plugins/mass_ops_airflow/demo/airflow_home.py": "reads Airflow's own database (XCom) through Airflow's session",
     "plugins/mass_ops_airflow/demo/live.py": "reads Airflow's own database (DAG runs, task instances)",
     "plugins/mass_ops_airflow/demo/task_logs.py": "reads Airflow's own database (task instances)",

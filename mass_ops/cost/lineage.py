@@ -32,8 +32,7 @@ def parent_cycle(repo: MetadataRepository, generation: int) -> Cycle | None:
     registered = repo.get_generation(generation_name(generation))
     if registered is None or registered.cycle_id is None:
         return None
-    with repo.store.read() as session:
-        return session.get(Cycle, registered.cycle_id)
+    return repo.get_cycle_by_id(registered.cycle_id)
 
 
 def _figures(samples: list[tuple[int, int, float]]) -> UnitFigures:
@@ -88,10 +87,7 @@ def call_unit(unit_key: str) -> str:
 
 def measured_step_seconds(repo: MetadataRepository, cycle_id: int, run_key: str = "sft") -> float | None:
     """Seconds per optimizer step of the cycle's finished training run (wall-clock over its last step), or None."""
-    from mass_ops.store.schema import TrainingRun
-
-    with repo.store.read() as session:
-        run = session.query(TrainingRun).filter_by(cycle_id=cycle_id, key=run_key).one_or_none()
+    run = repo.get_training_run(cycle_id, run_key)
     if run is None or run.started_at is None or run.finished_at is None:
         return None
     steps = max((c.step for c in repo.checkpoints(run.id)), default=0)

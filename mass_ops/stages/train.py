@@ -14,17 +14,17 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mass_ops.compute import processes
+from mass_ops.compute.backend import backend_for
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext, attach_cycle
 from mass_ops.layout import (
@@ -67,7 +67,6 @@ POLL_S = 1.0
 STOP_GRACE_S = 30.0
 # The training job's process group, recorded in the work folder while it runs.
 TRAINER_PGID_FILE = "trainer.pgid"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the mass_ops package
 _PUBLISHED_CHECKPOINT = re.compile(r"step_(\d{5})/" + re.escape(MANIFEST_NAME))
 
@@ -299,53 +298,6 @@ def _training_env(config: CycleConfig, accelerator: str) -> dict[str, str]:
     return env
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
-    """Stop the launcher and the ranks it started (they share its process group)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(timeout=STOP_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A `preexec_fn` making the launcher receive SIGTERM when the stage process dies (Linux `PR_SET_PDEATHSIG`).
-
-    The launcher runs in its own session so that `_stop` can end it with its ranks; without this, a stage killed with
-    SIGKILL (an Airflow task killed, the OOM killer) would leave the whole training job running, holding the CPUs or
-    GPUs and writing into the folder a rerun uses. On SIGTERM torchrun stops its ranks. The C function is resolved
-    before the fork, so the child only makes one system call. None where the kernel has no such call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the stage died before the call: nobody would stop us
-            os._exit(1)
-
-    return arm
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether the process group still has a live leader (an exited one waiting to be reaped does not count)."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:
-        state = Path(f"/proc/{pgid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): the signal check is all there is
-    return state not in ("Z", "X")
-
-
 def _stop_leftover_trainer(root: Path) -> None:
     """Stop a training job that a killed earlier run of this stage left in the same work folder (its process group is
     recorded there), so that it neither runs on nor writes into the folder this run prepares."""
@@ -354,16 +306,7 @@ def _stop_leftover_trainer(root: Path) -> None:
         pgid = int(record.read_text().strip())
     except (OSError, ValueError):
         return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
-        deadline = time.monotonic() + STOP_GRACE_S
-        while time.monotonic() < deadline and _group_alive(pgid):
-            time.sleep(0.2)
-        if not _group_alive(pgid):
-            break
+    processes.stop_group(pgid, grace_s=STOP_GRACE_S, kill_wait_s=STOP_GRACE_S)
     logger.warning("stopped the training job (process group %d) a killed earlier run left in %s", pgid, root)
     record.unlink(missing_ok=True)
 
@@ -375,16 +318,11 @@ def _run_training(
     tail: deque[str] = deque(maxlen=40)
     logger.info("launching training: %s", " ".join(command))
     with stdout_log.open("a", encoding="utf-8") as out:
-        process = subprocess.Popen(
-            list(command),
-            cwd=cwd,
-            env=dict(env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-            preexec_fn=_parent_death_signal(),  # one system call, resolved before the fork
+        # Its own session, so that a stop ends the launcher with its ranks; and SIGTERM when this stage dies (an
+        # Airflow task or the OOM killer's SIGKILL), so the job neither holds the accelerators nor writes into the
+        # folder a rerun uses: torchrun stops its ranks on SIGTERM.
+        process = processes.start_in_session(
+            command, stdout=subprocess.PIPE, stdin=None, cwd=cwd, env=env, text=True, bufsize=1, die_with_parent=True
         )
         # A rerun in the same work folder stops this job if the stage dies in a way no signal reaches it.
         (cwd / TRAINER_PGID_FILE).write_text(f"{process.pid}\n")
@@ -409,7 +347,7 @@ def _run_training(
                 except subprocess.TimeoutExpired:
                     progress.poll()
         except BaseException:
-            _stop(process)
+            processes.stop_child(process, grace_s=STOP_GRACE_S)
             raise
         reader.join()
     return process.returncode, list(tail)
@@ -447,7 +385,7 @@ def train(
     run with published checkpoints resumes from the newest one.
     """
     refuse_remote(config, "train")
-    if config.compute.backend != "local":
+    if not backend_for(config).runs_in_process:
         raise PostTrainingError(
             f"train: compute.backend is {config.compute.backend}; this function launches the local backend only "
             "(on Kubernetes the training Job runs the same trainer command)"

@@ -59,16 +59,8 @@ def episode_recorded(config: CycleConfig, episode: EpisodeSpec) -> dict[str, Any
 
 def training_recorded(config: CycleConfig) -> dict[str, Any]:
     """The cycle's succeeded training run and its checkpoints with a validation loss (step 0 excluded)."""
-    import sqlalchemy as sa
-
-    from mass_ops.store.schema import TrainingRun
-
     repo, cycle_id = _cycle_id(config)
-    with repo.store.read() as session:
-        runs = session.execute(
-            sa.select(TrainingRun).where(TrainingRun.cycle_id == cycle_id).order_by(TrainingRun.id)
-        ).scalars()
-        succeeded = [run for run in runs if run.status == "succeeded"]
+    succeeded = [run for run in repo.training_runs(cycle_id) if run.status == "succeeded"]
     if not succeeded:
         raise StageOutputMissing(f"training: the Job succeeded but cycle {config.cycle_name} has no succeeded run")
     run = succeeded[-1]

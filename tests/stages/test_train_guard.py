@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -36,29 +35,32 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
     return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_the_training_launcher_dies_with_a_killed_stage(tmp_path: Path):
-    stage = textwrap.dedent(
-        f"""
-        import subprocess, sys, time
-        from mass_ops.stages.train import _parent_death_signal
-        child = subprocess.Popen({SLEEPER!r}, start_new_session=True, preexec_fn=_parent_death_signal())
-        print(child.pid, flush=True)
-        time.sleep(300)
-        """
+def test_the_training_launcher_is_started_to_die_with_the_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The launcher leads its own group and gets SIGTERM when the stage dies (the supervisor's `die_with_parent`,
+    tested in tests/compute/test_processes.py): a stage killed with SIGKILL leaves no training job behind."""
+    from types import SimpleNamespace
+
+    from mass_ops.compute import processes
+    from mass_ops.stages import train as train_stage
+
+    seen: dict[str, object] = {}
+    real = processes.start_in_session
+
+    def spy(argv, **options):
+        seen.update(options)
+        return real(argv, **options)
+
+    monkeypatch.setattr(processes, "start_in_session", spy)
+    code, tail = train_stage._run_training(
+        [sys.executable, "-c", "print('trained')"],
+        tmp_path,
+        dict(os.environ),
+        tmp_path / "log",
+        SimpleNamespace(poll=lambda: None),
     )
-    process = subprocess.Popen([sys.executable, "-c", stage], stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        launcher = int(process.stdout.readline())
-        assert not gone(launcher)
-        process.kill()  # SIGKILL: the stage runs no cleanup
-        process.wait(timeout=30)
-        assert wait_gone(launcher), "the launcher outlived the stage that started it"
-    finally:
-        process.kill()
-        if not gone(launcher):  # only when the test failed: leave nothing running
-            os.kill(launcher, signal.SIGKILL)
+    assert (code, tail) == (0, ["trained"])
+    assert seen["die_with_parent"] is True
+    assert (tmp_path / "log").read_text() == "trained\n"
 
 
 def test_a_rerun_stops_the_job_a_killed_run_left_in_its_work_folder(tmp_path: Path):

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import sqlalchemy as sa
-
 from mass_ops.compute.backend import backend_for
 from mass_ops.context import CycleContext
 from mass_ops.evaluation.report.model import LossCurve, ThroughputCurve
@@ -18,10 +16,7 @@ from mass_ops.train.checkpoints import finite_number, log_rows
 
 def training_runs(ctx: CycleContext) -> list[TrainingRun]:
     """The cycle's training runs in the order they were opened."""
-    # The repository has no listing of a cycle's training runs; this read-only query is the report's own.
-    with ctx.repo.store.read() as session:
-        statement = sa.select(TrainingRun).where(TrainingRun.cycle_id == ctx.cycle_id).order_by(TrainingRun.id)
-        return list(session.scalars(statement).all())
+    return ctx.repo.training_runs(ctx.cycle_id)
 
 
 def _read_log_rows(ctx: CycleContext, run: TrainingRun) -> list[dict[str, Any]]:
