@@ -426,3 +426,38 @@ def test_the_sql_check_sees_a_query_and_spares_errors_and_urls(tmp_path):
     assert sql_builders(module) == ["6: a metadata session (store.read)", "7: sa.select", "7: session.scalars"]
     module.write_text("from sqlalchemy import select, text\n")
     assert sql_builders(module) == ["1: from sqlalchemy import select, text"]
+
+
+def backend_comparisons(path: Path) -> list[int]:
+    """Lines where `path` compares a `….compute.backend` value (or a `backend` name) with a backend's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Compare):
+            continue
+        names = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in ("local", "kubernetes")]
+        reads = [
+            n
+            for n in ast.walk(node)
+            if (isinstance(n, ast.Attribute) and n.attr == "backend") or (isinstance(n, ast.Name) and n.id == "backend")
+        ]
+        if names and reads:
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_backend_module_tells_local_from_kubernetes():
+    """Local and Kubernetes differ behind `compute.backend.ComputeBackend`; nothing else compares the setting."""
+    root = PACKAGE.parent
+    paths = [*PACKAGE.rglob("*.py"), *(root / "plugins").rglob("*.py"), *(root / "dags").glob("*.py")]
+    branches = {
+        str(path.relative_to(root)): lines
+        for path in paths
+        if path != PACKAGE / "compute" / "backend.py" and (lines := backend_comparisons(path))
+    }
+    assert branches == {}
+
+
+def test_the_backend_check_sees_a_branch(tmp_path):
+    source = 'if config.compute.backend == "local":\n    pass\nif backend != "kubernetes":\n    pass\n'
+    (tmp_path / "m.py").write_text(source)
+    assert backend_comparisons(tmp_path / "m.py") == [1, 3]
