@@ -7,6 +7,7 @@ A `StageUsage` holds figures only: what they mean for a stage (a span, an estima
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -78,3 +79,8 @@ class CarriesUsage:
     @property
     def wall_clock_s(self) -> float:
         return self.usage.wall_clock_s
+
+
+def total_usage(records: Iterable[CarriesUsage]) -> StageUsage:
+    """The sum of the records' usages (a zero usage for none)."""
+    return sum((record.usage for record in records), StageUsage())

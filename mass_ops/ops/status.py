@@ -23,7 +23,7 @@ from typing import Any
 
 from mass_ops.config import CycleConfig, validate_config
 from mass_ops.cost.prices import token_cost
-from mass_ops.cost.records import StageUsage
+from mass_ops.cost.records import CarriesUsage, StageUsage, total_usage
 from mass_ops.errors import InputError
 from mass_ops.ops.leases import describe_lease, lease_horizon_s, lease_is_fresh
 from mass_ops.stage_registry import (
@@ -90,8 +90,8 @@ class UnitState:
 
 
 @dataclass(frozen=True)
-class StageStatus:
-    """Progress, spend and timing of one stage."""
+class StageStatus(CarriesUsage):
+    """Progress, spend and timing of one stage (its tokens and cost read through `usage`)."""
 
     stage: str
     planned: int
@@ -105,22 +105,6 @@ class StageStatus:
     elapsed_s: float | None = None  # the stage's clock: to now while it has units left
     eta_s: float | None = None
     note: str = ""
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.usage.prompt_tokens
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.usage.completion_tokens
-
-    @property
-    def cost_usd(self) -> float:
-        return self.usage.cost_usd
-
-    @property
-    def tokens(self) -> int:
-        return self.usage.tokens
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data with the usage's tokens and cost in the row, where `status --json` has always had them."""
@@ -166,11 +150,11 @@ class CycleStatus:
 
     @property
     def tokens(self) -> int:
-        return sum(s.tokens for s in self.stages)
+        return total_usage(self.stages).tokens
 
     @property
     def cost_usd(self) -> float:
-        return sum(s.cost_usd for s in self.stages)
+        return total_usage(self.stages).cost_usd
 
     def stage(self, name: str) -> StageStatus:
         return next(s for s in self.stages if s.stage == name)

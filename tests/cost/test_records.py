@@ -59,3 +59,14 @@ def test_the_report_sets_the_estimated_usage_beside_the_actual() -> None:
     assert (row.estimated_usd, row.actual_usd, row.token_ratio) == (4.5, 1.0, 120_000 / 102_000)
     unestimated = EstimateRow("rank", None, StageUsage())
     assert (unestimated.estimated_tokens, unestimated.estimated_usd, unestimated.token_ratio) == (None, None, None)
+
+
+def test_total_usage_adds_the_records_usages_and_is_zero_for_none():
+    from types import SimpleNamespace
+
+    from mass_ops.cost.records import StageUsage, total_usage
+
+    a = SimpleNamespace(usage=StageUsage(10, 5, 0.5, 1.0, 0.0, 60.0))
+    b = SimpleNamespace(usage=StageUsage(1, 2, 0.25, 0.0, 2.0, 30.0))
+    assert total_usage([a, b]) == StageUsage(11, 7, 0.75, 1.0, 2.0, 90.0)
+    assert total_usage([]) == StageUsage()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mass_ops.cost.records import CarriesUsage, StageUsage
+from mass_ops.cost.records import CarriesUsage, StageUsage, total_usage
 from mass_ops.evaluation.agreement import Agreement
 from mass_ops.evaluation.benchmarks.table import BenchmarkCell
 from mass_ops.evaluation.efficiency import Efficiency
@@ -363,15 +363,15 @@ class ReportData:
 
     @property
     def total_tokens(self) -> int:
-        return sum(s.prompt_tokens + s.completion_tokens for s in self.stages)
+        return total_usage(self.stages).tokens
 
     @property
     def total_cost_usd(self) -> float:
-        return sum(s.cost_usd for s in self.stages)
+        return total_usage(self.stages).cost_usd
 
     @property
     def total_gpu_hours(self) -> float:
-        return sum(s.gpu_hours for s in self.stages)
+        return sum(s.gpu_hours for s in self.stages)  # per stage first, as each stage's figure is shown
 
 
 @dataclass(frozen=True)
