@@ -272,17 +272,7 @@ def test_the_benchmark_seed_formula_is_written_once():
 REPO = PACKAGE.parent
 MAX_MODULE_DOCSTRING_LINES = 15
 # Modules whose docstring is still longer (design text not yet moved to docs/<topic>.md). Shrink, never grow.
-LONG_DOCSTRINGS_ALLOWED = frozenset(
-    {
-        "mass_ops/runtime/sse.py",
-        "plugins/mass_ops_airflow/demo/ui.py",
-        "plugins/mass_ops_airflow/operators/benchmark.py",
-        "plugins/mass_ops_airflow/operators/collection.py",
-        "plugins/mass_ops_airflow/operators/episode.py",
-        "plugins/mass_ops_airflow/params.py",
-        "plugins/mass_ops_airflow/report_app.py",
-    }
-)
+LONG_DOCSTRINGS_ALLOWED: frozenset[str] = frozenset()
 
 
 def module_docstring_lines(source: str) -> int:

@@ -1,23 +1,11 @@
 """Reassembly of OpenAI-compatible chat-completion SSE streams into one `chat.completion.reassembled` object.
 
-The logging proxy feeds the bytes of a streamed response to `SSEAssembler` as they pass and asks for the result once
-the client has the whole stream, so parsing never slows the relay; the result is stored next to the raw stream.
-Contract of the result (MASS_SPEC §4):
-
-    {"object": "chat.completion.reassembled", "id", "model", "created",
-     "choices": [{"index", "message": {"role", "content", "reasoning_content", "reasoning_details", "tool_calls"},
-                  "finish_reason", "stop_reason"}],
-     "usage", "error", "n_chunks", "n_bad_chunks", "done"}
-
-`content` / `reasoning_content` are the joined deltas (reasoning from `reasoning_content` or `reasoning`), None when
-the stream carried none; `tool_calls` are merged by index (`function.arguments` fragments joined in arrival order),
-None when absent; `usage` is the last chunk's non-null usage (for a Responses-API stream, the usage of the response an
-event carries, e.g. `response.completed`'s); `error` is the first chunk-level error; `n_bad_chunks` counts `data:`
-payloads that are not JSON objects. `done` (our addition) says whether `data: [DONE]` arrived, so a stream cut
-mid-way is visible without re-reading the raw text.
-
-`UsageChunkFilter` takes the usage-only chunk (`choices` empty, `usage` an object) out of a relayed stream: the proxy
-asks every stream for its usage, so that no spend goes uncounted, and hands the agent the stream it asked for.
+Contract: `SSEAssembler` takes a streamed response's bytes as they pass (parsing never slows the relay) and returns
+the MASS_SPEC §4 object: `content` / `reasoning_content` joined from the deltas, `tool_calls` merged by index, the
+last non-null `usage`, the first chunk-level `error`, `n_chunks`, `n_bad_chunks` (payloads that are not JSON
+objects) and `done` (whether `data: [DONE]` arrived, so a stream cut mid-way is visible). `UsageChunkFilter` takes
+the usage-only chunk the proxy asked for out of a relayed stream, so the agent gets the stream it asked for. The
+result's fields in full: docs/proxy.md (`mass_ops.runtime.sse`).
 """
 
 from __future__ import annotations

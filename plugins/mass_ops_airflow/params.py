@@ -1,23 +1,13 @@
 """Trigger-form params of a cycle, generated from the config's JSON Schema, and the config rebuilt from them.
 
-A run is described by a preset, the knobs an operator sets in the trigger form, and free `a.b=c` overrides of
-other experiment settings. Each knob's Param carries the JSON Schema of its config field (type, bounds,
-enum, description), made nullable: empty means "as the preset says". Airflow validates the form against these
-schemas before a run starts; `build_config` then applies the same values as `--set` overrides and validates the
-whole config with every cross-field rule, so a bad value fails the first task with one line per problem.
-
-The config is rebuilt from params in every task (never pushed through XCom), so each task, retry or cleared task
-sees exactly the configuration the run was triggered with.
-
-Whoever can trigger a run is not trusted with what runs next to the secrets. A trigger (knobs and overrides) may set
-only the experiment settings in `TRIGGER_SETTABLE`; images, service accounts, secret and key-variable names,
-endpoints, storage, namespaces, node selectors, sandbox settings and server folders come from the deployment alone:
-its preset file, the cluster settings (`kubernetes.yaml`), the environment and the Airflow connections. The preset a
-trigger names is a shipped or deployment-registered NAME (`trigger_preset`), never a path of the caller's choosing.
-
-DAG files build their params at parse time, so the knob schemas are generated once into `form_schema.json` (next
-to this module; `python -m mass_ops_airflow.params` rewrites it, and a test fails when it drifts from the config)
-rather than derived from the pydantic models on every parse.
+Contract: each knob's Param carries its config field's JSON Schema, made nullable (empty means "as the preset
+says"); `build_config` applies the values as `--set` overrides and validates the whole config, so a bad value fails
+the first task with one line per problem. Every task rebuilds the config from params (never through XCom), so each
+task, retry or cleared task sees the configuration the run was triggered with. A trigger may set only the experiment
+settings in `TRIGGER_SETTABLE` and names a preset only by NAME (`trigger_preset`); images, secrets, storage,
+endpoints and the like come from the deployment alone. The knob schemas are generated into `form_schema.json`
+(`python -m mass_ops_airflow.params` rewrites it). Trust model and rationale: docs/operations.md
+(`mass_ops_airflow.params`).
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """The plugin's web app: cycle reports, served by the Airflow API server under `/mass-ops`.
 
-Routes (below the mount point `mass_ops_airflow.reports.URL_PREFIX`):
-
-- `GET /reports/{cycle}` → 307 to `/reports/{cycle}/` (the folder URL, so the page's relative figure links resolve);
-- `GET /reports/{cycle}/` → that cycle's `report.html`;
-- `GET /reports/{cycle}/figures/{name}.png` → one of its figures;
-- `GET /estimate?preset=…&<knob>=…&set=key=value…` → the cost estimate per stage of the cycle those trigger-form
-  values describe (the same figures as `mass-ops plan --json`'s `estimate`; `&format=json` for that JSON), with
-  the values applied echoed and links back to the DAG's page and to the JSON. The trigger form links here:
-  Airflow's form cannot compute, so the page does it from the values the user copies in.
-  The values are a trigger's (`mass_ops_airflow.params.build_config`): the preset is a name, overrides are experiment
-  settings only, so the caller can neither make the page read a server file (a preset path, a catalogue or prompts
-  folder, a SQLite URL) nor open a connection of its choosing (storage and endpoints are the deployment's). A value
-  that is not JSON within `QUERY_VALUE_MAX_BYTES` and `MAX_CONFIG_DEPTH` is a 400.
-
-A name is checked before any artifact key is built from it (the config's cycle-name rule: one path segment, never
-`..`); a bad name is a 400, a missing report or figure a 404, an unreachable store a 503, each with one line of
-text. No OpenAPI schema or docs page is exposed.
-
-Authentication: Airflow 3.3 attaches a plugin app with `app.mount()`, and neither the core API's router-level
-authentication nor any middleware of the API server covers a mounted app, so its routes would be open to anonymous
-callers. Every route here depends on Airflow's own `get_user` (the UI's session cookie, or an `Authorization:
-Bearer` token from `POST /auth/token`): no credential is a 401, an invalid token a 403. Any authenticated user may
-read every report (no per-DAG permission is checked): a report shows what the runs recorded (scores, token counts,
-costs, notes), never a credential.
-
-Store: the deployment's artifact store as the tasks see it (`cycle_config({})`): the `mass_artifacts` connection's
-URL and credentials, else `MASS_ARTIFACT_URL` or the default preset's storage. It is opened once per API-server
-process, on first use (the S3 client resolves the connection's credentials then; a changed connection takes effect
-when the API server restarts); a failed open is tried again on the next request.
+Contract: routes below `mass_ops_airflow.reports.URL_PREFIX` — `GET /reports/{cycle}` (307 to the folder URL),
+`GET /reports/{cycle}/` (its `report.html`), `GET /reports/{cycle}/figures/{name}.png`, and `GET /estimate` (the
+cost estimate per stage for trigger-form values, `&format=json` for JSON). Every route requires an Airflow user
+(`get_user`: no credential 401, invalid token 403); any signed-in user may read every report. Names are checked
+before any artifact key is built; trigger values are a trigger's (a preset name, experiment settings only). Errors
+are one line of text: 400 bad input, 404 missing, 503 store unreachable. No OpenAPI schema or docs page. The store
+is the deployment's artifact store, opened once per API-server process on first use (retried after a failed
+open). Why the routes authenticate themselves: docs/operations.md (`mass_ops_airflow.report_app`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """`mass-ops demo --ui`: the demo's Airflow with its web UI (`airflow standalone`), on 127.0.0.1 only.
 
-It prepares what a run of `mass_cycle` needs — the tiny L0 model published to the demo's artifact folder, the
-demo's Airflow home, database and pools (`airflow_home` beside this file) — then runs `airflow standalone`
-(scheduler, DAG processor, triggerer, API server) in its own process group until Ctrl-C, which stops the whole group
-(SIGTERM, then SIGKILL, said on the terminal, for what still runs after a few seconds) and any local model server
-the UI's runs left behind.
-
-- Login: Airflow 3's simple auth manager with one admin user. Its password is generated here into a 0600 JSON file
-  in the demo home (`{"admin": "<password>"}`); standalone finds the user there and never prints a password.
-- Trigger form: the form's default preset (`$MASS_DEFAULT_PRESET`) is a config file in the demo home holding the
-  demo config itself — the demo preset pointed at `runs/demo/` and the local tiny model, with `--set` overrides
-  applied — so a run triggered with the form's defaults is the same cycle as `mass-ops demo`.
-- Airflow's own settings live in the demo home (`airflow.cfg`, written by Airflow on first use); the standalone
-  components and their task processes get the demo environment, without the variables that would point a run at
-  other storage or a cluster.
+Contract: prepares what a run of `mass_cycle` needs (the tiny L0 model, the demo's Airflow home, database and pools),
+then runs `airflow standalone` in its own process group until Ctrl-C, which stops the whole group (SIGTERM, then
+SIGKILL) and any local model server the UI's runs left behind. Login is one admin user whose password is generated
+into a 0600 file in the demo home and never printed; the trigger form's defaults run the same cycle as `mass-ops
+demo`; the components get the demo environment, without the variables that point a run at other storage or a
+cluster. Details: docs/demo.md (`mass_ops_airflow.demo.ui`).
 """
 
 from __future__ import annotations

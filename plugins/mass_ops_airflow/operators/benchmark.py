@@ -1,32 +1,13 @@
 """One benchmark trial: in-process when the run's compute backend runs work in process (local); otherwise
 (Kubernetes) one instance at a time, each graded by a grader Job from the benchmark's image.
 
-In process: the `benchmark_trial` stage runs the whole trial here (a benchmark whose grader needs a container
-engine and finds none stops in one line before any agent time). Kubernetes: the stages drive one instance at a time
-— `benchmark_trial_tasks` checks the dataset and the evaluator first; `benchmark_instance` runs the instance's
-episode (reused when finished) and either scores it (DSBench, an empty SWE-bench patch, an instance already
-recorded) or returns the grader job to run; the operator then creates that grader Job (the backend's
-`grader_job`, `mass_ops.compute.kubernetes.benchmark_grader_job`: the episode pods' limits and NetworkPolicy) and
-defers to the triggerer (`JobCompletionTrigger`, which fails fast when the pod cannot be scheduled or its image
-pulled). When the Job succeeds, the `grader` container's log — the result the grader prints between its markers —
-goes to `benchmark_grader_result`, which grades it with the benchmark's official grading, stores the log as evidence and
-records the score with the evaluator's version once; the Job is deleted and the next instance starts. When every
-instance has a score, `benchmark_trial_record` writes the trial's row.
-
-The agent runs in its own episode sandbox pod on Kubernetes, as the cycle's episodes do: `benchmark_instance` is
-called with ``episode_pod`` and, while the instance's episode is not recorded, returns that pod instead of running
-it — the spec bound to the request the in-process path runs (prompt stored for the pod's publisher, budgets
-admitted), the task's time limit and the evaluated generation's server. The pod is `compute.kubernetes.episode_pod`
-(non-root, no service-account token, the episode limits, the sandbox NetworkPolicy's label, the inference key in its
-proxy container only), run by the same provider machinery as `EpisodePodOperator`'s (`_pod.sandbox_runner`: it
-defers to the triggerer, re-attaches on a retry, and fails with the containers' log tails); once it ended, the
-store must hold the episode (`checks.episode_recorded`; a budget stop fails without retry). `benchmark_instance`
-then finds it recorded and grades it without running anything.
-
-A failed Job fails the task with the grader pod's log tails (its bundle fetch and its grader). A retry skips every
-recorded instance, never relaunches a recorded episode, reads the log of a grader Job that succeeded in the previous
-try instead of grading again, re-attaches to one still running, and replaces one that failed. A kill deletes the
-Job or the episode pod in flight.
+Contract: every instance gets one score, recorded once with the evaluator's version, then `benchmark_trial_record`
+writes the trial's row. On Kubernetes the agent runs in its own episode sandbox pod and the grade comes from a grader
+Job (`benchmark_grader_job`), both deferred to the triggerer and failing with their containers' log tails; a budget
+stop fails without retry. A retry skips every recorded instance, never relaunches a recorded episode, reuses the log
+of a grader Job that already succeeded, re-attaches to one still running and replaces one that failed; a kill
+deletes the Job or episode pod in flight. The stages in order: docs/kubernetes.md
+(`mass_ops_airflow.operators.benchmark`).
 """
 
 from __future__ import annotations

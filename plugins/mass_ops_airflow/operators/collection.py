@@ -1,24 +1,13 @@
 """One task's teacher collection as one task instance: its candidates' episodes, then the `collect_task` stage.
 
-Airflow 3 cannot map a task inside a mapped task group, so in the pipelined cycle DAG the unit of repair for
-collection is one task instance per task: clearing it reruns only the candidates that are not final, because the
-stage (and the pods here) reuse every recorded episode.
-
-- A task that is searched only (not in `tasks.train`) is skipped, and so is a task whose collection decision is
-  "skip" (its retained workflow never beat the reference): `AirflowSkipException` with the reason.
-- Local backend: the stage `collect_task` runs the candidates itself (through the episode pool, within the
-  endpoint's capacity) and raises `CollectionIncompleteError` while some ended in infrastructure failures.
-- Kubernetes backend: one sandbox pod per candidate that is not recorded yet (`mass_ops.compute.kubernetes.
-  episode_pod`, bound to the exact request the stage runs, as `EpisodePodOperator` does), at most
-  `inference.max_concurrent_requests` at once — the endpoint's capacity, which also bounds the local episode
-  pool. The operator polls the pods, fails fast on a pod that cannot start (`kube.pod_problem`), deletes every pod
-  once it ended (and all of them when the task is killed or fails), and fails with the log tails of the failed
-  pods. Then every candidate must be recorded final (the post-check) and the stage runs: it finds them recorded and
-  writes the task's summary. The wait is synchronous (the worker slot is held while the pods run).
-- Budgets: before creating each pod, the task's and the cycle's budgets are checked in the ledger
-  (`EpisodePodOperator.admit`, as for a single episode pod; each pod's spend is charged when its episode is
-  ingested, so later pods see what earlier ones spent). A budget stop creates no further pod, lets the running
-  ones finish, and fails the task without retry (raise the budget, then clear it: nothing finished is redone).
+Contract: clearing the task instance reruns only the candidates that are not final (every recorded episode is
+reused). A task searched only, or whose collection decision is "skip", is skipped with the reason. Local: the stage
+runs the candidates itself and raises `CollectionIncompleteError` while some ended in infrastructure failures.
+Kubernetes: one sandbox pod per unrecorded candidate, at most `inference.max_concurrent_requests` at once, each
+admitted against the task's and the cycle's budgets; every pod is deleted once it ended, failures carry log tails,
+then every candidate must be recorded final before the stage runs. A budget stop creates no further pod and fails
+without retry. Why one task instance per task, and the pod loop: docs/kubernetes.md
+(`mass_ops_airflow.operators.collection`).
 """
 
 from __future__ import annotations

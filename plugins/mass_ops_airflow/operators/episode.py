@@ -1,32 +1,14 @@
 """One episode per task instance: the sandbox pod the run's compute backend gives (`ComputeBackend.episode_pod`, on
 Kubernetes), or nothing to launch when the backend runs episodes in process (local).
 
-On Kubernetes the pod runs `mass-ops episode run …` (see `mass_ops.compute.kubernetes.episode_pod`): non-root, no
-service-account token, CPU/memory limits, the label the sandbox NetworkPolicy selects, and of the Secrets only the
-inference key. Before creating it, the operator (which holds the store credentials) computes the request the stage
-runs for this unit (`mass_ops.stages.units.episode_request`: seed, condition, prompt), stores the prompt as a
-content-addressed artifact and gives the pod the seed and condition, and its publisher the prompt's URI and SHA-256;
-a unit whose prompt is not known yet (a search version not proposed) fails here, before any pod exists. The wait is
-deferred to the triggerer; a retry re-attaches to a pod that is still running; a kill deletes the pod; a failure
-carries the pod's log tail. After the pod exits 0 the metadata store must hold the episode's final attempt (the
-post-check), else the task fails.
-
-Budgets: a pod's proxy reaches no store, so it enforces only the episode's own token budget. Before creating the
-pod the operator asks the ledger (`admit`: `mass_ops.stages.api.admit_episode`) whether the episode's task and the
-cycle have room; when one is exhausted no pod is created, the unit is recorded as a not-started `budget_exhausted`
-attempt, and the task fails without retry with one line naming the budget to raise — as it does when a pod's own
-episode ended `budget_exhausted`, and on the local backend when the stage stops for a budget (a budget stop is not a
-fault: retrying it would only stop again). Raise the budget and clear the task: the unit runs as its next attempt.
-The pod's spend is charged to its task and the cycle when its publisher records the episode, so a budget is overshot
-by at most (pods in flight for it) x `budgets.episode_tokens`.
-
-Status: as it creates the pod, the operator leases the unit's next attempt on the pod (`lease`: the stage function
-`lease_episode_pod`), so `mass-ops status` counts the unit in flight until the pod's publisher records the attempt and
-ends the lease (the collection and benchmark operators do the same for their pods).
-
-On the local backend the stage function that follows (search step, collection, rollout) runs the episode itself,
-so this task only records that there was nothing to launch. `EpisodeStageOperator` joins the two in one task: the
-pod, then the stage function (a search step, a teacher candidate, a rollout) in-process.
+Contract (Kubernetes): the pod is created only for a request known here (prompt stored content-addressed, seed and
+condition passed) and only when the ledger admits it (`admit`); otherwise none is: an unknown prompt fails, a budget
+stop is recorded as a not-started `budget_exhausted` attempt and fails without retry. The unit's next attempt is
+leased on the pod, so `mass-ops status` counts it in flight. The wait is deferred to the triggerer; a retry
+re-attaches, a kill deletes the pod, a failure carries its log tail; after exit 0 the store must hold the episode's
+final attempt. A budget is overshot by at most (pods in flight for it) x `budgets.episode_tokens`.
+`EpisodeStageOperator` runs the pod, then the stage function, in one task. Design: docs/kubernetes.md
+(`mass_ops_airflow.operators.episode`).
 """
 
 from __future__ import annotations
