@@ -271,10 +271,9 @@ def test_the_benchmark_seed_formula_is_written_once():
 
 REPO = PACKAGE.parent
 MAX_MODULE_DOCSTRING_LINES = 15
+
+
 # Modules whose docstring is still longer (design text not yet moved to docs/<topic>.md). Shrink, never grow.
-LONG_DOCSTRINGS_ALLOWED: frozenset[str] = frozenset()
-
-
 def module_docstring_lines(source: str) -> int:
     """Source lines the module docstring spans, its quote lines included; 0 without one."""
     body = ast.parse(source).body
@@ -302,13 +301,8 @@ def test_module_docstring_lines_counts_the_quote_lines():
 
 def test_module_docstrings_state_the_contract_in_at_most_15_lines():
     """A module docstring gives the contract; design text lives in docs/<topic>.md."""
-    over = {path: lines for path, lines in long_module_docstrings().items() if path not in LONG_DOCSTRINGS_ALLOWED}
+    over = long_module_docstrings()
     assert not over, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move design text to docs/): {over}"
-
-
-def test_the_long_docstring_allow_list_names_only_modules_still_over():
-    stale = sorted(LONG_DOCSTRINGS_ALLOWED - set(long_module_docstrings()))
-    assert not stale, f"now within {MAX_MODULE_DOCSTRING_LINES} lines: remove from LONG_DOCSTRINGS_ALLOWED: {stale}"
 
 
 MAX_MODULE_LINES = 900
