@@ -71,7 +71,9 @@ def test_what_the_publisher_writes_to_the_folder_carries_no_credential(tmp_path:
     assert "pg-pass-9f3" not in scrubbed and scrubbed.startswith("could not connect to [REDACTED] as [REDACTED]")
 
 
-def test_a_failed_upload_is_acknowledged_as_an_error_and_no_row_is_written(tmp_path: Path) -> None:
+def _publish_to_a_full_disk(tmp_path: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """One attempt published through a store whose disk is full for the stream file: (ctx, sandbox, publisher,
+    the publisher's result)."""
     import dataclasses
 
     from mass_ops.store.artifacts import ArtifactError
@@ -92,6 +94,11 @@ def test_a_failed_upload_is_acknowledged_as_an_error_and_no_row_is_written(tmp_p
     finished_publication(sandbox.attempt(1), 1)
     sandbox.complete()
     thread.join(timeout=60)
+    return ctx, sandbox, publisher, result
+
+
+def test_a_failed_upload_is_acknowledged_as_an_error_and_no_row_is_written(tmp_path: Path) -> None:
+    ctx, sandbox, publisher, result = _publish_to_a_full_disk(tmp_path)
     assert result == {"code": 1} and publisher.failures == 1
     unit = EpisodeUnit(ctx.cycle_name, TASK, "reference", SEED)
     ack = sandbox.handoff.read(sandbox.handoff.ack_path(unit.slug, 1), hand.Ack)
@@ -239,26 +246,7 @@ def test_a_pods_spend_is_charged_once_when_its_attempt_is_recorded(tmp_path: Pat
 
 
 def test_an_ingest_that_failed_before_the_row_charges_when_it_is_retried(tmp_path: Path) -> None:
-    from mass_ops.store.artifacts import ArtifactError
-    from mass_ops.store.local_artifacts import LocalArtifactStore
-
-    class FullDisk(LocalArtifactStore):
-        def _publish(self, key: str, staged: Path, sha256: str, size: int) -> Any:
-            if key.endswith("stream.jsonl"):
-                raise ArtifactError(f"cannot store {key}: no space left on device")
-            return super()._publish(key, staged, sha256, size)
-
-    import dataclasses
-
-    ctx = open_episode_cycle(tmp_path, "http://127.0.0.1:9/v1", artifact_url=str(tmp_path / "artifacts"))
-    broken = dataclasses.replace(ctx, artifacts=FullDisk(str(tmp_path / "artifacts")))
-    sandbox = ScriptedSandbox(tmp_path / "handoff", ctx.config, "the prompt")
-    publisher = hand.HandoffPublisher(ctx.config, tmp_path / "handoff", attach=lambda _config: broken)
-    thread, result = serve_in_thread(publisher)
-    sandbox.announce()
-    finished_publication(sandbox.attempt(1), 1)
-    sandbox.complete()
-    thread.join(timeout=60)
+    ctx, _sandbox, publisher, result = _publish_to_a_full_disk(tmp_path)
     assert result == {"code": 1} and spend(ctx) == {}, "no row, no charge"
     announced = hand.HandoffUnit(
         task_id=TASK, kind="reference", seed=SEED, condition=f"t{TASK}_bare",
