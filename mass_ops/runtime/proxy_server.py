@@ -349,6 +349,11 @@ class LoggingProxy:
         exchange.request_body, exchange.usage_added = prepared.body, prepared.usage_added
         exchange.request_bytes = len(prepared.body)
         if budget is not None and prepared.need is not None:
+            # The session's earlier requests count as their whole need until their records settle them to what they
+            # used; an agent sends its next request as soon as it has read an answer, often before that record is
+            # written. Settle them first, so that whether this request fits does not depend on a race.
+            if session.last_record is not None and not session.last_record.done():
+                await asyncio.wait([session.last_record])
             # The shared ledger is a database read: off the loop that relays every other stream.
             admit = budget.admit
             refused = await asyncio.to_thread(admit, prepared.need) if budget.uses_store else admit(prepared.need)

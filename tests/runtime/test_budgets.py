@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +181,52 @@ def test_cached_prompt_tokens_reach_the_proxy_record_and_the_usage_totals(tmp_pa
     assert [r["cached_prompt_tokens"] for r in records] == [96, 96]
     totals = UsageTotals.from_records(records)
     assert (totals.prompt_tokens, totals.cached_prompt_tokens) == (240, 192)
+
+
+# --- what the earlier requests used, not what they might have --------------------------------------------------
+
+
+def test_the_next_request_is_admitted_on_what_the_last_one_used_however_slowly_its_record_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent sends its next request as soon as it reads an answer; the answer's record (which settles the held
+    need to the tokens used) is written off the loop, here slowly. The second request fits only on what the first
+    used (128 tokens), not on the need the first held (its 1,000-token cap): it must be admitted, every time."""
+    import aiohttp
+
+    from mass_ops.runtime import proxy_server
+    from mass_ops.runtime.generation_request import prepare_generation
+    from mass_ops.runtime.proxy_access import CHAT_ROUTE
+
+    real_append = proxy_server.append_record
+
+    def slow_append(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)  # in the recording thread: the answer has long reached the agent
+        return real_append(*args, **kwargs)
+
+    monkeypatch.setattr(proxy_server, "append_record", slow_append)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}
+    need = prepare_generation(CHAT_ROUTE, json.dumps(body).encode(), default_max_tokens=16, priority=None).need
+    assert need is not None and need > 1000
+
+    async def scenario() -> tuple[list[int], EpisodeBudget]:
+        upstream = await _cached_upstream()  # answers every request with 128 tokens of usage
+        budget = EpisodeBudget(episode_tokens=need + 500, default_max_tokens=16)
+        try:
+            async with (
+                LoggingProxy(f"http://127.0.0.1:{upstream.addresses[0][1]}", tmp_path / "api.jsonl", budget=budget)
+                as proxy,
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client,
+            ):
+                statuses = []
+                for _ in range(2):
+                    async with client.post(f"{proxy.url}/v1/chat/completions", json=body) as response:
+                        await response.read()
+                        statuses.append(response.status)
+        finally:
+            await upstream.cleanup()
+        return statuses, budget
+
+    statuses, budget = asyncio.run(scenario())
+    assert statuses == [200, 200], "the second request was judged on the first one's cap, not on what it used"
+    assert budget.spent == 2 * 128 and budget.in_flight == 0
