@@ -265,7 +265,10 @@ def _migrate(direction: Literal["upgrade", "downgrade"], revision: str, target: 
     step = upgrade if direction == "upgrade" else downgrade
     try:
         step(target, revision)
-        console.print(f"{mask_url(target)} at revision {current(target)}", markup=False)
+        # soft_wrap: a long URL is one line for the terminal to fold, never cut by a newline inside it (copy-paste)
+        console.print(
+            f"{mask_url(target)} at revision {current(target)}", markup=False, highlight=False, soft_wrap=True
+        )
     except HANDLED as exc:
         raise failure(f"db {direction}", exc, resume_hint="fix the store and run it again") from None
 
@@ -402,7 +405,12 @@ def tasks_import(
         cat = import_task_dir(src, target)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    console.print(f"imported {len(cat)} tasks into {target}; use --set tasks.catalogue={target}", markup=False)
+    console.print(
+        f"imported {len(cat)} tasks into {target}; use --set tasks.catalogue={target}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 TasksOption = Annotated[list[int] | None, typer.Option("--tasks", help="Subset of task ids (repeatable).")]
