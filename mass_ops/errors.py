@@ -41,3 +41,10 @@ def exit_code_for(exc: BaseException) -> int | None:
     if isinstance(exc, MassOpsError):
         return exc.exit_code
     return None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of `exc`'s message (its type name when the message is empty): what a one-line
+    report or a record shows of an error whose text may run over many lines."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from mass_ops.config.cycle import CycleConfig
 from mass_ops.config.section import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, ConfigError, validation_problems
+from mass_ops.errors import first_line
 
 PRESETS_DIR = Path(__file__).parent.parent / "presets"
 PRESET_NAMES = ("paper", "cycle2", "demo")
@@ -107,11 +108,6 @@ def parse_config_text(text: str, kind: Literal["yaml", "json"]) -> Any:
         raise _RefusedInput(f"nested deeper than {MAX_CONFIG_DEPTH} levels") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _short(text: str, limit: int = 80) -> str:
     """`repr` of user text cut to `limit` characters, so an error about a huge value stays a short line."""
     shown = repr(text)
@@ -147,7 +143,7 @@ def read_config_source(source: str | Path) -> dict[str, Any]:
         raise ConfigError([f"config: {path}: {exc}"]) from None
     except (ValueError, yaml.YAMLError) as exc:
         label = path.suffix.lstrip(".") or "YAML"
-        raise ConfigError([f"config: {path}: not valid {label}: {_first_line(exc)}"]) from None
+        raise ConfigError([f"config: {path}: not valid {label}: {first_line(exc)}"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"config: {path}: the top level must be a mapping"])
     _check_depth(data, str(path))
@@ -178,7 +174,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             problems.append(f"--set {_short(item)}: {exc}")
             continue
         except ValueError as exc:
-            problems.append(f"--set {_short(item)}: {_first_line(exc)}")
+            problems.append(f"--set {_short(item)}: {first_line(exc)}")
             continue
         except yaml.YAMLError:
             value = raw

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from mass_ops.compute.backend import backend_for
 from mass_ops.config import CycleConfig
+from mass_ops.errors import first_line
 from mass_ops.store.repository import MetadataRepository
 from mass_ops.store.schema import LEASE_LAPSE_S, EpisodeLease
 
@@ -92,8 +93,10 @@ def lease_episode_pod(config: CycleConfig, episode: Any, pod: str) -> dict[str, 
         attempt = max((row.attempt for row in attempts), default=0) + 1
         lease = repo.start_episode_lease(cycle.id, attempt=attempt, host=pod, **identity)
     except sa.exc.SQLAlchemyError as exc:
-        logger.warning("episode %s: could not lease it on pod %s (status will not show it running): %s",
-                       episode.slug, pod, (str(exc).splitlines() or [""])[0])  # fmt: skip
+        why = first_line(exc)
+        logger.warning(
+            "episode %s: could not lease it on pod %s (status will not show it running): %s", episode.slug, pod, why
+        )
         return None
     finally:
         repo.store.dispose()
@@ -121,7 +124,7 @@ def end_episode_pod_lease(config: CycleConfig, episode: Any) -> bool:
             generation=episode.generation,
         )
     except sa.exc.SQLAlchemyError as exc:
-        logger.warning("episode %s: could not end its lease: %s", episode.slug, (str(exc).splitlines() or [""])[0])
+        logger.warning("episode %s: could not end its lease: %s", episode.slug, first_line(exc))
         return False
     finally:
         repo.store.dispose()

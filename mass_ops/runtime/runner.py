@@ -41,6 +41,7 @@ from mass_ops.compute.sandbox import (
 )
 from mass_ops.context import CycleContext
 from mass_ops.critical_path import episode_server_priority
+from mass_ops.errors import first_line
 from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.agent_environment import (
     LOCAL_HOSTS,
@@ -372,7 +373,7 @@ class EpisodeRunner:
             else:
                 self.ctx.repo.end_episode_lease(self.ctx.cycle_id, attempt=unit.attempt, **identity)
         except SQLAlchemyError as exc:
-            logger.warning("episode %s: could not %s its lease: %s", unit.key, action, _first_line(exc))
+            logger.warning("episode %s: could not %s its lease: %s", unit.key, action, first_line(exc))
 
     async def _attempt(
         self,
@@ -501,7 +502,3 @@ class EpisodeRunner:
             qwen_code_version=self.install.version,
             execution_mode=self.execution_mode,
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]

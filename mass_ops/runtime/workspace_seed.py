@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mass_ops.errors import InputError
+from mass_ops.errors import InputError, first_line
 from mass_ops.runtime.attempt_folder import remove_tree
 from mass_ops.runtime.episode import SEED_MAX_BYTES, SEED_MAX_ENTRIES, WorkspaceSeed
 from mass_ops.store.artifacts import (
@@ -43,7 +43,7 @@ def fetch_workspace_seed(store: Any, seed: WorkspaceSeed, dest: Path) -> None:
     except ArtifactNotFoundError:
         raise WorkspaceSeedError(f"workspace seed {seed.uri} does not exist") from None
     except ArtifactError as exc:
-        raise WorkspaceSeedError(f"workspace seed {seed.uri}: {_first_line(exc)}") from None
+        raise WorkspaceSeedError(f"workspace seed {seed.uri}: {first_line(exc)}") from None
 
 
 def extract_workspace_seed(
@@ -72,7 +72,7 @@ def extract_workspace_seed(
         try:
             entries = extract_tarball(archive, scratch, uri=where, limits=limits)
         except ArtifactFormatError as exc:  # UnsafeArchiveError too: a member that could leave the folder
-            raise WorkspaceSeedError(_first_line(exc)) from None
+            raise WorkspaceSeedError(first_line(exc)) from None
         for entry in sorted(scratch.iterdir()):
             os.rename(entry, workspace / entry.name)
     except BaseException:
@@ -86,7 +86,3 @@ def extract_workspace_seed(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return entries
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0]

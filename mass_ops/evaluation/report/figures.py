@@ -31,15 +31,25 @@ def _empty(ax: Any, message: str) -> None:
     ax.set_axis_off()
 
 
+def _single_axes(width: float, height: float, has_data: bool, nothing: str) -> tuple[Any, Any | None]:
+    """A figure of one panel and that panel to draw on; without data the panel shows `nothing` and is None here,
+    so the caller returns the figure as it is."""
+    figure = _new_figure(width, height)
+    ax = figure.subplots()
+    if not has_data:
+        _empty(ax, nothing)
+        return figure, None
+    return figure, ax
+
+
 def _scoreboard_figure(data: ReportData) -> Any:
     from matplotlib.patches import Rectangle
 
     boards = data.scoreboard
     versions = sorted({v for b in boards for v in b.results} | {v for b in boards for v in range(b.planned)})
-    figure = _new_figure(max(6.0, 1.2 + 0.55 * len(versions)), max(2.4, 0.9 + 0.45 * len(boards)))
-    ax = figure.subplots()
-    if not boards:
-        _empty(ax, "No RHI search recorded")
+    width, height = max(6.0, 1.2 + 0.55 * len(versions)), max(2.4, 0.9 + 0.45 * len(boards))
+    figure, ax = _single_axes(width, height, bool(boards), "No RHI search recorded")
+    if ax is None:
         return figure
     for row, board in enumerate(boards):
         for column, version in enumerate(versions):
@@ -64,10 +74,8 @@ def _scoreboard_figure(data: ReportData) -> Any:
 
 def _coverage_figure(data: ReportData) -> Any:
     boards = data.scoreboard
-    figure = _new_figure(max(6.0, 1.0 + 0.9 * len(boards)), 3.6)
-    ax = figure.subplots()
-    if not boards:
-        _empty(ax, "No RHI search recorded")
+    figure, ax = _single_axes(max(6.0, 1.0 + 0.9 * len(boards)), 3.6, bool(boards), "No RHI search recorded")
+    if ax is None:
         return figure
     x = list(range(len(boards)))
     series = (
@@ -98,10 +106,9 @@ NO_DECISIVE_PAIR = "no decisive judgment yet (all ties or invalid): no win rate"
 
 def _win_rate_figure(data: ReportData) -> Any:
     evaluations = data.evaluations
-    figure = _new_figure(max(6.0, 1.5 + 1.4 * len(evaluations)), 3.8)
-    ax = figure.subplots()
-    if not evaluations:
-        _empty(ax, "No pairwise evaluation recorded")
+    width = max(6.0, 1.5 + 1.4 * len(evaluations))
+    figure, ax = _single_axes(width, 3.8, bool(evaluations), "No pairwise evaluation recorded")
+    if ax is None:
         return figure
     groups: list[tuple[str, Callable[[PairwiseEvaluation], WinRate | None], str, float]] = [
         ("overall", lambda e: e.summary.overall, "#222222", 0.0),
@@ -139,10 +146,9 @@ def _win_rate_figure(data: ReportData) -> Any:
 def _agreement_figure(data: ReportData) -> Any:
     # Agreement over pairs neither judge called decisively is no evidence (ties and invalid verdicts agree trivially).
     points = [(e, a) for e in data.evaluations for a in e.agreement.values() if a.decisive_pairs]
-    figure = _new_figure(max(6.0, 1.5 + 1.4 * len(points)), 3.6)
-    ax = figure.subplots()
-    if not points:
-        _empty(ax, "No self-judge verdicts on evaluation pairs recorded")
+    width = max(6.0, 1.5 + 1.4 * len(points))
+    figure, ax = _single_axes(width, 3.6, bool(points), "No self-judge verdicts on evaluation pairs recorded")
+    if ax is None:
         return figure
     x = list(range(len(points)))
     raw = [a.rate or 0.0 for _, a in points]
@@ -162,11 +168,9 @@ def _agreement_figure(data: ReportData) -> Any:
 
 
 def _loss_figure(data: ReportData) -> Any:
-    figure = _new_figure(7.0, 3.8)
-    ax = figure.subplots()
     curves = [c for c in data.curves if c.train or c.val]
-    if not curves:
-        _empty(ax, "No training run recorded")
+    figure, ax = _single_axes(7.0, 3.8, bool(curves), "No training run recorded")
+    if ax is None:
         return figure
     for curve in curves:
         if curve.train:
@@ -250,10 +254,8 @@ def _throughput_figure(data: ReportData) -> Any:
 
 def _tokens_figure(data: ReportData) -> Any:
     stages = [s for s in data.stages if s.prompt_tokens or s.completion_tokens]
-    figure = _new_figure(7.0, 3.8)
-    ax = figure.subplots()
-    if not stages:
-        _empty(ax, "No token accounting recorded")
+    figure, ax = _single_axes(7.0, 3.8, bool(stages), "No token accounting recorded")
+    if ax is None:
         return figure
     x = list(range(len(stages)))
     prompt = [s.prompt_tokens for s in stages]

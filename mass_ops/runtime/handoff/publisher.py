@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from mass_ops.compute.kubernetes import EpisodeServer
 from mass_ops.config import CycleConfig
 from mass_ops.context import CycleContext
+from mass_ops.errors import first_line
 from mass_ops.layout import EPISODE_FILES, EpisodeUnit
 from mass_ops.runtime.episode import EpisodeOutcome, EpisodeRequest, WorkspaceSeed
 from mass_ops.runtime.handoff.delivery import PromptDelivery, deliver_prompt, deliver_seed
@@ -153,7 +154,7 @@ class HandoffPublisher:
             handoff.write(handoff.path(PUBLISHER_FAILED_FILE), PublisherFailure(error=self.scrubbed(str(exc))))
             raise
         except BaseException as exc:
-            message = self.scrubbed((str(exc).splitlines() or [""])[0])
+            message = self.scrubbed(first_line(exc))
             handoff.write(
                 handoff.path(PUBLISHER_FAILED_FILE), PublisherFailure(error=f"{type(exc).__name__}: {message}")
             )
@@ -354,7 +355,7 @@ class HandoffPublisher:
             except Exception as exc:
                 self._end_lease(ctx, unit)  # the attempt has ended, recorded or not
                 self.failures += 1
-                message = self.scrubbed((str(exc).splitlines() or [""])[0])
+                message = self.scrubbed(first_line(exc))
                 error = f"{type(exc).__name__}: {message}"
                 logger.error("episode %s: publishing failed: %s", unit.key, error)
                 self.handoff.write(ack_path, Ack(unit=unit.slug, attempt=attempt, error=error))
@@ -382,7 +383,7 @@ class HandoffPublisher:
         try:
             ctx.repo.end_episode_lease(ctx.cycle_id, attempt=unit.attempt, **unit.identity())
         except Exception as exc:
-            message = self.scrubbed((str(exc).splitlines() or [""])[0])
+            message = self.scrubbed(first_line(exc))
             logger.warning("episode %s: could not end its lease: %s: %s", unit.key, type(exc).__name__, message)
 
     def _publication(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mass_ops.context import CycleContext
+from mass_ops.errors import first_line
 from mass_ops.layout import EpisodeUnit
 from mass_ops.runtime.proxy import usage_cost
 from mass_ops.runtime.runner import EpisodePublication
@@ -60,7 +61,7 @@ def charge_attempt(
             requests=record.requests,
         )
     except Exception as exc:
-        message = scrubbed((str(exc).splitlines() or [""])[0])
+        message = scrubbed(first_line(exc))
         logger.error(
             "episode %s (id %s): could not charge %d tokens to the budget ledger: %s: %s",
             publication.unit.key,
@@ -107,5 +108,5 @@ def charge_unrecorded_session(
             requests=usage.requests,
         )
     except Exception as exc:
-        message = scrubbed((str(exc).splitlines() or [""])[0])
+        message = scrubbed(first_line(exc))
         logger.error("episode %s attempt %d: could not charge its session: %s", slug, attempt, message)
