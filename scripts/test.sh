@@ -14,4 +14,13 @@ if ! .venv/bin/python -c "import psycopg2; psycopg2.connect(host='127.0.0.1', us
 fi
 # Type check before the tests (pyproject's [tool.mypy]: strict, on mass_ops/): a type error fails the command.
 .venv/bin/mypy
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers by default (MASS_TEST_WORKERS; 0 runs in this one process): the whole-cycle tests spend much of
+# their time waiting on servers and schedulers, and the other worker uses that core. A test module stays on one
+# worker (--dist loadfile), so its module fixtures are built once; every worker has its own Airflow home, databases,
+# scratch folders and ports (tests/conftest.py, tests/fixtures/).
+workers="${MASS_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ]; then
+  parallel=(-n "$workers" --dist loadfile)
+fi
+exec .venv/bin/python -m pytest "${parallel[@]}" "$@"

@@ -7,6 +7,7 @@ fixtures live in tests/fixtures/ and are registered here once for every test pac
 from __future__ import annotations
 
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.s3"]
+_SCRATCH_MADE_BY = "MASS_TEST_SCRATCH_MADE_BY"  # the pid of the pytest process that made the episode scratch folder
 
 
 def pytest_configure(config: object) -> None:
@@ -17,3 +18,31 @@ def pytest_configure(config: object) -> None:
 
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.mass_scratch = _private_episode_scratch()  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: object) -> None:
+    """Remove the scratch folder `pytest_configure` made for this process (what episodes left in it)."""
+    import shutil
+
+    scratch = getattr(config, "mass_scratch", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _private_episode_scratch() -> str | None:
+    """Episodes work in `<tmp>/mass-episodes/<cycle>/<unit>` by default, and two cycles of the same name in one
+    folder refuse each other (EpisodeBusyError). Every pytest process (an xdist worker too) gets its own scratch
+    folder, inherited by what it starts (the demo's Airflow, its task processes), so that tests running side by
+    side never share one. Returns the folder made, or None when one was set from outside (kept as it is)."""
+    import os
+    import tempfile
+
+    from mass_ops.runtime.runner import SCRATCH_ENV
+
+    made_by = os.environ.get(_SCRATCH_MADE_BY)  # set: an xdist worker inherited its controller's folder
+    if os.environ.get(SCRATCH_ENV) and made_by in (None, str(os.getpid())):
+        return None
+    os.environ[SCRATCH_ENV] = folder = tempfile.mkdtemp(prefix="mass-episodes-")
+    os.environ[_SCRATCH_MADE_BY] = str(os.getpid())
+    return folder
