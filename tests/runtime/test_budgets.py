@@ -214,8 +214,9 @@ def test_the_next_request_is_admitted_on_what_the_last_one_used_however_slowly_i
         budget = EpisodeBudget(episode_tokens=need + 500, default_max_tokens=16)
         try:
             async with (
-                LoggingProxy(f"http://127.0.0.1:{upstream.addresses[0][1]}", tmp_path / "api.jsonl", budget=budget)
-                as proxy,
+                LoggingProxy(
+                    f"http://127.0.0.1:{upstream.addresses[0][1]}", tmp_path / "api.jsonl", budget=budget
+                ) as proxy,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client,
             ):
                 statuses = []
