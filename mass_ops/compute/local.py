@@ -182,10 +182,11 @@ def wait_ready(
     state: ServerState,
     *,
     timeout_s: float,
-    interval_s: float = 1.0,
+    interval_s: float = 0.25,
     api_key_env: str | None = None,
 ) -> None:
-    """Block until the server is ready (see `mass_ops.compute.readiness`); raise if it dies or times out."""
+    """Block until the server is ready (see `mass_ops.compute.readiness`); raise if it dies or times out. A probe of
+    a server still starting is a refused connection: polling often costs nothing and finds it ready sooner."""
     deadline = time.monotonic() + timeout_s
     problem = "not probed yet"
     while True:
