@@ -77,7 +77,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: _work_unit(item.nodeid) != WHOLE_SYSTEM_GROUP)  # stable: the rest keep their order
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, the suite still runs serially
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under `--dist loadfile`: each module is one work unit (its module fixtures are built once) and the
     whole-system modules are one unit together, handed out first; units go out in collection order."""
