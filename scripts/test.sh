@@ -16,9 +16,8 @@ fi
 .venv/bin/mypy
 # Two pytest workers by default (MASS_TEST_WORKERS; 0 runs in this one process): the whole-cycle tests spend much of
 # their time waiting on servers and schedulers, and the other worker uses that core. A test module stays on one
-# worker, and the modules that run whole cycles or a scheduler run one after the other, first (tests/conftest.py
-# makes them one work unit, handed out first). Every worker has its own Airflow home, databases, scratch folders
-# and ports (tests/conftest.py, tests/fixtures/).
+# worker (--dist loadfile), so its module fixtures are built once; every worker has its own Airflow home, databases,
+# scratch folders and ports (tests/conftest.py, tests/fixtures/).
 workers="${MASS_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" != 0 ]; then

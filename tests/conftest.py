@@ -6,22 +6,7 @@ fixtures live in tests/fixtures/ and are registered here once for every test pac
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.s3"]
-# The modules that run a whole cycle or a real Airflow scheduler: under xdist they form one group, run one after the
-# other on one worker from the start, while the other worker takes the rest; two of them side by side would ask for
-# far more than two cores at once (a trainer's ranks, model servers, Airflow's components).
-WHOLE_SYSTEM_MODULES = (
-    "tests/dags/test_cycle_e2e.py",
-    "tests/deploy/test_browser.py",
-    "tests/dags/test_backfill_scheduler.py",
-    "tests/dags/test_promotion_gate.py",
-    "tests/dags/test_dag_runs.py",
-)
-WHOLE_SYSTEM_GROUP = "whole-system"
 _SCRATCH_MADE_BY = "MASS_TEST_SCRATCH_MADE_BY"  # the pid of the pytest process that made the episode scratch folder
 
 
@@ -61,37 +46,3 @@ def _private_episode_scratch() -> str | None:
     os.environ[SCRATCH_ENV] = folder = tempfile.mkdtemp(prefix="mass-episodes-")
     os.environ[_SCRATCH_MADE_BY] = str(os.getpid())
     return folder
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker (scripts/test.sh): the whole-system modules first. Every worker collects the same order,
-    and the controller hands out work units in it (`pytest_xdist_make_scheduler`)."""
-    import os
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    root = Path(__file__).resolve().parents[1]
-    missing = [module for module in WHOLE_SYSTEM_MODULES if not (root / module).is_file()]
-    if missing:  # a renamed module would silently run beside the others again
-        raise pytest.UsageError(f"tests/conftest.py WHOLE_SYSTEM_MODULES names missing files: {', '.join(missing)}")
-    items.sort(key=lambda item: _work_unit(item.nodeid) != WHOLE_SYSTEM_GROUP)  # stable: the rest keep their order
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under `--dist loadfile`: each module is one work unit (its module fixtures are built once) and the
-    whole-system modules are one unit together, handed out first; units go out in collection order."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class WholeSystemFirst(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _work_unit(nodeid)
-
-    config.option.loadscopereorder = False  # keep the collection order: the whole-system unit first
-    return WholeSystemFirst(config, log)
-
-
-def _work_unit(nodeid: str) -> str:
-    module = nodeid.split("::", 1)[0]
-    return WHOLE_SYSTEM_GROUP if module in WHOLE_SYSTEM_MODULES else module
