@@ -6,6 +6,10 @@ fixtures live in tests/fixtures/ and are registered here once for every test pac
 
 from __future__ import annotations
 
+import pytest
+
+from tests.support.scheduling import heaviest_modules_first
+
 pytest_plugins = ["tests.fixtures.postgres", "tests.fixtures.s3"]
 _SCRATCH_MADE_BY = "MASS_TEST_SCRATCH_MADE_BY"  # the pid of the pytest process that made the episode scratch folder
 
@@ -19,6 +23,12 @@ def pytest_configure(config: object) -> None:
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     config.mass_scratch = _private_episode_scratch()  # type: ignore[attr-defined]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The most expensive modules first (tests/support/scheduling.py): with `--no-loadscope-reorder`, pytest-xdist
+    hands modules out in this order, so no whole-cycle module is left to start at the end."""
+    items[:] = heaviest_modules_first(items)
 
 
 def pytest_unconfigure(config: object) -> None:

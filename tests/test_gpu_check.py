@@ -129,7 +129,7 @@ def test_the_sweep_table_has_a_row_per_cell_and_says_why_one_has_none():
     assert lines[3].startswith("ckpt-off") and lines[3].endswith("trainer exited 1; see x.log")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_the_tiny_sweep_runs_a_packed_cell_on_cpu(tmp_path: Path):
     done = subprocess.run(
         [

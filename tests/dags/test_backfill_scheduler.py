@@ -213,7 +213,7 @@ def _ledger(path: Path) -> tuple[Counter[tuple[str, str]], list[tuple[str, str, 
     return units, calls
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 @pytest.mark.postgres
 @pytest.mark.timeout(READY_TIMEOUT_S + 2 * BACKFILL_TIMEOUT_S + 300)
 def test_backfill_of_failed_nights_reruns_only_their_missing_work(

@@ -31,7 +31,7 @@ from tests.dags.run_repair import clear_failed, finish_run
 from tests.inner_loop_fakes import serve_policy
 from tests.plugins.airflow_env import DAGS_FOLDER
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow(seconds=210), pytest.mark.timeout(1800)]
 
 MODEL = "policy-stand-in"
 JUDGE_KEY_ENV = "MASS_TEST_JUDGE_KEY"

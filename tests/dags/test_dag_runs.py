@@ -32,7 +32,7 @@ def states(run) -> Counter:
     return Counter((ti.task_id, ti.state) for ti in run.get_task_instances())
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_cycle_dag_runs_every_stage_in_order(airflow_db, stages, model_server):
     """Two searched tasks, one of them trained: each task's chain runs on its own; the task searched only skips its
     collection and ranking, and selection still runs."""

@@ -82,7 +82,7 @@ def _respond(ti_id: Any, option: str) -> dict[str, Any]:
     return shown
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_promote_waits_for_the_approval_which_shows_the_evaluation_headline(airflow_db, stages, model_server):
     stages.results.update(
         {

@@ -229,7 +229,7 @@ def total_episodes(text: str) -> int:
     return int(found.group(1).replace(",", ""))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 @pytest.mark.timeout(READY_TIMEOUT_S + 600)
 def test_the_trigger_forms_link_opens_the_estimate_page_which_links_back(
     demo_ui_session: DemoUiSession, chromium: str
@@ -276,7 +276,7 @@ def test_the_trigger_forms_link_opens_the_estimate_page_which_links_back(
         expect(estimate.get_by_role("button", name="Trigger").first).to_be_visible()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=220)
 @pytest.mark.timeout(READY_TIMEOUT_S + RUN_TIMEOUT_S + 600)
 def test_cycle_triggered_from_the_browser_runs_to_success(
     demo_ui_session: DemoUiSession, chromium: str, qwen_code: None
@@ -375,7 +375,7 @@ def running(pid: int) -> bool:
 
 
 # Last in this module: it stops the UI the tests above share.
-@pytest.mark.slow
+@pytest.mark.slow(seconds=7)
 @pytest.mark.timeout(READY_TIMEOUT_S + 300)
 def test_ctrl_c_stops_airflow_and_everything_it_started_sigterm_first(demo_ui_session: DemoUiSession) -> None:
     demo = demo_ui_session.demo

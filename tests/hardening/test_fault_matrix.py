@@ -113,7 +113,7 @@ def test_the_matrix_flags_a_stage_that_records_its_units_again_on_a_rerun(tmp_pa
     assert any(key.startswith("artifact:") for key in damage.duplicated)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)
 def test_killed_and_rerun_stages_lose_and_duplicate_nothing(tmp_path: Path) -> None:
     with open_matrix(tmp_path, seed=13) as matrix:
         lines = [matrix.stage(name, kills=1) for name in ("search", "collect", "rank", "rollout", "evaluate")]

@@ -72,7 +72,7 @@ def fault_runs(
         return {name: future.result(timeout=400) for name, future in futures.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # per case: the cases run together in the module fixture
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fault_is_an_infrastructure_failure_retried_with_evidence_kept(
     case: FaultCase, fault_runs: dict[str, dict[str, Any]]

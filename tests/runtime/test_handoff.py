@@ -306,7 +306,7 @@ def test_handoff_records_what_a_direct_run_records(
     assert sorted(os.listdir(pod["handoff"] / "acks")) == [f"reference-t{TASK}-s{SEED}-a1.json"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=13)
 def test_real_qwen_code_episode_through_the_handoff(
     policy_host: PolicyHost, tmp_path: Path, s3_environment: MotoS3Server, qwen_install: QwenInstall, pod: dict
 ) -> None:

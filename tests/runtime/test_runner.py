@@ -457,7 +457,7 @@ def test_a_running_attempt_is_not_started_twice(
 # --- the real qwen-code ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=12)
 def test_real_qwen_code_episode_end_to_end(policy_host: PolicyHost, tmp_path: Path, qwen_install: QwenInstall) -> None:
     with policy_host.serve(argument_fragments=4, chunk_chars=16) as server:
         ctx = open_episode_cycle(tmp_path, f"{server.base_url}/v1", inference={"backend": "vllm"})

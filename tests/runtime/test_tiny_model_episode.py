@@ -29,7 +29,7 @@ from mass_ops.runtime.pool import EpisodePool
 from mass_ops.runtime.qwen_install import QwenInstall
 from tests.support.runtime import open_episode_cycle, request, runner_environ
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=20)
 
 CONTEXT_TOKENS = 32768
 MAX_TOKENS = 16  # each decoded token costs a pass over qwen-code's ~13 K-token prompt on CPU

@@ -513,7 +513,7 @@ def log_rows(cycle: SeededCycle, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_render_train_select_export_register_on_cpu_with_a_resume_and_idempotent_reruns(
     tmp_path: Path, tiny_parent: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -272,7 +272,7 @@ def _val_rows(run_dir: Path) -> list[dict]:
     return [r for r in _rows(run_dir / "train_log.jsonl") if "val_loss" in r]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_loss_falls_on_a_memorisable_set(runs: dict) -> None:
     losses = [r["loss"] for r in _train_rows(runs["full"])]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
