@@ -27,8 +27,12 @@ def pytest_configure(config: object) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The most expensive modules first (tests/support/scheduling.py): with `--no-loadscope-reorder`, pytest-xdist
-    hands modules out in this order, so no whole-cycle module is left to start at the end."""
-    items[:] = heaviest_modules_first(items)
+    hands modules out in this order, so no whole-cycle module is left to start at the end. A bad `slow(seconds=)`
+    ends the run with its one line, not a traceback."""
+    try:
+        items[:] = heaviest_modules_first(items)
+    except ValueError as exc:
+        pytest.exit(str(exc), returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_unconfigure(config: object) -> None:
