@@ -14,7 +14,17 @@ import pytest
 
 from mass_ops.stages.train import TRAINER_PGID_FILE, _stop_leftover_trainer
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+# A leftover job: says which signal ended it, once its handler is in place (it writes `ready` then).
+LEFTOVER = """
+import pathlib, signal, sys, time
+folder = pathlib.Path(sys.argv[1])
+def stopped(signum, frame):
+    (folder / "signal").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+(folder / "ready").write_text("")
+time.sleep(300)
+"""
 
 
 def gone(pid: int) -> bool:
@@ -64,9 +74,19 @@ def test_the_training_launcher_is_started_to_die_with_the_stage(tmp_path: Path, 
 
 
 def test_a_rerun_stops_the_job_a_killed_run_left_in_its_work_folder(tmp_path: Path):
-    leftover = subprocess.Popen(SLEEPER, start_new_session=True)
+    """SIGTERM first. The job's exit status cannot tell: the stop reaps the group's leader while it waits (a real
+    leftover is not its child), so the test reads which signal the job saw instead."""
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    leftover = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(signals)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (signals / "ready").exists():
+        assert leftover.poll() is None and time.monotonic() < deadline, "the leftover job did not start"
+        time.sleep(0.05)
     (tmp_path / TRAINER_PGID_FILE).write_text(f"{leftover.pid}\n")
     _stop_leftover_trainer(tmp_path)
-    assert leftover.wait(timeout=30) == -signal.SIGTERM
+    assert wait_gone(leftover.pid)
+    assert (signals / "signal").read_text() == signal.SIGTERM.name
+    leftover.wait(timeout=5)  # reaped here unless the stop already did
     assert not (tmp_path / TRAINER_PGID_FILE).exists()
     _stop_leftover_trainer(tmp_path)  # nothing recorded: nothing to do
